@@ -1,0 +1,6 @@
+"""trio_router: an OpenAI-compatible router for vLLM engines on Kubernetes, built on Trio."""
+
+from .config import Config, load_config
+from .errors import ConfigError, RouterError
+
+__all__ = ["Config", "ConfigError", "RouterError", "load_config"]

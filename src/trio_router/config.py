@@ -1,0 +1,256 @@
+"""trio_router's configuration: one TOML file read into a tree of frozen dataclasses.
+
+Unknown keys and values of the wrong type are errors naming the full key path and the file.
+Durations are float seconds. No Trio here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from .errors import ConfigError
+
+T = TypeVar("T")
+
+POLICIES: typing.Final = ("round_robin", "least_loaded", "session", "prefix_aware")
+DISCOVERY_MODES: typing.Final = ("static", "kubernetes")
+
+
+def _positive(where: str, **values: float) -> None:
+    for key, value in values.items():
+        if not value > 0:
+            raise ConfigError(f"{where}.{key} must be > 0, got {value!r}")
+
+
+def parse_bind(bind: str) -> tuple[str, int]:
+    """Split "host:port" (IPv6 hosts in brackets); raises ConfigError naming the value."""
+    host, sep, port = bind.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"server.bind must be HOST:PORT, got {bind!r}")
+    return host.strip("[]"), int(port)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServerConfig:
+    bind: str = "127.0.0.1:8080"
+    drain_s: float = 30.0  # graceful shutdown budget
+    max_body_bytes: int = 33554432  # larger request bodies get 413
+    api_key_env: str = ""  # env var holding the key clients must send as Bearer
+
+    def __post_init__(self) -> None:
+        parse_bind(self.bind)
+        _positive("server", drain_s=self.drain_s, max_body_bytes=self.max_body_bytes)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StaticConfig:
+    urls: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for url in self.urls:
+            if not url.startswith(("http://", "https://")):
+                raise ConfigError(f"discovery.static.urls: {url!r} is not an http(s) URL")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KubernetesConfig:
+    namespace: str = "default"
+    label_selector: str = "app=vllm"
+    port: int = 8000  # engine port on every pod
+    kubeconfig: str = ""  # optional path
+    # Beyond the contract: the watch's tuning knobs (DISCOVERY.md §2).
+    read_timeout_s: float = 75.0  # longest silence tolerated on a watch stream before resuming
+    relist_interval_s: float = 600.0  # safety-net LIST-and-diff period (jittered ±10%)
+    stale_after_s: float = 180.0  # /health turns 503 when the watch made no progress this long
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port <= 65535:
+            raise ConfigError(f"discovery.kubernetes.port must be 1..65535, got {self.port}")
+        if not self.namespace:
+            raise ConfigError("discovery.kubernetes.namespace must not be empty")
+        _positive(
+            "discovery.kubernetes",
+            read_timeout_s=self.read_timeout_s,
+            relist_interval_s=self.relist_interval_s,
+            stale_after_s=self.stale_after_s,
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DiscoveryConfig:
+    mode: str = "kubernetes"
+    static: StaticConfig = field(default_factory=StaticConfig)
+    kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)
+
+    def __post_init__(self) -> None:
+        if self.mode not in DISCOVERY_MODES:
+            raise ConfigError(f"discovery.mode must be one of {list(DISCOVERY_MODES)}, "
+                              f"got {self.mode!r}")
+        if self.mode == "static" and not self.static.urls:
+            raise ConfigError('discovery.mode is "static" but discovery.static.urls is empty')
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProbeConfig:
+    timeout_s: float = 5.0  # hard deadline of one GET /v1/models probe
+    interval_s: float = 10.0  # re-probe period of a routable engine
+    backoff_max_s: float = 30.0  # failing engines are re-probed with backoff up to this
+    # Beyond the contract:
+    failures_to_eject: int = 2  # consecutive failures before a routable engine is ejected
+    max_concurrent: int = 256  # probes in flight at once across all engines
+
+    def __post_init__(self) -> None:
+        _positive("probe", timeout_s=self.timeout_s, interval_s=self.interval_s,
+                  backoff_max_s=self.backoff_max_s, failures_to_eject=self.failures_to_eject,
+                  max_concurrent=self.max_concurrent)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RoutingConfig:
+    policy: str = "round_robin"
+    session_header: str = "x-session-id"
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ConfigError(f"routing.policy must be one of {list(POLICIES)}, "
+                              f"got {self.policy!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProxyConfig:
+    connect_timeout_s: float = 2.0
+    read_timeout_s: float = 600.0  # longest silence tolerated from an engine mid-response
+    retries: int = 2  # other engines tried when one cannot be reached, before any byte is sent
+    api_key_env: str = ""  # env var whose value is sent to engines as Bearer (probes too)
+
+    def __post_init__(self) -> None:
+        _positive("proxy", connect_timeout_s=self.connect_timeout_s,
+                  read_timeout_s=self.read_timeout_s)
+        if self.retries < 0:
+            raise ConfigError(f"proxy.retries must be >= 0, got {self.retries}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StatsConfig:
+    interval_s: float = 5.0  # engine /metrics scrape period; 0 disables scraping
+
+    def __post_init__(self) -> None:
+        if self.interval_s < 0:
+            raise ConfigError(f"stats.interval_s must be >= 0, got {self.interval_s}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Config:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
+    probe: ProbeConfig = field(default_factory=ProbeConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    proxy: ProxyConfig = field(default_factory=ProxyConfig)
+    stats: StatsConfig = field(default_factory=StatsConfig)
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _convert(tp: Any, value: Any, where: str) -> Any:
+    """Check `value` against the annotation `tp`; int is accepted where float is expected."""
+    if is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where} must be a table, got {type(value).__name__}")
+        return _build(typing.cast(type[Any], tp), value, where=where)
+    origin = typing.get_origin(tp)
+    if origin is tuple:
+        (item_type, _ellipsis) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{where} must be an array, got {type(value).__name__}")
+        return tuple(_convert(item_type, v, f"{where}[{i}]") for i, v in enumerate(value))
+    if origin in (typing.Union, types.UnionType):
+        raise TypeError(f"unsupported config annotation {tp}")  # pragma: no cover
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, bool) and tp is not bool:
+        raise ConfigError(f"{where} must be {_type_name(tp)}, got a boolean")
+    if not isinstance(value, tp):
+        raise ConfigError(f"{where} must be {_type_name(tp)}, got {type(value).__name__} "
+                          f"{value!r}")
+    return value
+
+
+def _build(cls: type[T], raw: dict[str, Any], *, where: str) -> T:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in fields(typing.cast(Any, cls))]
+    if unknown := raw.keys() - set(names):
+        prefix = f"{where}." if where else ""
+        raise ConfigError(f"unknown key(s) {sorted(prefix + k for k in unknown)}; "
+                          f"{where or 'the top level'} accepts {sorted(names)}")
+    prefix = f"{where}." if where else ""
+    return cls(**{k: _convert(hints[k], v, prefix + k) for k, v in raw.items()})
+
+
+def parse_config(raw: dict[str, Any], *, source: str = "<config>") -> Config:
+    """Build a Config from parsed TOML; raises ConfigError naming the key path and `source`."""
+    try:
+        return _build(Config, raw, where="")
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+
+
+def load_config(path: str | Path) -> Config:
+    """Read and validate the TOML file at `path`; raises ConfigError naming the file."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config: {exc.strerror or exc}") from exc
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: invalid TOML: {exc}") from exc
+    return parse_config(raw, source=str(path))
+
+
+def config_as_dict(config: Any) -> dict[str, Any]:
+    """The effective config as plain TOML-able values (tuples become lists)."""
+    out: dict[str, Any] = {}
+    for f in fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            out[f.name] = config_as_dict(value)
+        elif isinstance(value, tuple):
+            out[f.name] = list(value)
+        else:
+            out[f.name] = value
+    return out
+
+
+def dump_toml(config: Config) -> str:
+    """Render the effective config as TOML text (the output of `check-config`)."""
+    lines: list[str] = []
+
+    def emit(table: dict[str, Any], path: str) -> None:
+        scalars = {k: v for k, v in table.items() if not isinstance(v, dict)}
+        if scalars:
+            lines.append(f"[{path}]")
+            lines.extend(f"{k} = {_toml_value(v)}" for k, v in scalars.items())
+            lines.append("")
+        for k, v in table.items():
+            if isinstance(v, dict):
+                emit(v, f"{path}.{k}" if path else k)
+
+    emit(config_as_dict(config), "")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return repr(value)

@@ -1,0 +1,247 @@
+"""The routing table: every known engine keyed by pod UID, with its state and models.
+
+Mutated only by synchronous methods on the Trio thread (no locks: there is no `await` inside a
+mutation), read by the request path, and watched through `wait_changed()`.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import trio
+
+NOT_ROUTABLE_PHASES: Final = frozenset({"Failed", "Succeeded", "Unknown"})
+
+
+@dataclass(frozen=True, slots=True)
+class Pod:
+    """What discovery knows of one pod: the fields the readiness rules read (DISCOVERY.md §4)."""
+
+    uid: str
+    name: str
+    ip: str = ""
+    phase: str = "Running"
+    ready: bool = False
+    terminating: bool = False  # metadata.deletionTimestamp is set
+    restart_count: int = 0  # sum over containers; a rise means "probe again"
+
+    def unroutable_reason(self) -> str | None:
+        """Why Kubernetes says this pod must not get traffic, or None when it may."""
+        if self.terminating:
+            return "terminating"
+        if self.phase in NOT_ROUTABLE_PHASES:
+            return f"phase {self.phase}"
+        if not self.ip:
+            return "no pod IP"
+        if not self.ready:
+            return "not Ready"
+        return None
+
+
+class EventType(enum.StrEnum):
+    ADDED = "ADDED"
+    MODIFIED = "MODIFIED"
+    DELETED = "DELETED"
+
+
+@dataclass(frozen=True, slots=True)
+class PodEvent:
+    type: EventType
+    pod: Pod
+
+
+@dataclass(frozen=True, slots=True)
+class Model:
+    """One entry of an engine's /v1/models: a base model or a LoRA adapter (with `parent`)."""
+
+    id: str
+    parent: str | None = None
+    root: str | None = None
+    owned_by: str = "vllm"
+    max_model_len: int | None = None
+    created: int = 0
+
+    def as_openai(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"id": self.id, "object": "model", "created": self.created,
+                               "owned_by": self.owned_by, "root": self.root or self.id,
+                               "parent": self.parent}
+        if self.max_model_len is not None:
+            out["max_model_len"] = self.max_model_len
+        return out
+
+
+class EngineState(enum.StrEnum):
+    PENDING = "pending"  # Kubernetes says no traffic (not Ready, no IP, terminating, failed)
+    PROBING = "probing"  # eligible; waiting for its first successful probe
+    ROUTABLE = "routable"  # eligible and the last probe(s) succeeded
+    UNHEALTHY = "unhealthy"  # eligible but probes fail; re-probed with backoff
+
+
+@dataclass(slots=True, eq=False)
+class Engine:
+    """One engine (a pod, or a static URL). Identity is `uid`; `generation` changes whenever
+    the engine must be probed afresh (new IP, restart, back to Ready), so a probe that started
+    under an older generation never writes its result."""
+
+    uid: str
+    name: str
+    url: str
+    generation: int = 0
+    state: EngineState = EngineState.PROBING
+    reason: str = ""  # why the engine is not routable, for /engines and logs
+    models: tuple[Model, ...] = ()
+    model_ids: frozenset[str] = frozenset()
+    pod: Pod | None = None
+    consecutive_failures: int = 0
+    last_probe_ok: float | None = None  # trio.current_time() of the last successful probe
+    in_flight: int = 0  # requests from this router being served right now
+    stats: dict[str, float] = field(default_factory=dict)  # scraped engine gauges
+
+    @property
+    def routable(self) -> bool:
+        return self.state is EngineState.ROUTABLE
+
+    def describe(self) -> dict[str, Any]:
+        """The engine as shown by GET /engines."""
+        return {
+            "name": self.name,
+            "uid": self.uid,
+            "url": self.url,
+            "models": [m.id for m in self.models],
+            "healthy": self.routable,
+            "state": self.state.value,
+            "reason": self.reason,
+            "generation": self.generation,
+            "consecutive_failures": self.consecutive_failures,
+            "in_flight": self.in_flight,
+            "stats": dict(self.stats),
+        }
+
+
+class RoutingTable:
+    """Engines by UID. Every mutator is synchronous and ends by waking `wait_changed()`."""
+
+    def __init__(self) -> None:
+        self._engines: dict[str, Engine] = {}
+        self._index: dict[str, tuple[Engine, ...]] | None = None
+        self._known_models: set[str] = set()
+        self._changed = trio.Event()
+        self.version = 0  # bumped by every mutation; cheap change detection for caches
+
+    # -- reads ---------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._engines)
+
+    def __iter__(self) -> Iterator[Engine]:
+        return iter(list(self._engines.values()))
+
+    def __contains__(self, uid: object) -> bool:
+        return uid in self._engines
+
+    def get(self, uid: str) -> Engine | None:
+        return self._engines.get(uid)
+
+    def current(self, uid: str, generation: int) -> Engine | None:
+        """The entry for `uid` if it still has `generation`: what a probe checks after an await."""
+        engine = self._engines.get(uid)
+        return engine if engine is not None and engine.generation == generation else None
+
+    def routable(self, model: str) -> Sequence[Engine]:
+        """Routable engines serving `model` (base model or adapter). Hot path: O(1) after the
+        first call following a change."""
+        if self._index is None:
+            self._index = self._build_index()
+        return self._index.get(model, ())
+
+    def routable_engines(self) -> list[Engine]:
+        return [e for e in self._engines.values() if e.routable]
+
+    def is_known_model(self, model: str) -> bool:
+        """True if any engine has ever reported `model` (then "no engine" is a 503, not a 404)."""
+        return model in self._known_models
+
+    def models(self) -> list[Model]:
+        """The union of the models of routable engines, first reporter wins, sorted by id."""
+        seen: dict[str, Model] = {}
+        for engine in self._engines.values():
+            if engine.routable:
+                for m in engine.models:
+                    seen.setdefault(m.id, m)
+        return [seen[k] for k in sorted(seen)]
+
+    async def wait_changed(self) -> None:
+        """Block until the next mutation. Check your condition first, then call this with no
+        checkpoint in between, and nothing is missed."""
+        await self._changed.wait()
+
+    # -- mutations (sync, Trio thread only) -----------------------------------------------
+    def put(self, engine: Engine) -> None:
+        """Insert `engine`, replacing any entry with the same UID."""
+        self._engines[engine.uid] = engine
+        self._touch()
+
+    def remove(self, uid: str) -> Engine | None:
+        engine = self._engines.pop(uid, None)
+        if engine is not None:
+            engine.state = EngineState.PENDING
+            engine.reason = "removed"
+            self._touch()
+        return engine
+
+    def set_pending(self, uid: str, reason: str) -> None:
+        """Take `uid` out of routing because Kubernetes says so (no probing needed)."""
+        engine = self._engines.get(uid)
+        if engine is not None:
+            engine.state, engine.reason = EngineState.PENDING, reason
+            self._touch()
+
+    def mark_routable(self, uid: str, generation: int, models: Sequence[Model], *,
+                      now: float) -> bool:
+        """Record a successful probe; False (and no change) if the entry is gone or newer."""
+        engine = self.current(uid, generation)
+        if engine is None or engine.state is EngineState.PENDING:
+            return False
+        models = tuple(models)
+        changed = engine.state is not EngineState.ROUTABLE or engine.models != models
+        engine.state, engine.reason = EngineState.ROUTABLE, ""
+        engine.consecutive_failures, engine.last_probe_ok = 0, now
+        if changed:
+            engine.models = models
+            engine.model_ids = frozenset(m.id for m in models)
+            self._known_models.update(engine.model_ids)
+            self._touch()
+        return True
+
+    def mark_failed(self, uid: str, generation: int, reason: str, *, eject: bool) -> bool:
+        """Record a failed probe (or a failed connect from the proxy). With `eject`, the engine
+        leaves routing now; otherwise only its failure count grows. False if the entry is gone
+        or newer."""
+        engine = self.current(uid, generation)
+        if engine is None or engine.state is EngineState.PENDING:
+            return False
+        engine.consecutive_failures += 1
+        engine.reason = reason
+        if eject and engine.state is not EngineState.UNHEALTHY:
+            engine.state = EngineState.UNHEALTHY
+            self._touch()
+        return True
+
+    def _touch(self) -> None:
+        self.version += 1
+        self._index = None
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def _build_index(self) -> dict[str, tuple[Engine, ...]]:
+        by_url: dict[str, Engine] = {}
+        for engine in self._engines.values():  # insertion order: later entries are newer
+            if engine.routable:
+                by_url[engine.url] = engine  # one routable entry per address (§4.1)
+        index: dict[str, list[Engine]] = {}
+        for engine in by_url.values():
+            for model_id in engine.model_ids:
+                index.setdefault(model_id, []).append(engine)
+        return {k: tuple(v) for k, v in index.items()}

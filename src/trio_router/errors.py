@@ -1,0 +1,70 @@
+"""The exception hierarchy of trio_router: every error carries the HTTP status it maps to."""
+
+from __future__ import annotations
+
+
+class RouterError(Exception):
+    """Root of trio_router's errors; `status`, `type` and `code` shape the OpenAI-style reply."""
+
+    status: int = 500
+    type: str = "server_error"
+    code: str = "internal_error"
+
+
+class ConfigError(RouterError):
+    """A configuration file or value is invalid; the message names the key and the file."""
+
+    code = "invalid_config"
+
+
+class BadRequestError(RouterError):
+    status = 400
+    type = "invalid_request_error"
+    code = "bad_request"
+
+
+class AuthError(RouterError):
+    status = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class UnknownModelError(RouterError):
+    status = 404
+    type = "invalid_request_error"
+    code = "model_not_found"
+
+
+class BodyTooLargeError(RouterError):
+    status = 413
+    type = "invalid_request_error"
+    code = "body_too_large"
+
+
+class NoEngineError(RouterError):
+    """The model is known but no engine serving it is routable right now."""
+
+    status = 503
+    type = "server_error"
+    code = "no_routable_engine"
+
+
+class UpstreamError(RouterError):
+    """The chosen engine(s) could not be reached."""
+
+    status = 502
+    type = "server_error"
+    code = "engine_unreachable"
+
+
+class UpstreamTimeoutError(RouterError):
+    status = 504
+    type = "server_error"
+    code = "engine_timeout"
+
+
+class DiscoveryError(RouterError):
+    """The Kubernetes API could not be used (bad credentials, unreachable, bad answers)."""
+
+    status = 503
+    code = "discovery_unavailable"
