@@ -7,7 +7,7 @@ mutation), read by the request path, and watched through `wait_changed()`.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -129,6 +129,7 @@ class RoutingTable:
         self._index: dict[str, tuple[Engine, ...]] | None = None
         self._known_models: set[str] = set()
         self._changed = trio.Event()
+        self._remove_listeners: list[Callable[[Engine], None]] = []
         self.version = 0  # bumped by every mutation; cheap change detection for caches
 
     # -- reads ---------------------------------------------------------------------------
@@ -184,12 +185,19 @@ class RoutingTable:
         self._touch()
 
     def remove(self, uid: str) -> Engine | None:
+        """Forget `uid`; remove listeners run synchronously (e.g. a policy drops its state)."""
         engine = self._engines.pop(uid, None)
         if engine is not None:
             engine.state = EngineState.PENDING
             engine.reason = "removed"
             self._touch()
+            for listener in self._remove_listeners:
+                listener(engine)
         return engine
+
+    def add_remove_listener(self, listener: Callable[[Engine], None]) -> None:
+        """Call `listener(engine)` synchronously whenever an engine leaves the table."""
+        self._remove_listeners.append(listener)
 
     def set_pending(self, uid: str, reason: str) -> None:
         """Take `uid` out of routing because Kubernetes says so (no probing needed)."""
