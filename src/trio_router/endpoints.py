@@ -232,9 +232,9 @@ class RoutingTable:
             return False
         engine.consecutive_failures += 1
         engine.reason = reason
-        if eject and engine.state is not EngineState.UNHEALTHY:
+        if eject:
             engine.state = EngineState.UNHEALTHY
-            self._touch()
+        self._touch()
         return True
 
     def _touch(self) -> None:

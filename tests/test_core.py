@@ -1,0 +1,329 @@
+"""The discovery core on virtual time: reconciler + per-engine supervisors + routing table.
+
+Each test is named after the DISCOVERY.md §1 property it proves.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+import trio
+import trio.testing
+
+from core_fakes import FakeEngines, added, deleted, make_pod, modified, open_core
+from trio_router.config import ProbeConfig
+from trio_router.endpoints import EngineState, Model, RoutingTable
+from trio_router.health import ProbeFailed, Prober, parse_models
+
+
+async def test_deleted_is_never_stuck_behind_probes(autojump_clock: trio.testing.MockClock
+                                                    ) -> None:
+    """§1.1: nine engines hang in /v1/models; the tenth is deleted (and, separately, a pod is
+    marked terminating): it leaves routing in the same synchronous step, at the same instant."""
+    engines = FakeEngines(mode={f"127.0.1.{n}": "hang" for n in range(1, 10)})
+    async with open_core(engines) as core:
+        for n in range(1, 11):
+            core.reconciler.apply(added(make_pod(n)))
+        await core.wait_until("routable", "uid-10")
+        assert [e.name for e in core.table.routable("m")] == ["engine-10"]
+
+        before = trio.current_time()
+        core.reconciler.apply(deleted(make_pod(10)))
+        # No await happened: the next request can only see the table as it is now.
+        assert core.table.routable("m") == ()
+        assert core.table.get("uid-10") is None
+        assert trio.current_time() == before
+        assert len(core.supervisors) == 9  # the hanging probes are untouched
+
+        core.reconciler.apply(added(make_pod(11)))
+        await core.wait_until("routable", "uid-11")
+        core.reconciler.apply(modified(make_pod(11, terminating=True)))
+        assert core.table.routable("m") == ()
+
+
+async def test_scale_up_bursts_probe_concurrently(autojump_clock: trio.testing.MockClock
+                                                  ) -> None:
+    """§1.2: 50 pods become Ready within 1 s and every probe takes 2 s: all are routable about
+    2 s after the last one arrived, and events are applied without waiting on probes."""
+    engines = FakeEngines(mode={f"127.0.1.{n}": "slow:2" for n in range(1, 51)})
+    async with open_core(engines) as core:
+        start = trio.current_time()
+        for n in range(1, 51):
+            core.reconciler.apply(added(make_pod(n)))
+            assert trio.current_time() - start < 1.0  # applying never waits for a probe
+            await trio.sleep(0.02)
+        await core.wait_until("routable", *(f"uid-{n}" for n in range(1, 51)))
+        assert len(core.table.routable("m")) == 50
+        assert trio.current_time() - start == pytest.approx(0.98 + 2.0, abs=0.05)
+
+
+async def test_no_resurrection(autojump_clock: trio.testing.MockClock) -> None:
+    """§1.3: a probe that completes just after its pod was deleted (or replaced by a newer
+    generation) does not re-add it."""
+    engines = FakeEngines(mode={"127.0.1.1": "slow:1"})
+    async with open_core(engines) as core:
+        core.reconciler.apply(added(make_pod(1)))
+        await trio.sleep(0.5)  # the probe is in flight
+        core.reconciler.apply(deleted(make_pod(1)))
+        await trio.sleep(5)
+        assert core.table.get("uid-1") is None
+        assert len(core.supervisors) == 0
+
+    # The guard itself: a result from an older generation is refused by the table.
+    table = RoutingTable()
+    async with open_core() as core:
+        table = core.table
+        core.reconciler.apply(added(make_pod(2)))
+        await core.wait_until("routable", "uid-2")
+        core.reconciler.apply(modified(make_pod(2, ready=False)))
+        core.reconciler.apply(modified(make_pod(2)))  # back to Ready: a new generation
+        engine = table.get("uid-2")
+        assert engine is not None and engine.generation == 1
+        assert not table.mark_routable("uid-2", 0, [Model("m")], now=0.0)
+        assert not table.mark_routable("uid-gone", 0, [Model("m")], now=0.0)
+        assert engine.state is EngineState.PROBING
+
+
+async def test_terminating_means_gone_for_routing(autojump_clock: trio.testing.MockClock
+                                                  ) -> None:
+    """§1.4: deletionTimestamp set -> out of routing at once, probes stop; requests already in
+    flight to it are not touched by discovery."""
+    async with open_core() as core:
+        core.reconciler.apply(added(make_pod(1)))
+        core.reconciler.apply(added(make_pod(2)))
+        await core.wait_until("routable", "uid-1", "uid-2")
+        engine = core.table.get("uid-1")
+        assert engine is not None
+        engine.in_flight = 3  # as the request path would have it
+        core.reconciler.apply(modified(make_pod(1, terminating=True)))
+        assert [e.uid for e in core.table.routable("m")] == ["uid-2"]
+        assert engine.state is EngineState.PENDING and engine.reason == "terminating"
+        assert engine.in_flight == 3
+        probes = core.engines.probes["127.0.1.1"]
+        await trio.sleep(60)
+        assert core.engines.probes["127.0.1.1"] == probes  # no probing a terminating pod
+
+
+@pytest.mark.parametrize(("change", "reason"), [
+    ({"phase": "Failed"}, "phase Failed"),
+    ({"phase": "Succeeded"}, "phase Succeeded"),
+    ({"phase": "Unknown"}, "phase Unknown"),
+    ({"ip": ""}, "no pod IP"),
+])
+async def test_evicted_pods(autojump_clock: trio.testing.MockClock,
+                            change: dict[str, str], reason: str) -> None:
+    """§1.5: an empty podIP or phase Failed/Succeeded removes the pod even with Ready True."""
+    async with open_core() as core:
+        core.reconciler.apply(added(make_pod(1)))
+        await core.wait_until("routable", "uid-1")
+        core.reconciler.apply(modified(make_pod(1, ready=True, **change)))  # type: ignore[arg-type]
+        assert core.table.routable("m") == ()
+        engine = core.table.get("uid-1")
+        assert engine is not None and engine.reason == reason
+
+
+async def test_pods_without_an_ip(autojump_clock: trio.testing.MockClock) -> None:
+    """§1.6: a pod with no IP is tolerated; it becomes routable only after Ready + a probe."""
+    engines = FakeEngines(mode={"127.0.1.1": "slow:1"})
+    async with open_core(engines) as core:
+        core.reconciler.apply(added(make_pod(1, ready=False, ip="", phase="Pending")))
+        engine = core.table.get("uid-1")
+        assert engine is not None and engine.state is EngineState.PENDING
+        assert engine.describe()["url"] == ""
+        core.reconciler.apply(modified(make_pod(1, ready=False)))  # IP assigned, not Ready yet
+        await trio.sleep(30)
+        assert core.engines.probes["127.0.1.1"] == 0  # not Ready: no probing needed
+        core.reconciler.apply(modified(make_pod(1)))
+        assert engine.describe()["state"] == "probing" and core.table.routable("m") == ()
+        start = trio.current_time()
+        await core.wait_until("routable", "uid-1")
+        assert trio.current_time() - start == pytest.approx(1.0)
+
+
+async def test_one_probe_failure_then_recovery(autojump_clock: trio.testing.MockClock) -> None:
+    """§1.16: after a failure and then recovery, with no Kubernetes event, the engine is
+    routable again within interval_s + timeout_s; and no pod is ever dropped for good."""
+    probe = ProbeConfig(timeout_s=5.0, interval_s=10.0, backoff_max_s=30.0)
+    engines = FakeEngines()
+    async with open_core(engines, probe=probe) as core:
+        core.reconciler.apply(added(make_pod(1)))
+        await core.wait_until("routable", "uid-1")
+        engines.mode["127.0.1.1"] = "refuse"
+        await core.wait_until("unroutable", "uid-1")
+        engines.mode["127.0.1.1"] = "ok"
+        recovered = trio.current_time()
+        await core.wait_until("routable", "uid-1")
+        assert trio.current_time() - recovered <= probe.interval_s + probe.timeout_s
+
+        # A long outage: still probed (with capped backoff), and back once it answers.
+        engines.mode["127.0.1.1"] = "hang"
+        await core.wait_until("unroutable", "uid-1")
+        await trio.sleep(3600)
+        count = engines.probes["127.0.1.1"]
+        await trio.sleep(600)
+        # capped backoff: at least one probe per (backoff_max_s * 1.1 + timeout_s)
+        assert engines.probes["127.0.1.1"] - count >= 600 // (30 * 1.1 + 5)
+        engines.mode["127.0.1.1"] = "ok"
+        recovered = trio.current_time()
+        await core.wait_until("routable", "uid-1")
+        assert trio.current_time() - recovered <= probe.backoff_max_s * 1.1 + probe.timeout_s
+
+
+async def test_single_probe_failure_does_not_eject(autojump_clock: trio.testing.MockClock
+                                                   ) -> None:
+    """A routable engine that fails one probe (not a refused connection) stays routable until
+    `failures_to_eject` consecutive failures."""
+    engines = FakeEngines()
+    async with open_core(engines, probe=ProbeConfig(failures_to_eject=2)) as core:
+        core.reconciler.apply(added(make_pod(1)))
+        await core.wait_until("routable", "uid-1")
+        engines.mode["127.0.1.1"] = "500"
+        count = engines.probes["127.0.1.1"]
+        while engines.probes["127.0.1.1"] == count:
+            await core.table.wait_changed()
+        engine = core.table.get("uid-1")
+        assert engine is not None and engine.routable and engine.consecutive_failures == 1
+        await core.wait_until("unroutable", "uid-1")
+        assert engine.consecutive_failures == 2
+        assert engine.reason == "GET /v1/models answered 500"
+
+
+@pytest.mark.parametrize("mode", ["hang", "drip"])
+async def test_hung_or_slow_drip_probes(autojump_clock: trio.testing.MockClock,
+                                        mode: str) -> None:
+    """§1.17: a hung or slow-drip probe is abandoned at timeout_s of wall time (a deadline, not
+    a per-read timeout), affects no other engine, and uses no thread."""
+    threads = threading.active_count()
+    engines = FakeEngines(mode={"127.0.1.1": mode})
+    async with httpx.AsyncClient(transport=httpx.MockTransport(engines.handler)) as client:
+        prober = Prober(client, timeout=5.0)
+        start = trio.current_time()
+        with pytest.raises(ProbeFailed, match="no answer within 5 s"):
+            await prober.probe("http://127.0.1.1:8000")
+        assert trio.current_time() - start == pytest.approx(5.0)
+
+    async with open_core(engines) as core:
+        core.reconciler.apply(added(make_pod(1)))
+        core.reconciler.apply(added(make_pod(2)))
+        await core.wait_until("routable", "uid-2")
+        await trio.sleep(120)
+        assert [e.uid for e in core.table.routable("m")] == ["uid-2"]
+        assert engines.probes["127.0.1.1"] >= 3  # abandoned and retried, never stuck
+    assert threading.active_count() == threads
+
+
+async def test_unreachable_on_the_wire(autojump_clock: trio.testing.MockClock) -> None:
+    """§1.18 (discovery side): a pod that Kubernetes calls Ready but that refuses connections
+    is ejected by its first failed probe; a failed request reported by the proxy ejects it at
+    once and triggers an immediate re-probe."""
+    engines = FakeEngines(mode={"127.0.1.1": "refuse"})
+    async with open_core(engines) as core:
+        core.reconciler.apply(added(make_pod(1)))
+        core.reconciler.apply(added(make_pod(2)))
+        await core.wait_until("routable", "uid-2")
+        await trio.sleep(1)
+        engine1 = core.table.get("uid-1")
+        assert engine1 is not None and engine1.state is EngineState.UNHEALTHY
+        assert "cannot connect" in engine1.reason
+
+        engine2 = core.table.get("uid-2")
+        assert engine2 is not None
+        count = engines.probes["127.0.1.2"]
+        engines.mode["127.0.1.2"] = "refuse"
+        start = trio.current_time()
+        core.supervisors.report_unreachable(engine2, engine2.generation, "connect refused")
+        assert core.table.routable("m") == ()  # ejected in the same step
+        while engines.probes["127.0.1.2"] == count:
+            await core.table.wait_changed()
+        assert trio.current_time() - start < 0.01  # re-probed now, not at the next interval
+
+
+async def test_container_restart(autojump_clock: trio.testing.MockClock) -> None:
+    """§1.19: out at Ready=False; back after Ready=True plus a probe that refreshes models."""
+    engines = FakeEngines(models={"127.0.1.1": ["base"]})
+    async with open_core(engines) as core:
+        core.reconciler.apply(added(make_pod(1)))
+        await core.wait_until("routable", "uid-1")
+        core.reconciler.apply(modified(make_pod(1, ready=False, restarts=1)))
+        assert core.table.routable("base") == ()
+        engines.models["127.0.1.1"] = ["base", "lora-a"]
+        core.reconciler.apply(modified(make_pod(1, restarts=1)))
+        assert core.table.routable("base") == ()  # not before a fresh probe
+        await core.wait_until("routable", "uid-1")
+        assert [e.uid for e in core.table.routable("lora-a")] == ["uid-1"]
+
+        # A restart seen only as restartCount rising (Ready stayed True) also re-probes.
+        engines.models["127.0.1.1"] = ["base"]
+        core.reconciler.apply(modified(make_pod(1, restarts=2)))
+        assert core.table.routable("base") == ()
+        await core.wait_until("routable", "uid-1")
+        assert core.table.routable("lora-a") == ()
+
+
+async def test_unchanged_modified_triggers_no_probe(autojump_clock: trio.testing.MockClock
+                                                    ) -> None:
+    """§1.7 (core side): a MODIFIED or a relist that changes nothing routing depends on keeps the
+    engine routable and starts no probe."""
+    async with open_core() as core:
+        core.reconciler.apply(added(make_pod(1)))
+        await core.wait_until("routable", "uid-1")
+        count = core.engines.probes["127.0.1.1"]
+        version = core.table.version
+        core.reconciler.apply(modified(make_pod(1)))
+        core.reconciler.replace([make_pod(1)])
+        await trio.sleep(1)
+        assert core.engines.probes["127.0.1.1"] == count
+        assert core.table.version == version
+
+
+async def test_relist_reconciles_by_difference(autojump_clock: trio.testing.MockClock) -> None:
+    """§1.8/§1.9 (core side): pods missing from a new LIST are removed, new ones probed and
+    added, unchanged ones never leave the table; a name whose UID changed is a delete + add."""
+    async with open_core() as core:
+        for n in (1, 2, 3):
+            core.reconciler.apply(added(make_pod(n)))
+        await core.wait_until("routable", "uid-1", "uid-2", "uid-3")
+        replacement = make_pod(4, ip="127.0.1.3")
+        replacement = type(replacement)(uid="uid-3b", name="engine-3", ip="127.0.1.3",
+                                        ready=True)
+        core.reconciler.replace([make_pod(1), make_pod(5), replacement])
+        assert {e.uid for e in core.table.routable("m")} == {"uid-1"}
+        assert core.table.get("uid-2") is None and core.table.get("uid-3") is None
+        await core.wait_until("routable", "uid-5", "uid-3b")
+        assert {e.uid for e in core.table.routable("m")} == {"uid-1", "uid-5", "uid-3b"}
+
+
+async def test_one_address_routes_to_one_entry(autojump_clock: trio.testing.MockClock) -> None:
+    """§4.1: an IP may map to several UIDs; only one routable entry per address is used."""
+    async with open_core() as core:
+        core.reconciler.apply(added(make_pod(1)))
+        other = type(make_pod(1))(uid="uid-x", name="engine-x", ip="127.0.1.1", ready=True)
+        core.reconciler.apply(added(other))
+        await core.wait_until("routable", "uid-1", "uid-x")
+        assert [e.uid for e in core.table.routable("m")] == ["uid-x"]
+
+
+def test_parse_models_rejects_bad_answers() -> None:
+    with pytest.raises(ProbeFailed, match="no models"):
+        parse_models({"data": []})
+    with pytest.raises(ProbeFailed, match='no "data" list'):
+        parse_models(["m"])
+    with pytest.raises(ProbeFailed, match="without a string id"):
+        parse_models({"data": [{"id": 3}]})
+    models = parse_models({"data": [{"id": "base", "max_model_len": 4096},
+                                    {"id": "lora", "parent": "base", "root": "/a"}]})
+    assert models == [Model("base", max_model_len=4096), Model("lora", parent="base", root="/a")]
+
+
+async def test_static_engines(autojump_clock: trio.testing.MockClock) -> None:
+    """Static discovery: the same supervisors for fixed URLs."""
+    from trio_router.reconcile import add_static_engines
+
+    async with open_core() as core:
+        add_static_engines(core.table, core.supervisors,
+                           ["http://127.0.1.7:8000/", "http://127.0.1.8:8000"])
+        await core.wait_until("routable", "http://127.0.1.7:8000", "http://127.0.1.8:8000")
+        assert sorted(e.name for e in core.table.routable("m")) == ["127.0.1.7:8000",
+                                                                    "127.0.1.8:8000"]
