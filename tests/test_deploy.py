@@ -1,0 +1,456 @@
+"""The deployment artefacts agree with each other and with the code.
+
+config/*.toml load with the real loader; the Kubernetes manifests parse and agree on names,
+labels, namespace, ports, the ConfigMap key and mount path, probe paths and the shutdown
+timeline; the Role grants only reads of pods; the Containerfile copies files that exist and runs
+the console script pyproject.toml declares. Static checks only: no cluster, no container engine.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import shlex
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import pytest
+import yaml
+
+from trio_router.config import Config, config_as_dict, load_config, parse_bind, parse_config
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG_DIR = REPO / "config"
+MANIFEST_DIR = CONFIG_DIR / "kubernetes"
+CONTAINERFILE = REPO / "Containerfile"
+OPERATIONS_DOC = REPO / "docs" / "operations.md"
+
+# Keys of config/router.toml allowed to differ from the built-in defaults, and why.
+ROUTER_TOML_NON_DEFAULTS = {
+    "discovery.kubernetes.namespace": "the example's engines live in namespace llm",
+}
+CLUSTER_BIND = "0.0.0.0:8080"
+EXIT_MARGIN_S = 2.0  # the router exits within server.drain_s + 2 s of SIGTERM
+EXPECTED_KINDS = {
+    "ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Deployment", "Service",
+    "PodDisruptionBudget",
+}
+
+
+# --- helpers ------------------------------------------------------------------------------
+
+
+def flatten(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Dotted key -> value for every leaf of a nested TOML table."""
+    out: dict[str, Any] = {}
+    for key, value in table.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{path}."))
+        else:
+            out[path] = value
+    return out
+
+
+DEFAULTS = flatten(config_as_dict(Config()))
+
+
+def manifests() -> dict[str, dict[str, Any]]:
+    """Every object under config/kubernetes/, by kind; a kind appearing twice is an error."""
+    objects: dict[str, dict[str, Any]] = {}
+    for path in sorted(MANIFEST_DIR.glob("*.y*ml")):
+        for doc in yaml.safe_load_all(path.read_text(encoding="utf-8")):
+            if doc is None:
+                continue
+            assert isinstance(doc, dict), f"{path.name}: not a mapping"
+            kind = doc["kind"]
+            assert kind not in objects, f"{path.name}: a second {kind}"
+            objects[kind] = doc
+    return objects
+
+
+@pytest.fixture(scope="module")
+def objs() -> dict[str, dict[str, Any]]:
+    return manifests()
+
+
+def pod_spec(objs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    spec: dict[str, Any] = objs["Deployment"]["spec"]["template"]["spec"]
+    return spec
+
+
+def router_container(objs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    containers = pod_spec(objs)["containers"]
+    assert len(containers) == 1, "one container per router pod"
+    container: dict[str, Any] = containers[0]
+    return container
+
+
+def cluster_config(objs: dict[str, dict[str, Any]]) -> Config:
+    """The Config the pods run: the ConfigMap's router.toml through the real parser."""
+    text = objs["ConfigMap"]["data"]["router.toml"]
+    return parse_config(tomllib.loads(text), source="ConfigMap router.toml")
+
+
+def config_arg(container: dict[str, Any]) -> str:
+    args: list[str] = container["args"]
+    assert args[0] == "--config" and len(args) == 2, args
+    return args[1]
+
+
+def named_port(container: dict[str, Any], port: int | str) -> int:
+    """Resolve a probe or Service port (number or name) to the container port number."""
+    if isinstance(port, int):
+        return port
+    matches = [p["containerPort"] for p in container["ports"] if p.get("name") == port]
+    assert len(matches) == 1, f"no container port named {port!r}"
+    number: int = matches[0]
+    return number
+
+
+def prestop_sleep_s(container: dict[str, Any]) -> float:
+    """Seconds the preStop hook pauses: `exec: sleep N` or the `sleep` lifecycle action."""
+    pre_stop = container["lifecycle"]["preStop"]
+    if "sleep" in pre_stop:
+        return float(pre_stop["sleep"]["seconds"])
+    command = pre_stop["exec"]["command"]
+    assert len(command) == 2 and command[0] == "sleep", f"preStop is not a plain sleep: {command}"
+    return float(command[1])
+
+
+def selector_matches(selector: str, labels: dict[str, str]) -> bool:
+    """Equality-based label selector semantics ("a=b,c!=d"), as the API server applies them."""
+    for term in filter(None, (t.strip() for t in selector.split(","))):
+        if "!=" in term:
+            key, value = (s.strip() for s in term.split("!=", 1))
+            if labels.get(key) == value:
+                return False
+        elif "=" in term:
+            key, value = (s.strip() for s in term.replace("==", "=").split("=", 1))
+            if labels.get(key) != value:
+                return False
+        else:
+            raise AssertionError(f"set-based selector term {term!r} is not handled here")
+    return True
+
+
+def containerfile_instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs, with line continuations joined and comments dropped."""
+    instructions: list[tuple[str, str]] = []
+    pending = ""
+    for raw in CONTAINERFILE.read_text(encoding="utf-8").splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        keyword, _, rest = (pending + line).partition(" ")
+        instructions.append((keyword.upper(), rest.strip()))
+        pending = ""
+    assert not pending, "Containerfile ends inside a line continuation"
+    return instructions
+
+
+def stages() -> list[list[tuple[str, str]]]:
+    """The Containerfile's build stages, each starting with its FROM."""
+    out: list[list[tuple[str, str]]] = []
+    for keyword, rest in containerfile_instructions():
+        if keyword == "FROM":
+            out.append([])
+        assert out, f"{keyword} before the first FROM"
+        out[-1].append((keyword, rest))
+    return out
+
+
+def exec_form(instructions: list[tuple[str, str]], keyword: str) -> list[str]:
+    """The JSON (exec) form of the last `keyword` instruction."""
+    values = [rest for kw, rest in instructions if kw == keyword]
+    assert values, f"no {keyword} in the Containerfile"
+    parsed = json.loads(values[-1])
+    assert isinstance(parsed, list) and all(isinstance(v, str) for v in parsed), (
+        f"{keyword} must use the exec (JSON) form, got {values[-1]}")
+    return parsed
+
+
+def copy_arguments(rest: str) -> tuple[list[str], list[str], str]:
+    """Split a COPY's arguments into (flags, sources, destination)."""
+    words = json.loads(rest) if rest.startswith("[") else shlex.split(rest)
+    flags = [w for w in words if w.startswith("--")]
+    paths = [w for w in words if not w.startswith("--")]
+    assert len(paths) >= 2, f"COPY needs a source and a destination: {rest}"
+    return flags, paths[:-1], paths[-1]
+
+
+def pyproject() -> dict[str, Any]:
+    return tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
+
+
+def toml_files() -> Iterator[Path]:
+    return iter(sorted(CONFIG_DIR.rglob("*.toml")))
+
+
+# --- TOML ---------------------------------------------------------------------------------
+
+
+def test_config_directory_has_the_documented_examples() -> None:
+    names = {p.name for p in toml_files()}
+    assert {"router.toml", "demo.toml", "static.toml"} <= names
+
+
+@pytest.mark.parametrize("path", list(toml_files()), ids=lambda p: str(p.relative_to(REPO)))
+def test_every_toml_under_config_loads(path: Path) -> None:
+    config = load_config(path)
+    parse_bind(config.server.bind)  # raises on a malformed bind
+    assert config.discovery.mode in ("static", "kubernetes")
+
+
+def test_router_toml_lists_every_key_with_its_default_and_a_comment() -> None:
+    path = CONFIG_DIR / "router.toml"
+    text = path.read_text(encoding="utf-8")
+    raw = flatten(tomllib.loads(text))
+    assert set(raw) == set(DEFAULTS), (
+        f"missing {sorted(set(DEFAULTS) - set(raw))}, extra {sorted(set(raw) - set(DEFAULTS))}")
+
+    effective = flatten(config_as_dict(load_config(path)))
+    differing = {k for k in DEFAULTS if effective[k] != DEFAULTS[k]}
+    assert differing == set(ROUTER_TOML_NON_DEFAULTS), differing
+    assert load_config(path).discovery.mode == "kubernetes"
+
+    for line in text.splitlines():
+        if re.match(r"^[a-z_]+\s*=", line):
+            assert "#" in line, f"router.toml: no comment on {line!r}"
+
+
+def test_demo_toml_is_static_on_loopback() -> None:
+    config = load_config(CONFIG_DIR / "demo.toml")
+    assert config.discovery.mode == "static"
+    host, _ = parse_bind(config.server.bind)
+    assert host.startswith("127.")
+    assert config.discovery.static.urls
+    assert all(url.startswith("http://127.") for url in config.discovery.static.urls)
+
+
+def test_static_toml_is_static_with_engines() -> None:
+    config = load_config(CONFIG_DIR / "static.toml")
+    assert config.discovery.mode == "static"
+    assert len(config.discovery.static.urls) >= 2
+
+
+# --- manifests ----------------------------------------------------------------------------
+
+
+def test_manifests_hold_exactly_the_expected_objects(objs: dict[str, dict[str, Any]]) -> None:
+    assert set(objs) == EXPECTED_KINDS  # notably no ClusterRole or ClusterRoleBinding
+
+
+def test_every_object_is_in_the_engines_namespace(objs: dict[str, dict[str, Any]]) -> None:
+    namespace = load_config(CONFIG_DIR / "router.toml").discovery.kubernetes.namespace
+    assert cluster_config(objs).discovery.kubernetes.namespace == namespace
+    for kind, obj in objs.items():
+        assert obj["metadata"]["namespace"] == namespace, kind
+
+
+def test_configmap_is_router_toml_with_a_cluster_bind(objs: dict[str, dict[str, Any]]) -> None:
+    text = objs["ConfigMap"]["data"]["router.toml"]
+    assert set(flatten(tomllib.loads(text))) == set(DEFAULTS), "the ConfigMap lists every key"
+
+    cluster = flatten(config_as_dict(cluster_config(objs)))
+    example = flatten(config_as_dict(load_config(CONFIG_DIR / "router.toml")))
+    assert cluster["server.bind"] == CLUSTER_BIND
+    differing = {k for k in example if cluster[k] != example[k]}
+    assert differing == {"server.bind"}, differing
+
+
+def test_config_mount_path_agrees_everywhere(objs: dict[str, dict[str, Any]]) -> None:
+    spec, container = pod_spec(objs), router_container(objs)
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    (mount,) = [m for m in container["volumeMounts"]
+                if volumes[m["name"]].get("configMap", {}).get("name")
+                == objs["ConfigMap"]["metadata"]["name"]]
+    assert "subPath" not in mount, "a subPath mount never sees ConfigMap updates"
+    items = volumes[mount["name"]]["configMap"]["items"]
+    assert [i["key"] for i in items] == ["router.toml"]
+    mounted = str(PurePosixPath(mount["mountPath"]) / items[0]["path"])
+
+    assert mounted == "/etc/trio-router/router.toml"
+    assert config_arg(container) == mounted
+    assert exec_form(stages()[-1], "CMD") == ["--config", mounted]
+
+
+def test_ports_agree(objs: dict[str, dict[str, Any]]) -> None:
+    container = router_container(objs)
+    _, bind_port = parse_bind(cluster_config(objs).server.bind)
+    service_ports = objs["Service"]["spec"]["ports"]
+    assert len(service_ports) == 1
+    assert named_port(container, service_ports[0]["targetPort"]) == bind_port
+    assert [p["containerPort"] for p in container["ports"]] == [bind_port]
+    exposed = [rest for kw, rest in stages()[-1] if kw == "EXPOSE"]
+    assert exposed == [str(bind_port)]
+
+
+def test_probes_readiness_on_health_liveness_not(objs: dict[str, dict[str, Any]]) -> None:
+    container = router_container(objs)
+    _, bind_port = parse_bind(cluster_config(objs).server.bind)
+
+    readiness = container["readinessProbe"]
+    assert readiness["httpGet"]["path"] == "/health"
+    assert named_port(container, readiness["httpGet"]["port"]) == bind_port
+
+    liveness = container["livenessProbe"]
+    if "httpGet" in liveness:
+        # /health follows the API server; restarting on it would restart every replica at once.
+        assert liveness["httpGet"]["path"] != "/health"
+        assert liveness["httpGet"]["path"] in ("/metrics", "/engines", "/v1/models")
+        assert named_port(container, liveness["httpGet"]["port"]) == bind_port
+    else:
+        assert named_port(container, liveness["tcpSocket"]["port"]) == bind_port
+    # A restart needs at least 30 s of consecutive failures: one slow event-loop turn never kills.
+    assert liveness.get("failureThreshold", 3) * liveness.get("periodSeconds", 10) >= 30
+
+
+def test_grace_period_covers_prestop_and_drain(objs: dict[str, dict[str, Any]]) -> None:
+    spec, container = pod_spec(objs), router_container(objs)
+    pause = prestop_sleep_s(container)
+    drain = cluster_config(objs).server.drain_s
+    assert pause > 0
+    assert spec["terminationGracePeriodSeconds"] > drain + pause
+    assert spec["terminationGracePeriodSeconds"] >= drain + pause + EXIT_MARGIN_S
+
+
+def test_labels_and_selectors_agree(objs: dict[str, dict[str, Any]]) -> None:
+    deployment = objs["Deployment"]
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    selector = deployment["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= pod_labels.items()
+    assert objs["Service"]["spec"]["selector"] == selector
+    assert objs["PodDisruptionBudget"]["spec"]["selector"]["matchLabels"] == selector
+    for kind, obj in objs.items():
+        assert obj["metadata"]["labels"].items() <= pod_labels.items(), kind
+    # The router's own pods must never be discovered as engines.
+    engines = cluster_config(objs).discovery.kubernetes.label_selector
+    assert not selector_matches(engines, pod_labels)
+    assert selector_matches(engines, {"app": "vllm"})
+
+
+def test_replicas_and_disruption_budget(objs: dict[str, dict[str, Any]]) -> None:
+    replicas = objs["Deployment"]["spec"]["replicas"]
+    assert replicas == 2
+    assert objs["PodDisruptionBudget"]["spec"]["minAvailable"] == 1
+    assert objs["PodDisruptionBudget"]["spec"]["minAvailable"] < replicas
+
+
+def test_service_account_is_bound_to_the_role(objs: dict[str, dict[str, Any]]) -> None:
+    account = objs["ServiceAccount"]["metadata"]
+    assert pod_spec(objs)["serviceAccountName"] == account["name"]
+    binding = objs["RoleBinding"]
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+        "name": objs["Role"]["metadata"]["name"],
+    }
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": account["name"], "namespace": account["namespace"]},
+    ]
+
+
+def test_role_grants_only_reads_of_pods(objs: dict[str, dict[str, Any]]) -> None:
+    role = objs["Role"]
+    assert role["apiVersion"] == "rbac.authorization.k8s.io/v1"
+    assert set(role) == {"apiVersion", "kind", "metadata", "rules"}  # no aggregationRule
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+    ]
+    assert "*" not in json.dumps(role["rules"])
+
+
+def test_pod_is_locked_down(objs: dict[str, dict[str, Any]]) -> None:
+    spec, container = pod_spec(objs), router_container(objs)
+    security = container["securityContext"]
+    assert security["readOnlyRootFilesystem"] is True
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["capabilities"] == {"drop": ["ALL"]}
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    assert spec["securityContext"]["runAsUser"] == containerfile_uid() != 0
+    assert spec.get("hostNetwork") is not True
+    for section in ("requests", "limits"):
+        assert {"cpu", "memory"} <= container["resources"][section].keys(), section
+
+
+def test_image_tag_is_the_package_version(objs: dict[str, dict[str, Any]]) -> None:
+    image: str = router_container(objs)["image"]
+    assert image.rsplit(":", 1)[1] == pyproject()["project"]["version"]
+
+
+# --- Containerfile ------------------------------------------------------------------------
+
+
+def containerfile_uid() -> int:
+    users = [rest for kw, rest in stages()[-1] if kw == "USER"]
+    assert users, "the final stage sets no USER: it would run as root"
+    uid = users[-1].split(":")[0]
+    assert uid.isdigit(), f"USER {users[-1]} is not numeric; runAsNonRoot cannot verify a name"
+    return int(uid)
+
+
+def test_containerfile_copies_only_files_that_exist() -> None:
+    copies = 0
+    for stage in stages():
+        for keyword, rest in stage:
+            assert keyword != "ADD", "use COPY: ADD fetches URLs and unpacks archives"
+            if keyword != "COPY":
+                continue
+            flags, sources, _ = copy_arguments(rest)
+            if any(f.startswith("--from=") for f in flags):
+                continue
+            for source in sources:
+                assert list(REPO.glob(source.rstrip("/"))), f"COPY {source}: not in the repo"
+                copies += 1
+    assert copies >= 2  # pyproject.toml and src/ at least
+
+
+def test_containerfile_runs_the_declared_console_script() -> None:
+    scripts = pyproject()["project"]["scripts"]
+    entrypoint = exec_form(stages()[-1], "ENTRYPOINT")
+    assert len(entrypoint) == 1 and entrypoint[0] in scripts
+    module, _, function = scripts[entrypoint[0]].partition(":")
+    where = REPO / "src" / Path(*module.split("."))
+    path = where / "__init__.py" if where.is_dir() else where.with_suffix(".py")
+    assert path.is_file(), f"console script {entrypoint[0]} points at missing module {module}"
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    assert function in {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+
+
+def test_containerfile_final_stage_is_the_venv_only() -> None:
+    assert len(stages()) >= 2, "multi-stage build"
+    builder, *_, final = stages()
+    assert builder[0][1].split() == ["python:3.11-slim", "AS", "builder"]
+    assert final[0][1].split()[0] == "python:3.11-slim"
+
+    copies = [copy_arguments(rest) for kw, rest in final if kw == "COPY"]
+    assert copies == [(["--from=builder"], ["/opt/venv"], "/opt/venv")]
+    for keyword, rest in final:
+        if keyword == "RUN":
+            assert not re.search(r"\b(pip|apt-get|apt|gcc|make)\b", rest), rest
+    env = " ".join(rest for kw, rest in final if kw == "ENV")
+    assert "PATH=/opt/venv/bin:" in env
+    assert containerfile_uid() != 0
+    assert [rest for kw, rest in final if kw == "STOPSIGNAL"] == ["SIGTERM"]
+
+
+def test_builder_leaves_no_build_tools_in_the_venv() -> None:
+    runs = " ".join(rest for kw, rest in stages()[0] if kw == "RUN")
+    assert "pip uninstall --yes pip setuptools" in runs
+    env = " ".join(rest for kw, rest in stages()[0] if kw == "ENV")
+    assert "PIP_NO_CACHE_DIR=1" in env
+
+
+# --- docs ---------------------------------------------------------------------------------
+
+
+def test_operations_doc_describes_every_config_key() -> None:
+    text = OPERATIONS_DOC.read_text(encoding="utf-8")
+    missing = [key for key in DEFAULTS if f"`{key}`" not in text]
+    assert not missing, f"docs/operations.md does not describe {missing}"
