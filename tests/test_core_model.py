@@ -11,6 +11,7 @@ engines answer are routable.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import trio
 import trio.testing
@@ -60,7 +61,7 @@ class Oracle:
         return any(p.name == f"engine-{n}" for p in self.pods.values())
 
 
-async def run_scenario(steps: list[tuple[object, ...]]) -> None:
+async def run_scenario(steps: list[tuple[Any, ...]]) -> None:
     engines = FakeEngines()
     oracle = Oracle()
     probe = ProbeConfig(timeout_s=5.0, interval_s=10.0, backoff_max_s=30.0)
@@ -84,7 +85,7 @@ async def run_scenario(steps: list[tuple[object, ...]]) -> None:
             elif kind == "cut_and_relist":
                 # The stream is cut; these pods are deleted while it is down (their DELETED
                 # events are lost); the resume ends in 410 and a relist.
-                for n in step[1]:  # type: ignore[attr-defined]
+                for n in step[1]:
                     if (lost := oracle.uid(int(n))) is not None:
                         del oracle.pods[lost]
                         oracle.gone.add(lost)
@@ -94,7 +95,7 @@ async def run_scenario(steps: list[tuple[object, ...]]) -> None:
                 if ip_pod is not None and ip_pod.ip:
                     engines.mode[ip_pod.ip] = str(step[2])
             elif kind == "sleep":
-                await trio.sleep(float(step[1]))  # type: ignore[arg-type]
+                await trio.sleep(float(step[1]))
             elif pod is not None and kind != "add":
                 if kind == "ready":
                     new = replace(pod, ready=bool(step[2]))
@@ -132,5 +133,5 @@ def check_invariants(table: object, oracle: Oracle) -> None:
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(steps=st.lists(ops, min_size=1, max_size=50))
-def test_randomized_event_sequences_against_an_oracle(steps: list[tuple[object, ...]]) -> None:
+def test_randomized_event_sequences_against_an_oracle(steps: list[tuple[Any, ...]]) -> None:
     trio.run(run_scenario, steps, clock=trio.testing.MockClock(autojump_threshold=0))
