@@ -327,3 +327,17 @@ async def test_static_engines(autojump_clock: trio.testing.MockClock) -> None:
         await core.wait_until("routable", "http://127.0.1.7:8000", "http://127.0.1.8:8000")
         assert sorted(e.name for e in core.table.routable("m")) == ["127.0.1.7:8000",
                                                                     "127.0.1.8:8000"]
+
+
+async def test_ipv6_and_malformed_addresses(autojump_clock: trio.testing.MockClock) -> None:
+    """IPv6 pod IPs get brackets; an address no URL can hold fails its probe, and the other
+    engines carry on."""
+    async with open_core() as core:
+        core.reconciler.apply(added(make_pod(1, ip="fd00::1")))
+        core.reconciler.apply(added(make_pod(2, ip="999.1.1.1")))
+        core.reconciler.apply(added(make_pod(3)))
+        await core.wait_until("routable", "uid-1", "uid-3")
+        engine1, engine2 = core.table.get("uid-1"), core.table.get("uid-2")
+        assert engine1 is not None and engine1.url == "http://[fd00::1]:8000"
+        assert engine2 is not None and engine2.state is EngineState.UNHEALTHY
+        assert "InvalidURL" in engine2.reason

@@ -103,7 +103,7 @@ class ProbeConfig:
     backoff_max_s: float = 30.0  # failing engines are re-probed with backoff up to this
     # Beyond the contract:
     failures_to_eject: int = 2  # consecutive failures before a routable engine is ejected
-    max_concurrent: int = 256  # probes in flight at once across all engines
+    max_concurrent: int = 1024  # probes in flight at once across all engines
 
     def __post_init__(self) -> None:
         _positive("probe", timeout_s=self.timeout_s, interval_s=self.interval_s,

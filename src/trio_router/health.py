@@ -79,7 +79,7 @@ class Prober:
             except httpx.ConnectError as exc:
                 raise ProbeFailed(f"cannot connect: {exc or type(exc).__name__}",
                                   refused=True) from exc
-            except httpx.HTTPError as exc:
+            except (httpx.HTTPError, httpx.InvalidURL) as exc:
                 raise ProbeFailed(f"{type(exc).__name__}: {exc}") from exc
         if scope.cancelled_caught:
             raise ProbeFailed(f"no answer within {self._timeout:g} s")

@@ -54,7 +54,7 @@ class Reconciler:
         old = self._pods.get(pod.uid)
         self._pods[pod.uid] = pod
         engine = self._table.get(pod.uid)
-        url = f"http://{pod.ip}:{self._port}" if pod.ip else ""
+        url = engine_url(pod.ip, self._port) if pod.ip else ""
         if (reason := pod.unroutable_reason()) is not None:
             self._supervisors.stop(pod.uid)  # same synchronous step: out of routing now
             if engine is None:
@@ -81,6 +81,11 @@ class Reconciler:
             engine.state, engine.reason = EngineState.PROBING, "waiting for first probe"
         self._table.put(engine)
         self._supervisors.start(engine)
+
+
+def engine_url(ip: str, port: int) -> str:
+    """The base URL of an engine at `ip` (IPv6 addresses get brackets)."""
+    return f"http://[{ip}]:{port}" if ":" in ip else f"http://{ip}:{port}"
 
 
 def add_static_engines(table: RoutingTable, supervisors: Supervisors,
