@@ -450,7 +450,17 @@ def test_builder_leaves_no_build_tools_in_the_venv() -> None:
 # --- docs ---------------------------------------------------------------------------------
 
 
-def test_operations_doc_describes_every_config_key() -> None:
+def toml_literal(value: Any) -> str:
+    """A default as written in TOML: strings quoted, lists bracketed, numbers as Python shows."""
+    if isinstance(value, list):
+        return "[" + ", ".join(toml_literal(v) for v in value) + "]"
+    return json.dumps(value) if isinstance(value, str) else repr(value)
+
+
+def test_operations_doc_gives_every_config_key_with_its_default() -> None:
     text = OPERATIONS_DOC.read_text(encoding="utf-8")
-    missing = [key for key in DEFAULTS if f"`{key}`" not in text]
-    assert not missing, f"docs/operations.md does not describe {missing}"
+    rows = dict(re.findall(r"^\| `([a-z_.]+)` \| `([^`]*)` \|", text, flags=re.MULTILINE))
+    assert set(rows) == set(DEFAULTS), (
+        f"missing {sorted(set(DEFAULTS) - set(rows))}, unknown {sorted(set(rows) - set(DEFAULTS))}")
+    wrong = {k: rows[k] for k in DEFAULTS if rows[k] != toml_literal(DEFAULTS[k])}
+    assert not wrong, f"docs/operations.md gives wrong defaults: {wrong}"
