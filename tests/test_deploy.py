@@ -290,6 +290,8 @@ def test_ports_agree(objs: dict[str, dict[str, Any]]) -> None:
     assert [p["containerPort"] for p in container["ports"]] == [bind_port]
     exposed = [rest for kw, rest in stages()[-1] if kw == "EXPOSE"]
     assert exposed == [str(bind_port)]
+    annotations = objs["Deployment"]["spec"]["template"]["metadata"].get("annotations", {})
+    assert annotations.get("prometheus.io/port", str(bind_port)) == str(bind_port)
 
 
 def test_probes_readiness_on_health_liveness_not(objs: dict[str, dict[str, Any]]) -> None:
