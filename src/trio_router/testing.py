@@ -1,0 +1,662 @@
+"""Fake vLLM-compatible engines, shipped for tests, benchmarks and `trio-router demo`.
+
+`FakeEngine` is the engine's state and knobs (models and LoRA adapters, latency, failures,
+metrics) plus what it observed (requests with headers and body, client disconnects).
+`fake_engine_app(engine)` serves it as an ASGI app, `serve_fake_engine(engine)` runs that app on
+Hypercorn over real TCP, and `fake_engine_transport(engine)` answers the probe and scrape
+endpoints (GET /v1/models, /metrics, /health) through an `httpx.MockTransport`, without sockets.
+
+Streaming replies follow vLLM's OpenAI server: `text/event-stream`, one `data: {...}\\n\\n` event
+per token (each sent as its own HTTP chunk), then `data: [DONE]\\n\\n`. All waits use
+`trio.sleep`, so the engines run on virtual time under `autojump_clock` (through the transport)
+as well as on the real clock.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import zlib
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Final
+from urllib.parse import parse_qsl
+
+import httpx
+import hypercorn.config
+import hypercorn.trio
+import trio
+
+__all__ = [
+    "FakeEngine",
+    "FakeEngineApp",
+    "SeenRequest",
+    "fake_engine_app",
+    "fake_engine_transport",
+    "open_fake_engines",
+    "serve_fake_engine",
+]
+
+logger = logging.getLogger(__name__)
+
+ASGIScope = dict[str, Any]
+ASGIMessage = dict[str, Any]
+ASGIReceive = Callable[[], Awaitable[ASGIMessage]]
+ASGISend = Callable[[ASGIMessage], Awaitable[None]]
+
+REPLY_WORDS: Final = (
+    "Hello", " from", " a", " fake", " OpenAI-compatible", " engine", " behind", " trio_router",
+    ".", " This", " reply", " is", " streamed", " one", " token", " at", " a", " time", ".",
+)
+EMBEDDING_DIM: Final = 8
+SSE_DONE: Final = b"data: [DONE]\n\n"
+_JSON_HEADERS: Final = [(b"content-type", b"application/json")]
+_SSE_HEADERS: Final = [(b"content-type", b"text/event-stream; charset=utf-8"),
+                       (b"cache-control", b"no-cache")]
+
+
+class FakeEngineAbort(Exception):
+    """Raised inside the fake engine's app to break off a response mid-body."""
+
+
+@dataclass(slots=True)
+class SeenRequest:
+    """One request as the fake engine received it."""
+
+    method: str
+    path: str
+    query: dict[str, str]
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+    client: tuple[str, int] | None = None  # the peer's (host, port): tells connections apart
+
+    def header(self, name: str) -> str | None:
+        """The first value of header `name` (case-insensitive), decoded, or None."""
+        key = name.lower().encode("latin-1")
+        for k, v in self.headers:
+            if k.lower() == key:
+                return v.decode("latin-1")
+        return None
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+@dataclass(eq=False)
+class FakeEngine:
+    """A fake vLLM engine: knobs (change them at any time; they are read per request) and
+    observations (read them, or wait for them with `wait_until`)."""
+
+    name: str = "fake-engine"
+    models: list[str] = field(default_factory=lambda: ["fake-model"])
+    adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapter id -> parent model id
+    max_model_len: int = 4096
+    ttft_s: float = 0.0  # delay before the first token (non-streamed: before the reply)
+    inter_token_s: float = 0.0  # delay between streamed tokens (non-streamed: added up)
+    tokens: int = 8  # tokens per completion, capped by the request's max_tokens
+    fail_status: int | None = None  # answer every request (probes too) with this status
+    inference_fail_status: int | None = None  # answer only the POST endpoints with this status
+    hang_models: bool = False  # GET /v1/models never answers
+    abort_after_first_event: bool = False  # streams break off (connection closed) after 1 event
+    gate: trio.Event | None = None  # streams hold after their first event, non-streamed
+    # replies before answering, until this event is set
+    num_requests_running: float | None = None  # None: the number of requests in progress
+    num_requests_waiting: float = 0.0
+    kv_cache_usage_perc: float = 0.0
+    extra_headers: list[tuple[bytes, bytes]] = field(default_factory=list)  # on every reply
+    keep_requests: int = 10_000  # newest requests kept in `requests`
+
+    # -- observations ----------------------------------------------------------------------
+    requests: deque[SeenRequest] = field(init=False)
+    request_count: int = field(init=False, default=0)  # every request, kept or not
+    in_flight: int = field(init=False, default=0)  # POST requests being answered now
+    disconnects: int = field(init=False, default=0)  # clients gone before their reply ended
+    completed: int = field(init=False, default=0)  # POST replies sent to the end
+    _changed: trio.Event = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.requests = deque(maxlen=self.keep_requests)
+        self._changed = trio.Event()
+
+    @property
+    def model_ids(self) -> list[str]:
+        """Base models, then adapters: every id a request may name."""
+        return [*self.models, *self.adapters]
+
+    def requests_to(self, path: str) -> list[SeenRequest]:
+        return [r for r in self.requests if r.path == path]
+
+    async def wait_until(self, predicate: Callable[[], bool]) -> None:
+        """Block until `predicate()` is true; it is re-checked whenever an observation changes.
+        Cancellation just stops the wait."""
+        while not predicate():
+            await self._changed.wait()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def _record(self, seen: SeenRequest) -> None:
+        self.requests.append(seen)
+        self.request_count += 1
+        self._notify()
+
+    # -- bodies ----------------------------------------------------------------------------
+    def models_payload(self) -> dict[str, Any]:
+        """GET /v1/models as vLLM answers it; adapters carry their `parent`."""
+        created = 1_700_000_000
+        data: list[dict[str, Any]] = [
+            {"id": m, "object": "model", "created": created, "owned_by": "vllm", "root": m,
+             "parent": None, "max_model_len": self.max_model_len, "permission": []}
+            for m in self.models]
+        data += [
+            {"id": a, "object": "model", "created": created, "owned_by": "vllm",
+             "root": f"/adapters/{a}", "parent": parent, "max_model_len": None,
+             "permission": []}
+            for a, parent in self.adapters.items()]
+        return {"object": "list", "data": data}
+
+    def metrics_text(self) -> str:
+        """GET /metrics in vLLM's Prometheus text format, one series per base model."""
+        running = float(self.in_flight if self.num_requests_running is None
+                        else self.num_requests_running)
+        gauges = (
+            ("vllm:num_requests_running", "Number of requests in model execution batches.",
+             running),
+            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+             float(self.num_requests_waiting)),
+            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+             float(self.kv_cache_usage_perc)),
+            ("vllm:gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage.",
+             float(self.kv_cache_usage_perc)),
+        )
+        lines: list[str] = []
+        for metric, help_text, value in gauges:
+            lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} gauge"]
+            lines += [f'{metric}{{engine="0",model_name="{m}"}} {value!r}' for m in self.models]
+        lines += ["# HELP vllm:request_success_total Count of successfully processed requests.",
+                  "# TYPE vllm:request_success_total counter"]
+        lines += [f'vllm:request_success_total{{engine="0",finished_reason="stop",'
+                  f'model_name="{m}"}} {float(self.completed)!r}' for m in self.models]
+        return "\n".join(lines) + "\n"
+
+
+def _error_body(status: int, message: str) -> dict[str, Any]:
+    kind = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowed",
+            429: "RateLimitError"}.get(status, "InternalServerError" if status >= 500
+                                       else "BadRequestError")
+    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+
+
+class _Reply:
+    """A reply being built: status, body, and for streams the SSE events."""
+
+    __slots__ = ("events", "payload", "status")
+
+    def __init__(self, status: int, payload: Any = None,
+                 events: list[bytes] | None = None) -> None:
+        self.status, self.payload, self.events = status, payload, events
+
+
+def _sse(obj: Any, event: str | None = None) -> bytes:
+    data = json.dumps(obj, separators=(",", ":"))
+    prefix = f"event: {event}\n" if event else ""
+    return f"{prefix}data: {data}\n\n".encode()
+
+
+def _words(text: str) -> list[str]:
+    return text.split() or [""]
+
+
+def _token_ids(text: str) -> list[int]:
+    return [zlib.crc32(w.encode()) % 50_000 for w in _words(text)]
+
+
+def _embedding(text: str) -> list[float]:
+    seed = zlib.crc32(text.encode())
+    return [round(((seed >> (i * 3)) % 1000) / 1000.0 - 0.5, 6) for i in range(EMBEDDING_DIM)]
+
+
+def _score(a: str, b: str) -> float:
+    return round((zlib.crc32(f"{a}\x00{b}".encode()) % 10_000) / 10_000.0, 6)
+
+
+def _prompt_text(body: dict[str, Any]) -> str:
+    """The text of a request's prompt or messages, for token counts."""
+    if "messages" in body and isinstance(body["messages"], list):
+        parts = []
+        for message in body["messages"]:
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, str):
+                parts.append(content)
+            elif isinstance(content, list):
+                parts += [p.get("text", "") for p in content
+                          if isinstance(p, dict) and isinstance(p.get("text"), str)]
+        return " ".join(parts)
+    for key in ("prompt", "input", "query", "text"):
+        value = body.get(key)
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list):
+            return " ".join(str(v) for v in value)
+    return ""
+
+
+def _texts(value: Any) -> list[str]:
+    """An embeddings/score input as a list of texts (token-id lists count as one text)."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list):
+        if value and all(isinstance(v, int) for v in value):
+            return [" ".join(map(str, value))]
+        return [v if isinstance(v, str) else json.dumps(v) for v in value]
+    return [""]
+
+
+class FakeEngineApp:
+    """The ASGI app of one `FakeEngine` (lifespan and HTTP)."""
+
+    def __init__(self, engine: FakeEngine) -> None:
+        self.engine = engine
+        self._counter = 0
+
+    async def __call__(self, scope: ASGIScope, receive: ASGIReceive, send: ASGISend) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        engine = self.engine
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                engine.disconnects += 1
+                engine._notify()
+                return
+            body += message.get("body", b"")
+            if not message.get("more_body", False):
+                break
+        client = scope.get("client")
+        engine._record(SeenRequest(
+            method=scope["method"], path=scope["path"],
+            query=dict(parse_qsl(scope.get("query_string", b"").decode("latin-1"))),
+            headers=list(scope["headers"]), body=bytes(body),
+            client=(client[0], client[1]) if client else None))
+        inference = scope["path"] in _POST_HANDLERS
+        finished = False  # the last body message was handed to the server
+
+        async def tracked_send(message: ASGIMessage) -> None:
+            nonlocal finished
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                finished = True
+            await send(message)
+
+        async def watch_disconnect(scope: trio.CancelScope) -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            if not finished:  # the server also reports the end of a finished exchange
+                engine.disconnects += 1
+                scope.cancel(reason="client disconnected")
+
+        if inference:
+            engine.in_flight += 1
+        aborted = False
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(watch_disconnect, nursery.cancel_scope)
+                aborted = await self._answer(scope, bytes(body), tracked_send)
+                nursery.cancel_scope.cancel(reason="reply sent")
+        finally:
+            if inference:
+                engine.in_flight -= 1
+                if finished and not aborted:
+                    engine.completed += 1
+            engine._notify()
+        if aborted:
+            raise FakeEngineAbort(f"{engine.name}: stream broken off on purpose")
+
+    async def _lifespan(self, receive: ASGIReceive, send: ASGISend) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    # -- dispatch ----------------------------------------------------------------------------
+    async def _answer(self, scope: ASGIScope, body: bytes, send: ASGISend) -> bool:
+        """Send the whole reply; True if a stream was broken off on purpose."""
+        engine = self.engine
+        method, path = scope["method"], scope["path"]
+        if engine.fail_status is not None:
+            await self._send_json(send, engine.fail_status,
+                                  _error_body(engine.fail_status, f"{engine.name} is failing"))
+            return False
+        if method == "GET" and path in ("/v1/models", "/metrics", "/health", "/version"):
+            if path == "/v1/models":
+                if engine.hang_models:
+                    await trio.sleep_forever()
+                await self._send_json(send, 200, engine.models_payload())
+            elif path == "/metrics":
+                await self._send_bytes(send, 200, engine.metrics_text().encode(),
+                                       b"text/plain; version=0.0.4; charset=utf-8")
+            elif path == "/health":
+                await self._send_bytes(send, 200, b"", None)
+            else:
+                await self._send_json(send, 200, {"version": "0.0.0-fake"})
+            return False
+        handler = _POST_HANDLERS.get(path)
+        if handler is None:
+            await self._send_json(send, 404, {"detail": "Not Found"})
+            return False
+        if method != "POST":
+            await self._send_json(send, 405, {"detail": "Method Not Allowed"})
+            return False
+        if engine.inference_fail_status is not None:
+            status = engine.inference_fail_status
+            await self._send_json(send, status, _error_body(status, f"{engine.name} refuses"))
+            return False
+        try:
+            request = json.loads(body)
+            if not isinstance(request, dict):
+                raise ValueError("the body must be a JSON object")
+        except ValueError as exc:
+            await self._send_json(send, 400, _error_body(400, f"invalid JSON body: {exc}"))
+            return False
+        model = request.get("model")
+        if model is None:
+            model = engine.models[0] if engine.models else ""
+        elif model not in engine.model_ids:
+            await self._send_json(send, 404, _error_body(
+                404, f"The model `{model}` does not exist."))
+            return False
+        self._counter += 1
+        reply = handler(self, request, str(model), f"{self._counter:08x}")
+        if reply.events is None:
+            await self._delay_whole_reply(reply)
+            await self._send_json(send, reply.status, reply.payload)
+            return False
+        return await self._stream(send, reply.events)
+
+    async def _delay_whole_reply(self, reply: _Reply) -> None:
+        engine = self.engine
+        delay = engine.ttft_s
+        if isinstance(reply.payload, dict) and reply.payload.get("object") in (
+                "chat.completion", "text_completion", "response"):
+            delay += engine.inter_token_s * max(0, engine.tokens - 1)
+        if delay > 0:
+            await trio.sleep(delay)
+        if engine.gate is not None:
+            await engine.gate.wait()
+
+    async def _stream(self, send: ASGISend, events: list[bytes]) -> bool:
+        engine = self.engine
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [*_SSE_HEADERS, *self._common_headers()]})
+        if engine.ttft_s > 0:
+            await trio.sleep(engine.ttft_s)
+        for i, event in enumerate(events):
+            if i == 1:
+                if engine.abort_after_first_event:
+                    return True
+                if engine.gate is not None:
+                    await engine.gate.wait()
+            if i > 0 and engine.inter_token_s > 0 and event is not SSE_DONE:
+                await trio.sleep(engine.inter_token_s)
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return False
+
+    def _common_headers(self) -> list[tuple[bytes, bytes]]:
+        return [(b"x-fake-engine", self.engine.name.encode()), *self.engine.extra_headers]
+
+    async def _send_json(self, send: ASGISend, status: int, payload: Any) -> None:
+        body = json.dumps(payload, separators=(",", ":")).encode()
+        await self._send_bytes(send, status, body, b"application/json")
+
+    async def _send_bytes(self, send: ASGISend, status: int, body: bytes,
+                          content_type: bytes | None) -> None:
+        headers = [(b"content-length", b"%d" % len(body)), *self._common_headers()]
+        if content_type is not None:
+            headers.append((b"content-type", content_type))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    # -- endpoint bodies (pure) -------------------------------------------------------------
+    def _n_tokens(self, request: dict[str, Any]) -> tuple[int, str]:
+        limit = request.get("max_completion_tokens", request.get("max_tokens"))
+        n = self.engine.tokens
+        if isinstance(limit, int) and 0 < limit < n:
+            return limit, "length"
+        return n, "stop"
+
+    @staticmethod
+    def _usage(prompt: int, completion: int) -> dict[str, int]:
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion}
+
+    def _generation(self, request: dict[str, Any], model: str, rid: str, *,
+                    chat: bool) -> _Reply:
+        n, finish = self._n_tokens(request)
+        words = [REPLY_WORDS[i % len(REPLY_WORDS)] for i in range(n)]
+        prompt_tokens = len(_words(_prompt_text(request)))
+        created = int(time.time())
+        ident = f"{'chatcmpl' if chat else 'cmpl'}-{self.engine.name}-{rid}"
+        obj = "chat.completion" if chat else "text_completion"
+        if not request.get("stream"):
+            choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": "".join(words),
+                                     "tool_calls": []}
+            else:
+                choice["text"] = "".join(words)
+            return _Reply(200, {"id": ident, "object": obj, "created": created, "model": model,
+                                "choices": [choice], "usage": self._usage(prompt_tokens, n)})
+        chunk_obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(delta: dict[str, Any] | str, reason: str | None) -> bytes:
+            choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": reason}
+            if chat:
+                choice["delta"] = delta
+            else:
+                choice["text"] = delta
+            return _sse({"id": ident, "object": chunk_obj, "created": created, "model": model,
+                         "choices": [choice]})
+
+        events = [chunk({"role": "assistant", "content": ""} if chat else "", None)]
+        events += [chunk({"content": w} if chat else w, None) for w in words]
+        events.append(chunk({} if chat else "", finish))
+        options = request.get("stream_options")
+        if isinstance(options, dict) and options.get("include_usage"):
+            events.append(_sse({"id": ident, "object": chunk_obj, "created": created,
+                                "model": model, "choices": [],
+                                "usage": self._usage(prompt_tokens, n)}))
+        events.append(SSE_DONE)
+        return _Reply(200, events=events)
+
+    def _chat(self, request: dict[str, Any], model: str, rid: str) -> _Reply:
+        if not isinstance(request.get("messages"), list):
+            return _Reply(400, _error_body(400, "`messages` must be a list"))
+        return self._generation(request, model, rid, chat=True)
+
+    def _completions(self, request: dict[str, Any], model: str, rid: str) -> _Reply:
+        if "prompt" not in request:
+            return _Reply(400, _error_body(400, "`prompt` is required"))
+        return self._generation(request, model, rid, chat=False)
+
+    def _embeddings(self, request: dict[str, Any], model: str, rid: str) -> _Reply:
+        texts = _texts(request.get("input"))
+        tokens = sum(len(_words(t)) for t in texts)
+        return _Reply(200, {
+            "id": f"embd-{rid}", "object": "list", "created": int(time.time()), "model": model,
+            "data": [{"object": "embedding", "index": i, "embedding": _embedding(t)}
+                     for i, t in enumerate(texts)],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens,
+                      "completion_tokens": 0}})
+
+    def _tokenize(self, request: dict[str, Any], model: str, rid: str) -> _Reply:
+        ids = _token_ids(_prompt_text(request))
+        return _Reply(200, {"count": len(ids), "max_model_len": self.engine.max_model_len,
+                            "tokens": ids, "token_strs": None})
+
+    def _detokenize(self, request: dict[str, Any], model: str, rid: str) -> _Reply:
+        tokens = request.get("tokens")
+        if not isinstance(tokens, list):
+            return _Reply(400, _error_body(400, "`tokens` must be a list of ints"))
+        return _Reply(200, {"prompt": " ".join(f"tok{t}" for t in tokens)})
+
+    def _rerank(self, request: dict[str, Any], model: str, rid: str) -> _Reply:
+        query = str(request.get("query", ""))
+        docs = _texts(request.get("documents", []))
+        ranked = sorted(range(len(docs)), key=lambda i: -_score(query, docs[i]))
+        results = [{"index": i, "document": {"text": docs[i]},
+                    "relevance_score": _score(query, docs[i])} for i in ranked]
+        top_n = request.get("top_n")
+        if isinstance(top_n, int) and top_n > 0:
+            results = results[:top_n]
+        tokens = len(_words(query)) + sum(len(_words(d)) for d in docs)
+        return _Reply(200, {"id": f"rerank-{rid}", "model": model,
+                            "usage": {"total_tokens": tokens}, "results": results})
+
+    def _score(self, request: dict[str, Any], model: str, rid: str) -> _Reply:
+        first = _texts(request.get("text_1", request.get("queries", "")))
+        second = _texts(request.get("text_2", request.get("documents", "")))
+        if len(first) == 1:
+            first = first * len(second)
+        pairs = list(zip(first, second, strict=False))
+        tokens = sum(len(_words(a)) + len(_words(b)) for a, b in pairs)
+        return _Reply(200, {
+            "id": f"score-{rid}", "object": "list", "created": int(time.time()), "model": model,
+            "data": [{"index": i, "object": "score", "score": _score(a, b)}
+                     for i, (a, b) in enumerate(pairs)],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens,
+                      "completion_tokens": 0}})
+
+    def _responses(self, request: dict[str, Any], model: str, rid: str) -> _Reply:
+        n, _ = self._n_tokens({"max_tokens": request.get("max_output_tokens")})
+        words = [REPLY_WORDS[i % len(REPLY_WORDS)] for i in range(n)]
+        prompt_tokens = len(_words(_prompt_text(request)))
+        ident, msg_id = f"resp_{self.engine.name}_{rid}", f"msg_{rid}"
+        created = int(time.time())
+
+        def response(status: str, text: str | None) -> dict[str, Any]:
+            output = [] if text is None else [{
+                "type": "message", "id": msg_id, "status": "completed", "role": "assistant",
+                "content": [{"type": "output_text", "text": text, "annotations": []}]}]
+            return {"id": ident, "object": "response", "created_at": created, "model": model,
+                    "status": status, "output": output, "parallel_tool_calls": True,
+                    "tool_choice": "auto", "tools": [],
+                    "usage": None if text is None else {
+                        "input_tokens": prompt_tokens, "output_tokens": n,
+                        "total_tokens": prompt_tokens + n,
+                        "input_tokens_details": {"cached_tokens": 0},
+                        "output_tokens_details": {"reasoning_tokens": 0}}}
+
+        if not request.get("stream"):
+            return _Reply(200, response("completed", "".join(words)))
+        events = [_sse({"type": "response.created", "sequence_number": 0,
+                        "response": response("in_progress", None)}, "response.created")]
+        for i, w in enumerate(words):
+            events.append(_sse({"type": "response.output_text.delta", "sequence_number": i + 1,
+                                "item_id": msg_id, "output_index": 0, "content_index": 0,
+                                "delta": w, "logprobs": []}, "response.output_text.delta"))
+        events.append(_sse({"type": "response.completed", "sequence_number": n + 1,
+                            "response": response("completed", "".join(words))},
+                           "response.completed"))
+        return _Reply(200, events=events)
+
+
+_POST_HANDLERS: Final[dict[str, Callable[[FakeEngineApp, dict[str, Any], str, str], _Reply]]] = {
+    "/v1/chat/completions": FakeEngineApp._chat,
+    "/v1/completions": FakeEngineApp._completions,
+    "/v1/embeddings": FakeEngineApp._embeddings,
+    "/tokenize": FakeEngineApp._tokenize,
+    "/detokenize": FakeEngineApp._detokenize,
+    "/v1/rerank": FakeEngineApp._rerank,
+    "/rerank": FakeEngineApp._rerank,
+    "/v1/score": FakeEngineApp._score,
+    "/score": FakeEngineApp._score,
+    "/v1/responses": FakeEngineApp._responses,
+}
+
+
+def fake_engine_app(engine: FakeEngine) -> FakeEngineApp:
+    """The ASGI app serving `engine`."""
+    return FakeEngineApp(engine)
+
+
+def _hypercorn_config(host: str, port: int) -> hypercorn.config.Config:
+    config = hypercorn.config.Config()
+    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    config.accesslog = None
+    config.errorlog = logging.getLogger(f"{__name__}.hypercorn")  # quiet unless configured
+    config.graceful_timeout = 0.5
+    return config
+
+
+async def serve_fake_engine(engine: FakeEngine, host: str = "127.0.0.1", port: int = 0, *,
+                            task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
+                            ) -> None:
+    """Serve `engine` over HTTP/1.1 with Hypercorn until cancelled.
+
+    Reports the bound URL (like "http://127.0.1.3:40123") through `task_status`, so
+    `url = await nursery.start(serve_fake_engine, engine)` returns once it accepts
+    connections. Cancellation closes the listener and every connection.
+    """
+    app: Any = fake_engine_app(engine)  # plain-dict ASGI typing, not hypercorn's TypedDicts
+    async with trio.open_nursery() as nursery:
+        urls: list[str] = await nursery.start(partial(
+            hypercorn.trio.serve, app, _hypercorn_config(host, port),
+            shutdown_trigger=trio.sleep_forever))
+        task_status.started(urls[0])
+
+
+@asynccontextmanager
+async def open_fake_engines(engines: Sequence[FakeEngine], *,
+                            hosts: Iterable[str] | None = None) -> AsyncIterator[list[str]]:
+    """Serve several fake engines, by default on 127.0.1.1, 127.0.1.2, ... (port 0), and
+    yield their URLs in order. Leaving the block stops them all."""
+    host_list = list(hosts) if hosts is not None else [
+        f"127.0.1.{i + 1}" for i in range(len(engines))]
+    if len(host_list) < len(engines):
+        raise ValueError(f"{len(engines)} engines but only {len(host_list)} hosts")
+    async with trio.open_nursery() as nursery:
+        urls = [await nursery.start(serve_fake_engine, engine, host)
+                for engine, host in zip(engines, host_list, strict=False)]
+        yield urls
+        nursery.cancel_scope.cancel(reason="fake engines closed")
+
+
+def fake_engine_transport(engine: FakeEngine) -> httpx.MockTransport:
+    """An httpx transport answering GET /v1/models, /metrics and /health from `engine`,
+    without sockets, for probe and scrape tests (use it with `httpx.AsyncClient`). With
+    `hang_models` the /v1/models handler awaits `trio.sleep_forever()`, so only the caller's
+    deadline ends it. Every request is recorded in `engine.requests`."""
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        engine._record(SeenRequest(
+            method=request.method, path=request.url.path,
+            query=dict(request.url.params), body=request.content,
+            headers=[(k.lower(), v) for k, v in request.headers.raw]))
+        headers = {"x-fake-engine": engine.name}
+        if engine.fail_status is not None:
+            return httpx.Response(engine.fail_status, headers=headers, json=_error_body(
+                engine.fail_status, f"{engine.name} is failing"))
+        path = request.url.path
+        if request.method == "GET" and path == "/v1/models":
+            if engine.hang_models:
+                await trio.sleep_forever()
+            return httpx.Response(200, headers=headers, json=engine.models_payload())
+        if request.method == "GET" and path == "/metrics":
+            return httpx.Response(200, headers=headers, text=engine.metrics_text())
+        if request.method == "GET" and path == "/health":
+            return httpx.Response(200, headers=headers)
+        return httpx.Response(404, headers=headers, json={"detail": "Not Found"})
+
+    return httpx.MockTransport(handler)
