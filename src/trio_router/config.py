@@ -115,11 +115,36 @@ class ProbeConfig:
 class RoutingConfig:
     policy: str = "round_robin"
     session_header: str = "x-session-id"
+    # Beyond the contract: policy knobs (docs/routing.md).
+    # Load of an engine = in-flight requests from this router
+    #   + load_queue_weight * (running + waiting, as the engine reports them)
+    #   + load_kv_weight * KV-cache usage (0..1); scraped figures count only while fresh.
+    load_queue_weight: float = 0.5
+    load_kv_weight: float = 4.0
+    session_load_factor: float = 1.25  # session: skip an engine above factor * average + 1
+    session_vnodes: int = 100  # session: hash-ring points per engine (balance vs memory)
+    prefix_chunk_chars: int = 256  # prefix_aware: prompt characters per hashed chunk
+    prefix_max_chunks: int = 256  # prefix_aware: chunks hashed per request (a prefix window)
+    prefix_cache_entries: int = 131072  # prefix_aware: LRU bound on remembered chunk chains
+    prefix_balance_abs: float = 8.0  # prefix_aware: the matched engine is overloaded when
+    prefix_balance_rel: float = 1.5  # load > least + abs and load > rel * least (least loaded)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ConfigError(f"routing.policy must be one of {list(POLICIES)}, "
                               f"got {self.policy!r}")
+        if not self.session_header:
+            raise ConfigError("routing.session_header must not be empty")
+        for key in ("load_queue_weight", "load_kv_weight", "prefix_balance_abs"):
+            if not getattr(self, key) >= 0:
+                raise ConfigError(f"routing.{key} must be >= 0, got {getattr(self, key)!r}")
+        for key in ("session_load_factor", "prefix_balance_rel"):
+            if not getattr(self, key) >= 1:
+                raise ConfigError(f"routing.{key} must be >= 1, got {getattr(self, key)!r}")
+        for key, top in (("session_vnodes", 1000), ("prefix_chunk_chars", 1 << 20),
+                         ("prefix_max_chunks", 1 << 16), ("prefix_cache_entries", 1 << 26)):
+            if not 1 <= getattr(self, key) <= top:
+                raise ConfigError(f"routing.{key} must be 1..{top}, got {getattr(self, key)!r}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -139,10 +164,12 @@ class ProxyConfig:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StatsConfig:
     interval_s: float = 5.0  # engine /metrics scrape period; 0 disables scraping
+    timeout_s: float = 2.0  # hard deadline of one /metrics scrape
 
     def __post_init__(self) -> None:
-        if self.interval_s < 0:
+        if not self.interval_s >= 0:
             raise ConfigError(f"stats.interval_s must be >= 0, got {self.interval_s}")
+        _positive("stats", timeout_s=self.timeout_s)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
