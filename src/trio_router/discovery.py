@@ -1,0 +1,722 @@
+"""Kubernetes discovery: LIST and watch the engine pods, and mirror them into a `PodSink`.
+
+The algorithm (`run_kubernetes_discovery`) follows client-go's reflector and runs on the Trio
+thread, on Trio's clock: LIST, reconcile by difference, watch from the list's resourceVersion
+with bookmarks, re-watch at once after a routine expiry, relist after 410 Gone, back off on
+errors, and relist periodically as a safety net. It talks to a `PodSource`.
+`KubernetesPodSource` is the real one: the blocking official client runs in worker threads
+admitted by the source's own `CapacityLimiter(1)`, and each watch event crosses to the Trio
+side through a 0-buffer memory channel, so events keep their order and nothing queues.
+`DiscoveryStatus` records progress and errors for `/health` and `/metrics`.
+
+This is the only module that imports `kubernetes`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import logging
+import math
+import os
+import random
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Final, Protocol
+
+import kubernetes.client
+import kubernetes.config
+import kubernetes.watch
+import trio
+import urllib3
+from kubernetes.client.exceptions import ApiException
+
+from .config import KubernetesConfig
+from .endpoints import EventType, Pod, PodEvent
+from .errors import DiscoveryError
+
+logger = logging.getLogger(__name__)
+
+RawObject = dict[str, Any]  # a JSON object as the API server sent it
+
+WATCH_THREAD_NAME: Final = "trio-router-watch"
+LIST_THREAD_NAME: Final = "trio-router-list"
+CONNECT_TIMEOUT_S: Final = 5.0  # TCP (and TLS) connect timeout of every API request
+LIST_READ_TIMEOUT_S: Final = 30.0  # longest silence tolerated while reading a LIST answer
+RETRY_AFTER_MAX_S: Final = 60.0  # a Retry-After longer than this is shortened to it
+FAILING_AFTER_ERRORS: Final = 6  # consecutive errors after which /health turns 503
+
+_EVENT_TYPES: Final = {t.value: t for t in EventType}
+# kubernetes.config and kubernetes.watch are untyped: use them through Any.
+_kube_config: Any = kubernetes.config
+_Watch: Any = kubernetes.watch.Watch
+_CONNECTED: Final[RawObject] = {"type": "CONNECTED"}  # watch thread -> Trio: headers received
+
+
+# -- errors ---------------------------------------------------------------------------------
+class KubernetesStatusError(DiscoveryError):
+    """The API server answered with an error: an HTTP status, or an ERROR event in a watch."""
+
+    def __init__(self, message: str, *, api_status: int,
+                 retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.api_status = api_status
+        self.retry_after = retry_after  # seconds, from a Retry-After header
+
+    @property
+    def expired(self) -> bool:
+        """410 Gone: the resourceVersion is older than the server's history; relist."""
+        return self.api_status == 410
+
+    @property
+    def too_large_resource_version(self) -> bool:
+        """504 "Too large resource version": the server is behind our resourceVersion."""
+        return self.api_status == 504 and "too large resource version" in str(self).lower()
+
+    @property
+    def auth(self) -> bool:
+        return self.api_status in (401, 403)
+
+
+class KubernetesConnectionError(DiscoveryError):
+    """The API server could not be reached, or the connection broke mid-answer."""
+
+
+class WatchStalledError(KubernetesConnectionError):
+    """A watch stream stayed silent for `read_timeout_s`: resume it (not counted as an error)."""
+
+
+class CredentialsError(DiscoveryError):
+    """No usable Kubernetes credentials (no kubeconfig, bad file, not in a pod)."""
+
+
+# -- pods -----------------------------------------------------------------------------------
+def _mapping(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _text(value: Any) -> str:
+    return value if isinstance(value, str) else ""
+
+
+def pod_from_dict(raw: RawObject) -> Pod:
+    """The `Pod` of the raw JSON of a v1 Pod; missing or mistyped fields read as "not known"
+    (no IP, phase Unknown, not Ready). A pod without a UID is identified by its name."""
+    meta = _mapping(raw.get("metadata"))
+    status = _mapping(raw.get("status"))
+    name = _text(meta.get("name"))
+    conditions = status.get("conditions")
+    ready = isinstance(conditions, list) and any(
+        isinstance(c, dict) and c.get("type") == "Ready" and c.get("status") == "True"
+        for c in conditions)
+    restarts = 0
+    containers = status.get("containerStatuses")
+    if isinstance(containers, list):
+        for container in containers:
+            count = container.get("restartCount") if isinstance(container, dict) else None
+            if isinstance(count, int) and not isinstance(count, bool):
+                restarts += count
+    return Pod(uid=_text(meta.get("uid")) or name, name=name, ip=_text(status.get("podIP")),
+               phase=_text(status.get("phase")) or "Unknown", ready=ready,
+               terminating=bool(meta.get("deletionTimestamp")), restart_count=restarts)
+
+
+def resource_version_of(obj: Any) -> str:
+    """`metadata.resourceVersion` of a raw object, or "" if it has none."""
+    if isinstance(obj, dict):
+        meta = obj.get("metadata")
+        if isinstance(meta, dict):
+            return _text(meta.get("resourceVersion"))
+    return ""
+
+
+def status_error_from_event(obj: Any) -> KubernetesStatusError:
+    """The error carried by a watch ERROR event (its object is a v1 Status)."""
+    status = _mapping(obj)
+    code = status.get("code")
+    message = f"{_text(status.get('reason')) or 'Error'}: {_text(status.get('message'))}"
+    return KubernetesStatusError(f"watch ERROR event {code}: {message}",
+                                 api_status=code if isinstance(code, int) else 0)
+
+
+@dataclass(frozen=True, slots=True)
+class PodListing:
+    """One LIST answer: the pods and the list's resourceVersion to watch from."""
+
+    pods: tuple[Pod, ...]
+    resource_version: str
+
+
+# -- the interfaces the algorithm runs against -----------------------------------------------
+class PodSink(Protocol):
+    """Where pods go (the Reconciler). Both methods are synchronous: when they return, the
+    routing table reflects the change."""
+
+    def apply(self, event: PodEvent) -> None: ...
+
+    def replace(self, pods: Iterable[Pod]) -> None: ...
+
+
+class WatchObserver(Protocol):
+    """Receives one watch stream, on the Trio thread, in order."""
+
+    def connected(self) -> None:
+        """The server accepted the watch (response headers received)."""
+
+    def event(self, raw: RawObject) -> None:
+        """One raw watch event: {"type": ADDED|MODIFIED|DELETED|BOOKMARK, "object": {...}}."""
+
+
+class PodSource(Protocol):
+    """LIST and WATCH of the engine pods. Errors are `DiscoveryError`s (see the subclasses
+    above); a source turns a watch ERROR event into a `KubernetesStatusError`."""
+
+    async def list_pods(self) -> PodListing:
+        """A consistent LIST (resourceVersion unset)."""
+        ...
+
+    async def watch(self, resource_version: str, observer: WatchObserver, *,
+                    timeout_seconds: int) -> None:
+        """Stream events after `resource_version` to `observer` until the server ends the
+        stream (return) or it fails (raise). Cancellation stops the stream."""
+        ...
+
+
+# -- status ---------------------------------------------------------------------------------
+class DiscoveryStatus:
+    """Progress and errors of discovery, for `/health` and `/metrics`. A plain object mutated
+    on the Trio thread by the discovery loop; times are `trio.current_time()` values."""
+
+    mode: str = "kubernetes"
+
+    def __init__(self, *, stale_after_s: float = 180.0,
+                 failing_after_errors: int = FAILING_AFTER_ERRORS) -> None:
+        self.stale_after_s = stale_after_s  # set from the config by run_kubernetes_discovery
+        self.failing_after_errors = failing_after_errors
+        self.synced = False  # the first LIST has been applied
+        self.last_progress: float | None = None  # last event, bookmark, connect, clean end, LIST
+        self.last_list: float | None = None  # last successful LIST
+        self.resource_version: str | None = None
+        self.consecutive_errors = 0
+        self.errors = 0
+        self.last_error: str | None = None
+        self.auth_failing = False  # the API server answered 401/403, or no credentials
+        self.reconnects = 0  # watch streams opened after the first
+        self.relists = 0  # successful LISTs after the first
+        self.events_applied = 0  # ADDED/MODIFIED/DELETED handed to the sink
+        self.bookmarks = 0
+
+    @staticmethod
+    def static() -> StaticDiscoveryStatus:
+        """The status of static discovery: synced from the start, always healthy."""
+        return StaticDiscoveryStatus()
+
+    # -- updates (discovery loop, Trio thread) ---------------------------------------------
+    def record_list(self, now: float, resource_version: str) -> None:
+        if self.synced:
+            self.relists += 1
+        self.synced = True
+        self.last_list = self.last_progress = now
+        self.resource_version = resource_version
+        self._succeeded()
+
+    def record_connected(self, now: float) -> None:
+        self.last_progress = now
+        self.auth_failing = False
+
+    def record_event(self, now: float, resource_version: str, *, bookmark: bool) -> None:
+        if bookmark:
+            self.bookmarks += 1
+        else:
+            self.events_applied += 1
+        if resource_version:
+            self.resource_version = resource_version
+        self.last_progress = now
+        self._succeeded()
+
+    def record_clean_end(self, now: float) -> None:
+        self.last_progress = now
+        self._succeeded()
+
+    def record_error(self, message: str, *, auth: bool = False) -> None:
+        self.errors += 1
+        self.consecutive_errors += 1
+        self.last_error = message
+        self.auth_failing = auth
+
+    def _succeeded(self) -> None:
+        self.consecutive_errors = 0
+        self.auth_failing = False
+
+    # -- reads -----------------------------------------------------------------------------
+    def health(self, now: float) -> tuple[bool, str]:
+        """(True, "ok") while discovery is live and current; else False and the reason."""
+        if not self.synced:
+            last = f"; last error: {self.last_error}" if self.last_error else ""
+            return False, f"Kubernetes pods not listed yet{last}"
+        if self.auth_failing:
+            return False, f"Kubernetes API rejects the router's credentials: {self.last_error}"
+        if self.consecutive_errors >= self.failing_after_errors:
+            return False, (f"Kubernetes watch failing: {self.consecutive_errors} consecutive "
+                           f"errors; last: {self.last_error}")
+        age = now - (self.last_progress if self.last_progress is not None else now)
+        if age > self.stale_after_s:
+            return False, (f"Kubernetes watch stale: no progress for {age:.0f} s "
+                           f"(limit {self.stale_after_s:g} s)")
+        return True, "ok"
+
+    def snapshot(self, now: float) -> dict[str, float | int | str | None]:
+        """Everything above as a flat dict; numeric values become
+        `trio_router_discovery_<key>` gauges on /metrics."""
+        ok, reason = self.health(now)
+        return {
+            "synced": int(self.synced),
+            "healthy": int(ok),
+            "health_reason": reason,
+            "auth_failing": int(self.auth_failing),
+            "last_progress_age_seconds": _age(now, self.last_progress),
+            "last_list_age_seconds": _age(now, self.last_list),
+            "resource_version": self.resource_version,
+            "consecutive_errors": self.consecutive_errors,
+            "errors_total": self.errors,
+            "last_error": self.last_error,
+            "reconnects_total": self.reconnects,
+            "relists_total": self.relists,
+            "events_total": self.events_applied,
+            "bookmarks_total": self.bookmarks,
+        }
+
+
+def _age(now: float, then: float | None) -> float | None:
+    return None if then is None else max(0.0, now - then)
+
+
+class StaticDiscoveryStatus(DiscoveryStatus):
+    """Static discovery (fixed URLs): synced from the start and always healthy."""
+
+    mode = "static"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.synced = True
+
+    def health(self, now: float) -> tuple[bool, str]:
+        return True, "static discovery"
+
+
+# -- the algorithm --------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WatchTuning:
+    """The algorithm's timing constants (client-go reflector values by default)."""
+
+    backoff_initial_s: float = 0.8
+    backoff_factor: float = 2.0
+    backoff_max_s: float = 30.0  # cap of the base delay d; each sleep is in [d, 2d)
+    backoff_reset_s: float = 120.0  # the delay starts over after this long without errors
+    watch_timeout_s: tuple[float, float] = (300.0, 600.0)  # server-side timeoutSeconds range
+    short_watch_s: float = 1.0  # a clean end sooner than this, with no event, is an error
+    relist_jitter: float = 0.1  # the safety-net relist period varies by ±this fraction
+
+
+class Backoff:
+    """Exponential backoff with full jitter, as client-go's reflector: the base delay d starts
+    at `backoff_initial_s`, doubles per failure up to `backoff_max_s`, and each sleep is drawn
+    from [d, 2d). After `backoff_reset_s` without a failure, d starts over."""
+
+    def __init__(self, tuning: WatchTuning, rng: random.Random) -> None:
+        self._tuning, self._rng = tuning, rng
+        self._base = tuning.backoff_initial_s
+        self._last_failure: float | None = None
+
+    def next_delay(self, now: float) -> float:
+        """Record a failure at `now`; return how long to sleep before the next attempt."""
+        t = self._tuning
+        if self._last_failure is not None and now - self._last_failure >= t.backoff_reset_s:
+            self._base = t.backoff_initial_s
+        self._last_failure = now
+        base = self._base
+        self._base = min(base * t.backoff_factor, t.backoff_max_s)
+        return self._rng.uniform(base, 2 * base)
+
+
+async def run_kubernetes_discovery(
+    source: PodSource, sink: PodSink, status: DiscoveryStatus, config: KubernetesConfig, *,
+    tuning: WatchTuning | None = None, rng: random.Random | None = None,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Mirror the pods of `source` into `sink` until cancelled (DISCOVERY.md §2).
+
+    Ready (`task_status.started()`) once the first LIST attempt is over: after a success the
+    sink holds every pod; after a failure `status.synced` stays False, so `/health` answers
+    503, and LIST is retried with backoff in the background. Never raises for Kubernetes
+    errors; they are logged, counted in `status`, and retried. Cancellation stops the watch
+    (its thread is told to stop and abandoned; see `KubernetesPodSource`).
+    """
+    status.stale_after_s = config.stale_after_s
+    loop = _DiscoveryLoop(source, sink, status, config, tuning or WatchTuning(),
+                          rng or random.Random())
+    await loop.run(task_status)
+
+
+class _DiscoveryLoop:
+    """The state of one discovery run; also the `WatchObserver` of its watch streams."""
+
+    def __init__(self, source: PodSource, sink: PodSink, status: DiscoveryStatus,
+                 config: KubernetesConfig, tuning: WatchTuning, rng: random.Random) -> None:
+        self._source, self._sink, self._status = source, sink, status
+        self._config, self._tuning, self._rng = config, tuning, rng
+        self._backoff = Backoff(tuning, rng)
+        self._rv = ""  # last resourceVersion seen: the list's, then every event's
+        self._list_rv = ""
+        self._relist_at = math.inf  # trio time of the next safety-net relist
+        self._stream_events = 0  # events and bookmarks in the current watch stream
+        self._watches = 0
+
+    async def run(self, task_status: trio.TaskStatus[None]) -> None:
+        started = False
+        need_list = True
+        while True:
+            if need_list:
+                failure = await self._list()
+                if not started:
+                    task_status.started()
+                    started = True
+                if failure is not None:
+                    await self._back_off("LIST", failure)
+                    continue
+            need_list = await self._watch()
+
+    async def _list(self) -> DiscoveryError | None:
+        try:
+            listing = await self._source.list_pods()
+        except DiscoveryError as exc:
+            return exc
+        now = trio.current_time()
+        self._sink.replace(listing.pods)
+        first = not self._status.synced
+        self._status.record_list(now, listing.resource_version)
+        self._rv = self._list_rv = listing.resource_version
+        jitter = self._tuning.relist_jitter
+        self._relist_at = now + self._config.relist_interval_s * self._rng.uniform(
+            1 - jitter, 1 + jitter)
+        logger.log(logging.INFO if first else logging.DEBUG,
+                   "listed %d pod(s) in %s matching %r at resourceVersion %s",
+                   len(listing.pods), self._config.namespace, self._config.label_selector,
+                   listing.resource_version)
+        return None
+
+    async def _watch(self) -> bool:
+        """Run one watch stream from the last resourceVersion; True if a LIST comes next."""
+        low, high = self._tuning.watch_timeout_s
+        timeout_seconds = max(1, int(self._rng.uniform(low, high)))
+        if self._watches:
+            self._status.reconnects += 1
+        self._watches += 1
+        self._stream_events = 0
+        began = trio.current_time()
+        with trio.move_on_at(self._relist_at):
+            try:
+                await self._source.watch(self._rv, self, timeout_seconds=timeout_seconds)
+            except WatchStalledError as exc:  # a quiet stream: resume at once
+                logger.info("%s; resuming from resourceVersion %s", exc, self._rv)
+                return False
+            except KubernetesStatusError as exc:
+                if exc.expired:
+                    if self._stream_events == 0 and self._rv == self._list_rv:
+                        await self._back_off("watch", exc)  # expired at once: do not spin
+                    logger.info("watch from resourceVersion %s expired (%s); relisting",
+                                self._rv, exc)
+                    return True
+                await self._back_off("watch", exc)
+                return exc.too_large_resource_version  # relist with the resourceVersion unset
+            except DiscoveryError as exc:
+                await self._back_off("watch", exc)
+                return False
+            now = trio.current_time()
+            if self._stream_events == 0 and now - began < self._tuning.short_watch_s:
+                await self._back_off("watch", KubernetesConnectionError(
+                    f"watch ended after {now - began:.2f} s with no event"))
+                return False
+            self._status.record_clean_end(now)
+            return False
+        logger.info("safety-net relist (every %g s)", self._config.relist_interval_s)
+        return True
+
+    async def _back_off(self, what: str, exc: DiscoveryError) -> None:
+        delay = self._backoff.next_delay(trio.current_time())
+        auth = isinstance(exc, CredentialsError)
+        if isinstance(exc, KubernetesStatusError):
+            auth = exc.auth
+            if exc.retry_after is not None:
+                delay = max(delay, min(exc.retry_after, RETRY_AFTER_MAX_S))
+        self._status.record_error(f"{what}: {exc}", auth=auth)
+        logger.warning("Kubernetes %s failed: %s; retrying in %.1f s", what, exc, delay)
+        await trio.sleep(delay)
+
+    # -- WatchObserver ---------------------------------------------------------------------
+    def connected(self) -> None:
+        self._status.record_connected(trio.current_time())
+
+    def event(self, raw: RawObject) -> None:
+        kind = raw.get("type")
+        obj = raw.get("object")
+        if kind == "BOOKMARK":
+            bookmark = True
+        elif isinstance(obj, dict) and (event_type := _EVENT_TYPES.get(str(kind))) is not None:
+            bookmark = False
+            self._sink.apply(PodEvent(event_type, pod_from_dict(obj)))
+        else:
+            logger.warning("ignoring a watch event of type %r", kind)
+            return
+        if rv := resource_version_of(obj):
+            self._rv = rv
+        self._stream_events += 1
+        self._status.record_event(trio.current_time(), rv, bookmark=bookmark)
+
+
+# -- the real source ------------------------------------------------------------------------
+def new_api_client(kubeconfig: str = "") -> Any:
+    """A private `kubernetes.client.ApiClient` (no global configuration): in-cluster
+    credentials when running in a pod (KUBERNETES_SERVICE_HOST set), else the `kubeconfig`
+    file, else $KUBECONFIG, else ~/.kube/config. Blocking (reads files, may run a credential
+    plugin): call it from a worker thread. Raises CredentialsError."""
+    configuration = kubernetes.client.Configuration()
+    configuration.retries = 0  # the discovery loop retries, with backoff
+    try:
+        if os.environ.get("KUBERNETES_SERVICE_HOST"):
+            _kube_config.load_incluster_config(client_configuration=configuration)
+            return kubernetes.client.ApiClient(configuration)
+        path = kubeconfig or os.environ.get("KUBECONFIG") or "~/.kube/config"
+        return _kube_config.new_client_from_config(
+            config_file=path, client_configuration=configuration, persist_config=False)
+    except Exception as exc:  # the loaders raise ConfigException, OSError, YAML errors, ...
+        raise CredentialsError(f"cannot load Kubernetes credentials: {exc}") from exc
+
+
+class KubernetesPodSource:
+    """`PodSource` on the official client, with raw JSON (no model objects).
+
+    Every request runs in a worker thread admitted by this source's own `CapacityLimiter(1)`,
+    so Kubernetes I/O never waits for other users of `trio.to_thread` and at most one request
+    runs at a time. Threads are started with `abandon_on_cancel=True`: a cancelled LIST or
+    watch returns at once and its thread is told to stop (the watch's socket is shut down); it
+    still holds the limiter until it has ended. After a 401 or 403 the credentials are loaded
+    afresh for the next request (a rotated token or kubeconfig is picked up).
+    """
+
+    def __init__(self, config: KubernetesConfig, *,
+                 api_client_factory: Callable[[], Any] | None = None) -> None:
+        self._config = config
+        self._new_api_client = api_client_factory or partial(new_api_client, config.kubeconfig)
+        self._limiter = trio.CapacityLimiter(1)
+        self._api: Any = None  # CoreV1Api; made and used only in this source's worker threads
+
+    @property
+    def limiter(self) -> trio.CapacityLimiter:
+        """The limiter of this source's threads; acquiring it waits until none is running."""
+        return self._limiter
+
+    async def list_pods(self) -> PodListing:
+        """LIST with the resourceVersion unset. Cancellation abandons the thread, which ends
+        within the request's timeouts (5 s connect, 30 s per read)."""
+        return await trio.to_thread.run_sync(
+            self._list_blocking, thread_name=LIST_THREAD_NAME, abandon_on_cancel=True,
+            limiter=self._limiter)
+
+    async def watch(self, resource_version: str, observer: WatchObserver, *,
+                    timeout_seconds: int) -> None:
+        """Watch from `resource_version` with bookmarks; see `PodSource.watch`. Each event is
+        handed over by the watch thread and waits until this task has applied the previous
+        one. On cancellation the `finally` stops the watch, which shuts its socket down, so
+        the thread ends at once (at worst within the connect timeout, or `read_timeout_s` if
+        the server never sent the response headers)."""
+        stream = _WatchStream(self, resource_version, timeout_seconds,
+                              trio.lowlevel.current_trio_token())
+        send, receive = trio.open_memory_channel[RawObject](0)
+        failures: list[DiscoveryError] = []
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._pump, stream, send, failures)
+                async with receive:
+                    async for raw in receive:
+                        if raw is _CONNECTED:
+                            observer.connected()
+                        else:
+                            observer.event(raw)
+        finally:
+            stream.stop()
+        if failures:
+            raise failures[0]
+
+    async def _pump(self, stream: _WatchStream, send: trio.MemorySendChannel[RawObject],
+                    failures: list[DiscoveryError]) -> None:
+        async with send:  # closed when the thread has ended: the receiving loop then ends
+            try:
+                await trio.to_thread.run_sync(stream.run, send, thread_name=WATCH_THREAD_NAME,
+                                              abandon_on_cancel=True, limiter=self._limiter)
+            except DiscoveryError as exc:
+                failures.append(exc)
+
+    # -- worker-thread side ----------------------------------------------------------------
+    def _core_api(self) -> Any:
+        if self._api is None:
+            self._api = kubernetes.client.CoreV1Api(self._new_api_client())
+        return self._api
+
+    def _list_blocking(self) -> PodListing:
+        api = self._core_api()
+        kwargs: dict[str, Any] = {}
+        if self._config.label_selector:
+            kwargs["label_selector"] = self._config.label_selector
+        try:
+            response = api.list_namespaced_pod(
+                self._config.namespace, _request_timeout=(CONNECT_TIMEOUT_S, LIST_READ_TIMEOUT_S),
+                _preload_content=False, **kwargs)
+            try:
+                body = response.data
+            finally:
+                response.release_conn()
+        except Exception as exc:
+            if (translated := self._translate(exc, "LIST")) is None:
+                raise
+            raise translated from exc
+        try:
+            answer = json.loads(body)
+        except ValueError as exc:
+            raise DiscoveryError(f"LIST of pods answered with invalid JSON: {exc}") from exc
+        items = answer.get("items") if isinstance(answer, dict) else None
+        version = resource_version_of(answer)
+        if not isinstance(items, list) or not version:
+            raise DiscoveryError("LIST of pods answered without items or resourceVersion")
+        return PodListing(tuple(pod_from_dict(i) for i in items if isinstance(i, dict)), version)
+
+    def _translate(self, exc: Exception, what: str) -> DiscoveryError | None:
+        """The DiscoveryError for what the client raised, or None for anything unexpected."""
+        if isinstance(exc, ApiException) and exc.status:
+            if exc.status in (401, 403):
+                self._api = None  # load the credentials afresh for the next request
+            return _status_error(exc, what)
+        if isinstance(exc, ApiException | urllib3.exceptions.HTTPError | OSError
+                      | http.client.HTTPException):
+            return KubernetesConnectionError(f"{what}: Kubernetes API unreachable: {exc}")
+        return None
+
+
+class _Stopped(Exception):
+    """Raised in the watch thread when the Trio side has stopped the stream."""
+
+
+class _RawWatch(_Watch):  # type: ignore[misc]
+    """A Watch that yields raw event dicts, with no model deserialization (far too slow at
+    10,000 events/s). Unlike `stream(..., deserialize=False)`, it keeps the client's handling
+    of ERROR events (an `ApiException` with the event's code)."""
+
+    def get_return_type(self, func: Any) -> str:
+        return ""  # no model type: unmarshal_event returns the parsed JSON
+
+
+class _WatchStream:
+    """One watch stream run by a worker thread; `stop()` (Trio thread) ends it."""
+
+    def __init__(self, source: KubernetesPodSource, resource_version: str,
+                 timeout_seconds: int, token: trio.lowlevel.TrioToken) -> None:
+        self._source, self._rv, self._timeout = source, resource_version, timeout_seconds
+        self._token = token
+        self._watch: Any = _RawWatch()
+        self._send: trio.MemorySendChannel[RawObject] | None = None
+        self._list_fn: Callable[..., Any] | None = None
+        self._response: Any = None
+        self._connected = False
+        # Plain attributes shared with the thread: single loads and stores are atomic under
+        # the GIL, and stop() writes _stopped before reading _response while the thread
+        # writes _response before reading _stopped, so one of them always sees the other.
+        self._stopped = False
+
+    def stop(self) -> None:
+        """Trio thread: make the watch thread end now (idempotent)."""
+        self._stopped = True
+        self._watch.stop()  # kubernetes >= 36 shuts the socket down: a blocked read returns
+        response = self._response
+        if response is not None:
+            with contextlib.suppress(OSError, ValueError, RuntimeError):  # already closed
+                response.shutdown()
+
+    def run(self, send: trio.MemorySendChannel[RawObject]) -> None:
+        """Worker thread: stream the events to `send` until the server ends the stream.
+        Returns quietly when stopped or when the Trio side has gone."""
+        self._send = send
+        config = self._source._config
+        try:
+            self._list_fn = self._source._core_api().list_namespaced_pod
+            kwargs: dict[str, Any] = {}
+            if config.label_selector:
+                kwargs["label_selector"] = config.label_selector
+            events = self._watch.stream(
+                self._request, config.namespace, resource_version=self._rv,
+                allow_watch_bookmarks=True, timeout_seconds=self._timeout,
+                _request_timeout=(CONNECT_TIMEOUT_S, config.read_timeout_s), **kwargs)
+            try:
+                for raw in events:
+                    if self._stopped:
+                        return
+                    if isinstance(raw, dict) and not _deliver(send, raw, self._token):
+                        return
+            finally:
+                events.close()
+        except _Stopped:
+            return
+        except Exception as exc:
+            if self._stopped:
+                return  # whatever the shut-down socket raised is expected
+            if self._connected and isinstance(exc, urllib3.exceptions.ReadTimeoutError):
+                raise WatchStalledError(
+                    f"watch silent for {config.read_timeout_s:g} s (read timeout)") from exc
+            if (translated := self._source._translate(exc, "watch")) is None:
+                raise
+            raise translated from exc
+
+    def _request(self, *args: Any, **kwargs: Any) -> Any:
+        """`list_namespaced_pod(watch=True)` for `Watch.stream`: once the response headers
+        are in, tell the Trio side (a successful connect is progress)."""
+        assert self._list_fn is not None and self._send is not None
+        response = self._list_fn(*args, **kwargs)
+        self._response = response
+        if self._stopped or not _deliver(self._send, _CONNECTED, self._token):
+            response.release_conn()
+            raise _Stopped
+        self._connected = True
+        return response
+
+
+def _deliver(send: trio.MemorySendChannel[RawObject], item: RawObject,
+             token: trio.lowlevel.TrioToken) -> bool:
+    """Worker thread: hand `item` to the Trio side and wait until it has been received.
+    False, quietly, when the Trio side has gone (run finished, stream cancelled, channel
+    closed): the thread should then end."""
+    try:
+        trio.from_thread.run(send.send, item, trio_token=token)
+    except (trio.RunFinishedError, trio.Cancelled, trio.BrokenResourceError,
+            trio.ClosedResourceError):
+        return False
+    return True
+
+
+def _status_error(exc: ApiException, what: str) -> KubernetesStatusError:
+    message = str(exc.reason or "")
+    if exc.body:
+        with contextlib.suppress(ValueError, TypeError, AttributeError):
+            message = json.loads(exc.body).get("message") or message
+    return KubernetesStatusError(f"{what}: HTTP {exc.status}: {message}",
+                                 api_status=int(exc.status),
+                                 retry_after=_retry_after(exc.headers))
+
+
+def _retry_after(headers: Any) -> float | None:
+    """Seconds from a Retry-After header (the delta-seconds form), else None."""
+    value = headers.get("Retry-After") if headers is not None else None
+    try:
+        return max(0.0, float(value)) if value is not None else None
+    except ValueError:
+        return None
