@@ -555,7 +555,8 @@ class FakeEngineApp:
                     "usage": None if text is None else {
                         "input_tokens": prompt_tokens, "output_tokens": n,
                         "total_tokens": prompt_tokens + n,
-                        "input_tokens_details": {"cached_tokens": 0},
+                        "input_tokens_details": {"cached_tokens": 0,
+                                                 "cache_write_tokens": 0},
                         "output_tokens_details": {"reasoning_tokens": 0}}}
 
         if not request.get("stream"):
