@@ -1,0 +1,610 @@
+"""Routing policies: the pure, synchronous choice of one engine for one request.
+
+A decision reads the candidates (the routable engines serving the model), their in-flight
+counts, their scraped stats (ignored once stale), and the policy's own bounded memory. Nothing
+here awaits, does I/O or takes a lock: a decision runs on the Trio thread between two
+checkpoints, so it sees one consistent table. The only clock read is `trio.current_time()`
+(injectable), used to judge whether scraped stats are fresh. Cost per decision does not grow
+with the number of engines, except where noted (docs/routing.md has the measured figures).
+
+Policies: `round_robin`, `least_loaded` (power of two choices), `session` (consistent hashing
+with bounded load) and `prefix_aware` (approximate prefix-cache affinity). `make_policy` builds
+one from the config and subscribes it to engine removals, so its memory forgets a removed
+engine as soon as the engine leaves the table.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import random
+import struct
+from bisect import bisect_left, bisect_right
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, Protocol
+
+import trio
+
+from .config import RoutingConfig
+from .endpoints import Engine, RoutingTable
+from .errors import BadRequestError, NoEngineError
+
+EXACT_SCAN_MAX: Final = 16  # least_loaded compares every candidate up to this many, else p2c
+LOAD_SAMPLE: Final = 16  # candidates sampled to estimate the average load (session bound)
+WALK_MAX: Final = 8  # overloaded engines the session walk passes before using least_loaded
+RING_REBUILD_MIN: Final = 16  # new engines at once from which the ring is rebuilt, not patched
+_POINTS_PER_DIGEST: Final = 8  # 64-bit ring points per 64-byte BLAKE2b digest
+_POINTS: Final = struct.Struct(">8Q")
+_ROLE_SEP, _MESSAGE_SEP = "\x1f", "\x1e"  # separators that do not occur in ordinary text
+
+
+@dataclass(frozen=True, slots=True)
+class RequestInfo:
+    """What a policy may know of a request."""
+
+    model: str
+    session_key: str | None = None  # routing.session_header, else body["user"], else None
+    prompt: str | None = None  # chat messages rendered in order, or body["prompt"]; bounded
+
+
+class Policy(Protocol):
+    """A routing policy. `choose` is pure and synchronous; `forget` drops per-engine memory."""
+
+    name: str
+
+    def choose(self, candidates: Sequence[Engine], request: RequestInfo,
+               exclude: Collection[str] = ()) -> tuple[Engine, str]:
+        """The engine for `request` among `candidates` whose uid is not in `exclude`, and a
+        short reason for the decision log. Raises NoEngineError when none is left."""
+        ...
+
+    def forget(self, uid: str) -> None:
+        """Drop everything remembered about engine `uid` (it left the routing table)."""
+        ...
+
+
+# -- request facts ---------------------------------------------------------------------------
+
+def request_info(body: dict[str, Any],
+                 headers: Mapping[str, str] | Iterable[tuple[bytes, bytes]],
+                 config: RoutingConfig) -> RequestInfo:
+    """The routing facts of a parsed request body. `headers` is a mapping with lower-case
+    names, or ASGI's list of (name, value) byte pairs. The prompt is cut to the prefix window
+    (`prefix_chunk_chars * prefix_max_chunks` characters), so its cost is bounded.
+    Raises BadRequestError when the body has no "model" string."""
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequestError('the request body needs a "model" string')
+    key = _header(headers, config.session_header)
+    if not key:
+        user = body.get("user")
+        key = user if isinstance(user, str) and user else None
+    limit = config.prefix_chunk_chars * config.prefix_max_chunks
+    return RequestInfo(model=model, session_key=key, prompt=render_prompt(body, limit=limit))
+
+
+def _header(headers: Mapping[str, str] | Iterable[tuple[bytes, bytes]], name: str) -> str | None:
+    if isinstance(headers, Mapping):
+        value = headers.get(name.lower(), headers.get(name))
+        return value if isinstance(value, str) else None
+    wanted = name.lower().encode("latin-1")
+    for key, raw in headers:
+        if key.lower() == wanted:
+            return raw.decode("latin-1")
+    return None
+
+
+def render_prompt(body: Mapping[str, Any], *, limit: int) -> str | None:
+    """The request's prompt as one string, at most `limit` characters: chat `messages` rendered
+    in order (role, text parts, tool calls), else `prompt` (text, texts or token ids). A later
+    turn of a conversation renders to an extension of the earlier turn's rendering, which is
+    what prefix affinity needs. None when the body has neither."""
+    parts: list[str] = []
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        size = 0
+        for message in messages:
+            if isinstance(message, dict):
+                text = _render_message(message)
+                parts.append(text)
+                size += len(text)
+                if size >= limit:
+                    break
+    else:
+        _render_prompt_value(body.get("prompt"), parts, limit)
+    if not parts:
+        return None
+    return "".join(parts)[:limit]
+
+
+def _render_message(message: Mapping[str, Any]) -> str:
+    pieces = [str(message.get("role", "")), _ROLE_SEP]
+    content = message.get("content")
+    if isinstance(content, str):
+        pieces.append(content)
+    elif isinstance(content, list):
+        for part in content:
+            if not isinstance(part, dict):
+                continue
+            text = part.get("text")
+            if isinstance(text, str):
+                pieces.append(text)
+                continue
+            kind = part.get("type")
+            value = part.get(kind) if isinstance(kind, str) else None
+            pieces.append(f"<{kind}:{value.get('url', '')}>" if isinstance(value, dict)
+                          else f"<{kind}>")
+    tool_calls = message.get("tool_calls")
+    if isinstance(tool_calls, list):
+        for call in tool_calls:
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict):
+                pieces.append(f"<call {function.get('name')}:{function.get('arguments')}>")
+    if isinstance(call_id := message.get("tool_call_id"), str):
+        pieces.append(f"<result {call_id}>")
+    pieces.append(_MESSAGE_SEP)
+    return "".join(pieces)
+
+
+def _render_prompt_value(prompt: Any, parts: list[str], limit: int) -> None:
+    if isinstance(prompt, str):
+        parts.append(prompt[:limit])
+    elif isinstance(prompt, list) and prompt:
+        items = prompt[:limit]
+        if all(isinstance(t, int) for t in items):  # token ids
+            parts.append(",".join(map(str, items)))
+            return
+        size = 0  # a batch: texts or token-id lists, each followed by a separator
+        for item in items:
+            text = (item[:limit] if isinstance(item, str)
+                    else ",".join(map(str, item[:limit])) if isinstance(item, list) else "")
+            parts += (text, _MESSAGE_SEP)
+            size += len(text) + 1
+            if size >= limit:
+                break
+
+
+# -- load ------------------------------------------------------------------------------------
+
+class LoadGauge:
+    """How busy an engine looks, in "requests": its in-flight count from this router, plus
+    `queue_weight` per request the engine itself reports running or waiting, plus
+    `kv_weight` times its KV-cache usage (0..1). Scraped figures count only while fresh: when
+    their `scraped_at` is at most `stats_ttl` seconds old, or, with `stats_ttl` None, at most
+    the `stale_after` seconds the scraper recorded with them."""
+
+    __slots__ = ("_clock", "_kv_weight", "_queue_weight", "_stats_ttl")
+
+    def __init__(self, *, queue_weight: float, kv_weight: float, stats_ttl: float | None,
+                 clock: Callable[[], float]) -> None:
+        self._queue_weight, self._kv_weight = queue_weight, kv_weight
+        self._stats_ttl, self._clock = stats_ttl, clock
+
+    def now(self) -> float:
+        return self._clock()
+
+    def of(self, engine: Engine, now: float) -> float:
+        load: float = engine.in_flight
+        stats = engine.stats
+        if stats:
+            scraped_at = stats.get("scraped_at")
+            ttl = self._stats_ttl if self._stats_ttl is not None else stats.get("stale_after", 0.0)
+            if scraped_at is not None and now - scraped_at <= ttl:
+                queue = stats.get("running", 0.0) + stats.get("waiting", 0.0)
+                load += (self._queue_weight * queue
+                         + self._kv_weight * stats.get("kv_cache_usage", 0.0))
+        return load
+
+
+def _no_engine(model: str, candidates: Sequence[Engine]) -> NoEngineError:
+    if not candidates:
+        return NoEngineError(f"no routable engine serves model {model!r} right now")
+    return NoEngineError(f"no engine left to try for model {model!r}: all {len(candidates)} "
+                         f"routable engine(s) were tried")
+
+
+@dataclass(slots=True)
+class _View:
+    """The candidates of one model as last seen, indexed by uid. The routing table hands out
+    the same sequence object until it changes, so identity tells when to re-index (pass
+    `table.routable(model)` itself, not a copy, or every decision re-indexes)."""
+
+    source: Sequence[Engine]
+    by_uid: dict[str, Engine]
+    ring: tuple[list[int], list[str]] | None = None  # session: this model's own ring, if any
+
+
+# -- policies --------------------------------------------------------------------------------
+
+class RoundRobinPolicy:
+    """Each model's candidates in turn; excluded engines are skipped."""
+
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._next: dict[str, int] = {}  # per model: a shared counter would alias models
+
+    def choose(self, candidates: Sequence[Engine], request: RequestInfo,
+               exclude: Collection[str] = ()) -> tuple[Engine, str]:
+        n = len(candidates)
+        start = self._next.get(request.model, 0) % n if n else 0
+        for step in range(n):
+            engine = candidates[(start + step) % n]
+            if engine.uid not in exclude:
+                self._next[request.model] = start + step + 1
+                return engine, f"round robin: slot {(start + step) % n} of {n}"
+        raise _no_engine(request.model, candidates)
+
+    def forget(self, uid: str) -> None:
+        pass  # no per-engine memory
+
+
+class LeastLoadedPolicy:
+    """The less loaded of two random candidates (power of two choices: O(1) per decision and
+    no herd on one engine), or the least loaded of all when there are at most EXACT_SCAN_MAX.
+    Ties go to a random one."""
+
+    name = "least_loaded"
+
+    def __init__(self, gauge: LoadGauge, rng: random.Random) -> None:
+        self._gauge, self._random = gauge, rng.random
+
+    def choose(self, candidates: Sequence[Engine], request: RequestInfo,
+               exclude: Collection[str] = ()) -> tuple[Engine, str]:
+        engine, load, how = self.pick(candidates, exclude, self._gauge.now(), request.model)
+        return engine, f"least loaded ({how} of {len(candidates)}): load {load:.3g}"
+
+    def pick(self, candidates: Sequence[Engine], exclude: Collection[str], now: float,
+             model: str) -> tuple[Engine, float, str]:
+        """The chosen engine, its load, and how it was found. Raises NoEngineError."""
+        n, load, rand = len(candidates), self._gauge.of, self._random
+        if n > EXACT_SCAN_MAX:
+            first: Engine | None = None
+            for _ in range(8):  # eight draws find two allowed engines unless most are excluded
+                engine = candidates[int(rand() * n) % n]
+                if engine.uid in exclude or engine is first:
+                    continue
+                if first is None:
+                    first = engine
+                    continue
+                a, b = load(first, now), load(engine, now)
+                return (first, a, "p2c") if a <= b else (engine, b, "p2c")
+        best: Engine | None = None
+        best_load = float("inf")
+        start = int(rand() * n) % n if n else 0  # random start: ties go to a random engine
+        for engine in itertools.chain(candidates[start:], candidates[:start]):
+            if engine.uid not in exclude and (value := load(engine, now)) < best_load:
+                best, best_load = engine, value
+        if best is None:
+            raise _no_engine(model, candidates)
+        return best, best_load, "scan"
+
+    def forget(self, uid: str) -> None:
+        pass  # no per-engine memory
+
+
+class _HashRing:
+    """A consistent-hash ring: `vnodes` points per engine uid, from BLAKE2b, so every router
+    replica builds the same ring from the same uids whatever the order they were seen in.
+    A key belongs to the first point clockwise from its hash. Removing an engine only moves
+    the keys it owned. Removed uids are dropped lazily, in one pass once they hold an eighth
+    of the points, so a burst of removals does not cost a pass each."""
+
+    def __init__(self, vnodes: int) -> None:
+        self._vnodes = vnodes
+        self.points: list[int] = []  # sorted by (point, owner)
+        self.owners: list[str] = []
+        self._members: set[str] = set()  # uids with points on the ring, dead ones included
+        self._dead: set[str] = set()  # forgotten uids whose points are still on the ring
+
+    def __len__(self) -> int:
+        return len(self._members) - len(self._dead)
+
+    def points_of(self, uid: str) -> list[int]:
+        raw = uid.encode("utf-8", "surrogatepass")
+        out: list[int] = []
+        for block in range(-(-self._vnodes // _POINTS_PER_DIGEST)):
+            digest = hashlib.blake2b(raw + block.to_bytes(4, "big"), digest_size=64).digest()
+            out.extend(_POINTS.unpack(digest))
+        return out[:self._vnodes]
+
+    def ensure(self, uids: Iterable[str]) -> None:
+        """Put every uid in `uids` on the ring (a no-op for those already there)."""
+        new = []
+        for uid in uids:
+            if uid in self._dead:
+                self._dead.discard(uid)  # its points never left
+            elif uid not in self._members:
+                new.append(uid)
+        if not new:
+            return
+        if len(new) >= RING_REBUILD_MIN or len(new) * 4 > len(self._members):
+            self._rebuild(itertools.chain(self._members - self._dead, new))
+            return
+        points, owners = self.points, self.owners
+        for uid in new:
+            self._members.add(uid)
+            for point in self.points_of(uid):
+                i = bisect_left(points, point)
+                while i < len(points) and points[i] == point and owners[i] < uid:
+                    i += 1
+                points.insert(i, point)
+                owners.insert(i, uid)
+
+    def subset(self, uids: Collection[str]) -> tuple[list[int], list[str]]:
+        """The points of `uids`, sorted by (point, uid) as the ring keeps them."""
+        points: list[int] = []
+        owners: list[str] = []
+        for uid in sorted(uids):
+            mine = self.points_of(uid)
+            points += mine
+            owners += [uid] * len(mine)
+        order = sorted(range(len(points)), key=points.__getitem__)  # stable: ties by uid
+        return [points[i] for i in order], [owners[i] for i in order]
+
+    def forget(self, uid: str) -> None:
+        if uid in self._members and uid not in self._dead:
+            self._dead.add(uid)
+            if len(self._dead) * 8 > len(self._members):
+                self._rebuild(self._members - self._dead)
+
+    def _rebuild(self, uids: Iterable[str]) -> None:
+        members = set(uids)
+        self.points, self.owners = self.subset(members)
+        self._members, self._dead = members, set()
+
+
+def key_hash(key: str) -> int:
+    """A 64-bit hash of a session key, the same in every process (unlike `hash()`)."""
+    digest = hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+class SessionPolicy:
+    """Session affinity: consistent hashing of the session key onto a ring of the model's
+    engines, so every replica with the same engines picks the same one for a key, and losing
+    one of N engines moves only its ~1/N of the keys. Bounded load: an engine whose load is
+    above `load_factor` * average + 1 is passed over for the next one clockwise (at most
+    WALK_MAX of them, then least_loaded). Without a key: least_loaded."""
+
+    name = "session"
+
+    def __init__(self, gauge: LoadGauge, fallback: LeastLoadedPolicy, rng: random.Random, *,
+                 load_factor: float, vnodes: int) -> None:
+        self._gauge, self._fallback, self._random = gauge, fallback, rng.random
+        self._load_factor = load_factor
+        self._ring = _HashRing(vnodes)
+        self._views: dict[str, _View] = {}
+
+    def choose(self, candidates: Sequence[Engine], request: RequestInfo,
+               exclude: Collection[str] = ()) -> tuple[Engine, str]:
+        now = self._gauge.now()
+        if request.session_key is None or not candidates:
+            engine, load, how = self._fallback.pick(candidates, exclude, now, request.model)
+            return engine, f"session: no key; least loaded ({how}): load {load:.3g}"
+        view = self._view(request.model, candidates)
+        by_uid, n = view.by_uid, len(view.by_uid)
+        points, owners = view.ring or (self._ring.points, self._ring.owners)
+        size = len(points)
+        i = bisect_right(points, key_hash(request.session_key))
+        load_of = self._gauge.of
+        bound: float | None = None
+        passed = 0
+        visited: set[str] = set()
+        for _ in range(size):
+            if i >= size:
+                i = 0
+            uid = owners[i]
+            i += 1
+            candidate = by_uid.get(uid)
+            if candidate is None or uid in visited:
+                continue  # not serving this model, or met before on this walk
+            visited.add(uid)
+            if uid not in exclude:
+                load = load_of(candidate, now)
+                if load <= 1.0:  # the bound is at least 1: no need for the average
+                    return candidate, self._why(passed, load, bound)
+                if bound is None:
+                    bound = self._load_factor * self._average(candidates, now) + 1.0
+                if load <= bound:
+                    return candidate, self._why(passed, load, bound)
+                passed += 1
+                if passed >= WALK_MAX:
+                    break
+            if len(visited) == n:
+                break
+        engine, load, how = self._fallback.pick(candidates, exclude, now, request.model)
+        return engine, (f"session: {passed} ring engine(s) over the load bound "
+                        f"{bound or 0:.3g}; least loaded ({how}): load {load:.3g}")
+
+    @staticmethod
+    def _why(passed: int, load: float, bound: float | None) -> str:
+        if not passed:
+            return f"session: ring owner, load {load:.3g}"
+        return (f"session: next on the ring after {passed} over the load bound "
+                f"{bound or 0:.3g}, load {load:.3g}")
+
+    def _average(self, candidates: Sequence[Engine], now: float) -> float:
+        n, load = len(candidates), self._gauge.of
+        if n <= LOAD_SAMPLE:
+            return sum(load(e, now) for e in candidates) / n
+        rand = self._random
+        return sum(load(candidates[int(rand() * n) % n], now)
+                   for _ in range(LOAD_SAMPLE)) / LOAD_SAMPLE
+
+    def _view(self, model: str, candidates: Sequence[Engine]) -> _View:
+        old = self._views.get(model)
+        if old is not None and old.source is candidates:
+            return old
+        view = self._views[model] = _View(candidates, {e.uid: e for e in candidates})
+        self._ring.ensure(view.by_uid)
+        if len(view.by_uid) * 4 < len(self._ring):
+            # Few of the ring's engines serve this model: walking the shared ring would pass
+            # ~len(ring)/n foreign points per decision, so give the model its own ring. It
+            # holds the same points, so it picks exactly what the shared ring would.
+            if old is not None and old.ring is not None and old.by_uid.keys() == view.by_uid.keys():
+                view.ring = old.ring
+            else:
+                view.ring = self._ring.subset(view.by_uid)
+        return view
+
+    def forget(self, uid: str) -> None:
+        self._ring.forget(uid)
+        self._views = {m: v for m, v in self._views.items() if uid not in v.by_uid}
+
+
+class PrefixAwarePolicy:
+    """Approximate prefix-cache affinity. The prompt is cut into `chunk_chars`-character
+    chunks (at most `max_chunks`), each chunk's key hashing the model and the whole prefix up
+    to it (a chain). An LRU of at most `capacity` keys remembers which engine last served each
+    prefix; a request goes to the engine holding its longest remembered prefix unless that
+    engine is overloaded compared with the least loaded (load above least + `balance_abs` and
+    above `balance_rel` * least), else to the least loaded. The choice is then recorded for
+    every chunk of the prompt. Keys use Python's keyed `hash()`: the memory is per process and
+    never shared, so it need not be stable across processes."""
+
+    name = "prefix_aware"
+
+    def __init__(self, gauge: LoadGauge, fallback: LeastLoadedPolicy, *, chunk_chars: int,
+                 max_chunks: int, capacity: int, balance_abs: float,
+                 balance_rel: float) -> None:
+        self._gauge, self._fallback = gauge, fallback
+        self._chunk_chars, self._capacity = chunk_chars, capacity
+        self._slices = [slice(i * chunk_chars, (i + 1) * chunk_chars) for i in range(max_chunks)]
+        self._balance_abs, self._balance_rel = balance_abs, balance_rel
+        self._entries: OrderedDict[int, str] = OrderedDict()  # chain key -> engine uid
+        self._views: dict[str, _View] = {}
+        self._known: set[str] = set()  # uids seen among candidates and not forgotten
+        self._dead: set[str] = set()  # forgotten uids that may still own entries
+
+    def __len__(self) -> int:
+        """Remembered chunk chains (at most `capacity`)."""
+        return len(self._entries)
+
+    def owners(self) -> set[str]:
+        """The uids that own at least one remembered chain (O(entries): for tests and debug)."""
+        return set(self._entries.values()) - self._dead
+
+    def chunk_keys(self, model: str, prompt: str | None) -> list[int]:
+        """The chain keys of the full chunks of `prompt`, shortest prefix first."""
+        if not prompt:
+            return []
+        key, keys = hash(model), []
+        for part in itertools.islice(self._slices, len(prompt) // self._chunk_chars):
+            key = hash((key, prompt[part]))
+            keys.append(key)
+        return keys
+
+    def choose(self, candidates: Sequence[Engine], request: RequestInfo,
+               exclude: Collection[str] = ()) -> tuple[Engine, str]:
+        now = self._gauge.now()
+        if not candidates:
+            raise _no_engine(request.model, candidates)
+        by_uid = self._view(request.model, candidates).by_uid
+        keys = self.chunk_keys(request.model, request.prompt)
+        matched, depth = self._longest_match(keys, by_uid, exclude)
+        if matched is not None:
+            load = self._gauge.of(matched, now)
+            if load <= self._balance_abs:  # cannot exceed least + abs: no need to look
+                self._record(keys, matched.uid)
+                return matched, f"prefix: {depth}/{len(keys)} chunks held, load {load:.3g}"
+            least, least_load, how = self._fallback.pick(candidates, exclude, now,
+                                                         request.model)
+            if not (load > least_load + self._balance_abs
+                    and load > least_load * self._balance_rel):
+                self._record(keys, matched.uid)
+                return matched, (f"prefix: {depth}/{len(keys)} chunks held, load {load:.3g} "
+                                 f"(least {least_load:.3g})")
+            self._record(keys, least.uid)
+            return least, (f"prefix: holder of {depth}/{len(keys)} chunks overloaded "
+                           f"({load:.3g}); least loaded ({how}): load {least_load:.3g}")
+        least, least_load, how = self._fallback.pick(candidates, exclude, now, request.model)
+        self._record(keys, least.uid)
+        return least, f"prefix: no match in {len(keys)} chunks; least loaded ({how}): " \
+                      f"load {least_load:.3g}"
+
+    def _longest_match(self, keys: list[int], by_uid: dict[str, Engine],
+                       exclude: Collection[str]) -> tuple[Engine | None, int]:
+        """Binary search for the longest remembered prefix, then walk down to one whose
+        engine may take the request. `_record` stores a prompt's keys longest first, so a
+        shorter prefix is never older than a longer one and eviction keeps the remembered
+        prefixes of a prompt contiguous from the start: "chunk i is remembered" is monotone."""
+        entries = self._entries
+        lo, hi = 0, len(keys)  # keys[:lo] known remembered; keys[hi:] known not remembered
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if keys[mid - 1] in entries:
+                lo = mid
+            else:
+                hi = mid - 1
+        for depth in range(lo, 0, -1):
+            uid = entries.get(keys[depth - 1])
+            if uid is not None and uid not in exclude and (engine := by_uid.get(uid)):
+                return engine, depth
+        return None, 0
+
+    def _record(self, keys: list[int], uid: str) -> None:
+        entries = self._entries
+        move = entries.move_to_end
+        for key in reversed(keys):  # longest first: shorter prefixes end up more recent
+            entries[key] = uid
+            move(key)
+        while len(entries) > self._capacity:
+            entries.popitem(last=False)
+
+    def _view(self, model: str, candidates: Sequence[Engine]) -> _View:
+        view = self._views.get(model)
+        if view is None or view.source is not candidates:
+            view = self._views[model] = _View(candidates, {e.uid: e for e in candidates})
+            if not self._dead.isdisjoint(view.by_uid):
+                self._sweep()  # a forgotten uid is back: its old entries must not return
+            self._known.update(view.by_uid)
+        return view
+
+    def forget(self, uid: str) -> None:
+        """Never match `uid` again from now on; its entries are swept at once when few engines
+        are known, else once an eighth of the known engines are forgotten (one pass over the
+        LRU for many removals). Meanwhile they cannot match: lookups only accept candidates."""
+        self._views = {m: v for m, v in self._views.items() if uid not in v.by_uid}
+        self._known.discard(uid)
+        self._dead.add(uid)
+        if len(self._dead) * 8 > len(self._known):
+            self._sweep()
+
+    def _sweep(self) -> None:
+        dead, entries = self._dead, self._entries
+        for key in [k for k, uid in entries.items() if uid in dead]:
+            del entries[key]
+        dead.clear()
+
+
+def make_policy(config: RoutingConfig, table: RoutingTable, *,
+                stats_ttl: float | None = None, clock: Callable[[], float] | None = None,
+                rng: random.Random | None = None) -> Policy:
+    """Build the policy `config.policy` names and subscribe its `forget` to `table`'s engine
+    removals. `stats_ttl`: seconds after which scraped stats are ignored (None: the
+    `stale_after` the scraper stores with them, 3 * stats.interval_s). `clock` defaults to
+    `trio.current_time` (so `choose` must then run inside Trio); `rng` to a fresh Random."""
+    rng = rng if rng is not None else random.Random()
+    gauge = LoadGauge(queue_weight=config.load_queue_weight, kv_weight=config.load_kv_weight,
+                      stats_ttl=stats_ttl, clock=clock if clock is not None else trio.current_time)
+    least = LeastLoadedPolicy(gauge, rng)
+    policy: Policy
+    if config.policy == "round_robin":
+        policy = RoundRobinPolicy()
+    elif config.policy == "least_loaded":
+        policy = least
+    elif config.policy == "session":
+        policy = SessionPolicy(gauge, least, rng, load_factor=config.session_load_factor,
+                               vnodes=config.session_vnodes)
+    elif config.policy == "prefix_aware":
+        policy = PrefixAwarePolicy(
+            gauge, least, chunk_chars=config.prefix_chunk_chars,
+            max_chunks=config.prefix_max_chunks, capacity=config.prefix_cache_entries,
+            balance_abs=config.prefix_balance_abs, balance_rel=config.prefix_balance_rel)
+    else:  # RoutingConfig validates the name
+        raise ValueError(f"unknown routing policy {config.policy!r}")
+    table.add_remove_listener(lambda engine: policy.forget(engine.uid))
+    return policy

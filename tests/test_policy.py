@@ -1,0 +1,469 @@
+"""Routing policies: fairness, load awareness, session stickiness and consistency, prefix
+affinity, bounded memory, forgetting removed engines, and `exclude` for every policy."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from trio_router.config import POLICIES, RoutingConfig, parse_config
+from trio_router.endpoints import Engine, EngineState, Model, RoutingTable
+from trio_router.errors import BadRequestError, ConfigError, NoEngineError
+from trio_router.policy import (
+    EXACT_SCAN_MAX,
+    Policy,
+    PrefixAwarePolicy,
+    RequestInfo,
+    make_policy,
+    render_prompt,
+    request_info,
+)
+
+MODEL = "llama"
+
+
+class Clock:
+    """A settable stand-in for trio.current_time (these tests run outside Trio)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_engine(i: int, models: Sequence[str] = (MODEL,)) -> Engine:
+    return Engine(uid=f"uid-{i:04d}", name=f"engine-{i}", url=f"http://10.0.{i // 250}.{i % 250}",
+                  state=EngineState.ROUTABLE, models=tuple(Model(m) for m in models),
+                  model_ids=frozenset(models))
+
+
+def make_table(engines: Sequence[Engine]) -> RoutingTable:
+    table = RoutingTable()
+    for engine in engines:
+        table.put(engine)
+    return table
+
+
+def make(name: str, table: RoutingTable, clock: Clock | None = None, seed: int = 1,
+         **knobs: Any) -> Policy:
+    return make_policy(RoutingConfig(policy=name, **knobs), table, clock=clock or Clock(),
+                       rng=random.Random(seed))
+
+
+def chat(*turns: str) -> RequestInfo:
+    messages = [{"role": "system", "content": "You are a helpful assistant."}]
+    messages += [{"role": "user" if i % 2 == 0 else "assistant", "content": t}
+                 for i, t in enumerate(turns)]
+    return request_info({"model": MODEL, "messages": messages}, {}, RoutingConfig())
+
+
+def text(seed: int, size: int) -> str:
+    rng = random.Random(seed)
+    words = ["alpha", "beta", "gamma", "delta", "kv", "cache", "router", "trio", "engine"]
+    out = " ".join(rng.choice(words) for _ in range(size // 4))
+    return out[:size]
+
+
+# -- request facts -----------------------------------------------------------------------------
+
+def test_request_info_takes_the_session_key_from_header_then_user() -> None:
+    config = RoutingConfig(session_header="X-Session-Id")
+    body = {"model": MODEL, "user": "alice", "prompt": "hi"}
+    assert request_info(body, {"x-session-id": "s1"}, config).session_key == "s1"
+    asgi = [(b"host", b"router"), (b"X-Session-ID", b"s2")]
+    assert request_info(body, asgi, config).session_key == "s2"
+    assert request_info(body, {}, config).session_key == "alice"
+    info = request_info({"model": MODEL, "user": 7}, [], config)
+    assert info == RequestInfo(model=MODEL, session_key=None, prompt=None)
+    with pytest.raises(BadRequestError):
+        request_info({"messages": []}, {}, config)
+
+
+def test_rendered_conversation_grows_by_extension() -> None:
+    turns = [text(i, 300) for i in range(6)]
+    rendered = [chat(*turns[:n]).prompt or "" for n in range(1, 7)]
+    for shorter, longer in itertools.pairwise(rendered):
+        assert longer.startswith(shorter) and len(longer) > len(shorter)
+    parts = [{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": "u"}}]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": parts}]}
+    assert render_prompt(body, limit=1000) == "user\x1flook<image_url:u>\x1e"
+
+
+def test_rendered_prompt_forms_and_bound() -> None:
+    assert render_prompt({"prompt": "abc"}, limit=10) == "abc"
+    assert render_prompt({"prompt": [1, 2, 3]}, limit=10) == "1,2,3"
+    assert render_prompt({"prompt": ["a", "b"]}, limit=10) == "a\x1eb\x1e"
+    assert render_prompt({"prompt": "x" * 100}, limit=10) == "x" * 10
+    long_chat = {"messages": [{"role": "user", "content": "y" * 50}] * 1000}
+    assert len(render_prompt(long_chat, limit=120) or "") == 120
+    assert render_prompt({"prompt": None}, limit=10) is None
+    assert render_prompt({"messages": "nonsense"}, limit=10) is None
+
+
+# -- round robin -------------------------------------------------------------------------------
+
+def test_round_robin_is_fair_per_model() -> None:
+    engines = [make_engine(i, models=(MODEL, "other")) for i in range(2)]
+    table = make_table(engines)
+    policy = make("round_robin", table)
+    counts: Counter[tuple[str, str]] = Counter()
+    for _ in range(300):  # interleaved models must not alias each other's turn
+        for model in (MODEL, "other"):
+            engine, why = policy.choose(table.routable(model), RequestInfo(model))
+            counts[model, engine.name] += 1
+    assert len(counts) == 4 and set(counts.values()) == {150}
+    assert "round robin" in why
+
+
+def test_round_robin_skips_excluded() -> None:
+    table = make_table([make_engine(i) for i in range(3)])
+    policy = make("round_robin", table)
+    chosen = {policy.choose(table.routable(MODEL), RequestInfo(MODEL), exclude=["uid-0001"])[0].uid
+              for _ in range(10)}
+    assert chosen == {"uid-0000", "uid-0002"}
+
+
+# -- least loaded ------------------------------------------------------------------------------
+
+def test_least_loaded_prefers_the_idle_engine() -> None:
+    engines = [make_engine(i) for i in range(5)]
+    for engine in engines:
+        engine.in_flight = 3
+    engines[2].in_flight = 0
+    table = make_table(engines)
+    policy = make("least_loaded", table)
+    for _ in range(50):
+        engine, why = policy.choose(table.routable(MODEL), RequestInfo(MODEL))
+        assert engine is engines[2], why
+
+
+def test_least_loaded_spreads_equal_engines_and_prefers_light_ones_at_scale() -> None:
+    engines = [make_engine(i) for i in range(4)]
+    table = make_table(engines)
+    policy = make("least_loaded", table)
+    for _ in range(400):  # requests that stay in flight: exact scan keeps them level
+        engine, _ = policy.choose(table.routable(MODEL), RequestInfo(MODEL))
+        engine.in_flight += 1
+    assert [e.in_flight for e in engines] == [100] * 4
+
+    many = [make_engine(i) for i in range(10 * EXACT_SCAN_MAX)]
+    for engine in many[::2]:
+        engine.in_flight = 10
+    table = make_table(many)
+    policy = make("least_loaded", table)
+    picks = Counter(policy.choose(table.routable(MODEL), RequestInfo(MODEL))[0].in_flight
+                    for _ in range(4000))
+    assert picks[0] > 0.7 * 4000  # two choices: an idle one unless both draws hit busy ones
+
+
+def test_least_loaded_reacts_to_scraped_queues_and_ignores_stale_ones() -> None:
+    clock = Clock()
+    engines = [make_engine(i) for i in range(2)]
+    engines[0].stats = {"running": 6.0, "waiting": 4.0, "scraped_at": clock.now,
+                        "stale_after": 15.0}
+    table = make_table(engines)
+    policy = make("least_loaded", table, clock)
+    for _ in range(50):
+        assert policy.choose(table.routable(MODEL), RequestInfo(MODEL))[0] is engines[1]
+    engines[1].stats = {"kv_cache_usage": 0.9, "scraped_at": clock.now, "stale_after": 15.0}
+    engines[0].stats = {"kv_cache_usage": 0.1, "scraped_at": clock.now, "stale_after": 15.0}
+    for _ in range(50):
+        assert policy.choose(table.routable(MODEL), RequestInfo(MODEL))[0] is engines[0]
+    clock.now += 15.5  # both stale: only in-flight counts, and they are equal
+    chosen = Counter(policy.choose(table.routable(MODEL), RequestInfo(MODEL))[0].uid
+                     for _ in range(200))
+    assert min(chosen.values()) > 50
+
+
+def test_stats_ttl_given_to_the_policy_wins_over_the_recorded_one() -> None:
+    clock = Clock()
+    engines = [make_engine(i) for i in range(2)]
+    engines[0].stats = {"waiting": 50.0, "scraped_at": clock.now - 5, "stale_after": 15.0}
+    table = make_table(engines)
+    policy = make_policy(RoutingConfig(policy="least_loaded"), table, clock=clock,
+                         stats_ttl=4.0, rng=random.Random(3))
+    chosen = {policy.choose(table.routable(MODEL), RequestInfo(MODEL))[0].uid for _ in range(40)}
+    assert chosen == {"uid-0000", "uid-0001"}  # 5 s old > 4 s: ignored
+
+
+def test_no_engine_error_when_nothing_is_left() -> None:
+    table = make_table([make_engine(i) for i in range(2)])
+    for name in POLICIES:
+        policy = make(name, table)
+        info = RequestInfo(MODEL, session_key="k", prompt="p" * 1000)
+        with pytest.raises(NoEngineError):
+            policy.choose((), info)
+        with pytest.raises(NoEngineError):
+            policy.choose(table.routable(MODEL), info, exclude={"uid-0000", "uid-0001"})
+
+
+# -- session -----------------------------------------------------------------------------------
+
+def keys(n: int) -> list[str]:
+    return [f"user-{i}" for i in range(n)]
+
+
+def assignment(policy: Policy, candidates: Sequence[Engine], ks: list[str]) -> dict[str, str]:
+    return {k: policy.choose(candidates, RequestInfo(MODEL, session_key=k))[0].uid for k in ks}
+
+
+def test_session_same_key_same_engine_and_keys_spread() -> None:
+    table = make_table([make_engine(i) for i in range(10)])
+    policy = make("session", table)
+    first = assignment(policy, table.routable(MODEL), keys(10_000))
+    assert assignment(policy, table.routable(MODEL), keys(10_000)) == first
+    shares = Counter(first.values())
+    assert len(shares) == 10 and min(shares.values()) > 600  # 1,000 each on average
+
+
+def test_session_is_the_same_in_independent_instances_whatever_the_order() -> None:
+    engines_a = [make_engine(i) for i in range(25)]
+    engines_b = [make_engine(i) for i in range(25)]
+    random.Random(7).shuffle(engines_b)
+    table_a, table_b = make_table(engines_a), make_table(engines_b)
+    policy_a, policy_b = make("session", table_a, seed=1), make("session", table_b, seed=2)
+    ks = keys(2000)
+    assert assignment(policy_a, table_a.routable(MODEL), ks) == \
+        assignment(policy_b, table_b.routable(MODEL), ks)
+
+
+def test_session_moves_about_one_nth_of_keys_when_an_engine_goes_or_comes() -> None:
+    n, ks = 10, keys(10_000)
+    table = make_table([make_engine(i) for i in range(n)])
+    policy = make("session", table)
+    before = assignment(policy, table.routable(MODEL), ks)
+    table.remove("uid-0003")
+    after = assignment(policy, table.routable(MODEL), ks)
+    moved = [k for k in ks if before[k] != after[k]]
+    assert len(moved) <= 1.5 * len(ks) / n
+    assert all(before[k] == "uid-0003" for k in moved)  # only the lost engine's keys move
+    table.put(make_engine(3))
+    assert assignment(policy, table.routable(MODEL), ks) == before  # and come back
+    table.put(make_engine(n))
+    grown = assignment(policy, table.routable(MODEL), ks)
+    moved = [k for k in ks if before[k] != grown[k]]
+    assert 0 < len(moved) <= 1.5 * len(ks) / (n + 1)
+    assert all(grown[k] == f"uid-{n:04d}" for k in moved)
+
+
+def test_session_after_many_removals_matches_a_fresh_instance() -> None:
+    table = make_table([make_engine(i) for i in range(40)])
+    policy = make("session", table)
+    ks = keys(500)
+    assignment(policy, table.routable(MODEL), ks)
+    for i in range(30):  # enough removals to compact the ring, with decisions in between
+        table.remove(f"uid-{i:04d}")
+        assignment(policy, table.routable(MODEL), ks[:20])
+    fresh_table = make_table([make_engine(i) for i in range(30, 40)])
+    fresh = make("session", fresh_table)
+    assert assignment(policy, table.routable(MODEL), ks) == \
+        assignment(fresh, fresh_table.routable(MODEL), ks)
+
+
+def test_session_for_a_model_on_few_engines_matches_the_shared_ring() -> None:
+    engines = [make_engine(i, models=(MODEL, "adapter") if i % 10 == 0 else (MODEL,))
+               for i in range(40)]
+    table = make_table(engines)
+    both = make("session", table)
+    assignment(both, table.routable(MODEL), keys(10))  # the ring now holds all 40 engines
+    ks = keys(1000)
+    adapter = {k: both.choose(table.routable("adapter"), RequestInfo("adapter", session_key=k))[0]
+               .uid for k in ks}
+    alone_table = make_table([make_engine(i, ("adapter",)) for i in range(0, 40, 10)])
+    only = make("session", alone_table)
+    alone = {k: only.choose(alone_table.routable("adapter"),
+                            RequestInfo("adapter", session_key=k))[0].uid for k in ks}
+    assert adapter == alone and len(set(alone.values())) == 4
+
+
+def test_session_bounded_load_spills_a_hot_session() -> None:
+    engines = [make_engine(i) for i in range(10)]
+    table = make_table(engines)
+    policy = make("session", table)
+    hot = RequestInfo(MODEL, session_key="hot")
+    owner, _ = policy.choose(table.routable(MODEL), hot)
+    for _ in range(100):  # 100 concurrent requests of one session, none finishing
+        average = sum(e.in_flight for e in engines) / len(engines)
+        engine, why = policy.choose(table.routable(MODEL), hot)
+        assert engine.in_flight <= 1.25 * average + 1, why
+        engine.in_flight += 1
+    assert owner.in_flight == max(e.in_flight for e in engines)  # the owner is used first
+    assert max(e.in_flight for e in engines) <= 1.25 * 10 + 2
+    assert sum(e.in_flight > 0 for e in engines) >= 5
+    for engine in engines:  # once load drains, the session is back on its owner
+        engine.in_flight = 0
+    assert policy.choose(table.routable(MODEL), hot)[0] is owner
+
+
+def test_session_without_key_is_least_loaded() -> None:
+    engines = [make_engine(i) for i in range(3)]
+    engines[0].in_flight = engines[2].in_flight = 4
+    table = make_table(engines)
+    policy = make("session", table)
+    engine, why = policy.choose(table.routable(MODEL), RequestInfo(MODEL, session_key=None))
+    assert engine is engines[1] and "no key" in why
+
+
+# -- prefix aware ------------------------------------------------------------------------------
+
+def test_prefix_growing_conversations_keep_their_engine() -> None:
+    engines = [make_engine(i) for i in range(8)]
+    table = make_table(engines)
+    policy = make("prefix_aware", table)
+    conversations: list[list[str]] = [[] for _ in range(20)]
+    home: dict[int, str] = {}
+    holding: dict[int, Engine] = {}  # each conversation's last request stays in flight
+    for turn in range(15):
+        for c, turns in enumerate(conversations):
+            turns.append(text(c * 1000 + turn, 200))
+            engine, why = policy.choose(table.routable(MODEL), chat(*turns))
+            if c in holding:
+                holding[c].in_flight -= 1
+            holding[c] = engine
+            engine.in_flight += 1
+            if turn > 0:
+                assert engine.uid == home.setdefault(c, engine.uid), (c, turn, why)
+                if turn > 1:
+                    assert "chunks held" in why
+    assert len(set(home.values())) >= 6  # and the conversations are spread over the engines
+
+
+def test_prefix_new_conversations_spread_by_load() -> None:
+    engines = [make_engine(i) for i in range(4)]
+    table = make_table(engines)
+    policy = make("prefix_aware", table)
+    for c in range(100):
+        engine, why = policy.choose(table.routable(MODEL), chat(text(c, 2000)))
+        assert "no match" in why
+        engine.in_flight += 1
+    assert [e.in_flight for e in engines] == [25] * 4
+
+
+def test_prefix_overloaded_holder_gives_way_and_the_new_engine_keeps_it() -> None:
+    engines = [make_engine(i) for i in range(3)]
+    table = make_table(engines)
+    policy = make("prefix_aware", table)
+    turns = [text(1, 1000)]
+    first, _ = policy.choose(table.routable(MODEL), chat(*turns))
+    first.in_flight = 9  # above 8 (abs) and above 1.5 x 0 (rel)
+    turns.append(text(2, 600))
+    second, why = policy.choose(table.routable(MODEL), chat(*turns))
+    assert second is not first and "overloaded" in why
+    first.in_flight = 8  # no longer above least + 8
+    turns.append(text(3, 600))
+    third, why = policy.choose(table.routable(MODEL), chat(*turns))
+    assert third is second and "held" in why
+
+
+def test_prefix_memory_stays_within_its_bound() -> None:
+    table = make_table([make_engine(i) for i in range(4)])
+    policy = make("prefix_aware", table, prefix_cache_entries=50, prefix_chunk_chars=64)
+    assert isinstance(policy, PrefixAwarePolicy)
+    for c in range(500):
+        turns = [text(c, 500)]
+        for t in range(3):
+            turns.append(text(c * 10 + t, 300))
+            policy.choose(table.routable(MODEL), chat(*turns))
+            assert len(policy) <= 50
+    engine, _ = policy.choose(table.routable(MODEL), chat(*turns, "and one more question"))
+    recent, why = policy.choose(table.routable(MODEL), chat(*turns, "and one more question"))
+    assert recent is engine and "held" in why
+
+
+def test_prefix_prompts_shorter_than_a_chunk_go_to_the_least_loaded() -> None:
+    engines = [make_engine(i) for i in range(2)]
+    table = make_table(engines)
+    policy = make("prefix_aware", table)
+    engines[0].in_flight = 1
+    engine, why = policy.choose(table.routable(MODEL), RequestInfo(MODEL, prompt="short"))
+    assert engine is engines[1] and "no match in 0 chunks" in why
+
+
+def test_prefix_removed_engine_is_forgotten_at_once() -> None:
+    engines = [make_engine(i) for i in range(3)]
+    table = make_table(engines)
+    policy = make("prefix_aware", table)
+    assert isinstance(policy, PrefixAwarePolicy)
+    turns = [text(5, 3000)]
+    holder, _ = policy.choose(table.routable(MODEL), chat(*turns))
+    assert policy.owners() == {holder.uid}
+    table.remove(holder.uid)
+    assert policy.owners() == set() and len(policy) == 0
+    turns.append(text(6, 400))
+    second, why = policy.choose(table.routable(MODEL), chat(*turns))
+    assert second is not holder and "no match" in why
+
+
+def test_prefix_forgotten_engine_that_returns_gets_no_old_conversations() -> None:
+    engines = [make_engine(i) for i in range(12)]  # enough engines to defer the sweep
+    table = make_table(engines)
+    policy = make("prefix_aware", table)
+    assert isinstance(policy, PrefixAwarePolicy)
+    turns = [text(9, 3000)]
+    holder, _ = policy.choose(table.routable(MODEL), chat(*turns))
+    table.remove(holder.uid)
+    assert holder.uid not in policy.owners()
+    back = make_engine(int(holder.uid[4:]))  # same uid, e.g. a static engine re-added
+    table.put(back)
+    for engine in engines:
+        engine.in_flight = 2
+    back.in_flight = 1  # the least loaded, and within the prefix balance: it would win a match
+    turns.append(text(10, 400))
+    engine, why = policy.choose(table.routable(MODEL), chat(*turns))
+    assert engine is back and "no match" in why
+
+
+# -- every policy ------------------------------------------------------------------------------
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(name=st.sampled_from(POLICIES), n=st.integers(1, 40),
+       loads=st.lists(st.integers(0, 30), min_size=40, max_size=40),
+       excluded=st.sets(st.integers(0, 39)), key=st.none() | st.text(max_size=8),
+       prompt=st.none() | st.text(max_size=3000), warm=st.booleans())
+def test_every_policy_honours_exclude(name: str, n: int, loads: list[int], excluded: set[int],
+                                      key: str | None, prompt: str | None, warm: bool) -> None:
+    engines = [make_engine(i) for i in range(n)]
+    for engine, load in zip(engines, loads, strict=False):
+        engine.in_flight = load
+    table = make_table(engines)
+    policy = make(name, table, prefix_chunk_chars=64)
+    info = RequestInfo(MODEL, session_key=key, prompt=prompt)
+    if warm:  # let affinity point at engines that will then be excluded
+        for _ in range(3):
+            policy.choose(table.routable(MODEL), info)
+    exclude = [f"uid-{i:04d}" for i in excluded]
+    allowed = {e.uid for e in engines} - set(exclude)
+    if not allowed:
+        with pytest.raises(NoEngineError):
+            policy.choose(table.routable(MODEL), info, exclude=exclude)
+        return
+    for _ in range(3):
+        engine, why = policy.choose(table.routable(MODEL), info, exclude=exclude)
+        assert engine.uid in allowed and why
+
+
+# -- config ------------------------------------------------------------------------------------
+
+def test_policy_knobs_are_validated_and_read_from_toml() -> None:
+    for bad in ({"session_load_factor": 0.9}, {"session_vnodes": 0}, {"load_kv_weight": -1.0},
+                {"prefix_chunk_chars": 0}, {"prefix_balance_rel": 0.5},
+                {"prefix_cache_entries": 0}, {"session_header": ""}):
+        with pytest.raises(ConfigError):
+            RoutingConfig(**bad)
+    config = parse_config({"routing": {"policy": "prefix_aware", "prefix_chunk_chars": 128,
+                                       "load_queue_weight": 1},
+                           "stats": {"interval_s": 2, "timeout_s": 1}})
+    assert config.routing.prefix_chunk_chars == 128 and config.routing.load_queue_weight == 1.0
+    assert config.stats.timeout_s == 1.0
+    with pytest.raises(ConfigError, match=r"routing\.prefix_chunk_size"):
+        parse_config({"routing": {"prefix_chunk_size": 1}})
+    with pytest.raises(ConfigError, match=r"stats\.timeout_s"):
+        parse_config({"stats": {"timeout_s": 0}})
