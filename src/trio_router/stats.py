@@ -1,0 +1,176 @@
+"""Load signals: vLLM's own gauges scraped from each engine's /metrics, and the router's
+per-engine request figures.
+
+`run_stats_scraper` runs inside an engine's supervisor (its cancel scope), writes
+`engine.stats` on the Trio thread with no await between the check and the write, and lets
+stale figures expire. Policies read `engine.stats` and ignore it once stale (policy.LoadGauge).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Final, cast
+
+import httpx
+import trio
+from prometheus_client.parser import text_string_to_metric_families
+
+from .endpoints import Engine, RoutingTable
+
+logger = logging.getLogger(__name__)
+
+STALE_INTERVALS: Final = 3  # scraped stats older than this many intervals are ignored/expired
+MAX_METRICS_BYTES: Final = 8 * 1024 * 1024  # a larger /metrics body is not read
+JITTER: Final = 0.1  # scrape period drawn from interval * [1 - JITTER, 1 + JITTER]
+
+_COUNTS: Final = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting"}
+_KV_USAGE: Final = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # newest first
+_NAMES: Final = (*_COUNTS, *_KV_USAGE)
+_COMMENTS: Final = ("# HELP ", "# TYPE ")  # both 7 characters long
+
+
+def _wanted(line: str) -> bool:
+    return line.startswith(_NAMES) or (line.startswith(_COMMENTS) and
+                                       line[7:].startswith(_NAMES))
+
+
+def parse_vllm_metrics(text: str) -> dict[str, float]:
+    """vLLM's load gauges from a /metrics text: "running" and "waiting" (request counts, summed
+    over label sets such as data-parallel ranks) and "kv_cache_usage" (0..1, the mean over
+    label sets, from `vllm:kv_cache_usage_perc`, else the older `vllm:gpu_cache_usage_perc`).
+    Absent gauges are absent keys; non-finite samples are skipped. Text that does not parse
+    yields {} and never raises. Only the lines of these gauges reach prometheus-client's
+    parser, which keeps a scrape cheap however many other metrics the engine exports."""
+    try:
+        lines = [line for line in text.splitlines() if _wanted(line)]
+        if not lines:
+            return {}
+        values: dict[str, list[float]] = {}
+        for family in text_string_to_metric_families("\n".join(lines) + "\n"):
+            for sample in family.samples:
+                if sample.name in _NAMES and math.isfinite(sample.value):
+                    values.setdefault(sample.name, []).append(float(sample.value))
+    except Exception:  # the parser raises assorted errors (ValueError, IndexError, ...)
+        return {}
+    out: dict[str, float] = {}
+    for name, key in _COUNTS.items():
+        if name in values:
+            out[key] = max(0.0, math.fsum(values[name]))
+    for name in _KV_USAGE:
+        if found := values.get(name):
+            out["kv_cache_usage"] = min(1.0, max(0.0, math.fsum(found) / len(found)))
+            break
+    return out
+
+
+async def run_stats_scraper(engine: Engine, table: RoutingTable, client: httpx.AsyncClient, *,
+                            interval: float, timeout: float,  # noqa: ASYNC109 (per scrape)
+                            generation: int) -> None:
+    """Scrape `engine`'s /metrics about every `interval` seconds (first at once, then with
+    ±10% jitter) and store its gauges in `engine.stats`, with "scraped_at" (trio time) and
+    "stale_after" (3 * `interval`). Each scrape has the hard deadline `timeout` (connect,
+    headers and the whole body): a deadline per scrape, not a bound on this function. A result is
+    stored only if `table.current(engine.uid, generation)` is still `engine` after the await;
+    once it is not (the engine was removed or must be probed afresh), this returns, and the
+    supervisor starts a new scraper for the new generation. Failed scrapes store nothing;
+    figures older than 3 * `interval` are cleared. Runs until cancelled (the engine's
+    supervisor scope: DELETED stops it); cancellation abandons the scrape in progress and the
+    client closes the connection. Returns at once if `interval` <= 0 (scraping disabled)."""
+    if interval <= 0:
+        return
+    url = f"{engine.url.rstrip('/')}/metrics"
+    stale_after = STALE_INTERVALS * interval
+    failing = False
+    while True:
+        started = trio.current_time()
+        text, error = None, f"no complete answer within {timeout:g}s"
+        with trio.move_on_after(timeout):
+            text, error = await _fetch(client, url)
+        if table.current(engine.uid, generation) is not engine:
+            return
+        now = trio.current_time()
+        stats = parse_vllm_metrics(text) if text is not None else {}
+        if stats:
+            stats["scraped_at"], stats["stale_after"] = now, stale_after
+            engine.stats = stats
+            if failing:
+                logger.info("metrics of engine %s at %s are readable again", engine.name, url)
+            failing = False
+        else:
+            error = error or "no vLLM load gauges in the response"
+            if not failing:
+                logger.info("cannot read the metrics of engine %s at %s: %s", engine.name, url,
+                            error)
+            failing = True
+            if engine.stats and not now - engine.stats.get("scraped_at", -math.inf) <= stale_after:
+                engine.stats = {}
+        await trio.sleep_until(started + interval * random.uniform(1 - JITTER, 1 + JITTER))
+
+
+async def _fetch(client: httpx.AsyncClient, url: str) -> tuple[str | None, str]:
+    """The body of GET `url`, or None and why not. The caller bounds it with a deadline."""
+    try:
+        async with client.stream("GET", url) as response:
+            if response.status_code != 200:
+                return None, f"HTTP {response.status_code}"
+            chunks, size = [], 0
+            body = cast(AsyncGenerator[bytes, None], response.aiter_bytes())
+            async with aclosing(body):  # closed however the loop ends (limit, cancellation)
+                async for chunk in body:
+                    size += len(chunk)
+                    if size > MAX_METRICS_BYTES:
+                        return None, f"body larger than {MAX_METRICS_BYTES} bytes"
+                    chunks.append(chunk)
+            return b"".join(chunks).decode("utf-8", errors="replace"), ""
+    except httpx.HTTPError as exc:
+        return None, f"{type(exc).__name__}: {exc}"
+
+
+@dataclass(slots=True)
+class RequestStats:
+    """The router's own figures for one engine: completed requests, errors, exponentially
+    weighted moving averages (weight `alpha` for each new request) of time to first byte and
+    of latency, in seconds, and a request rate decaying with time constant `rate_window`
+    seconds. In-flight stays on `Engine.in_flight`. Plain sync updates on the Trio thread,
+    no lock; `now` defaults to `trio.current_time()`."""
+
+    alpha: float = 0.2
+    rate_window: float = 30.0
+    count: int = 0
+    errors: int = 0
+    ttfb: float | None = None  # EWMA, seconds; None until a request got a first byte
+    latency: float | None = None  # EWMA, seconds; None until a request completed
+    _rate: float = 0.0  # requests/s as of `_rate_at`
+    _rate_at: float = 0.0
+
+    def record(self, ttfb: float | None, latency: float, *, ok: bool = True,
+               now: float | None = None) -> None:
+        """Count one finished request: `ttfb` None if no byte came back; `ok` False for an
+        error answer or a failure."""
+        now = trio.current_time() if now is None else now
+        self.count += 1
+        if not ok:
+            self.errors += 1
+        if ttfb is not None:
+            self.ttfb = ttfb if self.ttfb is None else self.ttfb + self.alpha * (ttfb - self.ttfb)
+        self.latency = (latency if self.latency is None
+                        else self.latency + self.alpha * (latency - self.latency))
+        self._rate = self.requests_per_s(now) + 1.0 / self.rate_window
+        self._rate_at = now
+
+    def requests_per_s(self, now: float | None = None) -> float:
+        """Completed requests per second, exponentially decayed (a steady rate reads as
+        itself after a few `rate_window`s)."""
+        now = trio.current_time() if now is None else now
+        return self._rate * math.exp(-max(0.0, now - self._rate_at) / self.rate_window)
+
+    def snapshot(self, now: float | None = None) -> dict[str, float | int | None]:
+        """The figures as shown in /engines."""
+        return {"requests": self.count, "errors": self.errors,
+                "requests_per_s": self.requests_per_s(now), "ttfb_s": self.ttfb,
+                "latency_s": self.latency}
