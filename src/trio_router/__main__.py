@@ -1,0 +1,208 @@
+"""The `trio-router` command (also `python -m trio_router`): serve, check-config, demo.
+
+Flags and the TOML file become one `Config` (precedence: defaults < file < flags given);
+logging is configured here and nowhere else; then `trio.run(server.run, ...)`.
+Exit codes: 0 after a clean shutdown (SIGINT/SIGTERM drain), 2 for a config error, 1 when the
+router cannot start for another reason (for example the Kubernetes API is unusable).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
+from typing import Final
+
+import trio
+
+from . import server
+from .config import (
+    Config,
+    DiscoveryConfig,
+    ProbeConfig,
+    RoutingConfig,
+    ServerConfig,
+    StaticConfig,
+    dump_toml,
+    load_config,
+)
+from .endpoints import RoutingTable
+from .errors import ConfigError, RouterError
+
+logger = logging.getLogger("trio_router")
+
+LOG_LEVELS: Final = ("debug", "info", "warning", "error")
+DEMO_MODEL: Final = "fake-model"
+DEMO_ADAPTER: Final = "fake-lora"
+DEMO_TTFT_S: Final = 0.15  # a realistic time to first token
+DEMO_INTER_TOKEN_S: Final = 0.03  # and a realistic delay between tokens
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="trio-router",
+        description="OpenAI-compatible router for vLLM engines, built on Trio.",
+        epilog="Commands: 'trio-router --config FILE' serves; 'trio-router check-config FILE' "
+               "validates a config; 'trio-router demo' runs fake engines behind the router.")
+    parser.add_argument("--config", metavar="FILE", help="TOML config file to serve with")
+    parser.add_argument("--bind", metavar="HOST:PORT", help="override server.bind")
+    parser.add_argument("--log-level", choices=LOG_LEVELS, default="info",
+                        help="log level (default: info)")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    check = commands.add_parser("check-config", help="validate FILE and print the effective "
+                                "config as TOML (exit 2 if invalid)")
+    check.add_argument("file", metavar="FILE")
+    demo = commands.add_parser("demo", help="run fake engines and the router on loopback")
+    demo.add_argument("--engines", type=int, default=2, metavar="N",
+                      help="number of fake engines (default: 2)")
+    demo.add_argument("--port", type=int, default=8080, metavar="P",
+                      help="router port on 127.0.0.1 (default: 8080; 0 picks a free one)")
+    demo.add_argument("--log-level", choices=LOG_LEVELS, default="warning", dest="demo_log_level",
+                      help="log level (default: warning)")
+    return parser
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(), stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def load_with_overrides(path: str, *, bind: str | None = None) -> Config:
+    """The config in `path` with the command-line overrides applied (flags win)."""
+    config = load_config(path)
+    if bind is not None:
+        try:
+            config = dataclasses.replace(
+                config, server=dataclasses.replace(config.server, bind=bind))
+        except ConfigError as exc:
+            raise ConfigError(f"--bind: {exc}") from None
+    return config
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the console script; returns the exit code."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "check-config":
+        return _check_config(args.file)
+    if args.command == "demo":
+        if not 1 <= args.engines <= 64:
+            parser.error("--engines must be 1..64")
+        if not 0 <= args.port <= 65535:
+            parser.error("--port must be 0..65535")
+        _configure_logging(args.demo_log_level)
+        return _run_reporting_errors(partial(_demo, engines=args.engines, port=args.port))
+    if args.config is None:
+        parser.error("--config FILE is required to serve (or use check-config / demo)")
+    _configure_logging(args.log_level)
+    load = partial(load_with_overrides, args.config, bind=args.bind)
+    try:
+        config = load()
+    except ConfigError as exc:
+        logger.error("%s", exc)
+        return 2
+    return _run_reporting_errors(partial(server.run, config, load=load))
+
+
+def _run_reporting_errors(fn: Callable[[], Awaitable[object]]) -> int:
+    """trio.run(fn), turning the startup errors an operator can fix into a log line and an
+    exit code instead of a traceback."""
+    code = 0
+    try:
+        trio.run(fn)
+    except* ConfigError as config_errors:
+        for exc in config_errors.exceptions:
+            logger.error("%s", exc)
+        code = 2
+    except* RouterError as router_errors:
+        for router_error in router_errors.exceptions:
+            logger.error("cannot run: %s", router_error)
+        code = 1
+    except* OSError as os_errors:  # typically the bind address is in use
+        for os_error in os_errors.exceptions:
+            logger.error("cannot serve: %s", os_error)
+        code = 1
+    return code
+
+
+def _check_config(path: str) -> int:
+    try:
+        config = load_config(path)
+    except ConfigError as exc:
+        print(f"trio-router: invalid config: {exc}", file=sys.stderr)
+        return 2
+    print(dump_toml(config), end="")
+    return 0
+
+
+def demo_config(urls: Sequence[str], *, port: int) -> Config:
+    """The router config of the demo (as config/demo.toml, with the engines' real URLs)."""
+    return Config(
+        server=ServerConfig(bind=f"127.0.0.1:{port}", drain_s=5.0),
+        discovery=DiscoveryConfig(mode="static", static=StaticConfig(urls=tuple(urls))),
+        probe=ProbeConfig(interval_s=2.0, backoff_max_s=5.0),
+        routing=RoutingConfig(policy="least_loaded"),
+    )
+
+
+def demo_instructions(router_url: str) -> str:
+    """What the demo prints: a curl command and an openai SDK snippet that work as shown."""
+    body = ('{"model": "' + DEMO_MODEL
+            + '", "messages": [{"role": "user", "content": "Hello!"}]}')
+    stream_body = body[:-1] + ', "stream": true}'
+    return f"""\
+router: {router_url}
+
+Send a chat completion (answered by one of the fake engines; see the
+x-trio-router-engine response header):
+
+  curl -i {router_url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'
+
+Stream it, token by token:
+
+  curl -N {router_url}/v1/chat/completions -H 'Content-Type: application/json' -d '{stream_body}'
+
+Or with the openai SDK (pip install openai):
+
+  from openai import OpenAI
+  client = OpenAI(base_url="{router_url}/v1", api_key="unused")
+  for chunk in client.chat.completions.create(
+          model="{DEMO_MODEL}", messages=[{{"role": "user", "content": "Hello!"}}],
+          stream=True):
+      print(chunk.choices[0].delta.content or "", end="", flush=True)
+
+Models: {DEMO_MODEL} and its LoRA adapter {DEMO_ADAPTER}. Also try
+{router_url}/v1/models, {router_url}/engines, {router_url}/metrics.
+Press Ctrl-C to stop (in-flight requests get up to 5 s to finish).
+"""
+
+
+async def _demo(*, engines: int, port: int) -> None:
+    """Serve `engines` fake engines and the router until SIGINT/SIGTERM; the engines stop
+    after the router has drained."""
+    from .testing import FakeEngine, serve_fake_engine  # the demo's only use of the fakes
+
+    fakes = [FakeEngine(name=f"demo-engine-{i + 1}", models=[DEMO_MODEL],
+                        adapters={DEMO_ADAPTER: DEMO_MODEL}, ttft_s=DEMO_TTFT_S,
+                        inter_token_s=DEMO_INTER_TOKEN_S, tokens=24)
+             for i in range(engines)]
+    table = RoutingTable()
+    async with trio.open_nursery() as engines_nursery:
+        urls = [await engines_nursery.start(serve_fake_engine, fake, "127.0.0.1", 0)
+                for fake in fakes]
+        async with trio.open_nursery() as router_nursery:
+            bound: list[str] = await router_nursery.start(partial(
+                server.run, demo_config(urls, port=port), table=table))
+            while len(table.routable(DEMO_MODEL)) < engines:  # first probes: milliseconds
+                await table.wait_changed()
+            print(f"trio-router demo: {engines} fake engine(s) at {', '.join(urls)}")
+            print(demo_instructions(bound[0]), flush=True)
+        engines_nursery.cancel_scope.cancel(reason="demo router stopped")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

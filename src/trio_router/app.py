@@ -1,0 +1,438 @@
+"""The ASGI application: request routing, the proxy exchange, admin endpoints, errors -> HTTP.
+
+`RouterApp` answers the lifespan protocol and every HTTP request. A proxied request is read
+(bounded by `server.max_body_bytes`), its JSON parsed only to find `"model"` and what the policy
+needs, sent to one routable engine through the `UpstreamPool`, and the engine's response is
+streamed back chunk by chunk. The only place a `RouterError` becomes an HTTP response is here.
+
+The hot path keeps to what it must do: one pass over the headers, one `json.loads`, one dict
+lookup per metric, precomputed header bytes, and no logging below WARNING.
+"""
+
+from __future__ import annotations
+
+import hmac
+import itertools
+import json
+import logging
+import os
+import secrets
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+import trio
+
+from .config import Config
+from .endpoints import Engine, RoutingTable
+from .errors import (
+    AuthError,
+    BadRequestError,
+    BodyTooLargeError,
+    ConfigError,
+    NoEngineError,
+    RouterError,
+    UnknownModelError,
+    UpstreamError,
+)
+from .health import Supervisors
+from .metrics import CONTENT_TYPE, NO_LABEL, Metrics
+from .policy import Policy, RequestInfo, make_policy, request_info
+from .proxy import EngineUnreachableError, UpstreamPool
+
+logger = logging.getLogger(__name__)
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+PROXIED_PATHS: Final = frozenset({
+    "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/tokenize",
+    "/detokenize", "/v1/rerank", "/rerank", "/v1/score", "/score",
+})
+ADMIN_PATHS: Final = frozenset({"/v1/models", "/engines", "/health", "/metrics"})
+UNAUTHENTICATED_PATHS: Final = frozenset({"/health", "/metrics"})
+MODEL_ONLY_POLICIES: Final = frozenset({"round_robin", "least_loaded"})  # no prompt rendering
+CLIENT_CLOSED: Final = 499  # metrics status of a request whose client went away (nginx's code)
+
+ENGINE_HEADER: Final = b"x-trio-router-engine"
+REQUEST_ID_HEADER: Final = b"x-request-id"
+# Response headers of the engine replaced by the router's own (the pool already dropped the
+# hop-by-hop ones; the server adds its own Date).
+_RESPONSE_REPLACED: Final = frozenset({ENGINE_HEADER, REQUEST_ID_HEADER, b"date"})
+_JSON_HEADERS: Final = ((b"content-type", b"application/json"),)
+_END_BODY: Final[Message] = {"type": "http.response.body", "body": b"", "more_body": False}
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """What a request reads from the config, precomputed. Swapped whole by `reconfigure`, so a
+    request keeps the settings it started with."""
+
+    config: Config
+    policy: Policy
+    pool: UpstreamPool
+    retries: int
+    max_body_bytes: int
+    client_key: bytes | None  # the Bearer token clients must send, or None (no auth)
+    upstream_authorization: bytes | None  # the Authorization value sent to engines, or None
+    needs_request_info: bool  # the policy reads more of a request than its model
+
+
+def env_key(env_var: str, where: str) -> str:
+    """The secret held in `env_var` ("" if the setting is off); ConfigError if it is unset."""
+    if not env_var:
+        return ""
+    value = os.environ.get(env_var, "")
+    if not value:
+        raise ConfigError(f"{where} names the environment variable {env_var!r}, "
+                          "which is unset or empty; export it or clear the setting")
+    return value
+
+
+def make_settings(config: Config, table: RoutingTable, pool: UpstreamPool, *,
+                  policy: Policy | None = None) -> Settings:
+    """Build the request settings of `config`; `policy` is reused when given (its state, such as
+    session affinity, survives a reload that does not touch [routing]). Raises ConfigError if an
+    API key environment variable is missing."""
+    client_key = env_key(config.server.api_key_env, "server.api_key_env")
+    upstream_key = env_key(config.proxy.api_key_env, "proxy.api_key_env")
+    policy = policy if policy is not None else make_policy(config.routing, table)
+    return Settings(
+        config=config,
+        policy=policy,
+        pool=pool,
+        retries=config.proxy.retries,
+        max_body_bytes=config.server.max_body_bytes,
+        client_key=client_key.encode() if client_key else None,
+        upstream_authorization=b"Bearer " + upstream_key.encode() if upstream_key else None,
+        needs_request_info=policy.name not in MODEL_ONLY_POLICIES,
+    )
+
+
+def error_body(message: str, *, type: str, code: str) -> bytes:
+    """The OpenAI-style JSON error body."""
+    return json.dumps({"error": {"message": message, "type": type, "code": code}}).encode()
+
+
+class _Watch:
+    """Cancels a proxied exchange when the client disconnects. Hypercorn queues
+    `http.disconnect` on `receive` when the connection closes (and also right after the
+    response's last byte, by which time `finished` is set, so nothing is cancelled)."""
+
+    __slots__ = ("finished", "receive", "scope")
+
+    def __init__(self, receive: Receive, scope: trio.CancelScope) -> None:
+        self.receive, self.scope, self.finished = receive, scope, False
+
+    async def run(self) -> None:
+        while (await self.receive())["type"] != "http.disconnect":
+            pass  # the body was read already; nothing else is expected
+        if not self.finished:
+            self.scope.cancel(reason="client disconnected")
+
+
+class RouterApp:
+    """The ASGI callable. Built by `server.run` with every collaborator; holds no tasks of its
+    own (each request runs in the task Hypercorn gives it) and no global state."""
+
+    def __init__(self, *, settings: Settings, table: RoutingTable, supervisors: Supervisors,
+                 metrics: Metrics, health: Callable[[], tuple[bool, str]]) -> None:
+        self.settings = settings
+        self._table, self._supervisors = table, supervisors
+        self._metrics, self._health = metrics, health
+        self._id_prefix = secrets.token_hex(4).encode()
+        self._ids = itertools.count(1)
+        self._models_version = -1
+        self._models_body = b""
+
+    # -- ASGI entry ----------------------------------------------------------------------
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            if scope["method"] == "POST" and scope["path"] in PROXIED_PATHS:
+                await self._proxy(scope, receive, send)
+            else:
+                await self._admin(scope, send)
+        elif kind == "lifespan":
+            await self._lifespan(receive, send)
+
+    @staticmethod
+    async def _lifespan(receive: Receive, send: Send) -> None:
+        """Answer startup and shutdown; the server's own nursery owns everything else."""
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    # -- the proxy -----------------------------------------------------------------------
+    async def _proxy(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Route one request and stream the engine's answer back. Cancellation (the client
+        leaving, or the drain deadline) closes the engine connection and returns."""
+        started = trio.current_time()
+        settings = self.settings
+        request_id: bytes | None = None
+        authorization: bytes | None = None
+        content_length: bytes | None = None
+        headers: list[tuple[bytes, bytes]] = []
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                authorization = value
+                continue  # replaced below
+            if name == b"x-request-id":
+                request_id = value
+            elif name == b"content-length":
+                content_length = value
+            headers.append((name, value))
+        if request_id is None:
+            request_id = b"%s-%d" % (self._id_prefix, next(self._ids))
+            headers.append((REQUEST_ID_HEADER, request_id))
+        upstream_authorization = settings.upstream_authorization or authorization
+        if upstream_authorization is not None:
+            headers.append((b"authorization", upstream_authorization))
+
+        model = NO_LABEL
+        try:
+            if settings.client_key is not None:
+                _check_key(settings.client_key, authorization)
+            body = await _read_body(receive, content_length, settings.max_body_bytes)
+            if body is None:
+                return  # the client left while sending
+            payload = _parse(body)
+            model = payload["model"]
+            candidates = self._table.routable(model)
+            if not candidates:
+                if self._table.is_known_model(model):
+                    raise NoEngineError(f"no routable engine serves model {model!r} right now")
+                unknown, model = model, NO_LABEL  # clients choose unknown names: no label
+                raise UnknownModelError(f"the model {unknown!r} does not exist")
+            info = (request_info(payload, scope["headers"], settings.config.routing)
+                    if settings.needs_request_info else RequestInfo(model=model))
+        except RouterError as exc:
+            await self._send_error(send, exc, request_id)
+            self._metrics.observe_request(model, NO_LABEL, exc.status,
+                                          trio.current_time() - started)
+            return
+
+        target = scope["raw_path"]
+        if query := scope["query_string"]:
+            target += b"?" + query
+        status, engine_name = CLIENT_CLOSED, NO_LABEL  # unless _forward returns
+        async with trio.open_nursery() as nursery:
+            watch = _Watch(receive, nursery.cancel_scope)
+            nursery.start_soon(watch.run)
+            try:
+                status, engine_name = await self._forward(
+                    settings, send, watch, model, candidates, info, target, headers, body,
+                    request_id, started)
+            finally:
+                if not watch.finished:
+                    nursery.cancel_scope.cancel()
+        self._metrics.observe_request(model, engine_name, status, trio.current_time() - started)
+
+    async def _forward(self, settings: Settings, send: Send, watch: _Watch, model: str,
+                       candidates: Sequence[Engine], info: RequestInfo, target: bytes,
+                       headers: list[tuple[bytes, bytes]], body: bytes, request_id: bytes,
+                       started: float) -> tuple[int, str]:
+        """Try engines until one answers (at most `retries` more after the first unreachable
+        one) and stream its response. Returns the status and engine for metrics. An error
+        after the response started cannot be reported: the client connection is cut instead
+        (by returning without the final body message)."""
+        table, policy, pool = self._table, settings.policy, settings.pool
+        tried: list[str] = []
+        unreachable: EngineUnreachableError | None = None
+        while True:
+            try:
+                engine, _why = policy.choose(candidates, info, exclude=tried)
+            except NoEngineError:
+                if unreachable is None:
+                    raise
+                return await self._fail(send, watch, request_id, UpstreamError(
+                    f"no engine for model {model!r} could be reached after {len(tried)} "
+                    f"attempt(s); last: {unreachable}"), model)
+            generation = engine.generation
+            responded = False
+            engine.in_flight += 1
+            try:
+                async with pool.request(engine.url, b"POST", target, headers, body) as response:
+                    responded = True
+                    out = [h for h in response.headers if h[0] not in _RESPONSE_REPLACED]
+                    out.append((ENGINE_HEADER, engine.name.encode()))
+                    out.append((REQUEST_ID_HEADER, request_id))
+                    status = response.status
+                    await send({"type": "http.response.start", "status": status,
+                                "headers": out})
+                    first = True
+                    async for chunk in response:
+                        if first:
+                            first = False
+                            self._metrics.observe_ttfb(model, trio.current_time() - started)
+                        await send({"type": "http.response.body", "body": chunk,
+                                    "more_body": True})
+                    watch.finished = True
+                    await send(_END_BODY)
+                return status, engine.name
+            except EngineUnreachableError as exc:
+                if responded:  # cannot happen by the pool's contract; never resend then
+                    raise
+                self._supervisors.report_unreachable(engine, generation, str(exc))
+                self._metrics.engine_unreachable(engine.name)
+                tried.append(engine.uid)
+                unreachable = exc
+                if len(tried) > settings.retries:
+                    return await self._fail(send, watch, request_id, UpstreamError(
+                        f"engine {engine.name} for model {model!r} could not be reached "
+                        f"({len(tried)} attempt(s)): {exc}"), model)
+                candidates = table.routable(model)
+            except RouterError as exc:
+                if not responded:
+                    return await self._fail(send, watch, request_id, exc, model, engine.name)
+                logger.warning("request %s for %s on engine %s broke off mid-response: %s",
+                               request_id.decode(errors="replace"), model, engine.name, exc)
+                return exc.status, engine.name
+            finally:
+                engine.in_flight -= 1
+
+    async def _fail(self, send: Send, watch: _Watch, request_id: bytes, exc: RouterError,
+                    model: str, engine: str = NO_LABEL) -> tuple[int, str]:
+        logger.warning("request %s for %s failed with %d: %s",
+                       request_id.decode(errors="replace"), model, exc.status, exc)
+        watch.finished = True
+        await self._send_error(send, exc, request_id)
+        return exc.status, engine
+
+    async def _send_error(self, send: Send, exc: RouterError, request_id: bytes | None) -> None:
+        extra: list[tuple[bytes, bytes]] = []
+        if request_id is not None:
+            extra.append((REQUEST_ID_HEADER, request_id))
+        if isinstance(exc, AuthError):
+            extra.append((b"www-authenticate", b"Bearer"))
+        await _send_json(send, exc.status, error_body(str(exc), type=exc.type, code=exc.code),
+                         extra)
+
+    # -- admin endpoints -----------------------------------------------------------------
+    async def _admin(self, scope: Scope, send: Send) -> None:
+        path, method = scope["path"], scope["method"]
+        if path in PROXIED_PATHS:
+            await _send_json(send, 405, error_body(
+                f"{path} accepts only POST", type="invalid_request_error",
+                code="method_not_allowed"), [(b"allow", b"POST")])
+            return
+        if path not in ADMIN_PATHS:
+            await _send_json(send, 404, error_body(
+                f"no such endpoint: {method} {path}", type="invalid_request_error",
+                code="not_found"))
+            return
+        if method not in ("GET", "HEAD"):
+            await _send_json(send, 405, error_body(
+                f"{path} accepts only GET", type="invalid_request_error",
+                code="method_not_allowed"), [(b"allow", b"GET, HEAD")])
+            return
+        client_key = self.settings.client_key
+        if client_key is not None and path not in UNAUTHENTICATED_PATHS:
+            authorization = None
+            for name, value in scope["headers"]:
+                if name == b"authorization":
+                    authorization = value
+            try:
+                _check_key(client_key, authorization)
+            except AuthError as exc:
+                await self._send_error(send, exc, None)
+                return
+        if path == "/v1/models":
+            await _send_json(send, 200, self._models())
+        elif path == "/engines":
+            engines = [engine.describe() for engine in self._table]
+            await _send_json(send, 200, json.dumps({"engines": engines}).encode())
+        elif path == "/health":
+            ok, reason = self._health()
+            routable = len(self._table.routable_engines())
+            await _send_json(send, 200 if ok else 503, json.dumps(
+                {"status": "ok" if ok else "unavailable", "reason": reason,
+                 "routable_engines": routable}).encode())
+        else:
+            body = self._metrics.render()
+            await send({"type": "http.response.start", "status": 200, "headers": [
+                (b"content-type", CONTENT_TYPE), (b"content-length", b"%d" % len(body))]})
+            await send({"type": "http.response.body", "body": body})
+
+    def _models(self) -> bytes:
+        """GET /v1/models: the union over routable engines, rebuilt only after a change."""
+        table = self._table
+        if table.version != self._models_version:
+            self._models_body = json.dumps({"object": "list", "data": [
+                m.as_openai() for m in table.models()]}).encode()
+            self._models_version = table.version
+        return self._models_body
+
+
+def _check_key(expected: bytes, authorization: bytes | None) -> None:
+    """Raise AuthError unless `authorization` is "Bearer <expected>" (constant-time)."""
+    if authorization is None:
+        raise AuthError("missing API key: send it as 'Authorization: Bearer <key>'")
+    scheme, _, token = authorization.partition(b" ")
+    if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), expected):
+        raise AuthError("invalid API key")
+
+
+async def _read_body(receive: Receive, content_length: bytes | None,
+                     limit: int) -> bytes | None:
+    """The whole request body, or None if the client disconnected first. Raises
+    BodyTooLargeError past `limit` (declared or counted) and BadRequestError for a bad
+    Content-Length."""
+    if content_length is not None:
+        try:
+            declared = int(content_length)
+        except ValueError:
+            raise BadRequestError(f"invalid Content-Length {content_length!r}") from None
+        if declared > limit:
+            raise BodyTooLargeError(f"request body of {declared} bytes exceeds the limit of "
+                                    f"{limit} bytes (server.max_body_bytes)")
+    message = await receive()
+    if message["type"] != "http.request":
+        return None
+    body: bytes = message.get("body", b"")
+    size = len(body)
+    if size > limit:
+        raise BodyTooLargeError(f"request body exceeds the limit of {limit} bytes "
+                                "(server.max_body_bytes)")
+    if not message.get("more_body", False):
+        return body
+    chunks = [body]
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return None
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLargeError(f"request body exceeds the limit of {limit} bytes "
+                                    "(server.max_body_bytes)")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _parse(body: bytes) -> dict[str, Any]:
+    """The JSON object of a request; BadRequestError if it is not one or has no string model."""
+    try:
+        payload = json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        raise BadRequestError(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(payload, dict):
+        raise BadRequestError(f"request body must be a JSON object, got {type(payload).__name__}")
+    model = payload.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequestError('request body has no "model" string')
+    return payload
+
+
+async def _send_json(send: Send, status: int, body: bytes,
+                     extra: Sequence[tuple[bytes, bytes]] = ()) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [*_JSON_HEADERS, (b"content-length", b"%d" % len(body)), *extra]})
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,258 @@
+"""`run(config)`: build every object of a router process, own its tasks, serve with Hypercorn.
+
+Ownership, top down: `run` opens the shared httpx client (probes and scraping) and the upstream
+pool, the per-engine supervisors, and one nursery holding discovery and the signal handler;
+Hypercorn's trio worker serves `RouterApp` inside that nursery. SIGINT/SIGTERM make Hypercorn
+stop accepting and drain in-flight requests for up to `server.drain_s`; then the nursery is
+cancelled (discovery and its watch thread, probes, scrapers) and `run` returns. A second signal
+cancels the drain. SIGHUP reloads the config file (see `Reloader`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Final
+
+import httpx
+import hypercorn.config
+import hypercorn.trio
+import trio
+
+from .app import RouterApp, env_key, make_settings
+from .config import Config, parse_bind
+from .discovery import DiscoveryStatus, KubernetesPodSource, run_kubernetes_discovery
+from .endpoints import RoutingTable
+from .errors import ConfigError
+from .health import EngineWorker, Prober, open_supervisors
+from .metrics import Metrics
+from .proxy import UpstreamPool
+from .reconcile import Reconciler, add_static_engines
+from .stats import run_stats_scraper
+
+logger = logging.getLogger(__name__)
+
+THREAD_EXIT_S: Final = 10.0  # bound on waiting for an abandoned Kubernetes thread at exit
+KEEP_ALIVE_S: Final = 75.0  # idle client connections are kept longer than common LB timeouts
+LIVE_SECTIONS: Final = ("server", "routing", "proxy")
+RESTART_SECTIONS: Final = ("discovery", "probe", "stats")
+
+
+@dataclass(frozen=True, slots=True)
+class ReloadOutcome:
+    """What one SIGHUP did: the sections applied, the changes that need a restart (ignored),
+    or the error that kept the old config."""
+
+    applied: tuple[str, ...] = ()
+    needs_restart: tuple[str, ...] = ()
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.error
+
+
+def hypercorn_config(config: Config) -> hypercorn.config.Config:
+    """Hypercorn settings for `config`: bind, drain budget, keep-alive, logging."""
+    parse_bind(config.server.bind)  # raises ConfigError naming the value
+    hc = hypercorn.config.Config()
+    hc.bind = [config.server.bind]
+    hc.graceful_timeout = config.server.drain_s
+    hc.keep_alive_timeout = KEEP_ALIVE_S
+    hc.include_server_header = False  # the engine's own Server header passes through
+    hc.accesslog = None  # no per-request logging on the hot path
+    hc.errorlog = logging.getLogger("hypercorn.error")  # configured by __main__, like ours
+    return hc
+
+
+class Reloader:
+    """Applies a re-read config to the running process (SIGHUP).
+
+    Live: [routing], [proxy], and [server] except `bind`: new requests use the new settings;
+    requests in flight keep the ones they started with (a new upstream pool replaces the old
+    one when a proxy timeout changes; the old one's exchanges finish on their connections).
+    [probe] and [stats] changes are reported as needing a restart until the supervisors can
+    take new settings; `server.bind` and [discovery] always need one. Those are logged and
+    ignored. A file that does not load, or names an unset API key variable, changes nothing.
+    """
+
+    def __init__(self, load: Callable[[], Config], config: Config, *, app: RouterApp,
+                 table: RoutingTable, hconfig: hypercorn.config.Config, metrics: Metrics,
+                 pools: list[UpstreamPool],
+                 on_reload: Callable[[ReloadOutcome], None] | None = None) -> None:
+        self._load, self.config = load, config
+        self._app, self._table, self._hconfig = app, table, hconfig
+        self._metrics, self._pools, self._on_reload = metrics, pools, on_reload
+
+    async def reload(self) -> ReloadOutcome:
+        """Re-read and apply the config file. The file is read in a worker thread; the swap
+        itself is one synchronous step. Cancellation before the swap changes nothing."""
+        try:
+            new = await trio.to_thread.run_sync(self._load)
+            outcome, retired = self._apply(new)
+        except ConfigError as exc:
+            logger.error("config reload failed; keeping the running config: %s", exc)
+            outcome, retired = ReloadOutcome(error=str(exc)), None
+        self._metrics.reload("error" if outcome.error else "ok" if outcome.applied
+                             else "unchanged")
+        if self._on_reload is not None:
+            self._on_reload(outcome)
+        if retired is not None:
+            self._pools.remove(retired)
+            await retired.aclose()  # idle connections only; busy ones close when done
+        return outcome
+
+    def _apply(self, new: Config) -> tuple[ReloadOutcome, UpstreamPool | None]:
+        """Swap in `new` (no await: a request sees all old or all new settings). Returns the
+        outcome and the upstream pool to retire, if one was replaced. Raises ConfigError."""
+        old = self.config
+        restart = [f"server.bind ({old.server.bind} -> {new.server.bind})"
+                   ] if new.server.bind != old.server.bind else []
+        restart += [f"[{section}]" for section in RESTART_SECTIONS
+                    if getattr(new, section) != getattr(old, section)]
+        effective = dataclasses.replace(
+            new, server=dataclasses.replace(new.server, bind=old.server.bind),
+            **{section: getattr(old, section) for section in RESTART_SECTIONS})
+        applied = tuple(f"[{section}]" for section in LIVE_SECTIONS
+                        if getattr(effective, section) != getattr(old, section))
+        if restart:
+            logger.warning("config reload: %s changed, which needs a restart; ignored until "
+                           "then", ", ".join(restart))
+        current = self._app.settings
+        pool = current.pool
+        if (effective.proxy.connect_timeout_s, effective.proxy.read_timeout_s) != (
+                old.proxy.connect_timeout_s, old.proxy.read_timeout_s):
+            pool = UpstreamPool(connect_timeout=effective.proxy.connect_timeout_s,
+                                read_timeout=effective.proxy.read_timeout_s)
+        policy = current.policy if effective.routing == old.routing else None
+        try:
+            settings = make_settings(effective, self._table, pool, policy=policy)
+        except ConfigError:
+            if pool is not current.pool:
+                self._pools.append(pool)  # closed with the others; it holds no connection
+            raise
+        self._app.settings = settings
+        self._hconfig.graceful_timeout = effective.server.drain_s
+        self.config = effective
+        if applied:
+            logger.warning("config reload applied: %s", ", ".join(applied))
+        elif not restart:
+            logger.warning("config reload: nothing changed")
+        retired = None
+        if pool is not current.pool:
+            self._pools.append(pool)
+            retired = current.pool
+        return ReloadOutcome(applied=applied, needs_restart=tuple(restart)), retired
+
+
+async def _handle_signals(stop: trio.Event, reloader: Reloader | None, config: Config,
+                          server_scope: trio.CancelScope, *,
+                          task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                          ) -> None:
+    """SIGTERM/SIGINT: start the drain (a second one cancels it). SIGHUP: reload. Runs until
+    cancelled; meanwhile these signals do not reach Python's default handlers."""
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+        task_status.started()
+        async for signum in signals:
+            name = signal.Signals(signum).name
+            if signum == signal.SIGHUP:
+                if reloader is None:
+                    logger.warning("SIGHUP ignored: the router was not started from a file")
+                else:
+                    await reloader.reload()
+                    config = reloader.config
+            elif not stop.is_set():
+                logger.warning("%s: no new connections; in-flight requests get up to %g s",
+                               name, config.server.drain_s)
+                stop.set()
+            else:
+                logger.warning("%s again: cancelling in-flight requests now", name)
+                server_scope.cancel(reason=f"second {name}")
+
+
+async def run(config: Config, *, load: Callable[[], Config] | None = None,
+              table: RoutingTable | None = None, handle_signals: bool = True,
+              on_reload: Callable[[ReloadOutcome], None] | None = None,
+              task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
+    """Serve the router described by `config` until a shutdown signal (or cancellation).
+
+    Args:
+        load: re-reads the config (with the same command-line overrides) on SIGHUP.
+        table: the routing table to fill (a fresh one by default); passing one lets the
+            caller watch engines become routable (`trio-router demo`, tests).
+        handle_signals: install SIGTERM/SIGINT/SIGHUP handling (main thread only).
+        on_reload: called with each reload's outcome (for embedding and tests).
+        task_status: receives the bound URLs once the server accepts connections.
+
+    Raises ConfigError (an API key variable unset, a bad bind) and OSError (the bind address
+    is taken). Kubernetes errors never end it: /health reports them. Cancellation stops at
+    once, without drain; either way the discovery threads have ended (or are abandoned after
+    THREAD_EXIT_S) when this returns.
+    """
+    table = table if table is not None else RoutingTable()
+    proxy_key = env_key(config.proxy.api_key_env, "proxy.api_key_env")
+    hconfig = hypercorn_config(config)
+    pools = [UpstreamPool(connect_timeout=config.proxy.connect_timeout_s,
+                          read_timeout=config.proxy.read_timeout_s)]
+    settings = make_settings(config, table, pools[0])
+    source: KubernetesPodSource | None = None
+    try:
+        async with httpx.AsyncClient(timeout=config.probe.timeout_s) as client:
+            prober = Prober(client, timeout=config.probe.timeout_s, api_key=proxy_key)
+            workers: list[EngineWorker] = []
+            if config.stats.interval_s > 0:
+                stats = config.stats
+                workers.append(lambda engine, generation: run_stats_scraper(
+                    engine, table, client, interval=stats.interval_s, timeout=stats.timeout_s,
+                    generation=generation))
+            async with (open_supervisors(table, prober, config.probe,
+                                         workers=workers) as supervisors,
+                        trio.open_nursery() as nursery):
+                status: DiscoveryStatus
+                if config.discovery.mode == "static":
+                    status = DiscoveryStatus.static()
+                    add_static_engines(table, supervisors, config.discovery.static.urls)
+                else:
+                    status = DiscoveryStatus()
+                    reconciler = Reconciler(table, supervisors,
+                                            port=config.discovery.kubernetes.port)
+                    source = KubernetesPodSource(config.discovery.kubernetes)
+                    await nursery.start(partial(
+                        run_kubernetes_discovery, source, reconciler, status,
+                        config.discovery.kubernetes))
+                metrics = Metrics(table, discovery_snapshot=lambda: status.snapshot(
+                    trio.current_time()))
+                table.add_remove_listener(lambda engine: metrics.forget_engine(engine.name))
+                app = RouterApp(settings=settings, table=table, supervisors=supervisors,
+                                metrics=metrics,
+                                health=lambda: status.health(trio.current_time()))
+                stop = trio.Event()
+                if handle_signals:
+                    reloader = None
+                    if load is not None:
+                        reloader = Reloader(load, config, app=app, table=table,
+                                            hconfig=hconfig, metrics=metrics, pools=pools,
+                                            on_reload=on_reload)
+                    await nursery.start(_handle_signals, stop, reloader, config,
+                                        nursery.cancel_scope)
+                asgi: Any = app  # plain-dict ASGI typing, not hypercorn's TypedDicts
+                await hypercorn.trio.serve(asgi, hconfig, shutdown_trigger=stop.wait,
+                                           task_status=task_status)
+                logger.info("server stopped; stopping discovery and probes")
+                nursery.cancel_scope.cancel(reason="server stopped")
+    finally:
+        with trio.CancelScope(shield=True):
+            for pool in pools:
+                await pool.aclose()
+            if source is not None:
+                # An abandoned watch thread holds the source's limiter until it has ended.
+                with trio.move_on_after(THREAD_EXIT_S) as waited:
+                    async with source.limiter:
+                        pass
+                if waited.cancelled_caught:
+                    logger.warning("a Kubernetes client thread is still running after %g s",
+                                   THREAD_EXIT_S)

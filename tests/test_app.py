@@ -1,0 +1,544 @@
+"""The serving path over real sockets: Hypercorn on 127.0.0.1, fake engines over HTTP, httpx.
+
+Every test runs the real `server.run` (static discovery) in front of `FakeEngine`s served by
+Hypercorn, on the real clock under `trio.fail_after`. Waits are on events (the routing table's
+`wait_changed`, the engines' `wait_until`), never on sleeps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Final
+
+import httpx
+import pytest
+import trio
+
+from trio_router import server
+from trio_router.config import (
+    Config,
+    DiscoveryConfig,
+    ProbeConfig,
+    ServerConfig,
+    StaticConfig,
+    StatsConfig,
+)
+from trio_router.endpoints import RoutingTable
+from trio_router.errors import ConfigError
+from trio_router.testing import FakeEngine, serve_fake_engine
+
+LIMIT: Final = 10.0  # seconds; every test is far quicker, this only bounds a hang
+CHAT: Final = "/v1/chat/completions"
+
+
+def chat(model: str = "fake-model", *, stream: bool = False, **extra: Any) -> dict[str, Any]:
+    return {"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": stream,
+            **extra}
+
+
+def router_config(urls: Sequence[str], **sections: Any) -> Config:
+    """A test config: static discovery of `urls`, bind 127.0.0.1:0, probes that only run at
+    start (a long interval, so a test controls the table), no scraping. `sections` replace
+    whole sections, or update fields with `server={"drain_s": 1}`-style dicts."""
+    config = Config(
+        server=ServerConfig(bind="127.0.0.1:0", drain_s=2.0),
+        discovery=DiscoveryConfig(mode="static", static=StaticConfig(urls=tuple(urls))),
+        probe=ProbeConfig(timeout_s=2.0, interval_s=60.0, backoff_max_s=60.0),
+        stats=StatsConfig(interval_s=0.0),
+    )
+    for name, value in sections.items():
+        if isinstance(value, dict):
+            value = dataclasses.replace(getattr(config, name), **value)
+        config = dataclasses.replace(config, **{name: value})
+    return config
+
+
+@dataclass
+class Router:
+    """A running router and its engines, for one test."""
+
+    url: str
+    table: RoutingTable
+    engines: list[FakeEngine]
+    engine_urls: list[str]
+    client: httpx.AsyncClient
+    _engine_scopes: list[trio.CancelScope] = field(default_factory=list)
+
+    def stop_engine(self, index: int) -> None:
+        """Stop serving engine `index` (its port refuses connections from now on); the router
+        still believes it routable until it notices."""
+        self._engine_scopes[index].cancel()
+
+    def engine_named(self, name: str) -> FakeEngine:
+        """The fake engine the router calls `name` (its host:port)."""
+        for engine, url in zip(self.engines, self.engine_urls, strict=True):
+            if url.endswith(name):
+                return engine
+        raise KeyError(name)
+
+    async def wait_routable(self, model: str, count: int) -> None:
+        while len(self.table.routable(model)) != count:
+            await self.table.wait_changed()
+
+    async def metric(self, name: str, **labels: str) -> float:
+        """The value of one sample of GET /metrics (0.0 if absent)."""
+        text = (await self.client.get("/metrics")).text
+        return sample(text, name, **labels)
+
+
+def sample(text: str, name: str, **labels: str) -> float:
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in text.splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        key, value = line.rsplit(" ", 1)
+        metric, _, rest = key.partition("{")
+        got = ",".join(sorted(rest.rstrip("}").split(","))) if rest else ""
+        if metric == name and got == want:
+            return float(value)
+    return 0.0
+
+
+async def open_raw(url: str) -> trio.SocketStream:
+    """A plain TCP connection to the router at `url`: a client that can vanish mid-reply."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    return await trio.open_tcp_stream(host, int(port))
+
+
+async def send_raw(stream: trio.SocketStream, path: str, body: dict[str, Any], *,
+                   until: bytes) -> bytes:
+    """Send one POST with a JSON body; return what was received once `until` appears."""
+    data = json.dumps(body).encode()
+    await stream.send_all(b"POST %s HTTP/1.1\r\nhost: router\r\ncontent-type: "
+                          b"application/json\r\ncontent-length: %d\r\n\r\n%s"
+                          % (path.encode(), len(data), data))
+    received = b""
+    while until not in received:
+        chunk = await stream.receive_some()
+        assert chunk, f"connection closed before {until!r}: {received!r}"
+        received += chunk
+    return received
+
+
+async def _serve_engine(engine: FakeEngine, host: str, scope: trio.CancelScope, *,
+                        task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
+    with scope:
+        await serve_fake_engine(engine, host, 0, task_status=task_status)
+
+
+@asynccontextmanager
+async def open_router(engines: Sequence[FakeEngine], *, env: dict[str, str] | None = None,
+                      wait_models: Sequence[str] = ("fake-model",), **sections: Any
+                      ) -> AsyncIterator[Router]:
+    """Serve `engines` on 127.0.1.1, 127.0.1.2, ... and the router in front of them; yield
+    once every engine is routable. Leaving the block stops everything (no drain)."""
+    async with trio.open_nursery() as nursery:
+        scopes = [trio.CancelScope() for _ in engines]
+        urls = [await nursery.start(_serve_engine, engine, f"127.0.1.{i + 1}", scope)
+                for i, (engine, scope) in enumerate(zip(engines, scopes, strict=True))]
+        config = router_config(urls, **sections)
+        table = RoutingTable()
+        bound = await nursery.start(partial(server.run, config, table=table,
+                                            handle_signals=False))
+        async with httpx.AsyncClient(base_url=bound[0], timeout=LIMIT) as client:
+            router = Router(bound[0], table, list(engines), urls, client, scopes)
+            for model in wait_models:
+                serving = sum(model in e.model_ids for e in engines)
+                await router.wait_routable(model, serving)
+            yield router
+        nursery.cancel_scope.cancel()
+
+
+# -- proxying ---------------------------------------------------------------------------------
+async def test_non_streamed_request_is_forwarded_unchanged_both_ways() -> None:
+    engine = FakeEngine(name="e1", tokens=3, extra_headers=[(b"x-engine-extra", b"kept")])
+    with trio.fail_after(LIMIT):
+        async with open_router([engine]) as router:
+            body = json.dumps(chat(max_tokens=2, user="u")).encode() + b"  "
+            response = await router.client.post(
+                CHAT + "?trace=1", content=body,
+                headers={"content-type": "application/json", "x-custom": "abc",
+                         "connection": "keep-alive, x-hop", "x-hop": "dropped"})
+    assert response.status_code == 200
+    seen = engine.requests_to(CHAT)[-1]
+    assert seen.body == body  # byte for byte, trailing spaces included
+    assert seen.query == {"trace": "1"}
+    assert seen.header("x-custom") == "abc" and seen.header("x-hop") is None
+    assert seen.header("connection") is None
+    request_id = seen.header("x-request-id")
+    assert request_id and response.headers["x-request-id"] == request_id
+    assert response.headers["x-trio-router-engine"] == router.engine_urls[0].split("//")[1]
+    assert response.headers["x-engine-extra"] == "kept"
+    assert response.headers.get_list("date") and len(response.headers.get_list("date")) == 1
+    assert response.json()["choices"][0]["message"]["content"] == "Hello from"
+
+
+async def test_client_request_id_is_passed_on_and_returned() -> None:
+    engine = FakeEngine()
+    with trio.fail_after(LIMIT):
+        async with open_router([engine]) as router:
+            response = await router.client.post(CHAT, json=chat(),
+                                                headers={"x-request-id": "req-42"})
+    assert response.headers["x-request-id"] == "req-42"
+    assert engine.requests_to(CHAT)[-1].header("x-request-id") == "req-42"
+
+
+async def test_stream_is_forwarded_event_by_event() -> None:
+    gate = trio.Event()
+    engine = FakeEngine(tokens=4, gate=gate)  # holds after the first event until the gate
+    with trio.fail_after(LIMIT):
+        async with (open_router([engine]) as router,
+                    router.client.stream("POST", CHAT, json=chat(stream=True)) as response):
+            assert response.headers["content-type"].startswith("text/event-stream")
+            chunks = response.aiter_raw()
+            first = await chunks.__anext__()
+            # The engine still holds every other event: the first one got through alone.
+            assert first.startswith(b"data: ") and first.endswith(b"\n\n")
+            assert engine.in_flight == 1 and engine.completed == 0
+            gate.set()
+            rest = b"".join([chunk async for chunk in chunks])
+    events = (first + rest).split(b"\n\n")
+    assert events[-2] == b"data: [DONE]" and events[-1] == b""
+    assert len(events) == 1 + 4 + 1 + 1 + 1  # role, 4 tokens, finish, [DONE], tail
+    assert engine.completed == 1
+
+
+async def test_backpressure_a_slow_client_slows_the_engine_read() -> None:
+    # A 24 MB reply (rerank echoes its documents) read slowly: the router must not buffer it
+    # whole. While the client reads nothing, the engine cannot finish sending.
+    big = "x" * (24 * 1024 * 1024)
+    engine = FakeEngine()
+    with trio.fail_after(LIMIT):
+        async with open_router([engine], server={"max_body_bytes": 64 * 1024 * 1024}
+                               ) as router:
+            async with router.client.stream("POST", "/v1/rerank", json={
+                    "model": "fake-model", "query": "q", "documents": [big]}) as response:
+                assert response.status_code == 200
+                chunks = response.aiter_raw()
+                size = len(await chunks.__anext__())
+                with trio.move_on_after(0.5):  # the outcome: the engine is still sending
+                    await engine.wait_until(lambda: engine.completed == 1)
+                assert engine.completed == 0
+                size += sum([len(c) async for c in chunks])
+            await engine.wait_until(lambda: engine.completed == 1)
+    assert size > len(big)
+
+
+async def test_model_routing_including_lora_adapters() -> None:
+    llama = FakeEngine(name="llama", models=["llama"], adapters={"sql-lora": "llama"})
+    mistral = FakeEngine(name="mistral", models=["mistral"])
+    with trio.fail_after(LIMIT):
+        async with open_router([llama, mistral], wait_models=["llama", "mistral"]) as router:
+            for model, engine in [("sql-lora", llama), ("mistral", mistral), ("llama", llama),
+                                  ("sql-lora", llama)]:
+                response = await router.client.post(CHAT, json=chat(model))
+                assert response.status_code == 200
+                assert router.engine_named(response.headers["x-trio-router-engine"]) is engine
+                assert engine.requests_to(CHAT)[-1].json()["model"] == model
+            models = (await router.client.get("/v1/models")).json()
+    assert models["object"] == "list"
+    by_id = {m["id"]: m for m in models["data"]}
+    assert sorted(by_id) == ["llama", "mistral", "sql-lora"]
+    assert by_id["sql-lora"]["parent"] == "llama"
+    assert len(llama.requests_to(CHAT)) == 3 and len(mistral.requests_to(CHAT)) == 1
+
+
+async def test_round_robin_spreads_requests_over_engines() -> None:
+    engines = [FakeEngine(name=f"e{i}") for i in range(3)]
+    with trio.fail_after(LIMIT):
+        async with open_router(engines) as router:
+            for _ in range(6):
+                assert (await router.client.post(CHAT, json=chat())).status_code == 200
+    assert [len(e.requests_to(CHAT)) for e in engines] == [2, 2, 2]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/embeddings", "/v1/responses",
+                                  "/tokenize", "/detokenize", "/v1/rerank", "/rerank",
+                                  "/v1/score", "/score"])
+async def test_every_proxied_endpoint(path: str) -> None:
+    body = {"model": "fake-model", "prompt": "a b", "input": "a", "tokens": [1, 2],
+            "query": "q", "documents": ["d"], "text_1": "a", "text_2": ["b"]}
+    engine = FakeEngine()
+    with trio.fail_after(LIMIT):
+        async with open_router([engine]) as router:
+            response = await router.client.post(path, json=body)
+    assert response.status_code == 200, response.text
+    assert engine.requests_to(path)[-1].json() == body
+
+
+# -- errors -----------------------------------------------------------------------------------
+def assert_openai_error(response: httpx.Response, status: int, code: str) -> None:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/json"
+    error = response.json()["error"]
+    assert error["code"] == code and isinstance(error["message"], str) and error["type"]
+
+
+@pytest.mark.parametrize(("body", "code"), [
+    (b"{not json", "bad_request"),
+    (b"", "bad_request"),
+    (b"[1, 2]", "bad_request"),
+    (b'{"messages": []}', "bad_request"),
+    (b'{"model": 7}', "bad_request"),
+    (b'{"model": ""}', "bad_request"),
+    (b"\xff\xfe", "bad_request"),
+    (b"[" * 100_000, "bad_request"),
+])
+async def test_malformed_requests_get_400(body: bytes, code: str) -> None:
+    engine = FakeEngine()
+    with trio.fail_after(LIMIT):
+        async with open_router([engine]) as router:
+            response = await router.client.post(CHAT, content=body)
+    assert_openai_error(response, 400, code)
+    assert not engine.requests_to(CHAT)
+
+
+async def test_unknown_model_is_404_and_known_model_without_engine_is_503() -> None:
+    engine = FakeEngine(name="e1")
+    with trio.fail_after(LIMIT):
+        async with open_router([engine], probe={"interval_s": 0.2, "failures_to_eject": 1}
+                               ) as router:
+            assert_openai_error(await router.client.post(CHAT, json=chat("nope")), 404,
+                                "model_not_found")
+            engine.fail_status = 500  # its probes fail: it leaves routing
+            await router.wait_routable("fake-model", 0)
+            assert_openai_error(await router.client.post(CHAT, json=chat()), 503,
+                                "no_routable_engine")
+            engine.fail_status = None  # and comes back without any discovery event
+            await router.wait_routable("fake-model", 1)
+            assert (await router.client.post(CHAT, json=chat())).status_code == 200
+
+
+async def test_body_over_the_limit_is_413() -> None:
+    engine = FakeEngine()
+    with trio.fail_after(LIMIT):
+        async with open_router([engine], server={"max_body_bytes": 1000}) as router:
+            small = json.dumps(chat(pad="x" * 500)).encode()
+            assert (await router.client.post(CHAT, content=small)).status_code == 200
+            big = json.dumps(chat(pad="x" * 2000)).encode()
+            assert_openai_error(await router.client.post(CHAT, content=big), 413,
+                                "body_too_large")
+
+            async def chunked() -> AsyncIterator[bytes]:  # no Content-Length: counted
+                for _ in range(4):
+                    yield b" " * 400
+
+            assert_openai_error(await router.client.post(CHAT, content=chunked()), 413,
+                                "body_too_large")
+    assert len(engine.requests_to(CHAT)) == 1
+
+
+async def test_engine_errors_pass_through_untouched() -> None:
+    engine = FakeEngine(inference_fail_status=429)
+    with trio.fail_after(LIMIT):
+        async with open_router([engine]) as router:
+            response = await router.client.post(CHAT, json=chat())
+    assert response.status_code == 429
+    assert response.json()["error"]["type"] == "RateLimitError"  # the engine's own body
+    assert response.headers["x-fake-engine"] == "fake-engine"
+
+
+async def test_engine_silent_past_read_timeout_is_504() -> None:
+    engine = FakeEngine(ttft_s=5.0)
+    with trio.fail_after(LIMIT):
+        async with open_router([engine], proxy={"read_timeout_s": 0.3}) as router:
+            start = trio.current_time()
+            response = await router.client.post(CHAT, json=chat())
+            elapsed = trio.current_time() - start
+            await engine.wait_until(lambda: engine.in_flight == 0)
+    assert_openai_error(response, 504, "engine_timeout")
+    assert 0.3 <= elapsed < 2.0
+    assert engine.disconnects == 1  # the router closed the upstream connection
+
+
+async def test_unknown_paths_and_methods() -> None:
+    with trio.fail_after(LIMIT):
+        async with open_router([FakeEngine()]) as router:
+            assert_openai_error(await router.client.get("/nope"), 404, "not_found")
+            response = await router.client.get(CHAT)
+            assert_openai_error(response, 405, "method_not_allowed")
+            assert response.headers["allow"] == "POST"
+            assert_openai_error(await router.client.post("/engines"), 405,
+                                "method_not_allowed")
+
+
+# -- failover ---------------------------------------------------------------------------------
+async def test_failover_to_another_engine_before_the_first_byte() -> None:
+    engines = [FakeEngine(name="down"), FakeEngine(name="up")]
+    with trio.fail_after(LIMIT):
+        async with open_router(engines) as router:
+            router.stop_engine(0)  # still routable as far as the router knows
+            responses = [await router.client.post(CHAT, json=chat()) for _ in range(4)]
+            assert all(r.status_code == 200 for r in responses)
+            assert {r.headers["x-trio-router-engine"] for r in responses} == {
+                router.engine_urls[1].split("//")[1]}
+            # Passive health: the failed engine was ejected at once, not at its next probe.
+            down = router.table.get(router.engine_urls[0])
+            assert down is not None and not down.routable
+            assert await router.metric("trio_router_engine_unreachable_total",
+                                       engine=down.name) == 1.0
+    assert len(engines[1].requests_to(CHAT)) == 4
+
+
+async def test_all_engines_unreachable_is_502_after_retries() -> None:
+    engines = [FakeEngine(name=f"e{i}") for i in range(4)]
+    with trio.fail_after(LIMIT):
+        async with open_router(engines, proxy={"retries": 2}) as router:
+            for i in range(4):
+                router.stop_engine(i)
+            response = await router.client.post(CHAT, json=chat())
+            assert_openai_error(response, 502, "engine_unreachable")
+            unroutable = [e for e in router.table if not e.routable]
+            assert len(unroutable) == 3  # the first try and two retries, then it gave up
+            # The fourth engine is tried by the next request; then none is left: 503.
+            assert_openai_error(await router.client.post(CHAT, json=chat()), 502,
+                                "engine_unreachable")
+            assert_openai_error(await router.client.post(CHAT, json=chat()), 503,
+                                "no_routable_engine")
+
+
+async def test_no_failover_after_the_first_byte() -> None:
+    engines = [FakeEngine(name=f"e{i}", abort_after_first_event=True) for i in range(2)]
+    with trio.fail_after(LIMIT):
+        async with open_router(engines) as router:
+            received = b""
+            with pytest.raises(httpx.RemoteProtocolError):
+                async with router.client.stream("POST", CHAT,
+                                                json=chat(stream=True)) as response:
+                    assert response.status_code == 200
+                    async for chunk in response.aiter_raw():
+                        received += chunk
+            assert received.startswith(b"data: ") and received.count(b"data: ") == 1
+            assert all(e.routable for e in router.table)  # a broken stream ejects nothing
+    assert sum(len(e.requests_to(CHAT)) for e in engines) == 1  # never resent
+
+
+# -- cancellation -----------------------------------------------------------------------------
+async def test_client_disconnect_mid_stream_closes_the_upstream() -> None:
+    gate = trio.Event()
+    engine = FakeEngine(tokens=4, gate=gate)
+    with trio.fail_after(LIMIT):
+        async with open_router([engine]) as router:
+            async with await open_raw(router.url) as stream:
+                received = await send_raw(stream, CHAT, chat(stream=True), until=b"data: ")
+            assert received.startswith(b"HTTP/1.1 200")
+            # The client closed its connection; within a second the engine sees it go.
+            with trio.fail_after(1.0):
+                await engine.wait_until(lambda: engine.disconnects == 1)
+            assert engine.completed == 0
+            await router.wait_routable("fake-model", 1)
+            engine_entry = next(iter(router.table))
+            await engine.wait_until(lambda: engine.in_flight == 0)
+            assert engine_entry.in_flight == 0
+            assert await router.metric("trio_router_requests_total", model="fake-model",
+                                       engine="", status="499") == 1.0
+
+
+async def test_client_disconnect_while_waiting_for_a_non_streamed_reply() -> None:
+    gate = trio.Event()
+    engine = FakeEngine(gate=gate)  # non-streamed replies wait for the gate
+    with trio.fail_after(LIMIT):
+        async with open_router([engine]) as router:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(partial(router.client.post, CHAT, json=chat()))
+                await engine.wait_until(lambda: engine.in_flight == 1)
+                nursery.cancel_scope.cancel()  # the client gives up and closes
+            with trio.fail_after(1.0):
+                await engine.wait_until(lambda: engine.disconnects == 1)
+            assert all(e.in_flight == 0 for e in router.table)
+
+
+# -- auth -------------------------------------------------------------------------------------
+async def test_client_api_key_is_required_except_for_health_and_metrics(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ROUTER_KEY", "s3cret")
+    engine = FakeEngine()
+    with trio.fail_after(LIMIT):
+        async with open_router([engine], server={"api_key_env": "ROUTER_KEY"}) as router:
+            client = router.client
+            for headers in [{}, {"authorization": "Bearer wrong"}, {"authorization": "s3cret"},
+                            {"authorization": "Basic s3cret"}]:
+                response = await client.post(CHAT, json=chat(), headers=headers)
+                assert_openai_error(response, 401, "invalid_api_key")
+                assert response.headers["www-authenticate"] == "Bearer"
+                assert_openai_error(await client.get("/v1/models", headers=headers), 401,
+                                    "invalid_api_key")
+                assert_openai_error(await client.get("/engines", headers=headers), 401,
+                                    "invalid_api_key")
+            good = {"authorization": "Bearer s3cret"}
+            assert (await client.post(CHAT, json=chat(), headers=good)).status_code == 200
+            assert (await client.get("/v1/models", headers=good)).status_code == 200
+            assert (await client.get("/health")).status_code == 200
+            assert (await client.get("/metrics")).status_code == 200
+    assert len(engine.requests_to(CHAT)) == 1
+    # Without proxy.api_key_env the client's own Authorization goes on to the engine.
+    assert engine.requests_to(CHAT)[0].header("authorization") == "Bearer s3cret"
+
+
+async def test_engine_api_key_replaces_the_clients_and_is_used_by_probes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ENGINE_KEY", "engine-key")
+    engine = FakeEngine()
+    with trio.fail_after(LIMIT):
+        async with open_router([engine], proxy={"api_key_env": "ENGINE_KEY"}) as router:
+            await router.client.post(CHAT, json=chat(), headers={"authorization": "Bearer c"})
+            await router.client.post(CHAT, json=chat())
+    assert [r.header("authorization") for r in engine.requests_to(CHAT)] == [
+        "Bearer engine-key"] * 2
+    assert engine.requests_to("/v1/models")[0].header("authorization") == "Bearer engine-key"
+
+
+async def test_missing_api_key_variable_fails_at_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NOT_SET_ANYWHERE", raising=False)
+    config = router_config(["http://127.0.0.1:9"], server={"api_key_env": "NOT_SET_ANYWHERE"})
+    with trio.fail_after(LIMIT), pytest.raises(ConfigError, match="NOT_SET_ANYWHERE"):
+        await server.run(config, handle_signals=False)
+
+
+# -- admin ------------------------------------------------------------------------------------
+async def test_engines_health_and_metrics() -> None:
+    engines = [FakeEngine(name="a"), FakeEngine(name="b", models=["other"])]
+    with trio.fail_after(LIMIT):
+        async with open_router(engines, wait_models=["fake-model", "other"]) as router:
+            await router.client.post(CHAT, json=chat())
+            await router.client.post(CHAT, json=chat("missing"))
+            listed = (await router.client.get("/engines")).json()["engines"]
+            health = await router.client.get("/health")
+            text = (await router.client.get("/metrics")).text
+    assert sorted(e["url"] for e in listed) == sorted(router.engine_urls)
+    assert all(e["healthy"] and e["state"] == "routable" for e in listed)
+    assert {tuple(e["models"]) for e in listed} == {("fake-model",), ("other",)}
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+    name = router.engine_urls[0].split("//")[1]
+    assert sample(text, "trio_router_requests_total", model="fake-model", engine=name,
+                  status="200") == 1.0
+    assert sample(text, "trio_router_requests_total", model="", engine="", status="404") == 1.0
+    assert sample(text, "trio_router_routable_engines") == 2.0
+    assert sample(text, "trio_router_in_flight_requests", engine=name) == 0.0
+    assert sample(text, "trio_router_request_duration_seconds_count", model="fake-model") == 1.0
+    assert sample(text, "trio_router_time_to_first_byte_seconds_count",
+                  model="fake-model") == 1.0
+    assert sample(text, "trio_router_discovery_healthy") == 1.0
+    assert "missing" not in text  # unknown model names never become label values
+
+
+async def test_in_flight_is_exact_while_streaming() -> None:
+    gate = trio.Event()
+    engine = FakeEngine(gate=gate)
+    with trio.fail_after(LIMIT):
+        async with open_router([engine]) as router:
+            name = router.engine_urls[0].split("//")[1]
+            async with trio.open_nursery() as nursery:
+                for _ in range(3):
+                    nursery.start_soon(partial(router.client.post, CHAT,
+                                               json=chat(stream=True)))
+                await engine.wait_until(lambda: engine.in_flight == 3)
+                assert await router.metric("trio_router_in_flight_requests",
+                                           engine=name) == 3.0
+                gate.set()
+            assert await router.metric("trio_router_in_flight_requests", engine=name) == 0.0
