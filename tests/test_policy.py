@@ -3,8 +3,10 @@ affinity, bounded memory, forgetting removed engines, and `exclude` for every po
 
 from __future__ import annotations
 
+import gc
 import itertools
 import random
+import weakref
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -422,6 +424,18 @@ def test_prefix_forgotten_engine_that_returns_gets_no_old_conversations() -> Non
 
 
 # -- every policy ------------------------------------------------------------------------------
+
+def test_a_dropped_policy_is_not_kept_alive_by_the_table() -> None:
+    table = make_table([make_engine(i) for i in range(3)])
+    policy = make("prefix_aware", table)
+    policy.choose(table.routable(MODEL), chat(text(1, 1000)))
+    ref = weakref.ref(policy)
+    del policy
+    gc.collect()
+    assert ref() is None
+    table.remove("uid-0001")  # the stale subscription is harmless
+    assert "uid-0001" not in table
+
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(name=st.sampled_from(POLICIES), n=st.integers(1, 40),

@@ -19,6 +19,7 @@ import hashlib
 import itertools
 import random
 import struct
+import weakref
 from bisect import bisect_left, bisect_right
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -32,7 +33,9 @@ from .endpoints import Engine, RoutingTable
 from .errors import BadRequestError, NoEngineError
 
 EXACT_SCAN_MAX: Final = 16  # least_loaded compares every candidate up to this many, else p2c
-LOAD_SAMPLE: Final = 16  # candidates sampled to estimate the average load (session bound)
+LOAD_SAMPLE: Final = 16  # session bound: average over all candidates up to this many, else
+AVERAGE_SAMPLE: Final = 32  # over this many random ones,
+AVERAGE_REUSE: Final = 8  # reused for this many decisions of the model (it moves by <= 8/n)
 WALK_MAX: Final = 8  # overloaded engines the session walk passes before using least_loaded
 RING_REBUILD_MIN: Final = 16  # new engines at once from which the ring is rebuilt, not patched
 _POINTS_PER_DIGEST: Final = 8  # 64-bit ring points per 64-byte BLAKE2b digest
@@ -120,8 +123,10 @@ def render_prompt(body: Mapping[str, Any], *, limit: int) -> str | None:
 
 
 def _render_message(message: Mapping[str, Any]) -> str:
-    pieces = [str(message.get("role", "")), _ROLE_SEP]
     content = message.get("content")
+    if isinstance(content, str) and len(message) == 2:  # {"role", "content"}: the common case
+        return f"{message.get('role', '')}{_ROLE_SEP}{content}{_MESSAGE_SEP}"
+    pieces = [str(message.get("role", "")), _ROLE_SEP]
     if isinstance(content, str):
         pieces.append(content)
     elif isinstance(content, list):
@@ -214,6 +219,8 @@ class _View:
     source: Sequence[Engine]
     by_uid: dict[str, Engine]
     ring: tuple[list[int], list[str]] | None = None  # session: this model's own ring, if any
+    average: float = 0.0  # session: sampled average load of the candidates...
+    average_uses: int = 0  # ...and how many more decisions may reuse it
 
 
 # -- policies --------------------------------------------------------------------------------
@@ -348,7 +355,12 @@ class _HashRing:
         if uid in self._members and uid not in self._dead:
             self._dead.add(uid)
             if len(self._dead) * 8 > len(self._members):
-                self._rebuild(self._members - self._dead)
+                dead = self._dead
+                keep = [owner not in dead for owner in self.owners]
+                self.points = list(itertools.compress(self.points, keep))
+                self.owners = list(itertools.compress(self.owners, keep))
+                self._members -= dead
+                self._dead = set()
 
     def _rebuild(self, uids: Iterable[str]) -> None:
         members = set(uids)
@@ -407,7 +419,7 @@ class SessionPolicy:
                 if load <= 1.0:  # the bound is at least 1: no need for the average
                     return candidate, self._why(passed, load, bound)
                 if bound is None:
-                    bound = self._load_factor * self._average(candidates, now) + 1.0
+                    bound = self._load_factor * self._average(view, now) + 1.0
                 if load <= bound:
                     return candidate, self._why(passed, load, bound)
                 passed += 1
@@ -426,13 +438,23 @@ class SessionPolicy:
         return (f"session: next on the ring after {passed} over the load bound "
                 f"{bound or 0:.3g}, load {load:.3g}")
 
-    def _average(self, candidates: Sequence[Engine], now: float) -> float:
+    def _average(self, view: _View, now: float) -> float:
+        """The candidates' average load: exact for a few, else sampled and briefly reused."""
+        candidates = view.source
         n, load = len(candidates), self._gauge.of
+        total = 0.0
         if n <= LOAD_SAMPLE:
-            return sum(load(e, now) for e in candidates) / n
+            for engine in candidates:  # plain loops: a generator here costs twice as much
+                total += load(engine, now)
+            return total / n
+        if view.average_uses > 0:
+            view.average_uses -= 1
+            return view.average
         rand = self._random
-        return sum(load(candidates[int(rand() * n) % n], now)
-                   for _ in range(LOAD_SAMPLE)) / LOAD_SAMPLE
+        for _ in range(AVERAGE_SAMPLE):
+            total += load(candidates[int(rand() * n) % n], now)
+        view.average, view.average_uses = total / AVERAGE_SAMPLE, AVERAGE_REUSE - 1
+        return view.average
 
     def _view(self, model: str, candidates: Sequence[Engine]) -> _View:
         old = self._views.get(model)
@@ -584,9 +606,10 @@ def make_policy(config: RoutingConfig, table: RoutingTable, *,
                 stats_ttl: float | None = None, clock: Callable[[], float] | None = None,
                 rng: random.Random | None = None) -> Policy:
     """Build the policy `config.policy` names and subscribe its `forget` to `table`'s engine
-    removals. `stats_ttl`: seconds after which scraped stats are ignored (None: the
-    `stale_after` the scraper stores with them, 3 * stats.interval_s). `clock` defaults to
-    `trio.current_time` (so `choose` must then run inside Trio); `rng` to a fresh Random."""
+    removals (weakly: dropping the policy ends its subscription). `stats_ttl`: seconds after
+    which scraped stats are ignored (None: the `stale_after` the scraper stores with them,
+    3 * stats.interval_s). `clock` defaults to `trio.current_time` (so `choose` must then run
+    inside Trio); `rng` to a fresh Random."""
     rng = rng if rng is not None else random.Random()
     gauge = LoadGauge(queue_weight=config.load_queue_weight, kv_weight=config.load_kv_weight,
                       stats_ttl=stats_ttl, clock=clock if clock is not None else trio.current_time)
@@ -606,5 +629,13 @@ def make_policy(config: RoutingConfig, table: RoutingTable, *,
             balance_abs=config.prefix_balance_abs, balance_rel=config.prefix_balance_rel)
     else:  # RoutingConfig validates the name
         raise ValueError(f"unknown routing policy {config.policy!r}")
-    table.add_remove_listener(lambda engine: policy.forget(engine.uid))
+    # A weak reference: a policy replaced on a config reload must not be kept alive (with its
+    # memory) by the table, which has no way to unsubscribe.
+    forget = weakref.WeakMethod(policy.forget)
+
+    def forget_removed(engine: Engine) -> None:
+        if (method := forget()) is not None:
+            method(engine.uid)
+
+    table.add_remove_listener(forget_removed)
     return policy
