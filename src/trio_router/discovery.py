@@ -369,7 +369,7 @@ class _DiscoveryLoop:
         self._config, self._tuning, self._rng = config, tuning, rng
         self._backoff = Backoff(tuning, rng)
         self._rv = ""  # last resourceVersion seen: the list's, then every event's
-        self._list_rv = ""
+        self._fresh_list = False  # no watch has run since the last LIST
         self._relist_at = math.inf  # trio time of the next safety-net relist
         self._stream_events = 0  # events and bookmarks in the current watch stream
         self._watches = 0
@@ -397,7 +397,8 @@ class _DiscoveryLoop:
         self._sink.replace(listing.pods)
         first = not self._status.synced
         self._status.record_list(now, listing.resource_version)
-        self._rv = self._list_rv = listing.resource_version
+        self._rv = listing.resource_version
+        self._fresh_list = True
         jitter = self._tuning.relist_jitter
         self._relist_at = now + self._config.relist_interval_s * self._rng.uniform(
             1 - jitter, 1 + jitter)
@@ -415,6 +416,7 @@ class _DiscoveryLoop:
             self._status.reconnects += 1
         self._watches += 1
         self._stream_events = 0
+        first_after_list, self._fresh_list = self._fresh_list, False
         began = trio.current_time()
         with trio.move_on_at(self._relist_at):
             try:
@@ -424,8 +426,8 @@ class _DiscoveryLoop:
                 return False
             except KubernetesStatusError as exc:
                 if exc.expired:
-                    if self._stream_events == 0 and self._rv == self._list_rv:
-                        await self._back_off("watch", exc)  # expired at once: do not spin
+                    if first_after_list:  # the server cannot serve its own list's RV: no spin
+                        await self._back_off("watch", exc)
                     logger.info("watch from resourceVersion %s expired (%s); relisting",
                                 self._rv, exc)
                     return True
@@ -598,6 +600,8 @@ class KubernetesPodSource:
             if exc.status in (401, 403):
                 self._api = None  # load the credentials afresh for the next request
             return _status_error(exc, what)
+        if isinstance(exc, urllib3.exceptions.MaxRetryError) and exc.reason is not None:
+            exc = exc.reason  # NewConnectionError, ConnectTimeoutError, ...: the cause
         if isinstance(exc, ApiException | urllib3.exceptions.HTTPError | OSError
                       | http.client.HTTPException):
             return KubernetesConnectionError(f"{what}: Kubernetes API unreachable: {exc}")

@@ -1,0 +1,553 @@
+"""Kubernetes fakes for the discovery tests.
+
+- `FakeApiServer`: a real HTTP/1.1 server (Trio + h11, on 127.0.0.1) speaking enough of the
+  pods API for the official client: LIST with labelSelector, chunked WATCH with
+  resourceVersion replay, timeoutSeconds, bookmarks, 410 (as an ERROR event or an HTTP
+  status), 504 "Too large resource version", stalls, resets, error statuses, bearer tokens.
+- `FakePodSource`: a Trio-native `PodSource` on Trio's clock, for autojump tests.
+- `RecordingSink`: a `PodSink` that records every call and keeps the resulting pods.
+- `pod_json()`: the raw JSON of a v1 Pod.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any, Final
+from urllib.parse import parse_qsl, urlsplit
+
+import h11
+import trio
+
+from trio_router.discovery import PodListing, WatchObserver, pod_from_dict
+from trio_router.endpoints import EventType, Pod, PodEvent
+from trio_router.errors import DiscoveryError
+
+RawObject = dict[str, Any]
+TRUE: Final = ("true", "True", "1")
+CHUNK_BYTES: Final = 64 * 1024
+
+
+def pod_json(name: str, *, uid: str | None = None, ip: str = "10.0.0.1", ready: bool = True,
+             phase: str = "Running", labels: dict[str, str] | None = None,
+             namespace: str = "default", restarts: int = 0, terminating: bool = False,
+             resource_version: str = "") -> RawObject:
+    """The raw JSON of a v1 Pod with the fields discovery reads."""
+    meta: RawObject = {"name": name, "namespace": namespace, "uid": uid or f"uid-{name}",
+                       "labels": dict(labels if labels is not None else {"app": "vllm"})}
+    if resource_version:
+        meta["resourceVersion"] = resource_version
+    if terminating:
+        meta["deletionTimestamp"] = "2024-01-01T00:00:00Z"
+    status: RawObject = {
+        "phase": phase,
+        "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+        "containerStatuses": [{"name": "vllm", "ready": ready, "restartCount": restarts}],
+    }
+    if ip:
+        status["podIP"] = ip
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "status": status}
+
+
+def status_json(code: int, reason: str, message: str, **extra: Any) -> RawObject:
+    """A v1 Status (the body of an API error, and the object of a watch ERROR event)."""
+    return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+            "message": message, "reason": reason, "code": code, **extra}
+
+
+def _selector(text: str) -> Callable[[dict[str, str]], bool]:
+    """Equality-based label selector: "a=b,c==d,e!=f"."""
+    terms: list[tuple[str, str, bool]] = []
+    for term in filter(None, (t.strip() for t in text.split(","))):
+        if "!=" in term:
+            key, value = term.split("!=", 1)
+            terms.append((key.strip(), value.strip(), False))
+        else:
+            key, value = term.replace("==", "=").split("=", 1)
+            terms.append((key.strip(), value.strip(), True))
+    return lambda labels: all((labels.get(k) == v) is eq for k, v, eq in terms)
+
+
+@dataclass(frozen=True, slots=True)
+class WatchPlan:
+    """What the server does with one WATCH request (default: serve it normally).
+
+    kind: "serve"; "status" (answer `status` with a Status body and `headers`);
+    "error_event" (200, then one ERROR event with code `status`, then end); "stall" (200
+    headers, then silence); "reset" (serve `after_events` events, then cut the connection).
+    """
+
+    kind: str = "serve"
+    status: int = 500
+    reason: str = "InternalError"
+    message: str = "injected failure"
+    headers: tuple[tuple[str, str], ...] = ()
+    after_events: int = 0
+
+
+@dataclass(slots=True)
+class _Entry:
+    rv: int
+    labels: dict[str, str]
+    line: bytes  # the event as one JSON line
+
+
+@dataclass(frozen=True, slots=True)
+class Seen:
+    """One request: when it arrived (trio time) and its query parameters."""
+
+    time: float
+    query: dict[str, str]
+
+    @property
+    def resource_version(self) -> str | None:
+        return self.query.get("resourceVersion")
+
+
+@dataclass(slots=True)
+class Requests:
+    """Every LIST and WATCH request the server has received, in order."""
+
+    lists: list[Seen] = field(default_factory=list)
+    watches: list[Seen] = field(default_factory=list)
+
+
+class FakeApiServer:
+    """Pods of one namespace behind a real HTTP server. Mutate it with the sync methods
+    below (the test's Trio thread); wait for conditions with `wait_for`."""
+
+    def __init__(self, *, namespace: str = "default", token: str | None = None) -> None:
+        self.namespace = namespace
+        self.token = token  # when set, requests must carry "Authorization: Bearer <token>"
+        self.max_watch_s: float | None = None  # cap on timeoutSeconds (routine expiry)
+        self.bookmark_interval_s: float | None = None  # periodic bookmarks (when allowed)
+        self.expired_as_event = True  # 410 as an ERROR event in a 200 stream, or HTTP 410
+        self.watch_plans: deque[WatchPlan] = deque()
+        self.list_plans: deque[WatchPlan] = deque()  # only kind "status" applies
+        self.requests = Requests()
+        self.open_watches = 0
+        self.events_sent = 0
+        self.bookmarks_sent = 0
+        self.port = 0
+        self._pods: dict[str, RawObject] = {}
+        self._rv = 100
+        self._history: list[_Entry] = []
+        self._history_rvs: list[int] = []
+        self._compacted_rv = 0  # watches from a resourceVersion below this get 410
+        self._epoch = 0  # bumped by reset_watches / expire_watches
+        self._epoch_action = ""
+        self._changed = trio.Event()
+
+    # -- serving ---------------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def serve(self, port: int = 0, *,
+                    task_status: trio.TaskStatus[FakeApiServer] = trio.TASK_STATUS_IGNORED
+                    ) -> None:
+        """Listen on 127.0.0.1:`port` until cancelled; started() once accepting."""
+        async with trio.open_nursery() as nursery:
+            listeners: list[trio.SocketListener] = await nursery.start(
+                partial(trio.serve_tcp, self._serve_connection, port, host="127.0.0.1"))
+            self.port = listeners[0].socket.getsockname()[1]
+            task_status.started(self)
+
+    def write_kubeconfig(self, path: Path, *, token: str | None = None) -> Path:
+        """A kubeconfig whose current context points at this server (JSON is valid YAML)."""
+        user: RawObject = {"token": token or self.token or "test-token"}
+        path.write_text(json.dumps({
+            "apiVersion": "v1", "kind": "Config", "current-context": "fake",
+            "clusters": [{"name": "fake", "cluster": {"server": self.url}}],
+            "users": [{"name": "fake", "user": user}],
+            "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake",
+                                                      "namespace": self.namespace}}],
+        }))
+        return path
+
+    async def wait_for(self, predicate: Callable[[], bool]) -> None:
+        """Block until `predicate()` is true (re-checked after every change)."""
+        while not predicate():
+            await self._changed.wait()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    # -- pods ------------------------------------------------------------------------------
+    @property
+    def resource_version(self) -> int:
+        return self._rv
+
+    def pod(self, name: str) -> RawObject:
+        return self._pods[name]
+
+    def add_pod(self, name: str, *, silent: bool = False, **fields: Any) -> RawObject:
+        """Create a pod (ADDED). `silent`: watches never see it (only a LIST does)."""
+        return self._record("ADDED", pod_json(name, namespace=self.namespace, **fields),
+                            silent)
+
+    def modify_pod(self, name: str, *, silent: bool = False, **fields: Any) -> RawObject:
+        """Rebuild the pod with `fields` changed (MODIFIED); the UID and labels stay."""
+        old = self._pods[name]
+        fields.setdefault("uid", old["metadata"]["uid"])
+        fields.setdefault("labels", old["metadata"]["labels"])
+        fields.setdefault("ip", old["status"].get("podIP", ""))
+        return self._record("MODIFIED", pod_json(name, namespace=self.namespace, **fields),
+                            silent)
+
+    def delete_pod(self, name: str, *, silent: bool = False) -> RawObject:
+        return self._record("DELETED", self._pods[name], silent)
+
+    def _record(self, kind: str, pod: RawObject, silent: bool) -> RawObject:
+        self._rv += 1
+        pod = {**pod, "metadata": {**pod["metadata"], "resourceVersion": str(self._rv)}}
+        name = pod["metadata"]["name"]
+        if kind == "DELETED":
+            del self._pods[name]
+        else:
+            self._pods[name] = pod
+        if not silent:
+            line = json.dumps({"type": kind, "object": pod}).encode() + b"\n"
+            self._history.append(_Entry(self._rv, pod["metadata"]["labels"], line))
+            self._history_rvs.append(self._rv)
+        self._notify()
+        return pod
+
+    def compact(self) -> None:
+        """Forget the history: watches from any earlier resourceVersion get 410."""
+        self._compacted_rv = self._rv
+        self._history.clear()
+        self._history_rvs.clear()
+        self._notify()
+
+    def reset_watches(self) -> None:
+        """Cut every open watch connection (no end of the chunked body)."""
+        self._epoch, self._epoch_action = self._epoch + 1, "reset"
+        self._notify()
+
+    def expire_watches(self) -> None:
+        """Compact, and end every open watch with 410 (ERROR event, or a cut connection
+        when `expired_as_event` is False, so that the resume gets HTTP 410)."""
+        self.compact()
+        self._epoch, self._epoch_action = self._epoch + 1, "expire"
+        self._notify()
+
+    # -- HTTP ------------------------------------------------------------------------------
+    async def _serve_connection(self, stream: trio.SocketStream) -> None:
+        conn = h11.Connection(h11.SERVER)
+        try:
+            while (request := await self._next_request(stream, conn)) is not None:
+                if not await self._dispatch(stream, conn, request):
+                    return
+                if conn.our_state is h11.MUST_CLOSE:
+                    return
+                conn.start_next_cycle()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, h11.RemoteProtocolError):
+            return
+        finally:
+            await stream.aclose()
+
+    @staticmethod
+    async def _next_request(stream: trio.SocketStream,
+                            conn: h11.Connection) -> h11.Request | None:
+        request: h11.Request | None = None
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                conn.receive_data(await stream.receive_some(CHUNK_BYTES))
+            elif isinstance(event, h11.Request):
+                request = event
+            elif isinstance(event, h11.EndOfMessage):
+                return request
+            elif isinstance(event, h11.ConnectionClosed):
+                return None
+
+    async def _dispatch(self, stream: trio.SocketStream, conn: h11.Connection,
+                        request: h11.Request) -> bool:
+        """Answer one request; False if the connection must be dropped."""
+        url = urlsplit(request.target.decode())
+        query = dict(parse_qsl(url.query))
+        headers = {k.decode().lower(): v.decode() for k, v in request.headers}
+        if self.token is not None and headers.get("authorization") != f"Bearer {self.token}":
+            await self._send_json(stream, conn, 401,
+                                  status_json(401, "Unauthorized", "Unauthorized"))
+            return True
+        if url.path != f"/api/v1/namespaces/{self.namespace}/pods":
+            await self._send_json(stream, conn, 404, status_json(404, "NotFound", url.path))
+            return True
+        if query.get("watch") in TRUE:
+            return await self._watch(stream, conn, query)
+        self.requests.lists.append(Seen(trio.current_time(), query))
+        self._notify()
+        if self.list_plans:
+            plan = self.list_plans.popleft()
+            await self._send_json(stream, conn, plan.status,
+                                  status_json(plan.status, plan.reason, plan.message),
+                                  plan.headers)
+            return True
+        match = _selector(query.get("labelSelector", ""))
+        items = [p for p in self._pods.values() if match(p["metadata"]["labels"])]
+        await self._send_json(stream, conn, 200, {
+            "apiVersion": "v1", "kind": "PodList",
+            "metadata": {"resourceVersion": str(self._rv)}, "items": items})
+        return True
+
+    @staticmethod
+    async def _send_json(stream: trio.SocketStream, conn: h11.Connection, status: int,
+                         body: RawObject, headers: Iterable[tuple[str, str]] = ()) -> None:
+        data = json.dumps(body).encode()
+        await stream.send_all(conn.send(h11.Response(status_code=status, headers=[
+            ("content-type", "application/json"), ("content-length", str(len(data))),
+            *headers])) + conn.send(h11.Data(data=data)) + conn.send(h11.EndOfMessage()))
+
+    async def _watch(self, stream: trio.SocketStream, conn: h11.Connection,
+                     query: dict[str, str]) -> bool:
+        self.requests.watches.append(Seen(trio.current_time(), query))
+        self._notify()
+        plan = self.watch_plans.popleft() if self.watch_plans else WatchPlan()
+        if plan.kind == "status":
+            await self._send_json(stream, conn, plan.status,
+                                  status_json(plan.status, plan.reason, plan.message),
+                                  plan.headers)
+            return True
+        rv_text = query.get("resourceVersion", "")
+        start = int(rv_text) if rv_text.isdigit() and rv_text != "0" else None
+        if start is not None and start > self._rv:
+            await self._send_json(stream, conn, 504, status_json(
+                504, "Timeout", f"Too large resource version: {start}, current: {self._rv}",
+                details={"causes": [{"reason": "ResourceVersionTooLarge",
+                                     "message": "Too large resource version"}],
+                         "retryAfterSeconds": 1}))
+            return True
+        expired = start is not None and start < self._compacted_rv
+        if expired and not self.expired_as_event:
+            await self._send_json(stream, conn, 410, status_json(
+                410, "Expired", f"too old resource version: {start} ({self._compacted_rv})"))
+            return True
+        await stream.send_all(conn.send(h11.Response(status_code=200, headers=[
+            ("content-type", "application/json"), ("transfer-encoding", "chunked")])))
+        self.open_watches += 1
+        self._notify()
+        try:
+            if expired:
+                return await self._end_with_error(stream, conn, 410, "Expired",
+                                                  f"too old resource version: {start}")
+            if plan.kind == "error_event":
+                return await self._end_with_error(stream, conn, plan.status, plan.reason,
+                                                  plan.message)
+            if plan.kind == "stall":
+                await trio.sleep_forever()
+            return await self._stream_events(stream, conn, query, plan, start)
+        finally:
+            self.open_watches -= 1
+            self._notify()
+
+    async def _end_with_error(self, stream: trio.SocketStream, conn: h11.Connection,
+                              code: int, reason: str, message: str) -> bool:
+        line = json.dumps({"type": "ERROR", "object": status_json(code, reason, message)})
+        await stream.send_all(conn.send(h11.Data(data=line.encode() + b"\n"))
+                              + conn.send(h11.EndOfMessage()))
+        return True
+
+    async def _stream_events(self, stream: trio.SocketStream, conn: h11.Connection,
+                             query: dict[str, str], plan: WatchPlan, start: int | None) -> bool:
+        match = _selector(query.get("labelSelector", ""))
+        bookmarks = query.get("allowWatchBookmarks") in TRUE
+        timeout = float(query.get("timeoutSeconds") or 1800)
+        if self.max_watch_s is not None:
+            timeout = min(timeout, self.max_watch_s)
+        deadline = trio.current_time() + timeout
+        interval = self.bookmark_interval_s if bookmarks and self.bookmark_interval_s else None
+        next_bookmark = trio.current_time() + interval if interval else math.inf
+        epoch, sent = self._epoch, 0
+        if start is None:  # no resourceVersion: synthetic ADDED for the current pods
+            lines = [json.dumps({"type": "ADDED", "object": p}).encode() + b"\n"
+                     for p in self._pods.values() if match(p["metadata"]["labels"])]
+            await self._send_chunk(stream, conn, b"".join(lines))
+            cursor = self._rv
+        else:
+            cursor = start
+        while True:
+            changed = self._changed  # captured before the checks: no change is missed
+            if self._epoch != epoch:  # before sending: changes made with a reset stay unsent
+                if self._epoch_action == "reset" or not self.expired_as_event:
+                    return False
+                return await self._end_with_error(stream, conn, 410, "Expired",
+                                                  "too old resource version")
+            batch: list[bytes] = []
+            index = bisect.bisect_right(self._history_rvs, cursor)
+            for entry in self._history[index:]:
+                if plan.kind == "reset" and sent + len(batch) >= plan.after_events:
+                    break
+                cursor = entry.rv
+                if match(entry.labels):
+                    batch.append(entry.line)
+            for i in range(0, len(batch), 256):
+                await self._send_chunk(stream, conn, b"".join(batch[i:i + 256]))
+            sent += len(batch)
+            self.events_sent += len(batch)
+            if batch:
+                self._notify()
+            if plan.kind == "reset" and sent >= plan.after_events:
+                return False  # cut: the chunked body never ends
+            now = trio.current_time()
+            if now >= next_bookmark:
+                await self._send_chunk(stream, conn, self._bookmark())
+                next_bookmark = now + (interval or math.inf)
+                self.bookmarks_sent += 1
+                self._notify()
+            if now >= deadline:  # routine expiry: a bookmark "right before the deadline"
+                last = self._chunk(conn, self._bookmark()) if bookmarks else b""
+                await stream.send_all(last + conn.send(h11.EndOfMessage()))
+                return True
+            with trio.move_on_at(min(deadline, next_bookmark)):
+                await changed.wait()
+
+    def _bookmark(self) -> bytes:
+        return json.dumps({"type": "BOOKMARK", "object": {
+            "kind": "Pod", "apiVersion": "v1",
+            "metadata": {"resourceVersion": str(self._rv)}}}).encode() + b"\n"
+
+    @staticmethod
+    def _chunk(conn: h11.Connection, data: bytes) -> bytes:
+        return conn.send(h11.Data(data=data)) if data else b""
+
+    async def _send_chunk(self, stream: trio.SocketStream, conn: h11.Connection,
+                          data: bytes) -> None:
+        if data:
+            await stream.send_all(self._chunk(conn, data))
+
+
+# -- Trio-native fakes ------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class FakeWatch:
+    """What `FakePodSource.watch` does with one call: serve events for `duration` seconds
+    (None: the requested timeout_seconds; math.inf: forever), then raise `error` if given,
+    else end cleanly. With duration 0 and an error, it fails before connecting."""
+
+    duration: float | None = None
+    error: DiscoveryError | None = None
+
+
+class FakePodSource:
+    """A `PodSource` on Trio's clock (no threads, no sockets): pods and an event history in
+    memory, scripted failures, and a log of every call's (trio) time."""
+
+    def __init__(self) -> None:
+        self._pods: dict[str, RawObject] = {}
+        self._rv = 1
+        self._history: list[tuple[int, RawObject]] = []
+        self.list_failures: deque[DiscoveryError] = deque()
+        self.watch_plans: deque[FakeWatch] = deque()
+        self.list_calls: list[float] = []
+        self.watch_calls: list[tuple[float, str, int]] = []  # (time, resourceVersion, timeout)
+        self._changed = trio.Event()
+
+    async def wait_for(self, predicate: Callable[[], bool]) -> None:
+        while not predicate():
+            await self._changed.wait()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def emit(self, kind: str, pod: RawObject) -> RawObject:
+        """Record a pod event (ADDED, MODIFIED, DELETED) with the next resourceVersion."""
+        self._rv += 1
+        pod = {**pod, "metadata": {**pod["metadata"], "resourceVersion": str(self._rv)}}
+        if kind == "DELETED":
+            self._pods.pop(pod["metadata"]["name"], None)
+        else:
+            self._pods[pod["metadata"]["name"]] = pod
+        self._history.append((self._rv, {"type": kind, "object": pod}))
+        self._notify()
+        return pod
+
+    def bookmark(self) -> None:
+        """A BOOKMARK at a new resourceVersion (no pod changes)."""
+        self._rv += 1
+        self._history.append((self._rv, {"type": "BOOKMARK", "object": {
+            "kind": "Pod", "metadata": {"resourceVersion": str(self._rv)}}}))
+        self._notify()
+
+    async def list_pods(self) -> PodListing:
+        await trio.lowlevel.checkpoint()
+        self.list_calls.append(trio.current_time())
+        self._notify()
+        if self.list_failures:
+            raise self.list_failures.popleft()
+        return PodListing(tuple(pod_from_dict(p) for p in self._pods.values()), str(self._rv))
+
+    async def watch(self, resource_version: str, observer: WatchObserver, *,
+                    timeout_seconds: int) -> None:
+        await trio.lowlevel.checkpoint()
+        self.watch_calls.append((trio.current_time(), resource_version, timeout_seconds))
+        self._notify()
+        plan = self.watch_plans.popleft() if self.watch_plans else FakeWatch()
+        duration = timeout_seconds if plan.duration is None else plan.duration
+        if plan.error is not None and duration == 0:
+            raise plan.error
+        observer.connected()
+        deadline = trio.current_time() + duration
+        cursor = int(resource_version)
+        while True:
+            changed = self._changed
+            for rv, raw in self._history:
+                if rv > cursor:
+                    observer.event(raw)
+                    cursor = rv
+            if trio.current_time() >= deadline:
+                break
+            with trio.move_on_at(deadline):
+                await changed.wait()
+        if plan.error is not None:
+            raise plan.error
+
+
+class RecordingSink:
+    """A `PodSink` that records each call and keeps the pods it would route, by UID."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any]] = []
+        self.pods: dict[str, Pod] = {}
+        self._changed = trio.Event()
+
+    @property
+    def applied(self) -> list[PodEvent]:
+        return [arg for kind, arg in self.calls if kind == "apply"]
+
+    @property
+    def replaced(self) -> list[list[Pod]]:
+        return [arg for kind, arg in self.calls if kind == "replace"]
+
+    def apply(self, event: PodEvent) -> None:
+        self.calls.append(("apply", event))
+        if event.type is EventType.DELETED:
+            self.pods.pop(event.pod.uid, None)
+        else:
+            self.pods[event.pod.uid] = event.pod
+        self._notify()
+
+    def replace(self, pods: Iterable[Pod]) -> None:
+        listed = list(pods)
+        self.calls.append(("replace", listed))
+        self.pods = {p.uid: p for p in listed}
+        self._notify()
+
+    async def wait_for(self, predicate: Callable[[], bool]) -> None:
+        while not predicate():
+            await self._changed.wait()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def names(self) -> set[str]:
+        return {p.name for p in self.pods.values()}
