@@ -380,11 +380,12 @@ class _DiscoveryLoop:
         while True:
             if need_list:
                 failure = await self._list()
-                if not started:
+                delay = self._failed("LIST", failure) if failure is not None else 0.0
+                if not started:  # after the first attempt, whatever its outcome
                     task_status.started()
                     started = True
                 if failure is not None:
-                    await self._back_off("LIST", failure)
+                    await trio.sleep(delay)
                     continue
             need_list = await self._watch()
 
@@ -426,8 +427,8 @@ class _DiscoveryLoop:
                 return False
             except KubernetesStatusError as exc:
                 if exc.expired:
-                    if first_after_list:  # the server cannot serve its own list's RV: no spin
-                        await self._back_off("watch", exc)
+                    if first_after_list and self._stream_events == 0:
+                        await self._back_off("watch", exc)  # at once from the list's RV: no spin
                     logger.info("watch from resourceVersion %s expired (%s); relisting",
                                 self._rv, exc)
                     return True
@@ -447,6 +448,10 @@ class _DiscoveryLoop:
         return True
 
     async def _back_off(self, what: str, exc: DiscoveryError) -> None:
+        await trio.sleep(self._failed(what, exc))
+
+    def _failed(self, what: str, exc: DiscoveryError) -> float:
+        """Record a failure; return the backoff delay (Retry-After honoured, up to a cap)."""
         delay = self._backoff.next_delay(trio.current_time())
         auth = isinstance(exc, CredentialsError)
         if isinstance(exc, KubernetesStatusError):
@@ -455,7 +460,7 @@ class _DiscoveryLoop:
                 delay = max(delay, min(exc.retry_after, RETRY_AFTER_MAX_S))
         self._status.record_error(f"{what}: {exc}", auth=auth)
         logger.warning("Kubernetes %s failed: %s; retrying in %.1f s", what, exc, delay)
-        await trio.sleep(delay)
+        return delay
 
     # -- WatchObserver ---------------------------------------------------------------------
     def connected(self) -> None:

@@ -1,0 +1,357 @@
+"""The discovery algorithm on Trio's virtual clock (`autojump_clock`), against the Trio-native
+`FakePodSource`: no threads, no sockets. Test names cite the DISCOVERY.md §1 item they prove;
+the official client and the thread bridge are tested over real HTTP in
+test_discovery_wire.py."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from functools import partial
+
+import pytest
+import trio
+import trio.testing
+
+from fake_apiserver import FakePodSource, FakeWatch, RecordingSink, pod_json
+from trio_router.config import KubernetesConfig
+from trio_router.discovery import (
+    FAILING_AFTER_ERRORS,
+    Backoff,
+    DiscoveryStatus,
+    KubernetesConnectionError,
+    KubernetesStatusError,
+    StaticDiscoveryStatus,
+    WatchTuning,
+    pod_from_dict,
+    run_kubernetes_discovery,
+)
+from trio_router.endpoints import EventType
+
+CONFIG = KubernetesConfig(relist_interval_s=3600.0, stale_after_s=180.0)
+REFUSED = KubernetesConnectionError("watch: Kubernetes API unreachable: connection refused")
+
+
+def gone() -> KubernetesStatusError:
+    return KubernetesStatusError("watch ERROR event 410: Expired: too old resource version",
+                                 api_status=410)
+
+
+@asynccontextmanager
+async def running(source: FakePodSource, sink: RecordingSink, *,
+                  config: KubernetesConfig = CONFIG, seed: int = 1
+                  ) -> AsyncIterator[DiscoveryStatus]:
+    status = DiscoveryStatus()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(partial(run_kubernetes_discovery, source, sink, status, config,
+                                    rng=random.Random(seed)))
+        yield status
+        nursery.cancel_scope.cancel()
+
+
+def watch_times(source: FakePodSource) -> list[float]:
+    return [t for t, _, _ in source.watch_calls]
+
+
+DEFAULT_TUNING = WatchTuning()
+
+
+def base_delay(k: int, tuning: WatchTuning = DEFAULT_TUNING) -> float:
+    """The base delay d of the k-th consecutive failure (k = 0 for the first)."""
+    return min(tuning.backoff_initial_s * tuning.backoff_factor ** k, tuning.backoff_max_s)
+
+
+# -- pods --------------------------------------------------------------------------------------
+def test_pod_from_dict_reads_the_readiness_fields() -> None:
+    raw = pod_json("e", uid="u1", ip="10.0.0.7", restarts=2, terminating=True)
+    raw["status"]["containerStatuses"].append({"name": "sidecar", "restartCount": 3})
+    raw["status"]["conditions"].insert(0, {"type": "PodScheduled", "status": "True"})
+    pod = pod_from_dict(raw)
+    assert (pod.uid, pod.name, pod.ip, pod.phase) == ("u1", "e", "10.0.0.7", "Running")
+    assert pod.ready and pod.terminating and pod.restart_count == 5
+    assert not pod_from_dict(pod_json("e", ready=False)).ready
+    assert pod_from_dict(pod_json("e", phase="Failed")).unroutable_reason() == "phase Failed"
+
+
+@pytest.mark.parametrize("raw", [
+    {},
+    {"metadata": None, "status": None},
+    {"metadata": {"name": "e"}, "status": {"conditions": None, "containerStatuses": None}},
+    {"metadata": {"name": "e", "uid": 7}, "status": {
+        "podIP": None, "phase": 3, "conditions": ["Ready", {"type": "Ready"}],
+        "containerStatuses": [None, {"restartCount": "2"}, {"restartCount": True}]}},
+])
+def test_pod_from_dict_tolerates_missing_and_mistyped_fields(raw: dict[str, object]) -> None:
+    pod = pod_from_dict(raw)
+    assert (pod.ip, pod.phase, pod.ready, pod.terminating, pod.restart_count) == (
+        "", "Unknown", False, False, 0)
+    assert pod.unroutable_reason() is not None
+    assert pod.uid == pod.name  # no UID: identified by name
+
+
+# -- the algorithm -----------------------------------------------------------------------------
+async def test_1_7_clean_end_rewatches_at_once_from_the_last_rv(
+        autojump_clock: trio.testing.MockClock) -> None:
+    source, sink = FakePodSource(), RecordingSink()
+    source.emit("ADDED", pod_json("a"))
+    async with running(source, sink) as status:
+        await trio.sleep(100)
+        source.emit("MODIFIED", pod_json("a", restarts=1))
+        await source.wait_for(lambda: len(source.watch_calls) >= 4)
+    (t0, rv0, timeout0), (t1, rv1, _), *_ = source.watch_calls
+    assert t1 == pytest.approx(t0 + timeout0)  # no backoff
+    assert 300 <= timeout0 < 600
+    assert (rv0, rv1) == ("2", "3")  # from the list's RV, then from the last event's
+    assert len(source.list_calls) == 1 and len(sink.replaced) == 1
+    assert [e.type for e in sink.applied] == [EventType.MODIFIED]
+    assert status.reconnects == 3 and status.errors == 0
+
+
+async def test_1_9_expired_watch_relists_at_once_and_replaces(
+        autojump_clock: trio.testing.MockClock) -> None:
+    source, sink = FakePodSource(), RecordingSink()
+    source.emit("ADDED", pod_json("a"))
+    source.watch_plans.append(FakeWatch(5.0, gone()))  # serves 5 s, then 410
+    async with running(source, sink) as status:
+        await trio.sleep(1)
+        source.emit("ADDED", pod_json("b"))
+        await source.wait_for(lambda: len(source.list_calls) == 2)
+        assert source.list_calls[1] == pytest.approx(source.list_calls[0] + 5.0)
+        assert [p.name for p in sink.replaced[1]] == ["a", "b"]
+        assert status.relists == 1 and status.errors == 0
+
+
+async def test_1_9_expiry_right_after_a_list_backs_off_before_relisting(
+        autojump_clock: trio.testing.MockClock) -> None:
+    source, sink = FakePodSource(), RecordingSink()
+    source.watch_plans.extend([FakeWatch(0, gone())] * 3)
+    async with running(source, sink):
+        await source.wait_for(lambda: len(source.list_calls) == 4)
+    gaps = [b - a for a, b in zip(source.list_calls, source.list_calls[1:], strict=False)]
+    for k, gap in enumerate(gaps):  # no LIST/410 spin
+        assert base_delay(k) <= gap <= 2 * base_delay(k)
+
+
+async def test_1_10_too_large_resource_version_backs_off_then_relists(
+        autojump_clock: trio.testing.MockClock) -> None:
+    source, sink = FakePodSource(), RecordingSink()
+    source.watch_plans.append(FakeWatch(0, KubernetesStatusError(
+        "watch: HTTP 504: Too large resource version: 90, current: 2", api_status=504)))
+    async with running(source, sink) as status:
+        await source.wait_for(lambda: len(source.list_calls) == 2)
+    assert 0.8 <= source.list_calls[1] - source.list_calls[0] <= 1.6
+    assert status.relists == 1 and status.errors == 1
+
+
+async def test_other_status_errors_resume_from_the_rv_without_a_list(
+        autojump_clock: trio.testing.MockClock) -> None:
+    source, sink = FakePodSource(), RecordingSink()
+    source.watch_plans.extend([
+        FakeWatch(0, KubernetesStatusError("watch: HTTP 503: busy", api_status=503)),
+        FakeWatch(0, KubernetesStatusError("watch: HTTP 504: Timeout", api_status=504)),
+        FakeWatch(0, REFUSED)])
+    async with running(source, sink):
+        await source.wait_for(lambda: len(source.watch_calls) == 4)
+    assert len(source.list_calls) == 1
+    assert {rv for _, rv, _ in source.watch_calls} == {"1"}
+
+
+async def test_1_12_error_loops_back_off_with_jitter_capped_and_reset(
+        autojump_clock: trio.testing.MockClock) -> None:
+    source, sink = FakePodSource(), RecordingSink()
+    source.watch_plans.extend([FakeWatch(0, REFUSED)] * 12)  # 12 failures in a row
+    source.watch_plans.append(FakeWatch(130.0))  # then 130 s of healthy watch
+    source.watch_plans.append(FakeWatch(0, REFUSED))  # then one more failure
+    async with running(source, sink) as status:
+        await source.wait_for(lambda: len(source.watch_calls) == 13)
+        assert status.consecutive_errors == 12
+        await source.wait_for(lambda: len(source.watch_calls) == 15)
+    times = watch_times(source)
+    ratios = []
+    for k in range(12):
+        gap, d = times[k + 1] - times[k], base_delay(k)
+        assert d <= gap <= 2 * d  # jitter in [d, 2d), d doubling from 0.8 s up to 30 s
+        ratios.append(gap / d)
+    assert len({round(r, 6) for r in ratios}) == 12  # really jittered
+    assert times[13] - times[12] == pytest.approx(130.0)  # a clean end: re-watch at once
+    assert 0.8 <= times[14] - times[13] <= 1.6  # after 2 min without errors: reset to 0.8 s
+
+
+async def test_1_12_a_long_outage_is_not_a_hot_loop(
+        autojump_clock: trio.testing.MockClock) -> None:
+    source, sink = FakePodSource(), RecordingSink()
+    source.watch_plans.extend([FakeWatch(0, REFUSED)] * 1000)
+    async with running(source, sink):
+        await trio.sleep(3600)
+    assert len(source.watch_calls) < 3600 / 30 + 10  # about one attempt per 30-60 s
+
+
+def test_1_12_backoff_delays_stay_within_their_bounds() -> None:
+    tuning = WatchTuning()
+    for seed in range(20):
+        backoff, now = Backoff(tuning, random.Random(seed)), 0.0
+        for k in range(15):
+            delay = backoff.next_delay(now)
+            assert base_delay(k) <= delay <= 2 * base_delay(k) <= 2 * tuning.backoff_max_s
+            now += delay
+        now += tuning.backoff_reset_s
+        assert tuning.backoff_initial_s <= backoff.next_delay(now) <= 2 * tuning.backoff_initial_s
+
+
+async def test_retry_after_is_honoured_up_to_a_cap(
+        autojump_clock: trio.testing.MockClock) -> None:
+    source, sink = FakePodSource(), RecordingSink()
+    source.watch_plans.extend([
+        FakeWatch(0, KubernetesStatusError("watch: HTTP 429: slow down", api_status=429,
+                                           retry_after=7.0)),
+        FakeWatch(0, KubernetesStatusError("watch: HTTP 429: slow down", api_status=429,
+                                           retry_after=3600.0))])
+    async with running(source, sink):
+        await source.wait_for(lambda: len(source.watch_calls) == 3)
+    times = watch_times(source)
+    assert times[1] - times[0] == pytest.approx(7.0)
+    assert times[2] - times[1] == pytest.approx(60.0)
+
+
+async def test_1_13_first_list_failing_keeps_retrying(
+        autojump_clock: trio.testing.MockClock) -> None:
+    source, sink = FakePodSource(), RecordingSink()
+    source.emit("ADDED", pod_json("a"))
+    source.list_failures.extend([REFUSED] * 4)
+    status = DiscoveryStatus()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(run_kubernetes_discovery, source, sink, status, CONFIG)
+        assert trio.current_time() == source.list_calls[0]  # started after one attempt
+        ok, reason = status.health(trio.current_time())
+        assert not ok and "refused" in reason
+        assert reason.startswith("Kubernetes pods not listed yet")
+        await sink.wait_for(lambda: len(sink.replaced) == 1)
+        assert len(source.list_calls) == 5 and status.synced
+        assert status.health(trio.current_time()) == (True, "ok")
+        nursery.cancel_scope.cancel()
+    gaps = [b - a for a, b in zip(source.list_calls, source.list_calls[1:], strict=False)]
+    assert all(base_delay(k) <= gap <= 2 * base_delay(k) for k, gap in enumerate(gaps))
+
+
+async def test_1_15_bookmarks_advance_the_rv_and_touch_nothing(
+        autojump_clock: trio.testing.MockClock) -> None:
+    source, sink = FakePodSource(), RecordingSink()
+    source.emit("ADDED", pod_json("a"))
+    source.watch_plans.append(FakeWatch(10.0))
+    async with running(source, sink) as status:
+        await trio.sleep(1)
+        source.bookmark()
+        await source.wait_for(lambda: len(source.watch_calls) == 2)
+        assert source.watch_calls[1][1] == "3" == status.resource_version
+        assert sink.calls == [("replace", sink.replaced[0])] and status.bookmarks == 1
+
+
+async def test_safety_net_relist_every_interval_with_jitter(
+        autojump_clock: trio.testing.MockClock) -> None:
+    source, sink = FakePodSource(), RecordingSink()
+    config = KubernetesConfig(relist_interval_s=600.0)
+    async with running(source, sink, config=config) as status:
+        await source.wait_for(lambda: len(source.list_calls) == 7)
+        assert status.relists == 6 and status.errors == 0
+    gaps = [b - a for a, b in zip(source.list_calls, source.list_calls[1:], strict=False)]
+    assert all(540 <= gap <= 660 for gap in gaps)
+    assert len({round(gap, 6) for gap in gaps}) > 1
+
+
+async def test_1_23_health_turns_503_when_the_watch_is_stale(
+        autojump_clock: trio.testing.MockClock) -> None:
+    source, sink = FakePodSource(), RecordingSink()
+    source.watch_plans.append(FakeWatch(math.inf))  # connected, then never a byte
+    async with running(source, sink) as status:
+        start = trio.current_time()
+        await trio.sleep(179)
+        assert status.health(trio.current_time()) == (True, "ok")
+        await trio.sleep(2)
+        ok, reason = status.health(trio.current_time())
+        assert not ok and reason == "Kubernetes watch stale: no progress for 181 s (limit 180 s)"
+        metrics = status.snapshot(trio.current_time())
+        assert metrics["healthy"] == 0 and metrics["health_reason"] == reason
+        assert metrics["last_progress_age_seconds"] == pytest.approx(181)
+        assert metrics["last_list_age_seconds"] == pytest.approx(trio.current_time() - start)
+        source.emit("ADDED", pod_json("b"))  # progress: healthy again
+        await sink.wait_for(lambda: len(sink.applied) == 1)
+        assert status.health(trio.current_time()) == (True, "ok")
+
+
+async def test_1_23_health_turns_503_after_consecutive_errors(
+        autojump_clock: trio.testing.MockClock) -> None:
+    source, sink = FakePodSource(), RecordingSink()
+    source.watch_plans.extend([FakeWatch(0, REFUSED)] * FAILING_AFTER_ERRORS)
+    async with running(source, sink) as status:
+        # FakePodSource fails within the call, so N calls mean N errors recorded.
+        await source.wait_for(lambda: len(source.watch_calls) == FAILING_AFTER_ERRORS - 1)
+        assert status.health(trio.current_time()) == (True, "ok")  # 5 errors: still ok
+        await source.wait_for(lambda: len(source.watch_calls) == FAILING_AFTER_ERRORS)
+        ok, reason = status.health(trio.current_time())
+        assert not ok and reason.startswith(
+            f"Kubernetes watch failing: {FAILING_AFTER_ERRORS} consecutive errors")
+        source.emit("ADDED", pod_json("a"))  # the next event clears the error streak
+        await sink.wait_for(lambda: len(sink.applied) == 1)
+        assert status.health(trio.current_time()) == (True, "ok")
+
+
+async def test_401_marks_health_degraded_until_the_api_accepts_us(
+        autojump_clock: trio.testing.MockClock) -> None:
+    source, sink = FakePodSource(), RecordingSink()
+    source.watch_plans.extend([FakeWatch(0, KubernetesStatusError(
+        "watch: HTTP 401: Unauthorized", api_status=401))] * 2)
+    async with running(source, sink) as status:
+        await source.wait_for(lambda: len(source.watch_calls) == 2)
+        ok, reason = status.health(trio.current_time())
+        assert not ok and "credentials" in reason and "401" in reason
+        assert status.snapshot(trio.current_time())["auth_failing"] == 1
+        await source.wait_for(lambda: len(source.watch_calls) == 3)  # connects this time
+        assert status.health(trio.current_time()) == (True, "ok")
+
+
+async def test_short_watch_with_no_event_counts_as_an_error(
+        autojump_clock: trio.testing.MockClock) -> None:
+    source, sink = FakePodSource(), RecordingSink()
+    source.watch_plans.append(FakeWatch(0.2))  # ends cleanly after 0.2 s, nothing sent
+    async with running(source, sink) as status:
+        await source.wait_for(lambda: len(source.watch_calls) == 2)
+        assert status.errors == 1 and "with no event" in str(status.last_error)
+    assert 0.2 + 0.8 <= source.watch_calls[1][0] - source.watch_calls[0][0] <= 0.2 + 1.6
+
+
+async def test_events_are_applied_in_order_as_pods(
+        autojump_clock: trio.testing.MockClock) -> None:
+    source, sink = FakePodSource(), RecordingSink()
+    async with running(source, sink) as status:
+        source.emit("ADDED", pod_json("a", ready=False))
+        source.emit("MODIFIED", pod_json("a", ip="10.0.0.9"))
+        source.emit("DELETED", pod_json("a", ip="10.0.0.9"))
+        await sink.wait_for(lambda: len(sink.applied) == 3)
+        assert [(e.type, e.pod.ready, e.pod.ip) for e in sink.applied] == [
+            (EventType.ADDED, False, "10.0.0.1"), (EventType.MODIFIED, True, "10.0.0.9"),
+            (EventType.DELETED, True, "10.0.0.9")]
+        assert status.events_applied == 3 and status.resource_version == "4"
+
+
+def test_status_snapshot_for_metrics() -> None:
+    status = DiscoveryStatus()
+    snapshot = status.snapshot(10.0)
+    assert snapshot["synced"] == 0 and snapshot["healthy"] == 0
+    assert snapshot["last_progress_age_seconds"] is None
+    status.record_list(4.0, "17")
+    snapshot = status.snapshot(10.0)
+    assert snapshot["synced"] == 1 and snapshot["healthy"] == 1
+    assert snapshot["last_list_age_seconds"] == 6.0 and snapshot["resource_version"] == "17"
+    assert {k for k, v in snapshot.items() if isinstance(v, int | float)} >= {
+        "synced", "healthy", "auth_failing", "last_progress_age_seconds",
+        "last_list_age_seconds", "consecutive_errors", "errors_total", "reconnects_total",
+        "relists_total", "events_total", "bookmarks_total"}
+
+
+def test_static_status_is_synced_and_always_healthy() -> None:
+    status = DiscoveryStatus.static()
+    assert isinstance(status, StaticDiscoveryStatus) and status.synced
+    assert status.health(1e9) == (True, "static discovery")
+    assert status.snapshot(1e9)["healthy"] == 1
