@@ -305,6 +305,18 @@ def test_session_bounded_load_spills_a_hot_session() -> None:
     assert policy.choose(table.routable(MODEL), hot)[0] is owner
 
 
+def test_session_bounded_load_with_a_sampled_average_at_scale() -> None:
+    engines = [make_engine(i) for i in range(5 * EXACT_SCAN_MAX)]
+    table = make_table(engines)
+    policy = make("session", table)
+    for i in range(10 * len(engines)):  # ten hot sessions, 800 requests that stay in flight
+        engine, _ = policy.choose(table.routable(MODEL), RequestInfo(MODEL, f"hot-{i % 10}"))
+        engine.in_flight += 1
+    loads = sorted(e.in_flight for e in engines)
+    assert loads[-1] <= 1.25 * 10 + 1 + 4  # the bound, give or take the sampling error
+    assert loads[len(loads) // 2] >= 7  # the spill reached most engines
+
+
 def test_session_without_key_is_least_loaded() -> None:
     engines = [make_engine(i) for i in range(3)]
     engines[0].in_flight = engines[2].in_flight = 4

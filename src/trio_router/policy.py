@@ -9,8 +9,9 @@ with the number of engines, except where noted (docs/routing.md has the measured
 
 Policies: `round_robin`, `least_loaded` (power of two choices), `session` (consistent hashing
 with bounded load) and `prefix_aware` (approximate prefix-cache affinity). `make_policy` builds
-one from the config and subscribes it to engine removals, so its memory forgets a removed
-engine as soon as the engine leaves the table.
+one from the config and subscribes it to engine removals: from the moment an engine leaves the
+table, nothing the policy remembers can route to it, and its memory is freed at once (or, in a
+mass removal, in one batched pass).
 """
 
 from __future__ import annotations
