@@ -207,21 +207,53 @@ async def test_1_15_bookmarks_advance_the_resource_version_only(
             assert apiserver.requests.watches[1].resource_version == target
 
 
+class Connected:
+    """A WatchObserver that signals once the watch is connected (its thread then reads)."""
+
+    def __init__(self) -> None:
+        self.event_seen = trio.Event()
+        self.connected_seen = trio.Event()
+
+    def connected(self) -> None:
+        self.connected_seen.set()
+
+    def event(self, raw: RawObject) -> None:
+        self.event_seen.set()
+
+
 async def test_1_20_shutdown_while_the_watch_thread_is_blocked_in_a_read(
         apiserver: FakeApiServer, kubeconfig: Path) -> None:
-    add_engines(apiserver, 1)
-    apiserver.watch_plans.append(WatchPlan("stall"))
-    config = k8s_config(kubeconfig, read_timeout_s=30.0)  # the read would block for 30 s
+    apiserver.watch_plans.append(WatchPlan("stall"))  # 200, then silence
+    source = KubernetesPodSource(k8s_config(kubeconfig, read_timeout_s=30.0))
+    observer = Connected()
     with trio.fail_after(LIMIT_S):
-        async with running(config, RecordingSink()) as (source, status):
-            await apiserver.wait_for(lambda: apiserver.open_watches == 1)  # headers sent
-            assert watch_threads() == [WATCH_THREAD_NAME] and status.synced
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(partial(source.watch, "100", observer, timeout_seconds=300))
+            await observer.connected_seen.wait()  # the thread has gone on to read the body
+            assert watch_threads() == [WATCH_THREAD_NAME]
+            nursery.cancel_scope.cancel()
         stopped = trio.current_time()
-        with trio.fail_after(2):
+        with trio.fail_after(2):  # without the socket shutdown: 30 s (the read timeout)
             async with source.limiter:  # released once the watch thread has really ended
                 pass
         assert watch_threads() == []
         assert trio.current_time() - stopped < 1.0
+        assert not observer.event_seen.is_set()
+
+
+async def test_1_20_shutdown_of_discovery_leaves_no_thread(apiserver: FakeApiServer,
+                                                           kubeconfig: Path) -> None:
+    add_engines(apiserver, 1)
+    apiserver.watch_plans.append(WatchPlan("stall"))
+    config = k8s_config(kubeconfig, read_timeout_s=30.0)
+    with trio.fail_after(LIMIT_S):
+        async with running(config, RecordingSink()) as (source, status):
+            await apiserver.wait_for(lambda: apiserver.open_watches == 1)  # headers sent
+            assert watch_threads() == [WATCH_THREAD_NAME] and status.synced
+        with trio.fail_after(2):
+            async with source.limiter:
+                pass
+        assert watch_threads() == []
 
 
 async def test_1_21_the_watch_has_its_own_thread_limiter(apiserver: FakeApiServer,

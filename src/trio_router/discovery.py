@@ -693,6 +693,7 @@ class _WatchStream:
         response = self._list_fn(*args, **kwargs)
         self._response = response
         if self._stopped or not _deliver(self._send, _CONNECTED, self._token):
+            response.close()  # unread body: the connection must not go back to the pool
             response.release_conn()
             raise _Stopped
         self._connected = True
