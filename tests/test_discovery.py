@@ -31,7 +31,7 @@ from trio_router.discovery import (
 from trio_router.endpoints import EventType
 
 CONFIG = KubernetesConfig(relist_interval_s=3600.0, stale_after_s=180.0)
-REFUSED = KubernetesConnectionError("watch: Kubernetes API unreachable: connection refused")
+REFUSED = KubernetesConnectionError("Kubernetes API unreachable: connection refused")
 
 
 def gone() -> KubernetesStatusError:
@@ -138,7 +138,7 @@ async def test_1_10_too_large_resource_version_backs_off_then_relists(
         autojump_clock: trio.testing.MockClock) -> None:
     source, sink = FakePodSource(), RecordingSink()
     source.watch_plans.append(FakeWatch(0, KubernetesStatusError(
-        "watch: HTTP 504: Too large resource version: 90, current: 2", api_status=504)))
+        "HTTP 504: Too large resource version: 90, current: 2", api_status=504)))
     async with running(source, sink) as status:
         await source.wait_for(lambda: len(source.list_calls) == 2)
     assert 0.8 <= source.list_calls[1] - source.list_calls[0] <= 1.6
@@ -149,8 +149,8 @@ async def test_other_status_errors_resume_from_the_rv_without_a_list(
         autojump_clock: trio.testing.MockClock) -> None:
     source, sink = FakePodSource(), RecordingSink()
     source.watch_plans.extend([
-        FakeWatch(0, KubernetesStatusError("watch: HTTP 503: busy", api_status=503)),
-        FakeWatch(0, KubernetesStatusError("watch: HTTP 504: Timeout", api_status=504)),
+        FakeWatch(0, KubernetesStatusError("HTTP 503: busy", api_status=503)),
+        FakeWatch(0, KubernetesStatusError("HTTP 504: Timeout", api_status=504)),
         FakeWatch(0, REFUSED)])
     async with running(source, sink):
         await source.wait_for(lambda: len(source.watch_calls) == 4)
@@ -204,9 +204,9 @@ async def test_retry_after_is_honoured_up_to_a_cap(
         autojump_clock: trio.testing.MockClock) -> None:
     source, sink = FakePodSource(), RecordingSink()
     source.watch_plans.extend([
-        FakeWatch(0, KubernetesStatusError("watch: HTTP 429: slow down", api_status=429,
+        FakeWatch(0, KubernetesStatusError("HTTP 429: slow down", api_status=429,
                                            retry_after=7.0)),
-        FakeWatch(0, KubernetesStatusError("watch: HTTP 429: slow down", api_status=429,
+        FakeWatch(0, KubernetesStatusError("HTTP 429: slow down", api_status=429,
                                            retry_after=3600.0))])
     async with running(source, sink):
         await source.wait_for(lambda: len(source.watch_calls) == 3)
@@ -301,7 +301,7 @@ async def test_401_marks_health_degraded_until_the_api_accepts_us(
         autojump_clock: trio.testing.MockClock) -> None:
     source, sink = FakePodSource(), RecordingSink()
     source.watch_plans.extend([FakeWatch(0, KubernetesStatusError(
-        "watch: HTTP 401: Unauthorized", api_status=401))] * 2)
+        "HTTP 401: Unauthorized", api_status=401))] * 2)
     async with running(source, sink) as status:
         await source.wait_for(lambda: len(source.watch_calls) == 2)
         ok, reason = status.health(trio.current_time())

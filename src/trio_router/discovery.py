@@ -57,7 +57,8 @@ _CONNECTED: Final[RawObject] = {"type": "CONNECTED"}  # watch thread -> Trio: he
 
 # -- errors ---------------------------------------------------------------------------------
 class KubernetesStatusError(DiscoveryError):
-    """The API server answered with an error: an HTTP status, or an ERROR event in a watch."""
+    """The API server answered with an error: an HTTP status, or an ERROR event in a watch
+    (a source turns those into this exception too)."""
 
     def __init__(self, message: str, *, api_status: int,
                  retry_after: float | None = None) -> None:
@@ -130,15 +131,6 @@ def resource_version_of(obj: Any) -> str:
         if isinstance(meta, dict):
             return _text(meta.get("resourceVersion"))
     return ""
-
-
-def status_error_from_event(obj: Any) -> KubernetesStatusError:
-    """The error carried by a watch ERROR event (its object is a v1 Status)."""
-    status = _mapping(obj)
-    code = status.get("code")
-    message = f"{_text(status.get('reason')) or 'Error'}: {_text(status.get('message'))}"
-    return KubernetesStatusError(f"watch ERROR event {code}: {message}",
-                                 api_status=code if isinstance(code, int) else 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -586,7 +578,7 @@ class KubernetesPodSource:
             finally:
                 response.release_conn()
         except Exception as exc:
-            if (translated := self._translate(exc, "LIST")) is None:
+            if (translated := self._translate(exc)) is None:
                 raise
             raise translated from exc
         try:
@@ -599,17 +591,17 @@ class KubernetesPodSource:
             raise DiscoveryError("LIST of pods answered without items or resourceVersion")
         return PodListing(tuple(pod_from_dict(i) for i in items if isinstance(i, dict)), version)
 
-    def _translate(self, exc: Exception, what: str) -> DiscoveryError | None:
+    def _translate(self, exc: Exception) -> DiscoveryError | None:
         """The DiscoveryError for what the client raised, or None for anything unexpected."""
         if isinstance(exc, ApiException) and exc.status:
             if exc.status in (401, 403):
                 self._api = None  # load the credentials afresh for the next request
-            return _status_error(exc, what)
+            return _status_error(exc)
         if isinstance(exc, urllib3.exceptions.MaxRetryError) and exc.reason is not None:
             exc = exc.reason  # NewConnectionError, ConnectTimeoutError, ...: the cause
         if isinstance(exc, ApiException | urllib3.exceptions.HTTPError | OSError
                       | http.client.HTTPException):
-            return KubernetesConnectionError(f"{what}: Kubernetes API unreachable: {exc}")
+            return KubernetesConnectionError(f"Kubernetes API unreachable: {exc}")
         return None
 
 
@@ -682,7 +674,7 @@ class _WatchStream:
             if self._connected and isinstance(exc, urllib3.exceptions.ReadTimeoutError):
                 raise WatchStalledError(
                     f"watch silent for {config.read_timeout_s:g} s (read timeout)") from exc
-            if (translated := self._source._translate(exc, "watch")) is None:
+            if (translated := self._source._translate(exc)) is None:
                 raise
             raise translated from exc
 
@@ -713,12 +705,14 @@ def _deliver(send: trio.MemorySendChannel[RawObject], item: RawObject,
     return True
 
 
-def _status_error(exc: ApiException, what: str) -> KubernetesStatusError:
+def _status_error(exc: ApiException) -> KubernetesStatusError:
     message = str(exc.reason or "")
     if exc.body:
         with contextlib.suppress(ValueError, TypeError, AttributeError):
             message = json.loads(exc.body).get("message") or message
-    return KubernetesStatusError(f"{what}: HTTP {exc.status}: {message}",
+    # The client raises for a watch ERROR event too, with no HTTP response attached.
+    origin = "HTTP" if exc.headers is not None else "watch ERROR event"
+    return KubernetesStatusError(f"{origin} {exc.status}: {message}",
                                  api_status=int(exc.status),
                                  retry_after=_retry_after(exc.headers))
 
