@@ -370,7 +370,7 @@ class FakeApiServer:
         if start is None:  # no resourceVersion: synthetic ADDED for the current pods
             lines = [json.dumps({"type": "ADDED", "object": p}).encode() + b"\n"
                      for p in self._pods.values() if match(p["metadata"]["labels"])]
-            await self._send_chunk(stream, conn, b"".join(lines))
+            await stream.send_all(b"".join(self._chunk(conn, line) for line in lines))
             cursor = self._rv
         else:
             cursor = start
@@ -389,8 +389,9 @@ class FakeApiServer:
                 cursor = entry.rv
                 if match(entry.labels):
                     batch.append(entry.line)
-            for i in range(0, len(batch), 256):
-                await self._send_chunk(stream, conn, b"".join(batch[i:i + 256]))
+            for i in range(0, len(batch), 256):  # one chunk per event, as the API server
+                await stream.send_all(b"".join(self._chunk(conn, line)
+                                               for line in batch[i:i + 256]))
             sent += len(batch)
             self.events_sent += len(batch)
             if batch:
