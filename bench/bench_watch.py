@@ -5,8 +5,9 @@ the Trio bridge, pod decoding and the Reconciler applying each event to the rout
 
 A wire-level fake API server runs in a child process (tests/fake_apiserver.py, 127.0.0.1) with
 `--pods` Ready pods. The router side lists them, starts watching, then asks the child to emit
-`--events` MODIFIED events (every 10th flips a pod's readiness, the rest change nothing routing
-depends on, like status heartbeats) and measures the time until all were applied.
+`--events` MODIFIED events (every `--flip-every`th flips a pod's readiness, which costs a
+re-probe; the rest change nothing routing depends on, like status heartbeats) and measures
+the time until all were applied.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from trio_router.health import Prober, open_supervisors  # noqa: E402
 from trio_router.reconcile import Reconciler  # noqa: E402
 
 
-async def child(pods: int) -> None:
+async def child(pods: int, flip_every: int) -> None:
     """The API server process: serve, then emit events when told on stdin."""
     server = FakeApiServer()
     for n in range(pods):
@@ -56,7 +57,7 @@ async def child(pods: int) -> None:
         events = int(buffer.split(b"\n")[0])
         for i in range(events):
             n = i % pods
-            ready = not (i % 10 == 0 and (i // pods) % 2 == 0)
+            ready = not (flip_every and i % flip_every == 0 and (i // pods) % 2 == 0)
             server.modify_pod(f"engine-{n}", ready=ready)
             if i % 256 == 0:
                 await trio.lowlevel.checkpoint()  # let the watch stream flush
@@ -85,9 +86,10 @@ class CountingSink:
         self.reconciler.replace(pods)
 
 
-async def parent(pods: int, events: int) -> None:
+async def parent(pods: int, events: int, flip_every: int) -> None:
     proc = await trio.lowlevel.open_process(
-        [sys.executable, __file__, "--child", "--pods", str(pods)],
+        [sys.executable, __file__, "--child", "--pods", str(pods), "--flip-every",
+         str(flip_every)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert proc.stdin is not None and proc.stdout is not None
     try:
@@ -120,7 +122,9 @@ async def parent(pods: int, events: int) -> None:
                 await proc.stdin.send_all(f"{events}\n".encode())
                 await sink.done.wait()
                 elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu0
-                print(f"{events} MODIFIED events over {pods} pods applied in {elapsed:.2f} s: "
+                flips = f", 1 in {flip_every} a readiness flip" if flip_every else ""
+                print(f"{events} MODIFIED events{flips} over {pods} pods applied in "
+                      f"{elapsed:.2f} s: "
                       f"{events / elapsed:,.0f} events/s "
                       f"(router process CPU {cpu / events * 1e6:.1f} µs/event)")
                 nursery.cancel_scope.cancel()
@@ -133,12 +137,14 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--pods", type=int, default=1000)
     parser.add_argument("--events", type=int, default=30000)
+    parser.add_argument("--flip-every", type=int, default=10,
+                        help="every Nth event flips readiness (re-probe); 0: never")
     parser.add_argument("--child", action="store_true")
     args = parser.parse_args()
     if args.child:
-        trio.run(child, args.pods)
+        trio.run(child, args.pods, args.flip_every)
     else:
-        trio.run(parent, args.pods, args.events)
+        trio.run(parent, args.pods, args.events, args.flip_every)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from trio_router.discovery import (
     PodSink,
     RawObject,
     WatchTuning,
-    _deliver,
+    _WatchStream,
     run_kubernetes_discovery,
 )
 
@@ -291,15 +291,37 @@ async def test_1_21_teardown_while_events_flow_is_quiet(
     assert "Traceback" not in capfd.readouterr().err
 
 
-def test_1_21_thread_to_trio_after_the_run_finished_is_quiet() -> None:
-    async def open_channel() -> tuple[trio.MemorySendChannel[RawObject],
-                                      trio.MemoryReceiveChannel[RawObject],
-                                      trio.lowlevel.TrioToken]:
-        send, receive = trio.open_memory_channel[RawObject](0)
-        return send, receive, trio.lowlevel.current_trio_token()
+class _Observer:
+    def __init__(self) -> None:
+        self.events: list[RawObject] = []
 
-    send, _receive, token = trio.run(open_channel)
-    assert _deliver(send, {"type": "BOOKMARK"}, token) is False  # RunFinishedError: quiet
+    def connected(self) -> None:
+        self.events.append({"type": "CONNECTED"})
+
+    def event(self, raw: RawObject) -> None:
+        self.events.append(raw)
+
+
+def test_1_21_thread_to_trio_after_the_run_finished_is_quiet() -> None:
+    observer = _Observer()
+
+    async def open_stream() -> _WatchStream:
+        return _WatchStream(KubernetesPodSource(KubernetesConfig()), "1", 60, observer,
+                            trio.lowlevel.current_trio_token())
+
+    stream = trio.run(open_stream)
+    assert stream._deliver([{"type": "BOOKMARK"}]) is False  # RunFinishedError: quiet
+    assert observer.events == []
+
+
+async def test_1_21_nothing_is_applied_after_the_stream_stopped() -> None:
+    observer = _Observer()
+    stream = _WatchStream(KubernetesPodSource(KubernetesConfig()), "1", 60, observer,
+                          trio.lowlevel.current_trio_token())
+    assert await trio.to_thread.run_sync(stream._deliver, [{"type": "BOOKMARK"}]) is True
+    stream.stop()
+    assert await trio.to_thread.run_sync(stream._deliver, [{"type": "ADDED"}]) is False
+    assert observer.events == [{"type": "BOOKMARK"}]
 
 
 async def test_401_marks_health_degraded_and_rereads_the_token(
