@@ -5,8 +5,9 @@ thread, on Trio's clock: LIST, reconcile by difference, watch from the list's re
 with bookmarks, re-watch at once after a routine expiry, relist after 410 Gone, back off on
 errors, and relist periodically as a safety net. It talks to a `PodSource`.
 `KubernetesPodSource` is the real one: the blocking official client runs in worker threads
-admitted by the source's own `CapacityLimiter(1)`, and each watch event crosses to the Trio
-side through a 0-buffer memory channel, so events keep their order and nothing queues.
+admitted by the source's own `CapacityLimiter(1)`, and the watch thread applies events on the
+Trio thread with `trio.from_thread.run_sync`, waiting until they are applied: events keep their
+order and nothing queues.
 `DiscoveryStatus` records progress and errors for `/health` and `/metrics`.
 
 This is the only module that imports `kubernetes`.
@@ -595,10 +596,10 @@ class _Stopped(Exception):
 class _WatchStream:
     """One watch stream run by a worker thread; `stop()` (Trio thread) ends it.
 
-    The thread reads the chunked body itself rather than through `Watch.stream`, which yields
-    one line at a time: every event already received in a chunk crosses to the Trio side in
-    one hand-off (a batch), so a busy stream costs one thread round trip per chunk instead of
-    one per event, and a quiet one still delivers each event as soon as it arrives."""
+    The thread reads the chunked body itself rather than through `Watch.stream` (one line at a
+    time, and its raw mode mishandles ERROR events): all the events of one received segment
+    cross to the Trio side in one hand-off, and each event is delivered as soon as it
+    arrives."""
 
     def __init__(self, source: KubernetesPodSource, resource_version: str,
                  timeout_seconds: int, observer: WatchObserver,
