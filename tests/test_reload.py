@@ -108,14 +108,15 @@ async def test_live_changes_apply_to_new_requests_and_spare_in_flight_ones(
     engine = FakeEngine(tokens=3)
     padded = json.dumps(chat(pad="x" * 400)).encode()
     with trio.fail_after(LIMIT):
-        async with open_reloadable_router(tmp_path, [engine]) as router:
+        async with open_reloadable_router(tmp_path, [engine], probe_interval=0.2) as router:
             assert (await router.client.post(CHAT, content=padded)).status_code == 200
             engine.gate = gate  # from now on, streams hold after their first event
             async with await open_raw(router.url) as stream:
                 await send_raw(stream, CHAT, chat(stream=True), until=b"data: ")
                 router.path.write_text(config_text(
                     router.urls, max_body=300, policy="least_loaded", read_timeout=0.3,
-                    engine_key_env="ENGINE_KEY"))
+                    engine_key_env="ENGINE_KEY", probe_interval=0.2))
+                probes = len(engine.requests_to("/v1/models"))
                 outcome = await router.reloads.sighup()
                 assert outcome == ReloadOutcome(applied=("[server]", "[routing]", "[proxy]"))
                 gate.set()  # the stream started before the reload runs to its end
@@ -129,6 +130,10 @@ async def test_live_changes_apply_to_new_requests_and_spare_in_flight_ones(
             assert response.status_code == 413  # the new body limit
             assert (await router.client.post(CHAT, json=chat())).status_code == 200
             assert engine.requests_to(CHAT)[-1].header("authorization") == "Bearer engine-key"
+            # The probes pick up the new key as well (here at the next 0.2 s re-probe).
+            await engine.wait_until(lambda: len(engine.requests_to("/v1/models")) > probes + 1)
+            assert engine.requests_to("/v1/models")[-1].header("authorization") == (
+                "Bearer engine-key")
             engine.ttft_s = 1.0
             assert (await router.client.post(CHAT, json=chat())).status_code == 504
             text = (await router.client.get("/metrics")).text

@@ -69,6 +69,10 @@ def _configure_logging(level: str) -> None:
     logging.basicConfig(
         level=level.upper(), stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # httpx logs every probe and scrape at INFO: only their failures are worth a line, and
+    # trio_router logs those itself.
+    for name in ("httpx", "httpcore"):
+        logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger().level))
 
 
 def load_with_overrides(path: str, *, bind: str | None = None) -> Config:

@@ -260,7 +260,15 @@ class RouterApp:
             try:
                 async with pool.request(engine.url, b"POST", target, headers, body) as response:
                     responded = True
-                    out = [h for h in response.headers if h[0] not in _RESPONSE_REPLACED]
+                    remaining = -1  # body bytes still expected; -1: no Content-Length
+                    out = []
+                    for header in response.headers:
+                        name = header[0]
+                        if name == b"content-length":
+                            remaining = int(header[1])  # h11 validated it
+                        elif name in _RESPONSE_REPLACED:
+                            continue
+                        out.append(header)
                     out.append((ENGINE_HEADER, engine.name.encode()))
                     out.append((REQUEST_ID_HEADER, request_id))
                     status = response.status
@@ -271,10 +279,17 @@ class RouterApp:
                         if first:
                             first = False
                             self._metrics.observe_ttfb(model, trio.current_time() - started)
-                        await send({"type": "http.response.body", "body": chunk,
-                                    "more_body": True})
-                    watch.finished = True
-                    await send(_END_BODY)
+                        remaining -= len(chunk)
+                        if remaining == 0:  # the last chunk: no separate end message
+                            watch.finished = True
+                            await send({"type": "http.response.body", "body": chunk,
+                                        "more_body": False})
+                        else:
+                            await send({"type": "http.response.body", "body": chunk,
+                                        "more_body": True})
+                    if not watch.finished:
+                        watch.finished = True
+                        await send(_END_BODY)
                 return status, engine.name
             except EngineUnreachableError as exc:
                 if responded:  # cannot happen by the pool's contract; never resend then

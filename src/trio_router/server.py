@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Final
@@ -69,12 +69,26 @@ def hypercorn_config(config: Config) -> hypercorn.config.Config:
     return hc
 
 
+class EngineAuth(httpx.Auth):
+    """`Authorization: Bearer <proxy.api_key_env's key>` on the probe and scrape client's
+    requests (none when the key is empty). A reload changes `key` in place."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
+        if self.key:
+            request.headers["authorization"] = f"Bearer {self.key}"
+        yield request
+
+
 class Reloader:
     """Applies a re-read config to the running process (SIGHUP).
 
     Live: [routing], [proxy], and [server] except `bind`: new requests use the new settings;
     requests in flight keep the ones they started with (a new upstream pool replaces the old
     one when a proxy timeout changes; the old one's exchanges finish on their connections).
+    A new `proxy.api_key_env` key also goes to the next probes and scrapes.
     [probe] and [stats] changes are reported as needing a restart until the supervisors can
     take new settings; `server.bind` and [discovery] always need one. Those are logged and
     ignored. A file that does not load, or names an unset API key variable, changes nothing.
@@ -82,9 +96,10 @@ class Reloader:
 
     def __init__(self, load: Callable[[], Config], config: Config, *, app: RouterApp,
                  table: RoutingTable, hconfig: hypercorn.config.Config, metrics: Metrics,
-                 pools: list[UpstreamPool],
+                 pools: list[UpstreamPool], engine_auth: EngineAuth,
                  on_reload: Callable[[ReloadOutcome], None] | None = None) -> None:
         self._load, self.config = load, config
+        self._engine_auth = engine_auth
         self._app, self._table, self._hconfig = app, table, hconfig
         self._metrics, self._pools, self._on_reload = metrics, pools, on_reload
 
@@ -136,6 +151,7 @@ class Reloader:
                 self._pools.append(pool)  # closed with the others; it holds no connection
             raise
         self._app.settings = settings
+        self._engine_auth.key = env_key(effective.proxy.api_key_env, "proxy.api_key_env")
         self._hconfig.graceful_timeout = effective.server.drain_s
         self.config = effective
         if applied:
@@ -194,15 +210,15 @@ async def run(config: Config, *, load: Callable[[], Config] | None = None,
     THREAD_EXIT_S) when this returns.
     """
     table = table if table is not None else RoutingTable()
-    proxy_key = env_key(config.proxy.api_key_env, "proxy.api_key_env")
+    engine_auth = EngineAuth(env_key(config.proxy.api_key_env, "proxy.api_key_env"))
     hconfig = hypercorn_config(config)
     pools = [UpstreamPool(connect_timeout=config.proxy.connect_timeout_s,
                           read_timeout=config.proxy.read_timeout_s)]
     settings = make_settings(config, table, pools[0])
     source: KubernetesPodSource | None = None
     try:
-        async with httpx.AsyncClient(timeout=config.probe.timeout_s) as client:
-            prober = Prober(client, timeout=config.probe.timeout_s, api_key=proxy_key)
+        async with httpx.AsyncClient(timeout=config.probe.timeout_s, auth=engine_auth) as client:
+            prober = Prober(client, timeout=config.probe.timeout_s)  # the client's auth: key
             workers: list[EngineWorker] = []
             if config.stats.interval_s > 0:
                 stats = config.stats
@@ -236,7 +252,7 @@ async def run(config: Config, *, load: Callable[[], Config] | None = None,
                     if load is not None:
                         reloader = Reloader(load, config, app=app, table=table,
                                             hconfig=hconfig, metrics=metrics, pools=pools,
-                                            on_reload=on_reload)
+                                            engine_auth=engine_auth, on_reload=on_reload)
                     await nursery.start(_handle_signals, stop, reloader, config,
                                         nursery.cancel_scope)
                 asgi: Any = app  # plain-dict ASGI typing, not hypercorn's TypedDicts

@@ -1,0 +1,425 @@
+"""Load run of the whole router process: req/s, latency and router CPU per request.
+
+    python bench/bench_proxy.py [--duration 15] [--connections 64] [--profile]
+
+Three processes on 127.0.0.1: fake engines (two listeners in one lean Trio process that answers
+at once with canned vLLM-like replies), the router (`python -m trio_router --config ...`,
+static discovery of those engines) and the load generator (`wrk` if installed, else a Python
+generator in its own process). Scenarios, each for --duration seconds after a short warm-up:
+
+- chat: non-streamed chat completion (~400-byte JSON reply)
+- stream64: streamed chat completion, 64 SSE events written back to back by the engine
+- stream64-spaced: the same, 64 events 1 ms apart, so the router forwards each on its own
+- baseline: Hypercorn's trio worker serving a fixed answer (no proxying), for comparison
+
+Router CPU is utime+stime of its process from /proc/<pid>/stat, divided by the requests
+completed. `--profile` runs the router under cProfile for the chat and stream64 scenarios and
+prints where its time goes. Bounded: every scenario stops after --duration seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, Final
+
+import trio
+
+CLOCK_TICKS: Final = os.sysconf("SC_CLK_TCK")
+MODEL: Final = "bench-model"
+CHAT_BODY: Final = ('{"model":"bench-model","messages":[{"role":"user","content":'
+                    '"Say hello to the benchmark."}],"max_tokens":64}')
+STREAM_BODY: Final = CHAT_BODY[:-1] + ',"stream":true}'
+EVENTS: Final = 64
+
+_REPLY = (b'{"id":"chatcmpl-bench","object":"chat.completion","created":1700000000,'
+          b'"model":"bench-model","choices":[{"index":0,"message":{"role":"assistant",'
+          b'"content":"Hello, benchmark! This is a canned reply from a fake engine that '
+          b'answers at once.","tool_calls":[]},"logprobs":null,"finish_reason":"stop"}],'
+          b'"usage":{"prompt_tokens":12,"completion_tokens":20,"total_tokens":32}}')
+REPLY: Final = (b"HTTP/1.1 200 OK\r\ndate: Mon, 01 Jan 2024 00:00:00 GMT\r\nserver: uvicorn\r\n"
+                b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                % (len(_REPLY), _REPLY))
+STREAM_HEAD: Final = (b"HTTP/1.1 200 OK\r\ndate: Mon, 01 Jan 2024 00:00:00 GMT\r\n"
+                      b"server: uvicorn\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
+                      b"transfer-encoding: chunked\r\n\r\n")
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+_EVENT = (b'data: {"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1700000000,'
+          b'"model":"bench-model","choices":[{"index":0,"delta":{"content":" token"},'
+          b'"logprobs":null,"finish_reason":null}]}\n\n')
+EVENT_CHUNK: Final = _chunk(_EVENT)
+DONE_CHUNK: Final = _chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n"
+_MODELS = (b'{"object":"list","data":[{"id":"bench-model","object":"model","created":0,'
+           b'"owned_by":"vllm","root":"bench-model","parent":null,"max_model_len":4096}]}')
+MODELS: Final = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d"
+                 b"\r\n\r\n%s" % (len(_MODELS), _MODELS))
+NOT_FOUND: Final = b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n"
+_LENGTH = re.compile(rb"(?i)\r\ncontent-length:\s*(\d+)")
+
+
+# -- child process: the fake engines ------------------------------------------------------------
+async def _engine_connection(gap_s: float, stream: trio.SocketStream) -> None:
+    """A keep-alive HTTP/1.1 connection answered with canned bytes (no parsing beyond
+    Content-Length): the engine costs as little CPU as possible."""
+    with contextlib.suppress(trio.BrokenResourceError):  # a load generator stopping
+        await _answer(gap_s, stream)
+
+
+async def _answer(gap_s: float, stream: trio.SocketStream) -> None:
+    buffer = b""
+    async with stream:
+        while True:
+            while b"\r\n\r\n" not in buffer:
+                data = await stream.receive_some(65536)
+                if not data:
+                    return
+                buffer += data
+            head, _, rest = buffer.partition(b"\r\n\r\n")
+            match = _LENGTH.search(head)
+            length = int(match.group(1)) if match else 0
+            while len(rest) < length:
+                data = await stream.receive_some(65536)
+                if not data:
+                    return
+                rest += data
+            body, buffer = rest[:length], rest[length:]
+            if head.startswith(b"GET /v1/models "):
+                await stream.send_all(MODELS)
+            elif head.startswith(b"GET "):
+                await stream.send_all(NOT_FOUND)
+            elif b'"stream":true' in body:
+                await stream.send_all(STREAM_HEAD)
+                for _ in range(EVENTS):
+                    if gap_s:
+                        await trio.sleep(gap_s)
+                    await stream.send_all(EVENT_CHUNK)
+                await stream.send_all(DONE_CHUNK)
+            else:
+                await stream.send_all(REPLY)
+
+
+async def _serve_engines(count: int, gap_s: float) -> None:
+    async with trio.open_nursery() as nursery:
+        ports = []
+        for _ in range(count):
+            listeners = await nursery.start(partial(
+                trio.serve_tcp, partial(_engine_connection, gap_s), 0, host="127.0.0.1"))
+            ports.append(listeners[0].socket.getsockname()[1])
+        print(" ".join(map(str, ports)), flush=True)
+
+
+# -- child process: the baseline ------------------------------------------------------------
+async def _baseline_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    if scope["type"] == "lifespan":
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+    while (await receive()).get("more_body"):
+        pass
+    await send({"type": "http.response.start", "status": 200, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", b"%d" % len(_REPLY))]})
+    await send({"type": "http.response.body", "body": _REPLY})
+
+
+async def _serve_baseline() -> None:
+    import hypercorn.config
+    import hypercorn.trio
+
+    config = hypercorn.config.Config()
+    config.bind = ["127.0.0.1:0"]
+    config.accesslog = None
+    config.keep_alive_timeout = 75.0
+    stop = trio.Event()
+    with trio.open_signal_receiver(signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            app: Any = _baseline_app  # plain-dict ASGI typing, not hypercorn's TypedDicts
+            urls = await nursery.start(partial(hypercorn.trio.serve, app, config,
+                                               shutdown_trigger=stop.wait))
+            print(urls[0], flush=True)
+            async for _ in signals:
+                stop.set()
+                break
+
+
+# -- the harness ----------------------------------------------------------------------------
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of process `pid`, from /proc/<pid>/stat."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+@dataclass
+class Result:
+    name: str
+    requests: int
+    errors: int
+    seconds: float
+    cpu_s: float
+    p50_ms: float
+    p99_ms: float
+
+    @property
+    def rps(self) -> float:
+        return self.requests / self.seconds
+
+    @property
+    def cpu_ms_per_request(self) -> float:
+        return 1000 * self.cpu_s / max(1, self.requests)
+
+
+@contextmanager
+def child(args: list[str], *, stderr_path: Path | None = None) -> Iterator[subprocess.Popen[str]]:
+    """A child process (stdout piped, text), terminated with SIGTERM at the end."""
+    err = stderr_path.open("w") if stderr_path else subprocess.DEVNULL
+    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=err, text=True)
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        if stderr_path is not None:
+            err.close()  # type: ignore[union-attr]
+
+
+def wait_for_line(path: Path, pattern: str, *, timeout: float, count: int = 1) -> None:
+    """Block until `pattern` occurs `count` times in the file `path` (a child's log)."""
+    deadline = time.monotonic() + timeout
+    while len(re.findall(pattern, path.read_text())) < count:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"timed out waiting for {pattern!r}:\n{path.read_text()}")
+        time.sleep(0.05)
+
+
+def run_wrk(url: str, body: str, *, connections: int, duration: float) -> tuple[int, int,
+                                                                                  float, float,
+                                                                                  float]:
+    """(requests, errors, seconds, p50 ms, p99 ms) of one wrk run."""
+    with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
+        script.write('wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
+                     f"wrk.body = '{body}'\n")
+    try:
+        out = subprocess.run(
+            ["wrk", "-t1", f"-c{connections}", f"-d{duration:g}s", "--latency",
+             "-s", script.name, url], capture_output=True, text=True, check=True,
+            timeout=duration + 30).stdout
+    finally:
+        os.unlink(script.name)
+    requests = int(re.search(r"(\d+) requests in ([\d.]+)(m?s)", out).group(1))  # type: ignore[union-attr]
+    span = re.search(r"requests in ([\d.]+)(m?s)", out)
+    assert span is not None
+    seconds = float(span.group(1)) / (1000 if span.group(2) == "ms" else 1)
+    errors = 0
+    for pattern in (r"Non-2xx or 3xx responses: (\d+)", r"Socket errors: .*?(\d+) timeout"):
+        if m := re.search(pattern, out):
+            errors += int(m.group(1))
+    if m := re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+)", out):
+        errors += sum(int(g) for g in m.groups())
+    return requests, errors, seconds, _percentile(out, "50"), _percentile(out, "99")
+
+
+def _percentile(out: str, which: str) -> float:
+    m = re.search(rf"^\s*{which}%\s+([\d.]+)(us|ms|s)\s*$", out, re.M)
+    assert m is not None, out
+    value, unit = float(m.group(1)), m.group(2)
+    return value / 1000 if unit == "us" else value * 1000 if unit == "s" else value
+
+
+def run_python_load(url: str, body: str, *, connections: int, duration: float
+                    ) -> tuple[int, int, float, float, float]:
+    """The fallback load generator (no wrk): httpx in a child process."""
+    code = f"""
+import json, sys, time, trio, httpx
+async def main():
+    lat, errors = [], 0
+    end = trio.current_time() + {duration}
+    async def worker(client):
+        nonlocal errors
+        while trio.current_time() < end:
+            t = time.perf_counter()
+            r = await client.post({url!r}, content={body!r}.encode(),
+                                  headers={{"content-type": "application/json"}})
+            await r.aread()
+            errors += r.status_code != 200
+            lat.append(time.perf_counter() - t)
+    limits = httpx.Limits(max_connections={connections}, max_keepalive_connections={connections})
+    async with httpx.AsyncClient(limits=limits, timeout=30) as client:
+        start = time.perf_counter()
+        async with trio.open_nursery() as n:
+            for _ in range({connections}):
+                n.start_soon(worker, client)
+        span = time.perf_counter() - start
+    lat.sort()
+    print(json.dumps([len(lat), errors, span, lat[len(lat) // 2] * 1000,
+                      lat[int(len(lat) * 0.99)] * 1000]))
+trio.run(main)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=duration + 60).stdout
+    n, errors, span, p50, p99 = json.loads(out)
+    return n, errors, span, p50, p99
+
+
+def load(url: str, body: str, *, connections: int, duration: float
+         ) -> tuple[int, int, float, float, float]:
+    if shutil.which("wrk"):
+        return run_wrk(url, body, connections=connections, duration=duration)
+    return run_python_load(url, body, connections=connections, duration=duration)
+
+
+def measure(name: str, pid: int, url: str, body: str, *, connections: int,
+            duration: float) -> Result:
+    load(url, body, connections=connections, duration=min(2.0, duration))  # warm-up
+    before = cpu_seconds(pid)
+    requests, errors, seconds, p50, p99 = load(url, body, connections=connections,
+                                               duration=duration)
+    return Result(name, requests, errors, seconds, cpu_seconds(pid) - before, p50, p99)
+
+
+def router_config(ports: list[str], path: Path) -> Path:
+    urls = ", ".join(f'"http://127.0.0.1:{p}"' for p in ports)
+    path.write_text(f"""
+[server]
+bind = "127.0.0.1:0"
+drain_s = 5.0
+[discovery]
+mode = "static"
+[discovery.static]
+urls = [{urls}]
+[probe]
+interval_s = 10.0
+[stats]
+interval_s = 0.0
+""")
+    return path
+
+
+def bench_router(tmp: Path, *, gap_s: float, scenarios: list[tuple[str, str]],
+                 connections: int, duration: float, profile: Path | None) -> list[Result]:
+    """Engines + router (optionally under cProfile); run `scenarios` against the router."""
+    me = [sys.executable, __file__]
+    with child([*me, "--serve-engines", str(gap_s)]) as engines:
+        assert engines.stdout is not None
+        ports = engines.stdout.readline().split()
+        config = router_config(ports, tmp / "router.toml")
+        log = tmp / f"router-{time.monotonic_ns()}.log"
+        prefix = [sys.executable]
+        if profile is not None:
+            prefix += ["-m", "cProfile", "-o", str(profile)]
+        with child([*prefix, "-m", "trio_router", "--config", str(config),
+                    "--log-level", "info"], stderr_path=log) as router:
+            wait_for_line(log, r"is routable", timeout=30, count=len(ports))
+            url_match = re.search(r"Running on (http://\S+)", log.read_text())
+            assert url_match is not None
+            url = url_match.group(1) + "/v1/chat/completions"
+            return [measure(name, router.pid, url, body, connections=connections,
+                            duration=duration) for name, body in scenarios]
+
+
+def bench_baseline(*, connections: int, duration: float) -> Result:
+    with child([sys.executable, __file__, "--serve-baseline"]) as server:
+        assert server.stdout is not None
+        url = server.stdout.readline().strip() + "/v1/chat/completions"
+        return measure("baseline (hypercorn, fixed answer)", server.pid, url, CHAT_BODY,
+                       connections=connections, duration=duration)
+
+
+def print_profile(path: Path, *, top: int = 25) -> None:
+    import pstats
+
+    stats = pstats.Stats(str(path))
+    total = sum(entry[2] for entry in stats.stats.values())  # type: ignore[attr-defined]
+    print(f"\nWhere the router's time goes (cProfile, tottime; {total:.1f} s profiled):")
+    by_module: dict[str, float] = {}
+    for (filename, _, _), entry in stats.stats.items():  # type: ignore[attr-defined]
+        key = _module_of(filename)
+        by_module[key] = by_module.get(key, 0.0) + entry[2]
+    for key, seconds in sorted(by_module.items(), key=lambda kv: -kv[1])[:12]:
+        print(f"  {100 * seconds / total:5.1f}%  {key}")
+    print(f"\nTop {top} functions by own time:")
+    stats.sort_stats("tottime").print_stats(top)
+
+
+def _module_of(filename: str) -> str:
+    for marker in ("site-packages/", "trio_router/", "python3.11/"):
+        if marker in filename:
+            rest = filename.split(marker, 1)[1]
+            if marker == "trio_router/":
+                return "trio_router/" + rest
+            return rest.split("/", 1)[0]
+    return filename
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--duration", type=float, default=15.0,
+                        help="seconds per scenario (default 15; capped at 120)")
+    parser.add_argument("--connections", type=int, default=64)
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile the router with cProfile and print the hot spots")
+    parser.add_argument("--serve-engines", type=float, metavar="GAP_S", help=argparse.SUPPRESS)
+    parser.add_argument("--serve-baseline", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve_engines is not None:
+        trio.run(_serve_engines, 2, args.serve_engines)  # until SIGTERM kills it
+        return
+    if args.serve_baseline:
+        trio.run(_serve_baseline)
+        return
+    duration = min(args.duration, 120.0)
+    generator = "wrk -t1" if shutil.which("wrk") else "python/httpx"
+    print(f"load: {generator}, {args.connections} connections, {duration:g} s per scenario; "
+          f"{os.cpu_count()} CPUs")
+    results: list[Result] = []
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        results += bench_router(tmp, gap_s=0.0, scenarios=[
+            ("chat (non-streamed)", CHAT_BODY), ("stream64 (back to back)", STREAM_BODY)],
+            connections=args.connections, duration=duration, profile=None)
+        results += bench_router(tmp, gap_s=0.001, scenarios=[
+            ("stream64-spaced (1 ms apart)", STREAM_BODY)],
+            connections=args.connections, duration=duration, profile=None)
+        results.append(bench_baseline(connections=args.connections, duration=duration))
+        print(f"\n{'scenario':34} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
+              f"{'CPU ms/req':>11} {'errors':>7}")
+        for r in results:
+            print(f"{r.name:34} {r.rps:8.0f} {r.p50_ms:8.1f} {r.p99_ms:8.1f} "
+                  f"{r.cpu_ms_per_request:11.3f} {r.errors:7d}")
+        if args.profile:
+            profile = tmp / "router.prof"
+            bench_router(tmp, gap_s=0.0, scenarios=[("chat", CHAT_BODY),
+                                                    ("stream64", STREAM_BODY)],
+                         connections=args.connections, duration=min(duration, 10.0),
+                         profile=profile)
+            print_profile(profile)
+
+
+if __name__ == "__main__":
+    main()
