@@ -199,9 +199,10 @@ async def test_stream_arrives_chunk_by_chunk() -> None:
                 assert engine.completed == 0
                 assert engine.gate is not None
                 engine.gate.set()
-                rest = [chunk async for chunk in chunks]
-            assert rest[-1] == b"data: [DONE]\n\n"
-            assert len(rest) == 3 + 2  # tokens, the finish event, [DONE]
+                rest = b"".join([chunk async for chunk in chunks])
+            events = rest.split(b"\n\n")
+            assert events[-2:] == [b"data: [DONE]", b""]
+            assert len(events) == 3 + 2 + 1  # tokens, the finish event, [DONE]
             assert pool.idle_count(url) == 1  # read to the end: kept alive
 
 
@@ -459,8 +460,8 @@ async def test_slow_but_steady_stream_does_not_time_out() -> None:
         async with (open_fake_engines([engine]) as (url,), new_pool(read_timeout=0.15) as pool,
                     pool.request(url, b"POST", CHAT, JSON_HEADERS,
                                  chat_body(stream=True)) as resp):
-            chunks = [chunk async for chunk in resp]
-    assert len(chunks) == 6 + 3  # total 0.3 s > read_timeout: only silence counts
+            body = b"".join([chunk async for chunk in resp])
+    assert body.count(b"data: ") == 6 + 3  # total 0.3 s > read_timeout: only silence counts
 
 
 async def test_reset_mid_body_is_upstream_error() -> None:

@@ -598,6 +598,7 @@ def _hypercorn_config(host: str, port: int) -> hypercorn.config.Config:
     config.accesslog = None
     config.errorlog = logging.getLogger(f"{__name__}.hypercorn")  # quiet unless configured
     config.graceful_timeout = 0.5
+    config.keep_alive_max_requests = 1 << 30  # like vLLM's uvicorn: no per-connection cap
     return config
 
 
