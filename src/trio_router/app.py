@@ -265,7 +265,7 @@ class RouterApp:
                     for header in response.headers:
                         name = header[0]
                         if name == b"content-length":
-                            remaining = int(header[1])  # h11 validated it
+                            remaining = _content_length(header[1])
                         elif name in _RESPONSE_REPLACED:
                             continue
                         out.append(header)
@@ -430,6 +430,12 @@ async def _read_body(receive: Receive, content_length: bytes | None,
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
+
+
+def _content_length(value: bytes) -> int:
+    """A response's Content-Length, or -1 if it is not a plain number (the pool frames the
+    body; this only lets the last chunk carry the end of the response)."""
+    return int(value) if value.isdigit() else -1
 
 
 def _parse(body: bytes) -> dict[str, Any]:
