@@ -165,6 +165,10 @@ class _ResponseParser:
             if status == 101:
                 raise _ProtocolError("unexpected 101 Switching Protocols")
             # 100 Continue, 103 Early Hints: informational, followed by the real response.
+            for header in lines[1:]:
+                name, colon, _ = header.partition(b":")
+                if not colon or not _is_token(name):
+                    raise _ProtocolError(f"bad header line {header[:100]!r}")
 
     def _parse_fields(self, lines: list[bytes], status: int, *, http10: bool) -> None:
         headers: list[tuple[bytes, bytes]] = []
@@ -264,9 +268,11 @@ class _ResponseParser:
                     if end - pos > MAX_CHUNK_LINE:
                         raise _ProtocolError("chunk-size line too long")
                     break
-                size = buf[pos:eol].split(b";", 1)[0].rstrip(b" \t")
-                if not size or len(size) > 16 or size.translate(None, _HEX):
-                    raise _ProtocolError(f"bad chunk size line {buf[pos:eol][:100]!r}")
+                line = buf[pos:eol]
+                size = line.split(b";", 1)[0].rstrip(b" \t")
+                if (not size or len(size) > 16 or size.translate(None, _HEX)
+                        or line.translate(None, _FIELD_VALUE)):
+                    raise _ProtocolError(f"bad chunk size line {line[:100]!r}")
                 pos = eol + 2
                 self._remaining = int(size, 16)
                 self._chunk = _CHUNK_DATA if self._remaining else _CHUNK_TRAILER
@@ -281,9 +287,10 @@ class _ResponseParser:
                     self._mode = _DONE
                     self.done = True
                     break
-                name, colon, _ = buf[pos:eol].partition(b":")
-                if not colon or not _is_token(name):
-                    raise _ProtocolError(f"bad trailer line {buf[pos:eol][:100]!r}")
+                line = buf[pos:eol]
+                name, colon, _ = line.partition(b":")
+                if not colon or not _is_token(name) or line.translate(None, _FIELD_VALUE):
+                    raise _ProtocolError(f"bad trailer line {line[:100]!r}")
                 self._trailer_bytes += eol + 2 - pos
                 pos = eol + 2
         self._pos = pos
