@@ -341,3 +341,22 @@ async def test_ipv6_and_malformed_addresses(autojump_clock: trio.testing.MockClo
         assert engine1 is not None and engine1.url == "http://[fd00::1]:8000"
         assert engine2 is not None and engine2.state is EngineState.UNHEALTHY
         assert "InvalidURL" in engine2.reason
+
+
+async def test_probe_settings_change_live(autojump_clock: trio.testing.MockClock) -> None:
+    """A config reload's new probe interval and deadline apply from each engine's next probe,
+    without restarting supervisors."""
+    engines = FakeEngines()
+    async with open_core(engines, probe=ProbeConfig(interval_s=10.0)) as core:
+        core.reconciler.apply(added(make_pod(1)))
+        await core.wait_until("routable", "uid-1")
+        await trio.sleep(100)
+        slow = engines.probes["127.0.1.1"]
+        assert 9 <= slow <= 12
+        core.supervisors.update_config(ProbeConfig(interval_s=1.0, timeout_s=2.0))
+        await trio.sleep(100 + 11)  # the wait already begun may last one old interval
+        assert engines.probes["127.0.1.1"] - slow >= 90
+        engines.mode["127.0.1.1"] = "hang"
+        start = trio.current_time()
+        await core.wait_until("unroutable", "uid-1")  # two failures of 2 s, not 5 s
+        assert trio.current_time() - start < 1.1 + 2 + 1.1 + 2 + 0.1

@@ -68,12 +68,13 @@ class Prober:
 
     def __init__(self, client: httpx.AsyncClient, *, timeout: float, api_key: str = "") -> None:
         self._client = client
-        self._timeout = timeout
+        self.timeout = timeout  # seconds; may be changed live (config reload)
         self._headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
 
     async def probe(self, url: str) -> list[Model]:
         """Return the engine's models; raises ProbeFailed. Cancellation propagates."""
-        with trio.move_on_after(self._timeout) as scope:
+        timeout = self.timeout
+        with trio.move_on_after(timeout) as scope:
             try:
                 response = await self._client.get(f"{url}/v1/models", headers=self._headers)
             except httpx.ConnectError as exc:
@@ -82,7 +83,7 @@ class Prober:
             except (httpx.HTTPError, httpx.InvalidURL) as exc:
                 raise ProbeFailed(f"{type(exc).__name__}: {exc}") from exc
         if scope.cancelled_caught:
-            raise ProbeFailed(f"no answer within {self._timeout:g} s")
+            raise ProbeFailed(f"no answer within {timeout:g} s")
         if response.status_code != 200:
             raise ProbeFailed(f"GET /v1/models answered {response.status_code}")
         try:
@@ -106,6 +107,17 @@ class Supervisors:
 
     def __len__(self) -> int:
         return len(self._scopes)
+
+    @property
+    def config(self) -> ProbeConfig:
+        return self._config
+
+    def update_config(self, config: ProbeConfig) -> None:
+        """Apply new probe settings live (config reload): each engine's next probe uses the
+        new deadline, and its next wait the new interval or backoff. Nothing is restarted."""
+        self._config = config
+        self._prober.timeout = config.timeout_s
+        self._limiter.total_tokens = config.max_concurrent
 
     def start(self, engine: Engine) -> None:
         """Supervise `engine` at its current generation, replacing any older supervisor of the
@@ -139,7 +151,7 @@ class Supervisors:
                 nursery.cancel_scope.cancel()  # the entry is gone: its workers end too
 
     async def _probe_forever(self, engine: Engine, generation: int) -> None:
-        config, table = self._config, self._table
+        table = self._table
         failures = 0
         while True:
             async with self._limiter:
@@ -149,6 +161,7 @@ class Supervisors:
                 except ProbeFailed as exc:
                     error = exc
             # Back from an await: write only if the entry is still the one we probed (§1.3).
+            config = self._config
             current = table.current(engine.uid, generation)
             if current is None:
                 return
