@@ -343,11 +343,24 @@ async def test_connect_timeout_is_unreachable() -> None:
         listener.close()
 
 
-async def test_unsupported_url_is_unreachable() -> None:
+@pytest.mark.parametrize("url", ["https://e:1", "http://e:99999", "http://:80", "ftp://e",
+                                 "http://e x:80", "http://\u00e9:80"])
+async def test_unusable_url_is_unreachable(url: str) -> None:
     async with new_pool() as pool:
-        with pytest.raises(EngineUnreachableError, match="https://e:1"):
-            async with pool.request("https://e:1", b"GET", b"/", [], b""):
+        with pytest.raises(EngineUnreachableError, match="not usable"):
+            async with pool.request(url, b"GET", b"/", [], b""):
                 raise AssertionError("not reached")
+
+
+async def test_host_header_is_the_engine_authority() -> None:
+    engine = FakeEngine()
+    with trio.fail_after(LIMIT):
+        async with open_fake_engines([engine]) as (url,), new_pool() as pool:
+            authority = url.removeprefix("http://")
+            async with pool.request(f"http://user:secret@{authority}/", b"GET", b"/health",
+                                    [], b"") as resp:
+                assert resp.status == 200
+    assert engine.requests[-1].header("host") == authority
 
 
 async def test_stale_pooled_connection_is_retried_on_a_fresh_one() -> None:

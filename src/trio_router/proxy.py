@@ -1,10 +1,11 @@
 """The upstream half of the serving path: a lean keep-alive HTTP/1.1 client for engines.
 
-`UpstreamPool` speaks HTTP/1.1 over Trio TCP streams and keeps idle connections per origin
-(`http://host:port`). One exchange is `async with pool.request(...) as response:`; the block is
-entered once the response head has arrived, and `async for chunk in response` yields the body
-as it arrives from the socket: everything already received, de-chunked, in one piece. Nothing
-is buffered whole, so a slow reader slows the engine down through TCP backpressure.
+`UpstreamPool` speaks HTTP/1.1 over non-blocking TCP sockets driven by Trio, and keeps idle
+connections per origin (`http://host:port`). One exchange is
+`async with pool.request(...) as response:`; the block is entered once the response head has
+arrived, and `async for chunk in response` yields the body as it arrives from the socket:
+everything already received, de-chunked, in one piece. Nothing is buffered whole, so a slow
+reader slows the engine down through TCP backpressure.
 
 The wire format is handled by `_ResponseParser`, a small HTTP/1.1 response codec written for
 this one job (responses to our own requests, never pipelined). It validates like h11 does
@@ -42,7 +43,6 @@ __all__ = ["EngineUnreachableError", "UpstreamPool", "UpstreamResponse"]
 READ_SIZE: Final = 65536  # bytes asked of the socket per receive
 MAX_HEAD_BYTES: Final = 64 * 1024  # largest response head (or trailer section) accepted
 MAX_CHUNK_LINE: Final = 4096  # longest chunk-size line (with extensions) accepted
-CLOSE_TIMEOUT_S: Final = 1.0  # bound on closing a connection from a cancelled task
 INLINE_BODY_BYTES: Final = 64 * 1024  # smaller bodies go out in the same write as the head
 MAX_ORIGINS: Final = 1024  # origins remembered before those without idle connections are dropped
 
@@ -337,8 +337,8 @@ def _encode_head(method: bytes, target: bytes, host: bytes,
     # Values may hold only field-value characters: a CR or LF in one would split the head.
     breaks = (len(parts) - 8) // 4 + 4  # 7 parts, 4 per header, 1 end: 4 CRLFs + 1 each
     if (head.translate(None, _HEAD_CHARS) or head.count(b"\n") != breaks
-            or head.count(b"\r") != breaks or host.translate(None, _TARGET)):
-        raise ValueError("invalid characters in a header value or in the engine's host")
+            or head.count(b"\r") != breaks):
+        raise ValueError("invalid characters in a header value")
     return head
 
 
@@ -393,13 +393,10 @@ class _Connection:
         return self.sock.is_readable()
 
     def close_now(self) -> None:
+        """Close the socket. Synchronous, so it also completes in a cancelled task, at once,
+        with nothing to shield or bound; the engine sees the connection end (FIN, or RST if
+        unread data was pending)."""
         self.sock.close()
-
-    async def aclose(self) -> None:
-        """Close the socket; runs to completion even in a cancelled task, within a bound."""
-        self.sock.close()
-        with trio.move_on_after(CLOSE_TIMEOUT_S, shield=True):
-            await trio.lowlevel.checkpoint()
 
 
 class _Origin:
@@ -409,17 +406,23 @@ class _Origin:
 
     def __init__(self, url: str) -> None:
         parts = urlsplit(url)
-        if parts.scheme != "http" or not parts.hostname:
-            raise EngineUnreachableError(
-                f"engine URL {url!r} is not supported: expected http://host:port")
+        host = parts.hostname
         try:
-            port = parts.port or 80
-        except ValueError as exc:
-            raise EngineUnreachableError(f"engine URL {url!r} has a bad port: {exc}") from exc
+            if parts.scheme != "http" or not host:
+                raise ValueError("expected http://host:port")
+            port = parts.port  # ValueError if out of range or not a number
+            authority = f"[{host}]" if ":" in host else host
+            if port is not None:
+                authority += f":{port}"
+            host_header = authority.encode("ascii")
+            if host_header.translate(None, _TARGET):
+                raise ValueError("bad characters in the host")
+        except ValueError as exc:  # UnicodeEncodeError is one too
+            raise EngineUnreachableError(f"engine URL {url!r} is not usable: {exc}") from exc
         self.url = url
-        self.host = parts.hostname
-        self.port = port
-        self.host_header = parts.netloc.encode("ascii")
+        self.host = host
+        self.port = port or 80
+        self.host_header = host_header
         self.idle: list[_Connection] = []
 
 
@@ -641,7 +644,7 @@ class UpstreamResponse:
             assert self._origin is not None
             self._pool._release(self._origin, conn)
         else:  # partially read, failed, cancelled or not kept alive: close now
-            await conn.aclose()
+            conn.close_now()
 
     async def _exchange(self, conn: _Connection, head: bytes) -> None:
         """Send the request on `conn` and read up to the response head. Owns `conn` until it
@@ -695,7 +698,7 @@ class UpstreamResponse:
             raise UpstreamError(f"engine {url} sent a malformed response: {exc}") from exc
         finally:
             if not ok:
-                await conn.aclose()
+                conn.close_now()
 
     # -- the body ----------------------------------------------------------------------------
     def __aiter__(self) -> UpstreamResponse:
