@@ -175,6 +175,14 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
+def rss_mb(pid: int) -> float:
+    """Resident memory of process `pid` in MiB, from /proc/<pid>/status."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
 @dataclass
 class Result:
     name: str
@@ -184,6 +192,7 @@ class Result:
     cpu_s: float
     p50_ms: float
     p99_ms: float
+    rss_mb: float = 0.0
 
     @property
     def rps(self) -> float:
@@ -310,7 +319,7 @@ def measure(name: str, pid: int, url: str, body: str, *, connections: int,
         requests, errors, seconds, p50, p99 = load(url, body, connections=connections,
                                                    duration=duration)
         runs.append(Result(name, requests, errors, seconds, cpu_seconds(pid) - before, p50,
-                           p99))
+                           p99, rss_mb(pid)))
     runs.sort(key=lambda r: r.cpu_ms_per_request)
     return runs[len(runs) // 2]
 
@@ -355,6 +364,21 @@ def bench_router(tmp: Path, *, gap_s: float, scenarios: list[tuple[str, str]],
                             duration=duration) for name, body in scenarios]
 
 
+def soak(tmp: Path, *, connections: int, seconds: float) -> None:
+    """Non-streamed load for `seconds`, in consecutive 15 s windows on one router process."""
+    global REPEAT
+    REPEAT = 1
+    windows = max(1, round(seconds / 15))
+    scenarios = [(f"chat, window {i + 1} of {windows}", CHAT_BODY) for i in range(windows)]
+    results = bench_router(tmp, gap_s=0.0, scenarios=scenarios, connections=connections,
+                           duration=seconds / windows, profile=None)
+    print(f"\n{'window':34} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'CPU ms/req':>11} "
+          f"{'RSS MiB':>8}")
+    for r in results:
+        print(f"{r.name:34} {r.rps:8.0f} {r.p50_ms:8.1f} {r.p99_ms:8.1f} "
+              f"{r.cpu_ms_per_request:11.3f} {r.rss_mb:8.1f}")
+
+
 def bench_baseline(*, connections: int, duration: float) -> Result:
     with child([sys.executable, __file__, "--serve-baseline"]) as server:
         assert server.stdout is not None
@@ -396,6 +420,9 @@ def main() -> None:
     parser.add_argument("--connections", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=1,
                         help="runs per scenario; the median by CPU per request is reported")
+    parser.add_argument("--soak", type=float, default=0.0, metavar="SECONDS",
+                        help="only a long non-streamed run (at most 300 s), reported per "
+                        "15 s window, to show whether the router slows down over time")
     parser.add_argument("--profile", action="store_true",
                         help="also profile the router with cProfile and print the hot spots")
     parser.add_argument("--serve-engines", type=float, metavar="GAP_S", help=argparse.SUPPRESS)
@@ -414,6 +441,10 @@ def main() -> None:
     print(f"load: {generator}, {args.connections} connections, {duration:g} s per run, "
           f"{REPEAT} run(s) per scenario; {os.cpu_count()} CPUs")
     results: list[Result] = []
+    if args.soak > 0:
+        with tempfile.TemporaryDirectory() as tmp_name:
+            soak(Path(tmp_name), connections=args.connections, seconds=min(args.soak, 300.0))
+        return
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         results += bench_router(tmp, gap_s=0.0, scenarios=[

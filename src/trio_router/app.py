@@ -248,10 +248,9 @@ class RouterApp:
         while True:
             try:
                 engine, _why = policy.choose(candidates, info, exclude=tried)
-            except NoEngineError:
-                if unreachable is None:
-                    raise
-                return await self._fail(send, watch, request_id, UpstreamError(
+            except NoEngineError as exc:
+                return await self._fail(send, watch, request_id, exc if unreachable is None
+                                        else UpstreamError(
                     f"no engine for model {model!r} could be reached after {len(tried)} "
                     f"attempt(s); last: {unreachable}"), model)
             generation = engine.generation
