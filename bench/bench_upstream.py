@@ -28,6 +28,7 @@ from collections.abc import Awaitable, Callable
 import httpx
 import trio
 
+from trio_router.errors import RouterError
 from trio_router.proxy import UpstreamPool
 from trio_router.testing import FakeEngine, serve_fake_engine
 
@@ -101,15 +102,21 @@ async def serve(kind: str, tokens: int) -> None:
 
 # -- the client (this process) ------------------------------------------------------------
 async def run(send: Send, url: str, *, n: int, concurrency: int, stream: bool,
-              max_seconds: float) -> tuple[int, int, float, float]:
-    """n requests over `concurrency` tasks; returns (requests, chunks, cpu s, wall s)."""
-    done = chunks = 0
+              max_seconds: float) -> tuple[int, int, int, float, float]:
+    """n requests over `concurrency` tasks; returns (requests, chunks, errors, cpu s, wall s).
+    A failed request is counted and the run goes on (e.g. a stale keep-alive connection
+    that a client does not retry)."""
+    done = chunks = errors = 0
 
     async def worker() -> None:
-        nonlocal done, chunks
+        nonlocal done, chunks, errors
         while done < n:
             done += 1
-            got = await send(url, stream)
+            try:
+                got = await send(url, stream)
+            except (httpx.HTTPError, RouterError):
+                errors += 1
+                continue
             chunks += got  # not `chunks += await ...`: that reads `chunks` before the await
 
     cpu, wall = time.process_time(), time.perf_counter()
@@ -117,7 +124,7 @@ async def run(send: Send, url: str, *, n: int, concurrency: int, stream: bool,
         async with trio.open_nursery() as nursery:
             for _ in range(concurrency):
                 nursery.start_soon(worker)
-    return done, chunks, time.process_time() - cpu, time.perf_counter() - wall
+    return done, chunks, errors, time.process_time() - cpu, time.perf_counter() - wall
 
 
 async def bench(kind: str, urls: list[str], args: argparse.Namespace) -> None:
@@ -155,15 +162,16 @@ async def bench(kind: str, urls: list[str], args: argparse.Namespace) -> None:
             workloads.append((f"streamed 1 ms/token, {c} tasks", urls[1], c, True,
                               args.requests // 4))
         print(f"\nengine: {kind} ({args.tokens} events per stream); client CPU only")
-        print(f"{'client':<6} {'workload':<30} {'requests':>8} {'req/s':>7} "
+        print(f"{'client':<6} {'workload':<30} {'requests':>8} {'errors':>6} {'req/s':>7} "
               f"{'CPU us/req':>10} {'chunks/req':>10} {'us/chunk':>8}")
         for name, send in (("pool", via_pool), ("httpx", via_httpx)):
             for label, url, conc, stream, n in workloads:
                 await run(send, url, n=min(200, n), concurrency=conc, stream=stream,
                           max_seconds=args.max_seconds)  # warm-up: connections, caches
-                done, chunks, cpu, wall = await run(send, url, n=n, concurrency=conc,
-                                                    stream=stream, max_seconds=args.max_seconds)
-                print(f"{name:<6} {label:<30} {done:>8} {done / wall:>7.0f} "
+                done, chunks, errors, cpu, wall = await run(
+                    send, url, n=n, concurrency=conc, stream=stream,
+                    max_seconds=args.max_seconds)
+                print(f"{name:<6} {label:<30} {done:>8} {errors:>6} {done / wall:>7.0f} "
                       f"{cpu / done * 1e6:>10.1f} {chunks / done:>10.1f} "
                       f"{cpu / max(chunks, 1) * 1e6:>8.1f}")
         print(f"pool connections opened: {pool.connections_opened}")

@@ -579,8 +579,10 @@ class UpstreamResponse:
     holding what had arrived from the socket when it was asked for.
 
     Iterating raises `UpstreamTimeoutError` after `read_timeout` of silence and `UpstreamError`
-    if the connection breaks before the body is complete. Cancelling the iterating task makes
-    the enclosing `async with` close the connection.
+    if the connection breaks before the body is complete. A chunk that is already in the
+    socket buffer is returned without a trip through the scheduler (no checkpoint); waiting
+    for one is a checkpoint. Cancelling the iterating task makes the enclosing `async with`
+    close the connection.
     """
 
     __slots__ = ("_base_url", "_body", "_conn", "_done", "_method", "_origin", "_parser",
