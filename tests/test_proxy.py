@@ -15,6 +15,7 @@ from functools import partial
 import h11
 import pytest
 import trio
+import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -261,6 +262,34 @@ async def test_responses_without_body_keep_the_connection() -> None:
                 pass  # never iterated: the empty body still ends cleanly
             assert pool.idle_count(server.url) == 1
             assert server.connections == 1
+
+
+async def test_unread_body_holds_the_engine_back() -> None:
+    """Backpressure: what the caller does not read stays in the engine's socket."""
+    total = 64 * 1024 * 1024
+    sent = 0
+
+    async def handler(index: int, stream: trio.SocketStream) -> None:
+        nonlocal sent
+        conn = h11.Connection(h11.SERVER)
+        if await read_request(server, index, stream, conn):
+            await stream.send_all(conn.send(h11.Response(
+                status_code=200, headers=[(b"content-length", b"%d" % total)])) or b"")
+            block = b"x" * (1024 * 1024)
+            for _ in range(total // len(block)):
+                await stream.send_all(block)
+                sent += len(block)
+
+    with trio.fail_after(LIMIT):
+        async with (wire_server(handler) as server, new_pool() as pool,
+                    pool.request(server.url, b"GET", b"/", [], b"") as resp):
+            chunks = aiter(resp)
+            received = len(await anext(chunks))
+            await trio.testing.wait_all_tasks_blocked(cushion=0.05)
+            assert sent < total // 2  # the engine is stuck in send: socket buffers full
+            async for chunk in chunks:
+                received += len(chunk)
+    assert received == sent == total
 
 
 async def test_headers_forwarded_end_to_end_only() -> None:
