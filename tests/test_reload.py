@@ -29,7 +29,8 @@ from trio_router.testing import FakeEngine, open_fake_engines
 
 def config_text(urls: Sequence[str], *, max_body: int = 100_000, policy: str = "round_robin",
                 read_timeout: float = 5.0, engine_key_env: str = "", retries: int = 2,
-                bind: str = "127.0.0.1:0", probe_interval: float = 60.0) -> str:
+                bind: str = "127.0.0.1:0", probe_interval: float = 60.0,
+                stats_interval: float = 0.0) -> str:
     return f"""
 [server]
 bind = "{bind}"
@@ -48,7 +49,7 @@ read_timeout_s = {read_timeout}
 api_key_env = "{engine_key_env}"
 retries = {retries}
 [stats]
-interval_s = 0.0
+interval_s = {stats_interval}
 """
 
 
@@ -178,9 +179,9 @@ async def test_restart_only_changes_are_reported_and_ignored(
             router.path.write_text(config_text(
                 router.urls[:1], bind="127.0.0.1:1", probe_interval=5.0, retries=0))
             outcome = await router.reloads.sighup()
-            assert outcome.applied == ("[proxy]",)
+            assert outcome.applied == ("[proxy]", "[probe]")
             assert outcome.needs_restart == ("server.bind (127.0.0.1:0 -> 127.0.0.1:1)",
-                                             "[discovery]", "[probe]")
+                                             "[discovery]")
             # Still serving on the old address, still routing to both engines.
             for _ in range(4):
                 assert (await router.client.post(CHAT, json=chat())).status_code == 200
@@ -192,3 +193,20 @@ async def test_restart_only_changes_are_reported_and_ignored(
             assert again.applied == () and again.ok
     assert any("needs a restart" in r.getMessage() and r.levelno == logging.WARNING
                for r in caplog.records)
+
+
+async def test_probe_and_stats_settings_apply_live(tmp_path: Path) -> None:
+    """[probe] and [stats] are live: a shorter probe interval and enabled scraping take effect
+    without a restart, and the engine stays routable throughout."""
+    engine = FakeEngine(name="a")
+    with trio.fail_after(LIMIT):
+        async with open_reloadable_router(tmp_path, [engine]) as router:
+            probes = len(engine.requests_to("/v1/models"))
+            assert engine.requests_to("/metrics") == []
+            router.path.write_text(config_text(router.urls, probe_interval=0.1,
+                                               stats_interval=0.1))
+            outcome = await router.reloads.sighup()
+            assert outcome.applied == ("[probe]", "[stats]") and outcome.needs_restart == ()
+            await engine.wait_until(lambda: len(engine.requests_to("/v1/models")) > probes + 3)
+            await engine.wait_until(lambda: len(engine.requests_to("/metrics")) >= 2)
+            assert (await router.client.post(CHAT, json=chat())).status_code == 200

@@ -112,12 +112,20 @@ class Supervisors:
     def config(self) -> ProbeConfig:
         return self._config
 
-    def update_config(self, config: ProbeConfig) -> None:
+    def update_config(self, config: ProbeConfig, *,
+                      workers: Sequence[EngineWorker] | None = None) -> None:
         """Apply new probe settings live (config reload): each engine's next probe uses the
-        new deadline, and its next wait the new interval or backoff. Nothing is restarted."""
+        new deadline, and its next wait the new interval or backoff. New `workers` replace
+        the old ones: every engine's supervisor is restarted with them (its routing state is
+        kept; it is probed again at once)."""
         self._config = config
         self._prober.timeout = config.timeout_s
         self._limiter.total_tokens = config.max_concurrent
+        if workers is not None:
+            self._workers = tuple(workers)
+            for uid in list(self._scopes):
+                if (engine := self._table.get(uid)) is not None:
+                    self.start(engine)
 
     def start(self, engine: Engine) -> None:
         """Supervise `engine` at its current generation, replacing any older supervisor of the

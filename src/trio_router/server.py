@@ -24,11 +24,11 @@ import hypercorn.trio
 import trio
 
 from .app import RouterApp, env_key, make_settings
-from .config import Config, parse_bind
+from .config import Config, StatsConfig, parse_bind
 from .discovery import DiscoveryStatus, KubernetesPodSource, run_kubernetes_discovery
 from .endpoints import RoutingTable
 from .errors import ConfigError
-from .health import EngineWorker, Prober, open_supervisors
+from .health import EngineWorker, Prober, Supervisors, open_supervisors
 from .metrics import Metrics
 from .proxy import UpstreamPool
 from .reconcile import Reconciler, add_static_engines
@@ -38,8 +38,8 @@ logger = logging.getLogger(__name__)
 
 THREAD_EXIT_S: Final = 10.0  # bound on waiting for an abandoned Kubernetes thread at exit
 KEEP_ALIVE_S: Final = 75.0  # idle client connections are kept longer than common LB timeouts
-LIVE_SECTIONS: Final = ("server", "routing", "proxy")
-RESTART_SECTIONS: Final = ("discovery", "probe", "stats")
+LIVE_SECTIONS: Final = ("server", "routing", "proxy", "probe", "stats")
+RESTART_SECTIONS: Final = ("discovery",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,18 +88,21 @@ class Reloader:
     Live: [routing], [proxy], and [server] except `bind`: new requests use the new settings;
     requests in flight keep the ones they started with (a new upstream pool replaces the old
     one when a proxy timeout changes; the old one's exchanges finish on their connections).
-    A new `proxy.api_key_env` key also goes to the next probes and scrapes.
-    [probe] and [stats] changes are reported as needing a restart until the supervisors can
-    take new settings; `server.bind` and [discovery] always need one. Those are logged and
-    ignored. A file that does not load, or names an unset API key variable, changes nothing.
+    A new `proxy.api_key_env` key also goes to the next probes and scrapes. [probe]: each
+    engine's next probe uses the new settings. [stats]: every engine's supervisor restarts
+    with the new scraper settings (routing state kept). `server.bind` and [discovery] need a
+    restart: logged and ignored. A file that does not load, or names an unset API key
+    variable, changes nothing.
     """
 
     def __init__(self, load: Callable[[], Config], config: Config, *, app: RouterApp,
                  table: RoutingTable, hconfig: hypercorn.config.Config, metrics: Metrics,
-                 pools: list[UpstreamPool], engine_auth: EngineAuth,
+                 pools: list[UpstreamPool], engine_auth: EngineAuth, supervisors: Supervisors,
+                 stats_workers: Callable[[StatsConfig], list[EngineWorker]],
                  on_reload: Callable[[ReloadOutcome], None] | None = None) -> None:
         self._load, self.config = load, config
         self._engine_auth = engine_auth
+        self._supervisors, self._stats_workers = supervisors, stats_workers
         self._app, self._table, self._hconfig = app, table, hconfig
         self._metrics, self._pools, self._on_reload = metrics, pools, on_reload
 
@@ -150,8 +153,13 @@ class Reloader:
             if pool is not current.pool:
                 self._pools.append(pool)  # closed with the others; it holds no connection
             raise
+        engine_key = env_key(effective.proxy.api_key_env, "proxy.api_key_env")
         self._app.settings = settings
-        self._engine_auth.key = env_key(effective.proxy.api_key_env, "proxy.api_key_env")
+        self._engine_auth.key = engine_key
+        if effective.probe != old.probe or effective.stats != old.stats:
+            self._supervisors.update_config(
+                effective.probe, workers=None if effective.stats == old.stats
+                else self._stats_workers(effective.stats))
         self._hconfig.graceful_timeout = effective.server.drain_s
         self.config = effective
         if applied:
@@ -219,14 +227,16 @@ async def run(config: Config, *, load: Callable[[], Config] | None = None,
     try:
         async with httpx.AsyncClient(timeout=config.probe.timeout_s, auth=engine_auth) as client:
             prober = Prober(client, timeout=config.probe.timeout_s)  # the client's auth: key
-            workers: list[EngineWorker] = []
-            if config.stats.interval_s > 0:
-                stats = config.stats
-                workers.append(lambda engine, generation: run_stats_scraper(
+
+            def stats_workers(stats: StatsConfig) -> list[EngineWorker]:
+                if stats.interval_s <= 0:
+                    return []
+                return [lambda engine, generation: run_stats_scraper(
                     engine, table, client, interval=stats.interval_s, timeout=stats.timeout_s,
-                    generation=generation))
+                    generation=generation)]
+
             async with (open_supervisors(table, prober, config.probe,
-                                         workers=workers) as supervisors,
+                                         workers=stats_workers(config.stats)) as supervisors,
                         trio.open_nursery() as nursery):
                 status: DiscoveryStatus
                 if config.discovery.mode == "static":
@@ -252,7 +262,8 @@ async def run(config: Config, *, load: Callable[[], Config] | None = None,
                     if load is not None:
                         reloader = Reloader(load, config, app=app, table=table,
                                             hconfig=hconfig, metrics=metrics, pools=pools,
-                                            engine_auth=engine_auth, on_reload=on_reload)
+                                            engine_auth=engine_auth, supervisors=supervisors,
+                                            stats_workers=stats_workers, on_reload=on_reload)
                     await nursery.start(_handle_signals, stop, reloader, config,
                                         nursery.cancel_scope)
                 asgi: Any = app  # plain-dict ASGI typing, not hypercorn's TypedDicts
