@@ -513,6 +513,10 @@ async def test_engines_health_and_metrics() -> None:
     assert sorted(e["url"] for e in listed) == sorted(router.engine_urls)
     assert all(e["healthy"] and e["state"] == "routable" for e in listed)
     assert {tuple(e["models"]) for e in listed} == {("fake-model",), ("other",)}
+    served = next(e for e in listed if e["models"] == ["fake-model"])["requests"]
+    assert served["requests"] == 1 and served["errors"] == 0
+    assert served["ttfb_s"] > 0 and served["latency_s"] >= served["ttfb_s"]
+    assert served["requests_per_s"] > 0
     assert health.status_code == 200 and health.json()["status"] == "ok"
     name = router.engine_urls[0].split("//")[1]
     assert sample(text, "trio_router_requests_total", model="fake-model", engine=name,

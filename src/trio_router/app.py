@@ -247,14 +247,19 @@ class RouterApp:
         unreachable: EngineUnreachableError | None = None
         while True:
             try:
-                engine, _why = policy.choose(candidates, info, exclude=tried)
+                engine, why = policy.choose(candidates, info, exclude=tried)
             except NoEngineError as exc:
                 return await self._fail(send, watch, request_id, exc if unreachable is None
                                         else UpstreamError(
                     f"no engine for model {model!r} could be reached after {len(tried)} "
                     f"attempt(s); last: {unreachable}"), model)
+            if logger.isEnabledFor(logging.DEBUG):
+                logger.debug("request %s for %s: policy %s chose %s among %d candidate(s)"
+                             " (excluded %s): %s", request_id.decode(errors="replace"), model,
+                             policy.name, engine.name, len(candidates), tried, why)
             generation = engine.generation
             responded = False
+            ttfb: float | None = None
             engine.in_flight += 1
             try:
                 async with pool.request(engine.url, b"POST", target, headers, body) as response:
@@ -273,11 +278,10 @@ class RouterApp:
                     status = response.status
                     await send({"type": "http.response.start", "status": status,
                                 "headers": out})
-                    first = True
                     async for chunk in response:
-                        if first:
-                            first = False
-                            self._metrics.observe_ttfb(model, trio.current_time() - started)
+                        if ttfb is None:
+                            ttfb = trio.current_time() - started
+                            self._metrics.observe_ttfb(model, ttfb)
                         remaining -= len(chunk)
                         if remaining == 0:  # the last chunk: no separate end message
                             watch.finished = True
@@ -289,6 +293,7 @@ class RouterApp:
                     if not watch.finished:
                         watch.finished = True
                         await send(_END_BODY)
+                engine.requests.record(ttfb, trio.current_time() - started, ok=status < 500)
                 return status, engine.name
             except EngineUnreachableError as exc:
                 if responded:  # cannot happen by the pool's contract; never resend then
@@ -303,6 +308,7 @@ class RouterApp:
                         f"({len(tried)} attempt(s)): {exc}"), model)
                 candidates = table.routable(model)
             except RouterError as exc:
+                engine.requests.record(ttfb, trio.current_time() - started, ok=False)
                 if not responded:
                     return await self._fail(send, watch, request_id, exc, model, engine.name)
                 logger.warning("request %s for %s on engine %s broke off mid-response: %s",

@@ -13,14 +13,13 @@ import math
 import random
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
-from dataclasses import dataclass
 from typing import Final, cast
 
 import httpx
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from .endpoints import Engine, RoutingTable
+from .endpoints import Engine, RequestStats, RoutingTable
 
 logger = logging.getLogger(__name__)
 
@@ -147,46 +146,4 @@ async def _fetch(client: httpx.AsyncClient, url: str) -> tuple[str | None, str]:
         return None, f"{type(exc).__name__}: {exc}"
 
 
-@dataclass(slots=True)
-class RequestStats:
-    """The router's own figures for one engine: completed requests, errors, exponentially
-    weighted moving averages (weight `alpha` for each new request) of time to first byte and
-    of latency, in seconds, and a request rate decaying with time constant `rate_window`
-    seconds. In-flight stays on `Engine.in_flight`. Plain sync updates on the Trio thread,
-    no lock; `now` defaults to `trio.current_time()`."""
-
-    alpha: float = 0.2
-    rate_window: float = 30.0
-    count: int = 0
-    errors: int = 0
-    ttfb: float | None = None  # EWMA, seconds; None until a request got a first byte
-    latency: float | None = None  # EWMA, seconds; None until a request completed
-    _rate: float = 0.0  # requests/s as of `_rate_at`
-    _rate_at: float = 0.0
-
-    def record(self, ttfb: float | None, latency: float, *, ok: bool = True,
-               now: float | None = None) -> None:
-        """Count one finished request: `ttfb` None if no byte came back; `ok` False for an
-        error answer or a failure."""
-        now = trio.current_time() if now is None else now
-        self.count += 1
-        if not ok:
-            self.errors += 1
-        if ttfb is not None:
-            self.ttfb = ttfb if self.ttfb is None else self.ttfb + self.alpha * (ttfb - self.ttfb)
-        self.latency = (latency if self.latency is None
-                        else self.latency + self.alpha * (latency - self.latency))
-        self._rate = self.requests_per_s(now) + 1.0 / self.rate_window
-        self._rate_at = now
-
-    def requests_per_s(self, now: float | None = None) -> float:
-        """Completed requests per second, exponentially decayed (a steady rate reads as
-        itself after a few `rate_window`s)."""
-        now = trio.current_time() if now is None else now
-        return self._rate * math.exp(-max(0.0, now - self._rate_at) / self.rate_window)
-
-    def snapshot(self, now: float | None = None) -> dict[str, float | int | None]:
-        """The figures as shown in /engines."""
-        return {"requests": self.count, "errors": self.errors,
-                "requests_per_s": self.requests_per_s(now), "ttfb_s": self.ttfb,
-                "latency_s": self.latency}
+__all__ = ["RequestStats", "parse_vllm_metrics", "run_stats_scraper"]
