@@ -778,6 +778,7 @@ def test_codec_accepts_nothing_h11_rejects(
     b"HTTP/2.0 200 OK\r\n\r\n",
     b"HTTP/1.1 2000 OK\r\n\r\n",
     b"HTTP/1.1 20x OK\r\n\r\n",
+    b"HTTP/1.1 099 Early\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n",
     b"HTTP/1.1 200OK\r\n\r\n",
     b"HTTP/1.1 101 Switching Protocols\r\n\r\n",
     b"HTTP/1.1 200 OK\r\ncontent-length: 1, 2\r\n\r\n",
@@ -786,6 +787,8 @@ def test_codec_accepts_nothing_h11_rejects(
     b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\r\n\r\n",
     b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n",
     b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nabX\r\n",
+    b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2 ;x\r\nab\r\n0\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\x01\r\nab\r\n0\r\n\r\n",
     b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n0\r\nnot a trailer\r\n\r\n",
 ])
 def test_codec_rejects_malformed_responses(wire: bytes) -> None:

@@ -157,7 +157,7 @@ class _ResponseParser:
             # status-line = HTTP-version SP 3DIGIT [ SP reason-phrase ]  (reason may be absent)
             if (len(line) < 12 or line[:7] != b"HTTP/1." or line[7:8] not in b"01"
                     or line[8:9] != b" " or line[9:12].translate(None, _DIGITS)
-                    or line[12:13] not in b" "):
+                    or line[12:13] not in b" " or line[9:10] == b"0"):
                 raise _ProtocolError(f"bad status line {line[:100]!r}")
             status = int(line[9:12])
             if status >= 200:
@@ -270,7 +270,9 @@ class _ResponseParser:
                         raise _ProtocolError("chunk-size line too long")
                     break
                 line = buf[pos:eol]
-                size = line.split(b";", 1)[0].rstrip(b" \t")
+                size, semicolon, _ = line.partition(b";")  # extensions are ignored
+                if not semicolon:  # whitespace may trail the size, not precede the ';'
+                    size = size.rstrip(b" \t")
                 if (not size or len(size) > 16 or size.translate(None, _HEX)
                         or line.translate(None, _FIELD_VALUE)):
                     raise _ProtocolError(f"bad chunk size line {line[:100]!r}")
