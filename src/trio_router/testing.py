@@ -103,8 +103,9 @@ class FakeEngine:
     inference_fail_status: int | None = None  # answer only the POST endpoints with this status
     hang_models: bool = False  # GET /v1/models never answers
     abort_after_first_event: bool = False  # streams break off (connection closed) after 1 event
-    gate: trio.Event | None = None  # streams hold after their first event, non-streamed
-    # replies before answering, until this event is set
+    # Until this event is set, streams hold after their first event and non-streamed
+    # replies wait before answering.
+    gate: trio.Event | None = None
     num_requests_running: float | None = None  # None: the number of requests in progress
     num_requests_waiting: float = 0.0
     kv_cache_usage_perc: float = 0.0
