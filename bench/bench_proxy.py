@@ -1,6 +1,7 @@
 """Load run of the whole router process: req/s, latency and router CPU per request.
 
-    python bench/bench_proxy.py [--duration 15] [--connections 64] [--profile]
+    python bench/bench_proxy.py [--duration 15] [--connections 64] [--policy NAME] [--profile]
+    python bench/bench_proxy.py --all-policies [--duration 10]
 
 Three processes on 127.0.0.1: fake engines (two listeners in one lean Trio process that answers
 at once with canned vLLM-like replies), the router (`python -m trio_router --config ...`,
@@ -16,7 +17,11 @@ generator in its own process). Scenarios, each for --duration seconds after a sh
 
 Router CPU is utime+stime of its process from /proc/<pid>/stat, divided by the requests
 completed. `--profile` runs the router under cProfile for the chat and stream64 scenarios and
-prints where its time goes. Bounded: every scenario stops after --duration seconds.
+prints where its time goes. `--policy` sets `routing.policy` (default round_robin).
+`--all-policies` runs only the non-streamed scenario, once per policy, each on a fresh router
+process, with a request that carries a session key (`"user"`) and a 2-chunk prompt, so that
+`session` and `prefix_aware` do their full work rather than fall back to least_loaded; it prints
+one row per policy. Bounded: every scenario stops after --duration seconds.
 """
 
 from __future__ import annotations
@@ -41,11 +46,19 @@ from typing import Any, Final
 
 import trio
 
+from trio_router.config import POLICIES
+
 CLOCK_TICKS: Final = os.sysconf("SC_CLK_TCK")
 MODEL: Final = "bench-model"
 CHAT_BODY: Final = ('{"model":"bench-model","messages":[{"role":"user","content":'
                     '"Say hello to the benchmark."}],"max_tokens":64}')
 STREAM_BODY: Final = CHAT_BODY[:-1] + ',"stream":true}'
+# --all-policies: the non-streamed chat with a session key and a system prompt of two full
+# prefix chunks (routing.prefix_chunk_chars = 256), so every policy takes its full path.
+POLICY_BODY: Final = ('{"model":"bench-model","user":"bench-user","messages":[{"role":"system",'
+                      '"content":"' + "You are a helpful assistant for the benchmark. " * 12
+                      + '"},{"role":"user","content":"Say hello to the benchmark."}],'
+                      '"max_tokens":64}')
 EVENTS: Final = 64
 
 _REPLY = (b'{"id":"chatcmpl-bench","object":"chat.completion","created":1700000000,'
@@ -324,9 +337,11 @@ def measure(name: str, pid: int, url: str, body: str, *, connections: int,
     return runs[len(runs) // 2]
 
 
-def router_config(ports: list[str], path: Path) -> Path:
+def router_config(ports: list[str], path: Path, *, policy: str = "round_robin") -> Path:
     urls = ", ".join(f'"http://127.0.0.1:{p}"' for p in ports)
     path.write_text(f"""
+[routing]
+policy = "{policy}"
 [server]
 bind = "127.0.0.1:0"
 drain_s = 5.0
@@ -343,13 +358,15 @@ interval_s = 0.0
 
 
 def bench_router(tmp: Path, *, gap_s: float, scenarios: list[tuple[str, str]],
-                 connections: int, duration: float, profile: Path | None) -> list[Result]:
-    """Engines + router (optionally under cProfile); run `scenarios` against the router."""
+                 connections: int, duration: float, profile: Path | None,
+                 policy: str = "round_robin") -> list[Result]:
+    """Engines + router with `policy` (optionally under cProfile); run `scenarios` against
+    the router."""
     me = [sys.executable, __file__]
     with child([*me, "--serve-engines", str(gap_s)]) as engines:
         assert engines.stdout is not None
         ports = engines.stdout.readline().split()
-        config = router_config(ports, tmp / "router.toml")
+        config = router_config(ports, tmp / "router.toml", policy=policy)
         log = tmp / f"router-{time.monotonic_ns()}.log"
         prefix = [sys.executable]
         if profile is not None:
@@ -364,19 +381,31 @@ def bench_router(tmp: Path, *, gap_s: float, scenarios: list[tuple[str, str]],
                             duration=duration) for name, body in scenarios]
 
 
-def soak(tmp: Path, *, connections: int, seconds: float) -> None:
+def soak(tmp: Path, *, connections: int, seconds: float, policy: str) -> None:
     """Non-streamed load for `seconds`, in consecutive 15 s windows on one router process."""
     global REPEAT
     REPEAT = 1
     windows = max(1, round(seconds / 15))
     scenarios = [(f"chat, window {i + 1} of {windows}", CHAT_BODY) for i in range(windows)]
     results = bench_router(tmp, gap_s=0.0, scenarios=scenarios, connections=connections,
-                           duration=seconds / windows, profile=None)
+                           duration=seconds / windows, profile=None, policy=policy)
     print(f"\n{'window':34} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'CPU ms/req':>11} "
           f"{'RSS MiB':>8}")
     for r in results:
         print(f"{r.name:34} {r.rps:8.0f} {r.p50_ms:8.1f} {r.p99_ms:8.1f} "
               f"{r.cpu_ms_per_request:11.3f} {r.rss_mb:8.1f}")
+
+
+def bench_policies(tmp: Path, *, connections: int, duration: float) -> None:
+    """The non-streamed scenario once per routing policy, each on a fresh router process."""
+    results = [bench_router(tmp, gap_s=0.0, scenarios=[(policy, POLICY_BODY)],
+                            connections=connections, duration=duration, profile=None,
+                            policy=policy)[0] for policy in POLICIES]
+    print(f"\n{'policy (non-streamed chat)':34} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
+          f"{'CPU ms/req':>11} {'errors':>7}")
+    for r in results:
+        print(f"{r.name:34} {r.rps:8.0f} {r.p50_ms:8.1f} {r.p99_ms:8.1f} "
+              f"{r.cpu_ms_per_request:11.3f} {r.errors:7d}")
 
 
 def bench_baseline(*, connections: int, duration: float) -> Result:
@@ -423,6 +452,10 @@ def main() -> None:
     parser.add_argument("--soak", type=float, default=0.0, metavar="SECONDS",
                         help="only a long non-streamed run (at most 300 s), reported per "
                         "15 s window, to show whether the router slows down over time")
+    parser.add_argument("--policy", choices=POLICIES, default="round_robin",
+                        help="routing.policy of the router (default round_robin)")
+    parser.add_argument("--all-policies", action="store_true",
+                        help="only the non-streamed scenario, once per policy, one row each")
     parser.add_argument("--profile", action="store_true",
                         help="also profile the router with cProfile and print the hot spots")
     parser.add_argument("--serve-engines", type=float, metavar="GAP_S", help=argparse.SUPPRESS)
@@ -439,20 +472,26 @@ def main() -> None:
     REPEAT = max(1, min(args.repeat, 5))
     generator = "wrk -t1" if shutil.which("wrk") else "python/httpx"
     print(f"load: {generator}, {args.connections} connections, {duration:g} s per run, "
-          f"{REPEAT} run(s) per scenario; {os.cpu_count()} CPUs")
+          f"{REPEAT} run(s) per scenario; {os.cpu_count()} CPUs; policy "
+          f"{'each in turn' if args.all_policies else args.policy}")
     results: list[Result] = []
     if args.soak > 0:
         with tempfile.TemporaryDirectory() as tmp_name:
-            soak(Path(tmp_name), connections=args.connections, seconds=min(args.soak, 300.0))
+            soak(Path(tmp_name), connections=args.connections, seconds=min(args.soak, 300.0),
+                 policy=args.policy)
+        return
+    if args.all_policies:
+        with tempfile.TemporaryDirectory() as tmp_name:
+            bench_policies(Path(tmp_name), connections=args.connections, duration=duration)
         return
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         results += bench_router(tmp, gap_s=0.0, scenarios=[
             ("chat (non-streamed)", CHAT_BODY), ("stream64 (answered at once)", STREAM_BODY)],
-            connections=args.connections, duration=duration, profile=None)
+            connections=args.connections, duration=duration, profile=None, policy=args.policy)
         results += bench_router(tmp, gap_s=0.001, scenarios=[
             ("stream64-spaced (1 ms apart)", STREAM_BODY)],
-            connections=args.connections, duration=duration, profile=None)
+            connections=args.connections, duration=duration, profile=None, policy=args.policy)
         results.append(bench_baseline(connections=args.connections, duration=duration))
         print(f"\n{'scenario':34} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
               f"{'CPU ms/req':>11} {'errors':>7}")
@@ -464,7 +503,7 @@ def main() -> None:
             bench_router(tmp, gap_s=0.0, scenarios=[("chat", CHAT_BODY),
                                                     ("stream64", STREAM_BODY)],
                          connections=args.connections, duration=min(duration, 10.0),
-                         profile=profile)
+                         profile=profile, policy=args.policy)
             print_profile(profile)
 
 
