@@ -352,6 +352,7 @@ async def test_engine_silent_past_read_timeout_is_504() -> None:
             elapsed = trio.current_time() - start
             await engine.wait_until(lambda: engine.in_flight == 0)
     assert_openai_error(response, 504, "engine_timeout")
+    assert response.headers["x-trio-router-engine"] == router.engine_urls[0].split("//")[1]
     assert 0.3 <= elapsed < 2.0
     assert engine.disconnects == 1  # the router closed the upstream connection
 
@@ -394,6 +395,7 @@ async def test_all_engines_unreachable_is_502_after_retries() -> None:
             response = await router.client.post(CHAT, json=chat())
             assert_openai_error(response, 502, "engine_unreachable")
             unroutable = [e for e in router.table if not e.routable]
+            assert response.headers["x-trio-router-engine"] in {e.name for e in unroutable}
             assert len(unroutable) == 3  # the first try and two retries, then it gave up
             # The fourth engine is tried by the next request; then none is left: 503.
             assert_openai_error(await router.client.post(CHAT, json=chat()), 502,

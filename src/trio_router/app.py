@@ -305,7 +305,7 @@ class RouterApp:
                 if len(tried) > settings.retries:
                     return await self._fail(send, watch, request_id, UpstreamError(
                         f"engine {engine.name} for model {model!r} could not be reached "
-                        f"({len(tried)} attempt(s)): {exc}"), model)
+                        f"({len(tried)} attempt(s)): {exc}"), model, engine.name)
                 candidates = table.routable(model)
             except RouterError as exc:
                 engine.requests.record(ttfb, trio.current_time() - started, ok=False)
@@ -322,13 +322,17 @@ class RouterApp:
         logger.warning("request %s for %s failed with %d: %s",
                        request_id.decode(errors="replace"), model, exc.status, exc)
         watch.finished = True
-        await self._send_error(send, exc, request_id)
+        await self._send_error(send, exc, request_id, engine)
         return exc.status, engine
 
-    async def _send_error(self, send: Send, exc: RouterError, request_id: bytes | None) -> None:
+    async def _send_error(self, send: Send, exc: RouterError, request_id: bytes | None,
+                          engine: str = NO_LABEL) -> None:
+        """The OpenAI-style error answer; names the engine when one had been chosen."""
         extra: list[tuple[bytes, bytes]] = []
         if request_id is not None:
             extra.append((REQUEST_ID_HEADER, request_id))
+        if engine != NO_LABEL:
+            extra.append((ENGINE_HEADER, engine.encode()))
         if isinstance(exc, AuthError):
             extra.append((b"www-authenticate", b"Bearer"))
         await _send_json(send, exc.status, error_body(str(exc), type=exc.type, code=exc.code),
