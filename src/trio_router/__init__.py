@@ -2,5 +2,6 @@
 
 from .config import Config, load_config
 from .errors import ConfigError, RouterError
+from .server import run
 
-__all__ = ["Config", "ConfigError", "RouterError", "load_config"]
+__all__ = ["Config", "ConfigError", "RouterError", "load_config", "run"]
