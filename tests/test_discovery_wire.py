@@ -27,6 +27,7 @@ from trio_router.discovery import (
     _WatchStream,
     run_kubernetes_discovery,
 )
+from trio_router.endpoints import EventType
 
 FAST = WatchTuning(backoff_initial_s=0.05, backoff_max_s=0.4)
 LIMIT_S = 10  # every test ends well within this many real seconds
@@ -373,3 +374,27 @@ async def test_list_answer_is_read_as_raw_json(apiserver: FakeApiServer,
     assert (pods["u-b"].ip, pods["u-b"].ready) == ("", False)
     assert pods["u-c"].terminating
 
+
+
+async def test_a_burst_is_applied_complete_and_in_order(apiserver: FakeApiServer,
+                                                         kubeconfig: Path) -> None:
+    """Events that arrive together cross to Trio together (one chunk per event on the wire);
+    none is lost or reordered, a DELETED at the end of a burst is applied, and a lone event
+    after the burst is not held back waiting for more."""
+    add_engines(apiserver, *range(1, 21))
+    sink = RecordingSink()
+    with trio.fail_after(LIMIT_S):
+        async with running(k8s_config(kubeconfig), sink):
+            await apiserver.wait_for(lambda: apiserver.open_watches == 1)
+            expected = []
+            for i in range(3000):
+                name = f"engine-{i % 20 + 1}"
+                apiserver.modify_pod(name, restarts=i)
+                expected.append((name, i))
+            apiserver.delete_pod("engine-7")
+            await sink.wait_for(lambda: "engine-7" not in sink.names())
+            assert [(e.pod.name, e.pod.restart_count) for e in sink.applied
+                    if e.type is EventType.MODIFIED] == expected
+            assert sink.names() == {f"engine-{n}" for n in range(1, 21)} - {"engine-7"}
+            apiserver.modify_pod("engine-1", restarts=99_999)  # alone on a drained stream
+            await sink.wait_for(lambda: sink.pods["uid-1"].restart_count == 99_999)

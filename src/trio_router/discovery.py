@@ -22,6 +22,8 @@ import logging
 import math
 import os
 import random
+import select
+import ssl
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
@@ -47,6 +49,7 @@ CONNECT_TIMEOUT_S: Final = 5.0  # TCP (and TLS) connect timeout of every API req
 LIST_READ_TIMEOUT_S: Final = 30.0  # longest silence tolerated while reading a LIST answer
 RETRY_AFTER_MAX_S: Final = 60.0  # a Retry-After longer than this is shortened to it
 FAILING_AFTER_ERRORS: Final = 6  # consecutive errors after which /health turns 503
+MAX_BATCH: Final = 512  # watch events handed to the Trio thread in one step, at most
 
 _EVENT_TYPES: Final = {t.value: t for t in EventType}
 Batch = list[RawObject]  # watch events handed from the watch thread to Trio in one step
@@ -597,9 +600,9 @@ class _WatchStream:
     """One watch stream run by a worker thread; `stop()` (Trio thread) ends it.
 
     The thread reads the chunked body itself rather than through `Watch.stream` (one line at a
-    time, and its raw mode mishandles ERROR events): all the events of one received segment
-    cross to the Trio side in one hand-off, and each event is delivered as soon as it
-    arrives."""
+    time, and its raw mode mishandles ERROR events). Events already received whole cross to
+    the Trio side together, in one hand-off (at most MAX_BATCH), and an event is never held
+    back waiting for one that has not fully arrived."""
 
     def __init__(self, source: KubernetesPodSource, resource_version: str,
                  timeout_seconds: int, observer: WatchObserver,
@@ -679,11 +682,11 @@ class _WatchStream:
                 api.api_client.response_deserialize(response, {})  # raises ApiException
             self._connected = True
             pending = b""
+            batch: Batch = []
             for segment in response.stream(amt=None, decode_content=False):
                 if self._stopped:
                     raise _Stopped
                 *lines, pending = (pending + segment).split(b"\n")
-                batch: Batch = []
                 for line in lines:
                     if (event := _decode_event(line)) is None:
                         continue
@@ -692,11 +695,42 @@ class _WatchStream:
                             raise _Stopped
                         raise _error_event(event)
                     batch.append(event)
-                if batch and not self._deliver(batch):
-                    raise _Stopped
+                if batch and (len(batch) >= MAX_BATCH or not _next_chunk_received(response)):
+                    if not self._deliver(batch):
+                        raise _Stopped
+                    batch = []
+            if batch and not self._deliver(batch):
+                raise _Stopped
         finally:
             response.close()  # unread body: the connection must not go back to the pool
             response.release_conn()
+
+
+def _next_chunk_received(response: Any) -> bool:
+    """Worker thread: True only if the next HTTP chunk of the watch `response` has been
+    received whole, so that reading it cannot block; then the events read so far can wait for
+    it and cross to Trio together (the API server sends one chunk per event). Looks at the
+    buffered reader under urllib3's response and peeks only when the socket is readable (or
+    TLS holds decrypted bytes), so it never waits; False whenever that cannot be told."""
+    reader = getattr(getattr(response, "_fp", None), "fp", None)
+    sock = getattr(getattr(response, "connection", None), "sock", None)
+    if reader is None or sock is None or not hasattr(reader, "peek"):
+        return False
+    try:
+        if not (select.select([sock], [], [], 0)[0]
+                or (isinstance(sock, ssl.SSLSocket) and sock.pending())):
+            return False
+        data = reader.peek(1)
+    except (OSError, ValueError):
+        return False
+    end = data.find(b"\r\n")
+    if end <= 0:
+        return False
+    try:
+        size = int(data[:end].split(b";", 1)[0], 16)
+    except ValueError:
+        return False
+    return size > 0 and len(data) >= end + 2 + size + 2
 
 
 def _decode_event(line: bytes) -> RawObject | None:
