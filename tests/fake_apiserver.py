@@ -118,7 +118,23 @@ class Requests:
     watches: list[Seen] = field(default_factory=list)
 
 
-class FakeApiServer:
+class _Changes:
+    """Tests wait with `wait_for(predicate)`, re-checked after every `_notify()` (no polling)."""
+
+    def __init__(self) -> None:
+        self._changed = trio.Event()
+
+    async def wait_for(self, predicate: Callable[[], bool]) -> None:
+        """Block until `predicate()` is true (re-checked after every change)."""
+        while not predicate():
+            await self._changed.wait()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+
+class FakeApiServer(_Changes):
     """Pods of one namespace behind a real HTTP server. Mutate it with the sync methods
     below (the test's Trio thread); wait for conditions with `wait_for`."""
 
@@ -142,7 +158,7 @@ class FakeApiServer:
         self._compacted_rv = 0  # watches from a resourceVersion below this get 410
         self._epoch = 0  # bumped by reset_watches / expire_watches
         self._epoch_action = ""
-        self._changed = trio.Event()
+        super().__init__()
 
     # -- serving ---------------------------------------------------------------------------
     @property
@@ -170,15 +186,6 @@ class FakeApiServer:
                                                       "namespace": self.namespace}}],
         }))
         return path
-
-    async def wait_for(self, predicate: Callable[[], bool]) -> None:
-        """Block until `predicate()` is true (re-checked after every change)."""
-        while not predicate():
-            await self._changed.wait()
-
-    def _notify(self) -> None:
-        self._changed.set()
-        self._changed = trio.Event()
 
     # -- pods ------------------------------------------------------------------------------
     @property
@@ -437,7 +444,7 @@ class FakeWatch:
     error: DiscoveryError | None = None
 
 
-class FakePodSource:
+class FakePodSource(_Changes):
     """A `PodSource` on Trio's clock (no threads, no sockets): pods and an event history in
     memory, scripted failures, and a log of every call's (trio) time."""
 
@@ -449,15 +456,7 @@ class FakePodSource:
         self.watch_plans: deque[FakeWatch] = deque()
         self.list_calls: list[float] = []
         self.watch_calls: list[tuple[float, str, int]] = []  # (time, resourceVersion, timeout)
-        self._changed = trio.Event()
-
-    async def wait_for(self, predicate: Callable[[], bool]) -> None:
-        while not predicate():
-            await self._changed.wait()
-
-    def _notify(self) -> None:
-        self._changed.set()
-        self._changed = trio.Event()
+        super().__init__()
 
     def emit(self, kind: str, pod: RawObject) -> RawObject:
         """Record a pod event (ADDED, MODIFIED, DELETED) with the next resourceVersion."""
@@ -512,13 +511,13 @@ class FakePodSource:
             raise plan.error
 
 
-class RecordingSink:
+class RecordingSink(_Changes):
     """A `PodSink` that records each call and keeps the pods it would route, by UID."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, Any]] = []
         self.pods: dict[str, Pod] = {}
-        self._changed = trio.Event()
+        super().__init__()
 
     @property
     def applied(self) -> list[PodEvent]:
@@ -541,14 +540,6 @@ class RecordingSink:
         self.calls.append(("replace", listed))
         self.pods = {p.uid: p for p in listed}
         self._notify()
-
-    async def wait_for(self, predicate: Callable[[], bool]) -> None:
-        while not predicate():
-            await self._changed.wait()
-
-    def _notify(self) -> None:
-        self._changed.set()
-        self._changed = trio.Event()
 
     def names(self) -> set[str]:
         return {p.name for p in self.pods.values()}

@@ -110,19 +110,30 @@ async def open_raw(url: str) -> trio.SocketStream:
     return await trio.open_tcp_stream(host, int(port))
 
 
+async def send_request(stream: trio.SocketStream, path: str, body: dict[str, Any],
+                       headers: dict[str, str] | None = None) -> None:
+    """Write one POST with a JSON body (and extra `headers`) on a raw connection."""
+    data = json.dumps(body).encode()
+    lines = [f"POST {path} HTTP/1.1", "host: router", "content-type: application/json",
+             f"content-length: {len(data)}", *(f"{k}: {v}" for k, v in (headers or {}).items())]
+    await stream.send_all("\r\n".join(lines).encode() + b"\r\n\r\n" + data)
+
+
+async def receive_until(stream: trio.SocketStream, marker: bytes) -> bytes:
+    """What arrived on `stream` up to the point `marker` had been received."""
+    received = b""
+    while marker not in received:
+        chunk = await stream.receive_some()
+        assert chunk, f"connection closed before {marker!r}: {received!r}"
+        received += chunk
+    return received
+
+
 async def send_raw(stream: trio.SocketStream, path: str, body: dict[str, Any], *,
                    until: bytes) -> bytes:
     """Send one POST with a JSON body; return what was received once `until` appears."""
-    data = json.dumps(body).encode()
-    await stream.send_all(b"POST %s HTTP/1.1\r\nhost: router\r\ncontent-type: "
-                          b"application/json\r\ncontent-length: %d\r\n\r\n%s"
-                          % (path.encode(), len(data), data))
-    received = b""
-    while until not in received:
-        chunk = await stream.receive_some()
-        assert chunk, f"connection closed before {until!r}: {received!r}"
-        received += chunk
-    return received
+    await send_request(stream, path, body)
+    return await receive_until(stream, until)
 
 
 async def _serve_engine(engine: FakeEngine, host: str, scope: trio.CancelScope, *,

@@ -16,7 +16,6 @@ in its own `trio.run` on the real clock, under `trio.fail_after`.
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Final
@@ -28,7 +27,7 @@ import trio.testing
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from test_app import CHAT, open_raw, open_router
+from test_app import CHAT, open_raw, open_router, receive_until, send_request
 from trio_router.config import POLICIES
 from trio_router.endpoints import RoutingTable
 from trio_router.testing import FakeEngine
@@ -152,24 +151,6 @@ async def run_call(client: httpx.AsyncClient, url: str, engines: list[FakeEngine
     result.status = response.status_code
     result.engine = response.headers.get("x-trio-router-engine")
     result.complete = call.kind != OK_STREAM or response.content.endswith(b"data: [DONE]\n\n")
-
-
-async def send_request(stream: trio.SocketStream, path: str, body: dict[str, Any],
-                       headers: dict[str, str]) -> None:
-    data = json.dumps(body).encode()
-    lines = [f"POST {path} HTTP/1.1", "host: router", "content-type: application/json",
-             f"content-length: {len(data)}", *(f"{k}: {v}" for k, v in headers.items())]
-    await stream.send_all("\r\n".join(lines).encode() + b"\r\n\r\n" + data)
-
-
-async def receive_until(stream: trio.SocketStream, marker: bytes) -> bytes:
-    """What arrived on `stream` up to the point `marker` had been received."""
-    received = b""
-    while marker not in received:
-        chunk = await stream.receive_some()
-        assert chunk, f"connection closed before {marker!r}: {received!r}"
-        received += chunk
-    return received
 
 
 def header_value(head: bytes, name: bytes) -> str | None:

@@ -194,11 +194,12 @@ class Supervisors:
                 delay = min(config.backoff_max_s,
                             min(BACKOFF_START_S, config.interval_s) * 2 ** (failures - 1))
             delay *= self._random.uniform(1 - JITTER, 1 + JITTER)
-            wake = self._wake.setdefault(engine.uid, trio.Event())
+            if (wake := self._wake.get(engine.uid)) is None:
+                return  # stopped while the probe was finishing
             with trio.move_on_after(delay):
                 await wake.wait()
-            if wake.is_set():
-                self._wake[engine.uid] = trio.Event()
+            if wake.is_set() and self._wake.get(engine.uid) is wake:
+                self._wake[engine.uid] = trio.Event()  # woken (passive health): re-arm
 
 
 @asynccontextmanager
