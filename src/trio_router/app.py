@@ -196,6 +196,7 @@ class RouterApp:
             headers.append((b"authorization", upstream_authorization))
 
         model = NO_LABEL
+        body: bytes | None = None
         try:
             if settings.client_key is not None:
                 _check_key(settings.client_key, authorization)
@@ -213,7 +214,8 @@ class RouterApp:
             info = (request_info(payload, scope["headers"], settings.config.routing)
                     if settings.needs_request_info else RequestInfo(model=model))
         except RouterError as exc:
-            await self._send_error(send, exc, request_id)
+            # Answered before the body was read: the connection cannot carry another request.
+            await self._send_error(send, exc, request_id, close=body is None)
             self._metrics.observe_request(model, NO_LABEL, exc.status,
                                           trio.current_time() - started)
             return
@@ -326,9 +328,10 @@ class RouterApp:
         return exc.status, engine
 
     async def _send_error(self, send: Send, exc: RouterError, request_id: bytes | None,
-                          engine: str = NO_LABEL) -> None:
-        """The OpenAI-style error answer; names the engine when one had been chosen."""
-        extra: list[tuple[bytes, bytes]] = []
+                          engine: str = NO_LABEL, *, close: bool = False) -> None:
+        """The OpenAI-style error answer; names the engine when one had been chosen. `close`
+        tells the client that the connection ends with it (its request body was not read)."""
+        extra: list[tuple[bytes, bytes]] = [(b"connection", b"close")] if close else []
         if request_id is not None:
             extra.append((REQUEST_ID_HEADER, request_id))
         if engine != NO_LABEL:
