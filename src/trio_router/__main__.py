@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import logging
 import sys
 from collections.abc import Awaitable, Callable, Sequence
@@ -39,6 +40,9 @@ DEMO_MODEL: Final = "fake-model"
 DEMO_ADAPTER: Final = "fake-lora"
 DEMO_TTFT_S: Final = 0.15  # a realistic time to first token
 DEMO_INTER_TOKEN_S: Final = 0.03  # and a realistic delay between tokens
+
+
+GC_YOUNG_THRESHOLD: Final = 10_000
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -109,7 +113,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         logger.error("%s", exc)
         return 2
+    tune_gc()
     return _run_reporting_errors(partial(server.run, config, load=load))
+
+
+def tune_gc() -> None:
+    """Cyclic garbage collection for a long-running server. What is loaded at start-up (the
+    modules, the Kubernetes client's ~56,000 objects) is moved out of the collector's view,
+    and the youngest generation is collected every GC_YOUNG_THRESHOLD allocations instead of
+    700. Without this a full collection paused the router for ~30 ms about twice a second
+    under load, which set its p99 latency (bench/bench_proxy.py, README "Performance")."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
 
 
 def _run_reporting_errors(fn: Callable[[], Awaitable[object]]) -> int:

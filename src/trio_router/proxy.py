@@ -28,6 +28,7 @@ Timeouts are Trio cancel scopes, so a test clock and outer scopes see them.
 
 from __future__ import annotations
 
+import re
 import socket
 from contextlib import AbstractAsyncContextManager, suppress
 from types import TracebackType
@@ -67,6 +68,7 @@ _HEAD_CHARS: Final = _FIELD_VALUE + b"\r\n"
 _TARGET: Final = bytes(range(0x21, 0x7F))
 _HEX: Final = b"0123456789abcdefABCDEF"
 _DIGITS: Final = b"0123456789"
+_PLAIN_CHUNK_SIZE: Final = re.compile(rb"[0-9A-Fa-f]{1,16}\r\n")  # a chunk-size line, nothing more
 
 # Body framing modes of _ResponseParser.
 _DONE: Final = 0
@@ -247,8 +249,18 @@ class _ResponseParser:
         buf, pos = self._buf, self._pos
         end = len(buf)
         parts: list[bytes] = []
+        plain_size_line = _PLAIN_CHUNK_SIZE.match
         while pos < end:
             state = self._chunk
+            if state == _CHUNK_SIZE and (plain := plain_size_line(buf, pos)) is not None:
+                # The common case in one step: a size line without extensions or whitespace,
+                # then the whole chunk and its CRLF. Anything else takes the steps below.
+                start = plain.end()
+                stop = start + int(buf[pos:start - 2], 16)
+                if stop > start and stop + 2 <= end and buf.startswith(b"\r\n", stop):
+                    parts.append(buf[start:stop])
+                    pos = stop + 2
+                    continue
             if state == _CHUNK_DATA:
                 take = min(end - pos, self._remaining)
                 parts.append(buf[pos:pos + take])
