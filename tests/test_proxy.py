@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from trio_router.errors import UpstreamError, UpstreamTimeoutError
 from trio_router.proxy import (
+    CHECKPOINT_EVERY,
     EngineUnreachableError,
     UpstreamPool,
     UpstreamResponse,
@@ -488,6 +489,45 @@ async def test_silent_engine_before_head_times_out() -> None:
             assert not isinstance(info.value, UpstreamError)  # not a failover signal
             await engine.wait_until(lambda: engine.disconnects == 1)  # the socket was closed
             assert pool.idle_count() == 0
+
+
+async def test_a_body_that_is_always_there_still_checkpoints() -> None:
+    """Chunks already in the socket buffer come back without waiting, yet at least every
+    CHECKPOINT_EVERY-th one is a checkpoint: other tasks run, a cancellation lands."""
+    body = b"x" * (2 * 1024 * 1024)
+    written = trio.Event()
+
+    async def handler(index: int, stream: trio.SocketStream) -> None:
+        request = b""
+        while b"\r\n\r\n" not in request:
+            request += await stream.receive_some(65536)
+        # Let the kernel buffer it all before the client reads (Trio caps unsent bytes).
+        stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, 1 << 30)
+        await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(body)
+                              + body)
+        written.set()  # all of it is in the kernel's buffers: reads need not wait
+
+    ran: list[int] = []
+
+    async def other_task() -> None:
+        ran.append(1)
+
+    with trio.fail_after(LIMIT):
+        async with wire_server(handler) as server, new_pool() as pool, \
+                trio.open_nursery() as nursery:
+            async with pool.request(server.url, b"GET", b"/", [], b"") as resp:
+                await written.wait()
+                nursery.start_soon(other_task)
+                chunks, seen_at = 0, 0
+                received = b""
+                async for chunk in resp:
+                    chunks += 1
+                    received += chunk
+                    if ran and not seen_at:
+                        seen_at = chunks
+            assert received == body
+            assert chunks > CHECKPOINT_EVERY
+            assert 0 < seen_at <= CHECKPOINT_EVERY + 1
 
 
 async def test_silence_between_chunks_times_out() -> None:

@@ -42,6 +42,7 @@ from .errors import UpstreamError, UpstreamTimeoutError
 __all__ = ["EngineUnreachableError", "UpstreamPool", "UpstreamResponse"]
 
 READ_SIZE: Final = 65536  # bytes asked of the socket per receive
+CHECKPOINT_EVERY: Final = 16  # body chunks returned at once, at most, between two checkpoints
 MAX_HEAD_BYTES: Final = 64 * 1024  # largest response head (or trailer section) accepted
 MAX_CHUNK_LINE: Final = 4096  # longest chunk-size line (with extensions) accepted
 INLINE_BODY_BYTES: Final = 64 * 1024  # smaller bodies go out in the same write as the head
@@ -595,12 +596,14 @@ class UpstreamResponse:
     Iterating raises `UpstreamTimeoutError` after `read_timeout` of silence and `UpstreamError`
     if the connection breaks before the body is complete. A chunk that is already in the
     socket buffer is returned without a trip through the scheduler (no checkpoint); waiting
-    for one is a checkpoint. Cancelling the iterating task makes the enclosing `async with`
-    close the connection.
+    for one is a checkpoint, and so is every CHECKPOINT_EVERY-th chunk returned without one, so
+    that a body that is always there at once (a fast engine, a fast client) neither starves
+    other tasks nor delays a cancellation. Cancelling the iterating task makes the enclosing
+    `async with` close the connection.
     """
 
     __slots__ = ("_base_url", "_body", "_conn", "_done", "_method", "_origin", "_parser",
-                 "_pool", "_req_headers", "_target", "headers", "status")
+                 "_pool", "_req_headers", "_target", "_unchecked", "headers", "status")
 
     def __init__(self, pool: UpstreamPool, base_url: str, method: bytes, target: bytes,
                  headers: list[tuple[bytes, bytes]], body: bytes) -> None:
@@ -614,6 +617,7 @@ class UpstreamResponse:
         self._origin: _Origin | None = None
         self._parser: _ResponseParser | None = None
         self._done = False
+        self._unchecked = 0  # chunks returned since the last checkpoint
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
 
@@ -730,21 +734,30 @@ class UpstreamResponse:
             while True:
                 data = parser.read_body()
                 if data:
+                    self._unchecked += 1
+                    if self._unchecked >= CHECKPOINT_EVERY:
+                        self._unchecked = 0
+                        await trio.lowlevel.checkpoint()
                     return data
                 if parser.done:
                     self._done = True
                     raise StopAsyncIteration
-                await self._receive(parser)
+                if await self._receive(parser):
+                    self._unchecked = 0
         except _ProtocolError as exc:
             raise UpstreamError(
                 f"engine {self._base_url} broke off the response body: {exc}") from exc
 
-    async def _receive(self, parser: _ResponseParser) -> None:
+    async def _receive(self, parser: _ResponseParser) -> bool:
+        """Feed the parser what the socket holds, waiting for it if need be; True if it
+        waited (a checkpoint)."""
         assert self._conn is not None
         conn = self._conn
+        waited = False
         try:
             data = conn.recv_nowait()
             if data is None:  # nothing there yet: wait, within the silence budget
+                waited = True
                 read_timeout = self._pool._read_timeout
                 with trio.move_on_after(read_timeout) as scope:
                     data = await conn.recv()
@@ -759,3 +772,4 @@ class UpstreamResponse:
             parser.feed(data)
         else:
             parser.eof()
+        return waited
