@@ -493,6 +493,35 @@ async def test_client_api_key_is_required_except_for_health_and_metrics(
     assert engine.requests_to(CHAT)[0].header("authorization") == "Bearer s3cret"
 
 
+async def test_an_error_answered_before_the_body_was_read_ends_the_connection(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """401 and a declared 413 are answered without reading the request body, so the
+    connection cannot carry another request: the answer says Connection: close and the
+    router closes it. An error found after reading the body keeps the connection."""
+    monkeypatch.setenv("ROUTER_KEY", "s3cret")
+    good = {"authorization": "Bearer s3cret"}
+    with trio.fail_after(LIMIT):
+        async with open_router([FakeEngine()], server={"api_key_env": "ROUTER_KEY",
+                                                       "max_body_bytes": 1000}) as router:
+            for body, headers, status in [(chat(), {}, 401),
+                                          (chat(pad="x" * 2000), good, 413)]:
+                stream = await open_raw(router.url)
+                async with stream:
+                    await send_request(stream, CHAT, body, headers)
+                    answer = await receive_until(stream, b"}}")
+                    assert answer.startswith(b"HTTP/1.1 %d " % status)
+                    assert b"\r\nconnection: close\r\n" in answer.lower()
+                    assert await stream.receive_some() == b""  # closed by the router
+            stream = await open_raw(router.url)
+            async with stream:
+                await send_request(stream, CHAT, {"model": 7}, good)
+                answer = await receive_until(stream, b"}}")
+                assert answer.startswith(b"HTTP/1.1 400 ")
+                assert b"connection:" not in answer.lower()
+                await send_request(stream, CHAT, chat(), good)  # the same connection
+                assert (await receive_until(stream, b"}}")).startswith(b"HTTP/1.1 200 ")
+
+
 async def test_engine_api_key_replaces_the_clients_and_is_used_by_probes(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ENGINE_KEY", "engine-key")

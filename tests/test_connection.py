@@ -1,0 +1,296 @@
+"""`server.KeepAliveConnection`, the connection class trio_router gives Hypercorn's trio worker:
+keep-alive timing, shutdown, writes the socket cannot take at once, clients that vanish.
+
+Real sockets on 127.0.0.1: `hypercorn.trio.serve` with a small ASGI app, raw TCP clients. The
+timing tests run on the autojump clock (loopback data is ready at the next I/O poll, so the
+clock only jumps while every side waits): a 5 s keep-alive takes milliseconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Final
+
+import hypercorn.config
+import hypercorn.trio
+import hypercorn.trio.run
+import pytest
+import trio
+import trio.testing
+
+from trio_router import server
+
+KEEP_ALIVE: Final = 5.0
+BIG: Final = 16 * 1024 * 1024  # more than the kernel takes in one write on loopback
+LIMIT: Final = 10.0  # real seconds: only bounds a hang of the real-clock tests
+VIRTUAL_LIMIT: Final = 600.0  # bounds every test, in virtual seconds on the autojump clock
+
+
+async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """GET /: a short answer. /sleep/S: the answer after S seconds. /big: BIG bytes in one
+    message. /stream/N: N messages of 64 KiB."""
+    if scope["type"] == "lifespan":
+        while (await receive())["type"] != "lifespan.shutdown":
+            await send({"type": "lifespan.startup.complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+        return
+    while (await receive()).get("more_body"):
+        pass
+    path = scope["path"]
+    if path.startswith("/sleep/"):
+        await trio.sleep(float(path.removeprefix("/sleep/")))
+    if path == "/big":
+        body = pattern(BIG)
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", b"%d" % len(body))]})
+        await send({"type": "http.response.body", "body": body})
+    elif path.startswith("/stream/"):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        count = int(path.removeprefix("/stream/"))
+        for i in range(count):
+            await send({"type": "http.response.body", "body": pattern(65536, i),
+                        "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+    else:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+
+def pattern(size: int, seed: int = 0) -> bytes:
+    """`size` bytes that differ from one offset (and seed) to the next, so a lost, repeated
+    or reordered piece shows."""
+    block = bytes((seed + i) % 251 for i in range(251))
+    return (block * (size // 251 + 1))[:size]
+
+
+@dataclass
+class Served:
+    port: int
+    stop: trio.Event
+    clients: list[trio.SocketStream] = field(default_factory=list)
+
+    async def connect(self) -> trio.SocketStream:
+        """A client connection, closed at the end of `serve()` if the test did not."""
+        self.clients.append(await trio.open_tcp_stream("127.0.0.1", self.port))
+        return self.clients[-1]
+
+
+@asynccontextmanager
+async def serve() -> AsyncIterator[Served]:
+    """`app` on Hypercorn's trio worker with trio_router's connection class; `stop` starts
+    Hypercorn's graceful shutdown."""
+    assert server.use_keep_alive_connections()
+    config = hypercorn.config.Config()
+    config.bind = ["127.0.0.1:0"]
+    config.keep_alive_timeout = KEEP_ALIVE
+    config.graceful_timeout = 60.0
+    config.accesslog = None
+    config.errorlog = logging.getLogger("test_connection.hypercorn")
+    stop = trio.Event()
+    with trio.fail_after(VIRTUAL_LIMIT):
+        async with trio.open_nursery() as nursery:
+            asgi: Any = app
+            urls = await nursery.start(partial(hypercorn.trio.serve, asgi, config,
+                                               shutdown_trigger=stop.wait))
+            served = Served(int(urls[0].rsplit(":", 1)[1]), stop)
+            try:
+                yield served
+            finally:
+                for client in served.clients:
+                    await client.aclose()
+                nursery.cancel_scope.cancel()
+
+
+async def request(stream: trio.SocketStream, path: str) -> None:
+    await stream.send_all(b"GET %s HTTP/1.1\r\nhost: test\r\n\r\n" % path.encode())
+
+
+async def read_response(stream: trio.SocketStream) -> tuple[bytes, bytes]:
+    """(head, body) of one response framed by Content-Length or chunked encoding."""
+    buffer = b""
+    while b"\r\n\r\n" not in buffer:
+        data = await stream.receive_some()
+        assert data, f"closed in the head: {buffer!r}"
+        buffer += data
+    head, _, rest = buffer.partition(b"\r\n\r\n")
+    fields = dict(line.split(b": ", 1) for line in head.lower().split(b"\r\n")[1:])
+    if b"content-length" in fields:
+        length = int(fields[b"content-length"])
+        while len(rest) < length:
+            data = await stream.receive_some()
+            assert data, "closed in the body"
+            rest += data
+        assert len(rest) == length, "bytes after the response"
+        return head, rest
+    assert fields[b"transfer-encoding"] == b"chunked"
+    body = b""
+    while True:
+        while b"\r\n" not in rest:
+            rest += await stream.receive_some()
+        size_line, _, rest = rest.partition(b"\r\n")
+        size = int(size_line, 16)
+        while len(rest) < size + 2:
+            data = await stream.receive_some()
+            assert data, "closed in the body"
+            rest += data
+        body, rest = body + rest[:size], rest[size + 2:]
+        if not size:
+            assert not rest, "bytes after the response"
+            return head, body
+
+
+async def closed_by_server(stream: trio.SocketStream) -> bool:
+    """True once the server closed `stream` (EOF or reset), having sent nothing more."""
+    try:
+        data = await stream.receive_some()
+    except trio.BrokenResourceError:
+        return True
+    assert not data, f"unexpected bytes: {data[:100]!r}"
+    return True
+
+
+def timer_tasks() -> int:
+    """Connections' keep-alive timer tasks now running in this Trio run."""
+    root = trio.lowlevel.current_root_task()
+    assert root is not None
+    count, pending = 0, [root]
+    while pending:
+        task = pending.pop()
+        count += task.name.endswith("KeepAliveTimer._run")
+        pending.extend(child for nursery in task.child_nurseries for child in nursery.child_tasks)
+    return count
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    """Wait for `condition` about the task tree, which no event reports: checked every 10 ms
+    (virtual time on the autojump clock, where it says when the condition came true)."""
+    while True:
+        if condition():
+            return
+        await trio.sleep(0.01)
+
+
+# -- keep-alive -----------------------------------------------------------------------------
+async def test_idle_connection_is_closed_after_the_keep_alive_timeout(
+        autojump_clock: trio.testing.MockClock) -> None:
+    async with serve() as served:
+        silent = await served.connect()  # never sends anything
+        used = await served.connect()
+        await request(used, "/")
+        assert (await read_response(used))[1] == b"ok"
+        idle_from = trio.current_time()
+        assert await closed_by_server(used)
+        assert trio.current_time() - idle_from == pytest.approx(KEEP_ALIVE, abs=0.01)
+        assert await closed_by_server(silent)
+
+
+async def test_each_request_restarts_the_keep_alive_timer(
+        autojump_clock: trio.testing.MockClock) -> None:
+    async with serve() as served:
+        stream = await served.connect()
+        for _ in range(4):  # 4 requests 4 s apart: 16 s, longer than the timeout
+            await request(stream, "/")
+            assert (await read_response(stream))[1] == b"ok"
+            await trio.sleep(KEEP_ALIVE - 1)
+        last = trio.current_time() - (KEEP_ALIVE - 1)
+        assert await closed_by_server(stream)
+        assert trio.current_time() - last == pytest.approx(KEEP_ALIVE, abs=0.01)
+
+
+async def test_request_longer_than_the_keep_alive_timeout_is_not_cut(
+        autojump_clock: trio.testing.MockClock) -> None:
+    async with serve() as served:
+        stream = await served.connect()
+        started = trio.current_time()
+        await request(stream, f"/sleep/{4 * KEEP_ALIVE}")
+        assert (await read_response(stream))[1] == b"ok"
+        answered = trio.current_time()
+        assert answered - started == pytest.approx(4 * KEEP_ALIVE, abs=0.01)
+        assert await closed_by_server(stream)  # the timer counts from the answer
+        assert trio.current_time() - answered == pytest.approx(KEEP_ALIVE, abs=0.01)
+
+
+async def test_shutdown_closes_idle_connections_now_and_busy_ones_after_their_answer(
+        autojump_clock: trio.testing.MockClock) -> None:
+    async with serve() as served:
+        idle, busy = await served.connect(), await served.connect()
+        await request(idle, "/")
+        await read_response(idle)
+        await request(busy, "/sleep/3")
+        await trio.sleep(1)
+        served.stop.set()
+        assert await closed_by_server(idle)
+        assert trio.current_time() == pytest.approx(1, abs=0.01)
+        assert (await read_response(busy))[1] == b"ok"
+        assert await closed_by_server(busy)
+        assert trio.current_time() == pytest.approx(3, abs=0.01)
+
+
+async def test_a_connection_the_client_closed_leaves_no_timer_behind(
+        autojump_clock: trio.testing.MockClock) -> None:
+    async with serve() as served:
+        idle, busy = await served.connect(), await served.connect()
+        await request(idle, "/")
+        await read_response(idle)
+        await request(busy, "/sleep/30")
+        await until(lambda: timer_tasks() == 2)
+        closed_at = trio.current_time()
+        await idle.aclose()
+        await busy.aclose()  # while its request is still being answered
+        await until(lambda: timer_tasks() == 0)
+        assert trio.current_time() - closed_at < 0.1  # not at the timeout, not after 30 s
+
+
+# -- writes ---------------------------------------------------------------------------------
+async def test_large_answers_reach_a_slow_reader_whole_and_in_order() -> None:
+    """16 MiB in one message and 256 messages of 64 KiB: most of each write waits for the
+    reader, then the connection carries the next request."""
+    with trio.fail_after(LIMIT):
+        async with serve() as served:
+            stream = await served.connect()
+            stream.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+            await request(stream, "/big")
+            head, body = await read_response(stream)
+            assert head.startswith(b"HTTP/1.1 200") and body == pattern(BIG)
+            await request(stream, "/stream/256")
+            assert (await read_response(stream))[1] == b"".join(
+                pattern(65536, i) for i in range(256))
+            await request(stream, "/")
+            assert (await read_response(stream))[1] == b"ok"
+
+
+async def test_a_reader_that_vanishes_mid_answer_does_not_disturb_the_server() -> None:
+    with trio.fail_after(LIMIT):
+        async with serve() as served:
+            stream = await served.connect()
+            await request(stream, "/big")
+            await stream.receive_some()
+            stream.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            await stream.aclose()  # a reset, with most of the answer still unsent
+            other = await served.connect()
+            await request(other, "/")
+            assert (await read_response(other))[1] == b"ok"
+            await until(lambda: timer_tasks() == 1)  # the other connection's only
+
+
+# -- installation ---------------------------------------------------------------------------
+def test_installed_once_and_not_on_an_unknown_hypercorn(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    assert server.use_keep_alive_connections()
+    assert hypercorn.trio.run.TCPServer is server.KeepAliveConnection  # type: ignore[attr-defined]
+    assert server.use_keep_alive_connections()  # idempotent
+
+    class Unknown:
+        pass
+
+    monkeypatch.setattr(hypercorn.trio.run, "TCPServer", Unknown)
+    assert not server.use_keep_alive_connections()
+    assert getattr(hypercorn.trio.run, "TCPServer") is Unknown  # noqa: B009
+    assert "serving with Hypercorn's own" in caplog.text
