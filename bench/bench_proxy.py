@@ -13,7 +13,8 @@ generator in its own process). Scenarios, each for --duration seconds after a sh
   whole event stream in one write)
 - stream64-spaced: the same 64 events written 1 ms apart, so the router forwards each one on
   its own (the per-event cost; a real engine spaces tokens by 10-50 ms)
-- baseline: Hypercorn's trio worker serving a fixed answer (no proxying), for comparison
+- baseline: Hypercorn's trio worker serving a fixed answer (no proxying), for comparison, once
+  as released and once with trio_router's connection class (`server.KeepAliveConnection`)
 
 Router CPU is utime+stime of its process from /proc/<pid>/stat, divided by the requests
 completed. `--profile` runs the router under cProfile for the chat and stream64 scenarios and
@@ -161,9 +162,14 @@ async def _baseline_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     await send({"type": "http.response.body", "body": _REPLY})
 
 
-async def _serve_baseline() -> None:
+async def _serve_baseline(kind: str) -> None:
     import hypercorn.config
     import hypercorn.trio
+
+    if kind == "lean":  # Hypercorn with trio_router's connection class, nothing else of it
+        from trio_router.server import use_keep_alive_connections
+
+        use_keep_alive_connections()
 
     config = hypercorn.config.Config()
     config.bind = ["127.0.0.1:0"]
@@ -408,11 +414,15 @@ def bench_policies(tmp: Path, *, connections: int, duration: float) -> None:
               f"{r.cpu_ms_per_request:11.3f} {r.errors:7d}")
 
 
-def bench_baseline(*, connections: int, duration: float) -> Result:
-    with child([sys.executable, __file__, "--serve-baseline"]) as server:
+BASELINES: Final = {"stock": "baseline (hypercorn, fixed answer)",
+                    "lean": "  the same, trio_router's connection"}
+
+
+def bench_baseline(kind: str, *, connections: int, duration: float) -> Result:
+    with child([sys.executable, __file__, "--serve-baseline", kind]) as server:
         assert server.stdout is not None
         url = server.stdout.readline().strip() + "/v1/chat/completions"
-        return measure("baseline (hypercorn, fixed answer)", server.pid, url, CHAT_BODY,
+        return measure(BASELINES[kind], server.pid, url, CHAT_BODY,
                        connections=connections, duration=duration)
 
 
@@ -459,13 +469,13 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="also profile the router with cProfile and print the hot spots")
     parser.add_argument("--serve-engines", type=float, metavar="GAP_S", help=argparse.SUPPRESS)
-    parser.add_argument("--serve-baseline", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--serve-baseline", choices=BASELINES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_engines is not None:
         trio.run(_serve_engines, 2, args.serve_engines)  # until SIGTERM kills it
         return
     if args.serve_baseline:
-        trio.run(_serve_baseline)
+        trio.run(_serve_baseline, args.serve_baseline)
         return
     duration = min(args.duration, 120.0)
     global REPEAT
@@ -492,7 +502,8 @@ def main() -> None:
         results += bench_router(tmp, gap_s=0.001, scenarios=[
             ("stream64-spaced (1 ms apart)", STREAM_BODY)],
             connections=args.connections, duration=duration, profile=None, policy=args.policy)
-        results.append(bench_baseline(connections=args.connections, duration=duration))
+        results += [bench_baseline(kind, connections=args.connections, duration=duration)
+                    for kind in BASELINES]
         print(f"\n{'scenario':34} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
               f"{'CPU ms/req':>11} {'errors':>7}")
         for r in results:
