@@ -449,7 +449,7 @@ async def test_client_disconnect_mid_stream_closes_the_upstream() -> None:
             await engine.wait_until(lambda: engine.in_flight == 0)
             assert engine_entry.in_flight == 0
             assert await router.metric("trio_router_requests_total", model="fake-model",
-                                       engine="", status="499") == 1.0
+                                       engine=engine_entry.name, status="499") == 1.0
 
 
 async def test_client_disconnect_while_waiting_for_a_non_streamed_reply() -> None:

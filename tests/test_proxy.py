@@ -22,6 +22,8 @@ from hypothesis import strategies as st
 from trio_router.errors import UpstreamError, UpstreamTimeoutError
 from trio_router.proxy import (
     CHECKPOINT_EVERY,
+    CLIENT_CHECK_S,
+    ClientGoneError,
     EngineUnreachableError,
     UpstreamPool,
     UpstreamResponse,
@@ -532,6 +534,22 @@ async def test_a_body_that_is_always_there_still_checkpoints() -> None:
     # The other task runs once per scheduler pass, so once per checkpoint of the reader.
     assert others_ran >= chunks // CHECKPOINT_EVERY - 1
 
+    # The same body for a client that left once the head was in: the reader stops at its
+    # first checkpoint.
+    gone = False
+    written = trio.Event()
+    with trio.fail_after(LIMIT):
+        async with wire_server(handler) as server, new_pool() as pool:
+            with pytest.raises(ClientGoneError):
+                async with pool.request(server.url, b"GET", b"/", [], b"",
+                                        client_gone=lambda: gone) as resp:
+                    await written.wait()
+                    gone, chunks = True, 0
+                    async for _ in resp:
+                        chunks += 1
+            assert chunks == CHECKPOINT_EVERY - 1  # the 16th is not handed out
+            assert pool.idle_count() == 0
+
 
 async def test_silence_between_chunks_times_out() -> None:
     engine = FakeEngine(gate=trio.Event())
@@ -642,6 +660,49 @@ async def test_cancel_while_waiting_for_head_closes_the_engine_connection() -> N
             with trio.fail_after(1.0):
                 await engine.wait_until(lambda: engine.disconnects == 1)
             assert pool.idle_count() == 0
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["awaiting-head", "mid-stream"])
+async def test_client_gone_ends_the_wait_and_closes_the_engine_connection(
+        autojump_clock: trio.testing.MockClock, stream: bool) -> None:
+    """Virtual time: the engine holds the head 60 s (non-streamed) or the second event
+    (streamed); the client leaves at 2 s and the exchange notices within CLIENT_CHECK_S."""
+    engine = FakeEngine(gate=trio.Event()) if stream else FakeEngine(ttft_s=60.0)
+    left: list[float] = []
+
+    async def leave() -> None:
+        await trio.sleep(2)
+        left.append(trio.current_time())
+
+    with trio.fail_after(100):
+        async with open_fake_engines([engine]) as (url,), new_pool() as pool, \
+                trio.open_nursery() as nursery:
+            nursery.start_soon(leave)
+            events = 0
+            with pytest.raises(ClientGoneError):
+                async with pool.request(url, b"POST", CHAT, JSON_HEADERS,
+                                        chat_body(stream=stream),
+                                        client_gone=lambda: bool(left)) as resp:
+                    async for _ in resp:
+                        events += 1
+            assert 0 <= trio.current_time() - left[0] <= CLIENT_CHECK_S + 0.01
+            assert events == (1 if stream else 0)
+            await engine.wait_until(lambda: engine.disconnects == 1)
+            assert pool.idle_count() == 0 and engine.completed == 0
+
+
+async def test_client_gone_is_asked_before_waiting(
+        autojump_clock: trio.testing.MockClock) -> None:
+    engine = FakeEngine(ttft_s=60.0)
+    with trio.fail_after(100):
+        async with open_fake_engines([engine]) as (url,), new_pool() as pool:
+            started = trio.current_time()
+            with pytest.raises(ClientGoneError):
+                async with pool.request(url, b"POST", CHAT, JSON_HEADERS, chat_body(),
+                                        client_gone=lambda: True):
+                    raise AssertionError("not reached")
+            assert trio.current_time() == started  # no wait at all
+            await engine.wait_until(lambda: engine.disconnects == 1)
 
 
 async def test_leaving_before_the_end_closes_instead_of_pooling() -> None:

@@ -38,7 +38,7 @@ from .errors import (
 from .health import Supervisors
 from .metrics import CONTENT_TYPE, NO_LABEL, Metrics
 from .policy import Policy, RequestInfo, make_policy, request_info
-from .proxy import EngineUnreachableError, UpstreamPool
+from .proxy import ClientGoneError, EngineUnreachableError, UpstreamPool
 
 logger = logging.getLogger(__name__)
 
@@ -116,21 +116,26 @@ def error_body(message: str, *, type: str, code: str) -> bytes:
     return json.dumps({"error": {"message": message, "type": type, "code": code}}).encode()
 
 
-class _Watch:
-    """Cancels a proxied exchange when the client disconnects. Hypercorn queues
-    `http.disconnect` on `receive` when the connection closes (and also right after the
-    response's last byte, by which time `finished` is set, so nothing is cancelled)."""
+def client_gone_check(receive: Receive) -> Callable[[], bool] | None:
+    """A synchronous check that the client has disconnected, for the exchange to poll while
+    it waits for the engine (no watcher task per request). Hypercorn's `receive` is the
+    receive method of a Trio memory channel, where it queues `http.disconnect` when the
+    connection closes; once the body is read nothing else arrives there. None if `receive`
+    is something else (another server): the exchange then runs to its end."""
+    channel = getattr(receive, "__self__", None)
+    if not isinstance(channel, trio.MemoryReceiveChannel):
+        return None
 
-    __slots__ = ("finished", "receive", "scope")
+    def gone() -> bool:
+        try:
+            message = channel.receive_nowait()
+        except trio.WouldBlock:
+            return False
+        except (trio.EndOfChannel, trio.ClosedResourceError):
+            return True
+        return bool(message["type"] == "http.disconnect")
 
-    def __init__(self, receive: Receive, scope: trio.CancelScope) -> None:
-        self.receive, self.scope, self.finished = receive, scope, False
-
-    async def run(self) -> None:
-        while (await self.receive())["type"] != "http.disconnect":
-            pass  # the body was read already; nothing else is expected
-        if not self.finished:
-            self.scope.cancel(reason="client disconnected")
+    return gone
 
 
 class RouterApp:
@@ -223,27 +228,21 @@ class RouterApp:
         target = scope["raw_path"]
         if query := scope["query_string"]:
             target += b"?" + query
-        status, engine_name = CLIENT_CLOSED, NO_LABEL  # unless _forward returns
-        async with trio.open_nursery() as nursery:
-            watch = _Watch(receive, nursery.cancel_scope)
-            nursery.start_soon(watch.run)
-            try:
-                status, engine_name = await self._forward(
-                    settings, send, watch, model, candidates, info, target, headers, body,
-                    request_id, started)
-            finally:
-                if not watch.finished:
-                    nursery.cancel_scope.cancel()
+        status, engine_name = await self._forward(
+            settings, send, client_gone_check(receive), model, candidates, info, target,
+            headers, body, request_id, started)
         self._metrics.observe_request(model, engine_name, status, trio.current_time() - started)
 
-    async def _forward(self, settings: Settings, send: Send, watch: _Watch, model: str,
+    async def _forward(self, settings: Settings, send: Send,
+                       client_gone: Callable[[], bool] | None, model: str,
                        candidates: Sequence[Engine], info: RequestInfo, target: bytes,
                        headers: list[tuple[bytes, bytes]], body: bytes, request_id: bytes,
                        started: float) -> tuple[int, str]:
         """Try engines until one answers (at most `retries` more after the first unreachable
-        one) and stream its response. Returns the status and engine for metrics. An error
-        after the response started cannot be reported: the client connection is cut instead
-        (by returning without the final body message)."""
+        one) and stream its response. Returns the status and engine for metrics (status 499
+        when the client left: the engine's connection is closed then). An error after the
+        response started cannot be reported: the client connection is cut instead (by
+        returning without the final body message)."""
         table, policy, pool = self._table, settings.policy, settings.pool
         tried: list[str] = []
         unreachable: EngineUnreachableError | None = None
@@ -251,7 +250,7 @@ class RouterApp:
             try:
                 engine, why = policy.choose(candidates, info, exclude=tried)
             except NoEngineError as exc:
-                return await self._fail(send, watch, request_id, exc if unreachable is None
+                return await self._fail(send, request_id, exc if unreachable is None
                                         else UpstreamError(
                     f"no engine for model {model!r} could be reached after {len(tried)} "
                     f"attempt(s); last: {unreachable}"), model)
@@ -264,9 +263,11 @@ class RouterApp:
             ttfb: float | None = None
             engine.in_flight += 1
             try:
-                async with pool.request(engine.url, b"POST", target, headers, body) as response:
+                async with pool.request(engine.url, b"POST", target, headers, body,
+                                        client_gone=client_gone) as response:
                     responded = True
                     remaining = -1  # body bytes still expected; -1: no Content-Length
+                    ended = False  # the end of the response was sent
                     out = []
                     for header in response.headers:
                         name = header[0]
@@ -285,18 +286,20 @@ class RouterApp:
                             ttfb = trio.current_time() - started
                             self._metrics.observe_ttfb(model, ttfb)
                         remaining -= len(chunk)
-                        if remaining == 0:  # the last chunk: no separate end message
-                            watch.finished = True
-                            await send({"type": "http.response.body", "body": chunk,
-                                        "more_body": False})
-                        else:
-                            await send({"type": "http.response.body", "body": chunk,
-                                        "more_body": True})
-                    if not watch.finished:
-                        watch.finished = True
+                        # The last chunk of a Content-Length body ends the response itself.
+                        ended = remaining == 0
+                        await send({"type": "http.response.body", "body": chunk,
+                                    "more_body": not ended})
+                    if not ended:
                         await send(_END_BODY)
                 engine.requests.record(ttfb, trio.current_time() - started, ok=status < 500)
                 return status, engine.name
+            except ClientGoneError:
+                if logger.isEnabledFor(logging.DEBUG):
+                    logger.debug("request %s for %s on engine %s: the client left; engine "
+                                 "connection closed", request_id.decode(errors="replace"),
+                                 model, engine.name)
+                return CLIENT_CLOSED, engine.name
             except EngineUnreachableError as exc:
                 if responded:  # cannot happen by the pool's contract; never resend then
                     raise
@@ -305,25 +308,24 @@ class RouterApp:
                 tried.append(engine.uid)
                 unreachable = exc
                 if len(tried) > settings.retries:
-                    return await self._fail(send, watch, request_id, UpstreamError(
+                    return await self._fail(send, request_id, UpstreamError(
                         f"engine {engine.name} for model {model!r} could not be reached "
                         f"({len(tried)} attempt(s)): {exc}"), model, engine.name)
                 candidates = table.routable(model)
             except RouterError as exc:
                 engine.requests.record(ttfb, trio.current_time() - started, ok=False)
                 if not responded:
-                    return await self._fail(send, watch, request_id, exc, model, engine.name)
+                    return await self._fail(send, request_id, exc, model, engine.name)
                 logger.warning("request %s for %s on engine %s broke off mid-response: %s",
                                request_id.decode(errors="replace"), model, engine.name, exc)
                 return exc.status, engine.name
             finally:
                 engine.in_flight -= 1
 
-    async def _fail(self, send: Send, watch: _Watch, request_id: bytes, exc: RouterError,
+    async def _fail(self, send: Send, request_id: bytes, exc: RouterError,
                     model: str, engine: str = NO_LABEL) -> tuple[int, str]:
         logger.warning("request %s for %s failed with %d: %s",
                        request_id.decode(errors="replace"), model, exc.status, exc)
-        watch.finished = True
         await self._send_error(send, exc, request_id, engine)
         return exc.status, engine
 

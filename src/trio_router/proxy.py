@@ -23,6 +23,11 @@ Failures are translated into trio_router's errors here, and only here:
 - `UpstreamError` (502): anything else after the request was delivered (reset mid-body, a
   malformed response).
 
+The caller may pass a `client_gone` check: it is asked before every wait for the engine and
+every CLIENT_CHECK_S while waiting, and when it reports that the client left, the exchange
+stops with `ClientGoneError` and its connection is closed (the engine sees the close). That
+needs no extra task per request.
+
 Timeouts are Trio cancel scopes, so a test clock and outer scopes see them.
 """
 
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import re
 import socket
+from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager, suppress
 from types import TracebackType
 from typing import Final
@@ -39,10 +45,11 @@ import trio
 
 from .errors import UpstreamError, UpstreamTimeoutError
 
-__all__ = ["EngineUnreachableError", "UpstreamPool", "UpstreamResponse"]
+__all__ = ["ClientGoneError", "EngineUnreachableError", "UpstreamPool", "UpstreamResponse"]
 
 READ_SIZE: Final = 65536  # bytes asked of the socket per receive
 CHECKPOINT_EVERY: Final = 16  # body chunks returned at once, at most, between two checkpoints
+CLIENT_CHECK_S: Final = 0.25  # how often a long wait for the engine asks `client_gone`
 MAX_HEAD_BYTES: Final = 64 * 1024  # largest response head (or trailer section) accepted
 MAX_CHUNK_LINE: Final = 4096  # longest chunk-size line (with extensions) accepted
 INLINE_BODY_BYTES: Final = 64 * 1024  # smaller bodies go out in the same write as the head
@@ -86,6 +93,11 @@ _CHUNK_TRAILER: Final = 3
 class EngineUnreachableError(UpstreamError):
     """The request never reached the engine (connect failed, or the connection closed before
     any response byte); safe to send it to another engine."""
+
+
+class ClientGoneError(Exception):
+    """The caller's `client_gone` check said the client left: the exchange was dropped and
+    its connection closed."""
 
 
 class _StaleConnectionError(Exception):
@@ -373,19 +385,24 @@ class _Connection:
         self.raw = raw  # the same socket, for synchronous non-blocking calls
         self.idle_since = 0.0
 
-    async def send_all(self, data: bytes) -> None:
-        """Send all of `data`; OSError if the connection is broken."""
+    async def send_all(self, data: bytes, stall_s: float) -> bool:
+        """Send all of `data`, waiting at most `stall_s` at a time for the socket to take more
+        (a budget of silence, not of the whole send); False if it stalled that long. OSError
+        if the connection is broken."""
         raw = self.raw
         try:
             sent = raw.send(data)
         except BlockingIOError:
             sent = 0
         if sent < len(data):
-            with memoryview(data) as view:
+            with trio.move_on_after(stall_s) as scope, memoryview(data) as view:
                 while sent < len(data):
                     await trio.lowlevel.wait_writable(raw)
                     with suppress(BlockingIOError):
                         sent += raw.send(view[sent:])
+                    scope.deadline = trio.current_time() + stall_s
+            return not scope.cancelled_caught
+        return True
 
     def recv_nowait(self) -> bytes | None:
         """What the socket holds now (b"" at EOF), or None if nothing is there yet."""
@@ -497,7 +514,8 @@ class UpstreamPool:
         return sum(len(o.idle) for o in self._origins.values())
 
     def request(self, base_url: str, method: bytes, target: bytes,
-                headers: list[tuple[bytes, bytes]], body: bytes
+                headers: list[tuple[bytes, bytes]], body: bytes, *,
+                client_gone: Callable[[], bool] | None = None
                 ) -> AbstractAsyncContextManager[UpstreamResponse]:
         """One exchange with the engine at `base_url` (like "http://10.0.0.7:8000").
 
@@ -507,9 +525,10 @@ class UpstreamPool:
         and returns the `UpstreamResponse` once its head has arrived (raising the errors of
         this module's docstring). Leaving it returns the connection to the pool if the body
         was read to the end, and closes it otherwise -- also when the task is cancelled, so a
-        client that goes away closes the engine's connection at once.
+        client that goes away closes the engine's connection at once. `client_gone`, if
+        given, is polled while waiting for the engine (ClientGoneError when it says so).
         """
-        return UpstreamResponse(self, base_url, method, target, headers, body)
+        return UpstreamResponse(self, base_url, method, target, headers, body, client_gone)
 
     # -- internals (synchronous bookkeeping; no await between read and write) --------------
     def _origin(self, base_url: str) -> _Origin:
@@ -602,12 +621,15 @@ class UpstreamResponse:
     `async with` close the connection.
     """
 
-    __slots__ = ("_base_url", "_body", "_conn", "_done", "_method", "_origin", "_parser",
-                 "_pool", "_req_headers", "_target", "_unchecked", "headers", "status")
+    __slots__ = ("_base_url", "_body", "_client_gone", "_conn", "_done", "_method", "_origin",
+                 "_parser", "_pool", "_req_headers", "_target", "_unchecked", "headers",
+                 "status")
 
     def __init__(self, pool: UpstreamPool, base_url: str, method: bytes, target: bytes,
-                 headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+                 headers: list[tuple[bytes, bytes]], body: bytes,
+                 client_gone: Callable[[], bool] | None = None) -> None:
         self._pool = pool
+        self._client_gone = client_gone
         self._base_url = base_url
         self._method = method
         self._target = target
@@ -675,40 +697,42 @@ class UpstreamResponse:
         read_timeout = self._pool._read_timeout
         ok = False
         try:
-            with trio.move_on_after(read_timeout) as scope:
-                body = self._body
-                try:
-                    if len(body) <= INLINE_BODY_BYTES:
-                        await conn.send_all(head + body if body else head)
-                    else:
-                        await conn.send_all(head)
-                        await conn.send_all(body)
-                except OSError as exc:
-                    raise _StaleConnectionError from exc
-                received = False
-                while True:
-                    try:
-                        data = await conn.recv()
-                    except OSError as exc:
-                        if not received:
-                            raise _StaleConnectionError from exc
-                        raise UpstreamError(
-                            f"engine {url} reset the connection while sending the response "
-                            f"head: {exc}") from exc
-                    if not data:
-                        if not received:
-                            raise _StaleConnectionError
-                        raise UpstreamError(
-                            f"engine {url} closed the connection in the response head")
-                    received = True
-                    parser.feed(data)
-                    if parser.read_head():
-                        break
-                    scope.deadline = trio.current_time() + read_timeout
-            if scope.cancelled_caught:
+            body = self._body
+            try:
+                if len(body) <= INLINE_BODY_BYTES:
+                    sent = await conn.send_all(head + body if body else head, read_timeout)
+                else:
+                    sent = (await conn.send_all(head, read_timeout)
+                            and await conn.send_all(body, read_timeout))
+            except OSError as exc:
+                raise _StaleConnectionError from exc
+            if not sent:
                 raise UpstreamTimeoutError(
-                    f"engine {url} sent no response within {read_timeout:g} s "
+                    f"engine {url} took none of the request for {read_timeout:g} s "
                     "(proxy.read_timeout_s)")
+            received = False
+            while True:
+                try:
+                    data = await self._recv(conn, read_timeout)
+                except OSError as exc:
+                    if not received:
+                        raise _StaleConnectionError from exc
+                    raise UpstreamError(
+                        f"engine {url} reset the connection while sending the response "
+                        f"head: {exc}") from exc
+                if data is None:
+                    raise UpstreamTimeoutError(
+                        f"engine {url} sent no response within {read_timeout:g} s "
+                        "(proxy.read_timeout_s)")
+                if not data:
+                    if not received:
+                        raise _StaleConnectionError
+                    raise UpstreamError(
+                        f"engine {url} closed the connection in the response head")
+                received = True
+                parser.feed(data)
+                if parser.read_head():
+                    break
             self.status = parser.status
             self.headers = parser.headers
             self._parser = parser
@@ -719,6 +743,23 @@ class UpstreamResponse:
         finally:
             if not ok:
                 conn.close_now()
+
+    async def _recv(self, conn: _Connection, silence_s: float) -> bytes | None:
+        """Wait for `conn`'s next bytes (b"" at EOF) through at most `silence_s` of silence;
+        None if none came. The `client_gone` check, if any, is asked before waiting and every
+        CLIENT_CHECK_S while waiting: ClientGoneError when it says so."""
+        gone = self._client_gone
+        if gone is None:
+            with trio.move_on_after(silence_s):
+                return await conn.recv()
+            return None
+        deadline = trio.current_time() + silence_s
+        while not gone():
+            with trio.move_on_at(min(deadline, trio.current_time() + CLIENT_CHECK_S)):
+                return await conn.recv()
+            if trio.current_time() >= deadline:
+                return None
+        raise ClientGoneError
 
     # -- the body ----------------------------------------------------------------------------
     def __aiter__(self) -> UpstreamResponse:
@@ -737,6 +778,8 @@ class UpstreamResponse:
                     self._unchecked += 1
                     if self._unchecked >= CHECKPOINT_EVERY:
                         self._unchecked = 0
+                        if self._client_gone is not None and self._client_gone():
+                            raise ClientGoneError
                         await trio.lowlevel.checkpoint()
                     return data
                 if parser.done:
@@ -759,9 +802,8 @@ class UpstreamResponse:
             if data is None:  # nothing there yet: wait, within the silence budget
                 waited = True
                 read_timeout = self._pool._read_timeout
-                with trio.move_on_after(read_timeout) as scope:
-                    data = await conn.recv()
-                if data is None or scope.cancelled_caught:
+                data = await self._recv(conn, read_timeout)
+                if data is None:
                     raise UpstreamTimeoutError(
                         f"engine {self._base_url} was silent for {read_timeout:g} s "
                         "mid-response (proxy.read_timeout_s)")
