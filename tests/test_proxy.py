@@ -208,10 +208,12 @@ async def test_stream_arrives_chunk_by_chunk() -> None:
                 # The engine holds every later event until the gate opens.
                 assert first.startswith(b"data: ") and first.endswith(b"\n\n")
                 assert json.loads(first[6:])["choices"][0]["delta"]["role"] == "assistant"
+                assert not resp.complete
                 assert engine.completed == 0
                 assert engine.gate is not None
                 engine.gate.set()
                 rest = b"".join([chunk async for chunk in chunks])
+                assert resp.complete
             events = rest.split(b"\n\n")
             assert events[-2:] == [b"data: [DONE]", b""]
             assert len(events) == 3 + 2 + 1  # tokens, the finish event, [DONE]
@@ -243,6 +245,34 @@ async def test_content_length_chunked_and_large_bodies() -> None:
     assert server.requests[0][2] == big  # the request body arrived whole
     assert [dict(r.headers).get(b"content-length") for _, r, _ in server.requests] == [
         b"%d" % len(big), b"0", b"0"]
+
+
+@pytest.mark.parametrize("framing", [b"content-length: 12\r\n\r\nhello world!",
+                                     b"transfer-encoding: chunked\r\n\r\n"
+                                     b"5\r\nhello\r\n7\r\n world!\r\n0\r\n\r\n"],
+                         ids=["content-length", "chunked"])
+async def test_a_body_here_whole_comes_as_one_complete_chunk(framing: bytes) -> None:
+    """`complete` says the chunk just returned was the last, so the router can end its own
+    response with it."""
+    written = trio.Event()
+
+    async def handler(index: int, stream: trio.SocketStream) -> None:
+        request = b""
+        while b"\r\n\r\n" not in request:
+            request += await stream.receive_some(65536)
+        await stream.send_all(b"HTTP/1.1 200 OK\r\n" + framing)
+        written.set()
+        await stream.receive_some(65536)  # until the client closes or sends again
+
+    with trio.fail_after(LIMIT):
+        async with wire_server(handler) as server, new_pool() as pool:
+            async with pool.request(server.url, b"GET", b"/", [], b"") as resp:
+                await written.wait()
+                assert not resp.complete
+                assert await anext(aiter(resp)) == b"hello world!"
+                assert resp.complete
+                assert [chunk async for chunk in resp] == []
+            assert pool.idle_count() == 1
 
 
 async def test_responses_without_body_keep_the_connection() -> None:

@@ -266,16 +266,9 @@ class RouterApp:
                 async with pool.request(engine.url, b"POST", target, headers, body,
                                         client_gone=client_gone) as response:
                     responded = True
-                    remaining = -1  # body bytes still expected; -1: no Content-Length
                     ended = False  # the end of the response was sent
-                    out = []
-                    for header in response.headers:
-                        name = header[0]
-                        if name == b"content-length":
-                            remaining = _content_length(header[1])
-                        elif name in _RESPONSE_REPLACED:
-                            continue
-                        out.append(header)
+                    out = [header for header in response.headers
+                           if header[0] not in _RESPONSE_REPLACED]
                     out.append((ENGINE_HEADER, engine.name.encode()))
                     out.append((REQUEST_ID_HEADER, request_id))
                     status = response.status
@@ -285,9 +278,7 @@ class RouterApp:
                         if ttfb is None:
                             ttfb = trio.current_time() - started
                             self._metrics.observe_ttfb(model, ttfb)
-                        remaining -= len(chunk)
-                        # The last chunk of a Content-Length body ends the response itself.
-                        ended = remaining == 0
+                        ended = response.complete  # the last chunk ends the response
                         await send({"type": "http.response.body", "body": chunk,
                                     "more_body": not ended})
                     if not ended:
@@ -444,12 +435,6 @@ async def _read_body(receive: Receive, content_length: bytes | None,
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
-
-
-def _content_length(value: bytes) -> int:
-    """A response's Content-Length, or -1 if it is not a plain number (the pool frames the
-    body; this only lets the last chunk carry the end of the response)."""
-    return int(value) if value.isdigit() else -1
 
 
 def _parse(body: bytes) -> dict[str, Any]:

@@ -421,8 +421,15 @@ class _Connection:
                 pass
 
     def readable(self) -> bool:
-        """Data or EOF is waiting: for an idle connection, that means it cannot be reused."""
-        return self.sock.is_readable()
+        """Data, EOF or an error is waiting: for an idle connection, that means it cannot be
+        reused. A peek (one system call) rather than a poll object per check."""
+        try:
+            self.raw.recv(1, socket.MSG_PEEK)
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
+        return True
 
     def close_now(self) -> None:
         """Close the socket. Synchronous, so it also completes in a cancelled task, at once,
@@ -762,6 +769,12 @@ class UpstreamResponse:
         raise ClientGoneError
 
     # -- the body ----------------------------------------------------------------------------
+    @property
+    def complete(self) -> bool:
+        """The whole body has been handed out: the chunk just returned was the last one (so
+        the caller can end its own response with it)."""
+        return self._parser is not None and self._parser.done
+
     def __aiter__(self) -> UpstreamResponse:
         return self
 
