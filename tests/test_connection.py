@@ -23,6 +23,8 @@ import hypercorn.trio.run
 import pytest
 import trio
 import trio.testing
+from hypercorn.events import Closed, RawData
+from hypercorn.trio.worker_context import WorkerContext
 
 from trio_router import server
 
@@ -32,9 +34,13 @@ LIMIT: Final = 10.0  # real seconds: only bounds a hang of the real-clock tests
 VIRTUAL_LIMIT: Final = 600.0  # bounds every test, in virtual seconds on the autojump clock
 
 
+DISCONNECTS: list[tuple[int, float]] = []  # /paced/N: (messages sent, when) at a disconnect
+
+
 async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     """GET /: a short answer. /sleep/S: the answer after S seconds. /big: BIG bytes in one
-    message. /stream/N: N messages of 64 KiB."""
+    message. /stream/N: N messages of 64 KiB. /paced/N: N messages 1 s apart, noting in
+    DISCONNECTS when the client leaves."""
     if scope["type"] == "lifespan":
         while (await receive())["type"] != "lifespan.shutdown":
             await send({"type": "lifespan.startup.complete"})
@@ -50,6 +56,16 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-length", b"%d" % len(body))]})
         await send({"type": "http.response.body", "body": body})
+    elif path.startswith("/paced/"):  # N messages 1 s apart, until the client leaves
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for i in range(int(path.removeprefix("/paced/"))):
+            await send({"type": "http.response.body", "body": pattern(1024, i),
+                        "more_body": True})
+            with trio.move_on_after(1):
+                if (await receive())["type"] == "http.disconnect":
+                    DISCONNECTS.append((i, trio.current_time()))
+                    return
+        await send({"type": "http.response.body", "body": b""})
     elif path.startswith("/stream/"):
         await send({"type": "http.response.start", "status": 200, "headers": []})
         count = int(path.removeprefix("/stream/"))
@@ -278,6 +294,76 @@ async def test_a_reader_that_vanishes_mid_answer_does_not_disturb_the_server() -
             await request(other, "/")
             assert (await read_response(other))[1] == b"ok"
             await until(lambda: timer_tasks() == 1)  # the other connection's only
+
+
+async def test_a_client_reset_mid_answer_reaches_the_app_as_a_disconnect(
+        autojump_clock: trio.testing.MockClock) -> None:
+    DISCONNECTS.clear()
+    async with serve() as served:
+        stream = await served.connect()
+        await request(stream, "/paced/100")
+        await receive_until_size(stream, 1024)
+        stream.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        reset_at = trio.current_time()
+        await stream.aclose()
+        await until(lambda: bool(DISCONNECTS))
+        (sent, seen_at), = DISCONNECTS
+        assert sent == 0 and seen_at - reset_at < 0.01
+        other = await served.connect()
+        await request(other, "/")
+        assert (await read_response(other))[1] == b"ok"
+
+
+class RecordingProtocol:
+    """Stands in for Hypercorn's protocol object behind one connection: records the events
+    the connection hands it."""
+
+    def __init__(self) -> None:
+        self.events: list[object] = []
+
+    async def handle(self, event: object) -> None:
+        self.events.append(event)
+
+
+async def test_writes_to_a_reset_or_closed_socket_tell_the_protocol_it_closed() -> None:
+    """The write path itself, on a real socket pair: a reset peer and a closed socket are
+    reported as Closed, never raised to the application's send."""
+    with trio.fail_after(LIMIT):
+        for how in ("reset", "closed"):
+            ours, peer = socket_pair()
+            connection = server.KeepAliveConnection(
+                app, hypercorn.config.Config(), WorkerContext(None), {}, ours)
+            protocol = connection.protocol = RecordingProtocol()  # type: ignore[assignment]
+            if how == "reset":
+                peer.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                await peer.aclose()
+                await connection.protocol_send(RawData(b"first"))  # may still be taken
+                await connection.protocol_send(RawData(b"second"))
+            else:
+                await ours.aclose()
+                await connection.protocol_send(RawData(b"data"))
+                await peer.aclose()
+            assert any(isinstance(event, Closed) for event in protocol.events), how
+            await ours.aclose()
+
+
+def socket_pair() -> tuple[trio.SocketStream, trio.SocketStream]:
+    """Two connected TCP streams on 127.0.0.1."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    with listener:
+        a = socket.create_connection(listener.getsockname())
+        b, _ = listener.accept()
+    return (trio.SocketStream(trio.socket.from_stdlib_socket(a)),
+            trio.SocketStream(trio.socket.from_stdlib_socket(b)))
+
+
+async def receive_until_size(stream: trio.SocketStream, size: int) -> bytes:
+    received = b""
+    while len(received) < size:
+        data = await stream.receive_some()
+        assert data
+        received += data
+    return received
 
 
 # -- installation ---------------------------------------------------------------------------

@@ -176,8 +176,9 @@ class RouterApp:
 
     # -- the proxy -----------------------------------------------------------------------
     async def _proxy(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Route one request and stream the engine's answer back. Cancellation (the client
-        leaving, or the drain deadline) closes the engine connection and returns."""
+        """Route one request and stream the engine's answer back. The client leaving (seen by
+        polling `client_gone_check` while the engine is awaited) or a cancellation (the drain
+        deadline) closes the engine connection."""
         started = trio.current_time()
         settings = self.settings
         request_id: bytes | None = None

@@ -154,7 +154,8 @@ class KeepAliveConnection(TCPServer):
         super().__init__(app, config, context, state, stream)
         self.idle_task = self.keep_alive = KeepAliveTimer(self)
         # The stream's socket, for writes tried at once (plain TCP only; TLS goes Hypercorn's
-        # way). Its fileno() is -1 once closed, so a write never reaches a reused descriptor.
+        # way). Its fileno() is -1 once it is closed, so a write never reaches a descriptor
+        # number the process has reused since.
         self._socket = stream.socket if isinstance(stream, trio.SocketStream) else None
 
     async def protocol_send(self, event: Event) -> None:
@@ -166,15 +167,11 @@ class KeepAliveConnection(TCPServer):
             return
         sock = self._socket
         if sock is not None and not self.send_lock.locked():
-            fd = sock.fileno()
-            if fd < 0:
-                await self.protocol.handle(Closed())
-                return
             try:
-                sent = os.write(fd, data)
+                sent = os.write(sock.fileno(), data)
             except BlockingIOError:
                 sent = 0
-            except OSError:  # reset or broken pipe: the client is gone
+            except OSError:  # reset, broken pipe, or closed here (fileno() is then -1)
                 await self.protocol.handle(Closed())
                 return
             if sent == len(data):
