@@ -126,14 +126,18 @@ def client_gone_check(receive: Receive) -> Callable[[], bool] | None:
     if not isinstance(channel, trio.MemoryReceiveChannel):
         return None
 
+    left = False
+
     def gone() -> bool:
-        try:
-            message = channel.receive_nowait()
-        except trio.WouldBlock:
-            return False
-        except (trio.EndOfChannel, trio.ClosedResourceError):
-            return True
-        return bool(message["type"] == "http.disconnect")
+        nonlocal left
+        if not left:
+            try:
+                left = channel.receive_nowait()["type"] == "http.disconnect"
+            except trio.WouldBlock:
+                pass
+            except (trio.EndOfChannel, trio.ClosedResourceError):
+                left = True
+        return left
 
     return gone
 
