@@ -715,7 +715,7 @@ class UpstreamResponse:
                 raise _StaleConnectionError from exc
             if not sent:
                 raise UpstreamTimeoutError(
-                    f"engine {url} took none of the request for {read_timeout:g} s "
+                    f"engine {url} stopped taking the request for {read_timeout:g} s "
                     "(proxy.read_timeout_s)")
             received = False
             while True:
@@ -756,13 +756,10 @@ class UpstreamResponse:
         None if none came. The `client_gone` check, if any, is asked before waiting and every
         CLIENT_CHECK_S while waiting: ClientGoneError when it says so."""
         gone = self._client_gone
-        if gone is None:
-            with trio.move_on_after(silence_s):
-                return await conn.recv()
-            return None
         deadline = trio.current_time() + silence_s
-        while not gone():
-            with trio.move_on_at(min(deadline, trio.current_time() + CLIENT_CHECK_S)):
+        while gone is None or not gone():
+            with trio.move_on_at(deadline if gone is None
+                                 else min(deadline, trio.current_time() + CLIENT_CHECK_S)):
                 return await conn.recv()
             if trio.current_time() >= deadline:
                 return None
