@@ -523,6 +523,24 @@ async def test_silent_engine_before_head_times_out() -> None:
             assert pool.idle_count() == 0
 
 
+async def test_engine_that_stops_taking_the_request_times_out() -> None:
+    never = trio.Event()
+
+    async def handler(index: int, stream: trio.SocketStream) -> None:
+        await never.wait()  # accepts, never reads: the socket buffers fill up
+
+    with trio.fail_after(LIMIT):
+        async with wire_server(handler) as server, new_pool(read_timeout=0.2) as pool:
+            with pytest.raises(UpstreamTimeoutError,
+                               match="stopped taking the request") as info:
+                async with pool.request(server.url, b"POST", b"/", [],
+                                        b"x" * (16 * 1024 * 1024)):
+                    raise AssertionError("not reached")
+            assert info.value.status == 504
+            assert pool.idle_count() == 0
+            never.set()
+
+
 async def test_a_body_that_is_always_there_still_checkpoints() -> None:
     """Chunks already in the socket buffer come back without waiting, yet at least every
     CHECKPOINT_EVERY-th one is a checkpoint: other tasks run, a cancellation lands."""
