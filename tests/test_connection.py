@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Final
 
+import httpx
 import hypercorn.config
 import hypercorn.trio
 import hypercorn.trio.run
@@ -364,6 +365,29 @@ async def receive_until_size(stream: trio.SocketStream, size: int) -> bytes:
         assert data
         received += data
     return received
+
+
+async def test_http2_streams_share_the_connection_and_its_writes() -> None:
+    """Hypercorn's HTTP/2 (prior knowledge) over the same class: concurrent streams write
+    through one socket, large answers included."""
+    with trio.fail_after(LIMIT):
+        async with serve() as served, httpx.AsyncClient(
+                http1=False, http2=True, base_url=f"http://127.0.0.1:{served.port}",
+                timeout=LIMIT) as client:
+            results: dict[str, bytes] = {}
+
+            async def get(path: str) -> None:
+                response = await client.get(path)
+                assert response.http_version == "HTTP/2" and response.status_code == 200
+                results[path] = response.content
+
+            async with trio.open_nursery() as nursery:
+                for path in ("/", "/big", "/stream/16", "/sleep/0.1"):
+                    nursery.start_soon(get, path)
+            assert results["/big"] == pattern(BIG)
+            assert results["/stream/16"] == b"".join(pattern(65536, i) for i in range(16))
+            assert results["/"] == results["/sleep/0.1"] == b"ok"
+            assert timer_tasks() == 1  # one connection, one timer
 
 
 # -- installation ---------------------------------------------------------------------------
