@@ -163,14 +163,13 @@ async def read_response(stream: trio.SocketStream) -> tuple[bytes, bytes]:
             return head, body
 
 
-async def closed_by_server(stream: trio.SocketStream) -> bool:
-    """True once the server closed `stream` (EOF or reset), having sent nothing more."""
+async def wait_closed_by_server(stream: trio.SocketStream) -> None:
+    """Return once the server closed `stream` (EOF or reset); fail if it sends anything."""
     try:
         data = await stream.receive_some()
     except trio.BrokenResourceError:
-        return True
+        return
     assert not data, f"unexpected bytes: {data[:100]!r}"
-    return True
 
 
 def timer_tasks() -> int:
@@ -204,9 +203,9 @@ async def test_idle_connection_is_closed_after_the_keep_alive_timeout(
         await request(used, "/")
         assert (await read_response(used))[1] == b"ok"
         idle_from = trio.current_time()
-        assert await closed_by_server(used)
+        await wait_closed_by_server(used)
         assert trio.current_time() - idle_from == pytest.approx(KEEP_ALIVE, abs=0.01)
-        assert await closed_by_server(silent)
+        await wait_closed_by_server(silent)
 
 
 async def test_each_request_restarts_the_keep_alive_timer(
@@ -218,7 +217,7 @@ async def test_each_request_restarts_the_keep_alive_timer(
             assert (await read_response(stream))[1] == b"ok"
             await trio.sleep(KEEP_ALIVE - 1)
         last = trio.current_time() - (KEEP_ALIVE - 1)
-        assert await closed_by_server(stream)
+        await wait_closed_by_server(stream)
         assert trio.current_time() - last == pytest.approx(KEEP_ALIVE, abs=0.01)
 
 
@@ -231,7 +230,7 @@ async def test_request_longer_than_the_keep_alive_timeout_is_not_cut(
         assert (await read_response(stream))[1] == b"ok"
         answered = trio.current_time()
         assert answered - started == pytest.approx(4 * KEEP_ALIVE, abs=0.01)
-        assert await closed_by_server(stream)  # the timer counts from the answer
+        await wait_closed_by_server(stream)  # the timer counts from the answer
         assert trio.current_time() - answered == pytest.approx(KEEP_ALIVE, abs=0.01)
 
 
@@ -244,10 +243,10 @@ async def test_shutdown_closes_idle_connections_now_and_busy_ones_after_their_an
         await request(busy, "/sleep/3")
         await trio.sleep(1)
         served.stop.set()
-        assert await closed_by_server(idle)
+        await wait_closed_by_server(idle)
         assert trio.current_time() == pytest.approx(1, abs=0.01)
         assert (await read_response(busy))[1] == b"ok"
-        assert await closed_by_server(busy)
+        await wait_closed_by_server(busy)
         assert trio.current_time() == pytest.approx(3, abs=0.01)
 
 
