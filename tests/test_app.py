@@ -8,10 +8,12 @@ Hypercorn, on the real clock under `trio.fail_after`. Waits are on events (the r
 from __future__ import annotations
 
 import dataclasses
+import email.utils
 import json
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from functools import partial
 from typing import Any, Final
 
@@ -168,7 +170,8 @@ async def open_router(engines: Sequence[FakeEngine], *, env: dict[str, str] | No
 
 # -- proxying ---------------------------------------------------------------------------------
 async def test_non_streamed_request_is_forwarded_unchanged_both_ways() -> None:
-    engine = FakeEngine(name="e1", tokens=3, extra_headers=[(b"x-engine-extra", b"kept")])
+    engine = FakeEngine(name="e1", tokens=3, extra_headers=[
+        (b"x-engine-extra", b"kept"), (b"date", b"Mon, 01 Jan 2024 00:00:00 GMT")])
     with trio.fail_after(LIMIT):
         async with open_router([engine]) as router:
             body = json.dumps(chat(max_tokens=2, user="u")).encode() + b"  "
@@ -186,8 +189,24 @@ async def test_non_streamed_request_is_forwarded_unchanged_both_ways() -> None:
     assert request_id and response.headers["x-request-id"] == request_id
     assert response.headers["x-trio-router-engine"] == router.engine_urls[0].split("//")[1]
     assert response.headers["x-engine-extra"] == "kept"
-    assert response.headers.get_list("date") and len(response.headers.get_list("date")) == 1
+    assert response.headers.get_list("date") == ["Mon, 01 Jan 2024 00:00:00 GMT"]  # the engine's
     assert response.json()["choices"][0]["message"]["content"] == "Hello from"
+
+
+async def test_answers_carry_one_date_the_engines_or_the_routers() -> None:
+    """The engine's Date passes through (above); the router dates what it answers itself and
+    an engine's answer that came without one."""
+    undated = FakeEngine(send_date=False)
+    with trio.fail_after(LIMIT):
+        async with open_router([undated]) as router:
+            answers = [await router.client.post(CHAT, json=chat()),
+                       await router.client.post(CHAT, json=chat("no-such-model")),
+                       await router.client.get("/health"), await router.client.get("/metrics")]
+    assert [a.status_code for a in answers] == [200, 404, 200, 200]
+    for answer in answers:
+        (date,) = answer.headers.get_list("date")
+        age = datetime.now(UTC) - email.utils.parsedate_to_datetime(date)
+        assert abs(age.total_seconds()) < 60
 
 
 async def test_client_request_id_is_passed_on_and_returned() -> None:

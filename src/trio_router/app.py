@@ -11,12 +11,15 @@ lookup per metric, precomputed header bytes, and no logging below WARNING.
 
 from __future__ import annotations
 
+import email.utils
+import functools
 import hmac
 import itertools
 import json
 import logging
 import os
 import secrets
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -59,8 +62,9 @@ CLIENT_CLOSED: Final = 499  # metrics status of a request whose client went away
 ENGINE_HEADER: Final = b"x-trio-router-engine"
 REQUEST_ID_HEADER: Final = b"x-request-id"
 # Response headers of the engine replaced by the router's own (the pool already dropped the
-# hop-by-hop ones; the server adds its own Date).
-_RESPONSE_REPLACED: Final = frozenset({ENGINE_HEADER, REQUEST_ID_HEADER, b"date"})
+# hop-by-hop ones). The engine's Date passes through, as a gateway's should; the router dates
+# only the answers it makes itself, or an engine's answer that came without one.
+_RESPONSE_REPLACED: Final = frozenset({ENGINE_HEADER, REQUEST_ID_HEADER})
 _JSON_HEADERS: Final = ((b"content-type", b"application/json"),)
 _END_BODY: Final[Message] = {"type": "http.response.body", "body": b"", "more_body": False}
 
@@ -272,8 +276,15 @@ class RouterApp:
                                         client_gone=client_gone) as response:
                     responded = True
                     ended = False  # the end of the response was sent
-                    out = [header for header in response.headers
-                           if header[0] not in _RESPONSE_REPLACED]
+                    out = []
+                    dated = False
+                    for header in response.headers:
+                        name = header[0]
+                        if name not in _RESPONSE_REPLACED:
+                            out.append(header)
+                            dated = dated or name == b"date"
+                    if not dated:
+                        out.append((b"date", http_date()))
                     out.append((ENGINE_HEADER, engine.name.encode()))
                     out.append((REQUEST_ID_HEADER, request_id))
                     status = response.status
@@ -382,7 +393,8 @@ class RouterApp:
         else:
             body = self._metrics.render()
             await send({"type": "http.response.start", "status": 200, "headers": [
-                (b"content-type", CONTENT_TYPE), (b"content-length", b"%d" % len(body))]})
+                (b"content-type", CONTENT_TYPE), (b"content-length", b"%d" % len(body)),
+                (b"date", http_date())]})
             await send({"type": "http.response.body", "body": body})
 
     def _models(self) -> bytes:
@@ -393,6 +405,17 @@ class RouterApp:
                 m.as_openai() for m in table.models()]}).encode()
             self._models_version = table.version
         return self._models_body
+
+
+def http_date() -> bytes:
+    """The Date header value for now (the wall clock, as HTTP wants), formatted once a
+    second."""
+    return _http_date_of(int(time.time()))
+
+
+@functools.lru_cache(maxsize=2)
+def _http_date_of(second: int) -> bytes:
+    return email.utils.formatdate(second, usegmt=True).encode()
 
 
 def _check_key(expected: bytes, authorization: bytes | None) -> None:
@@ -459,5 +482,6 @@ def _parse(body: bytes) -> dict[str, Any]:
 async def _send_json(send: Send, status: int, body: bytes,
                      extra: Sequence[tuple[bytes, bytes]] = ()) -> None:
     await send({"type": "http.response.start", "status": status,
-                "headers": [*_JSON_HEADERS, (b"content-length", b"%d" % len(body)), *extra]})
+                "headers": [*_JSON_HEADERS, (b"content-length", b"%d" % len(body)),
+                            (b"date", http_date()), *extra]})
     await send({"type": "http.response.body", "body": body})

@@ -71,6 +71,7 @@ def hypercorn_config(config: Config) -> hypercorn.config.Config:
     hc.graceful_timeout = config.server.drain_s
     hc.keep_alive_timeout = KEEP_ALIVE_S
     hc.include_server_header = False  # the engine's own Server header passes through
+    hc.include_date_header = False  # so does its Date; the app dates its own answers
     hc.accesslog = None  # no per-request logging on the hot path
     hc.errorlog = logging.getLogger("hypercorn.error")  # configured by __main__, like ours
     return hc

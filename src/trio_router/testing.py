@@ -14,6 +14,7 @@ as well as on the real clock.
 
 from __future__ import annotations
 
+import email.utils
 import json
 import logging
 import time
@@ -110,6 +111,7 @@ class FakeEngine:
     num_requests_waiting: float = 0.0
     kv_cache_usage_perc: float = 0.0
     extra_headers: list[tuple[bytes, bytes]] = field(default_factory=list)  # on every reply
+    send_date: bool = True  # a Date header on every reply (unless extra_headers has one)
     keep_requests: int = 10_000  # newest requests kept in `requests`
 
     # -- observations ----------------------------------------------------------------------
@@ -423,7 +425,11 @@ class FakeEngineApp:
         return False
 
     def _common_headers(self) -> list[tuple[bytes, bytes]]:
-        return [(b"x-fake-engine", self.engine.name.encode()), *self.engine.extra_headers]
+        engine = self.engine
+        headers = [(b"x-fake-engine", engine.name.encode()), *engine.extra_headers]
+        if engine.send_date and not any(name == b"date" for name, _ in engine.extra_headers):
+            headers.append((b"date", email.utils.formatdate(usegmt=True).encode()))
+        return headers
 
     async def _send_json(self, send: ASGISend, status: int, payload: Any) -> None:
         body = json.dumps(payload, separators=(",", ":")).encode()
@@ -608,6 +614,7 @@ def _hypercorn_config(host: str, port: int) -> hypercorn.config.Config:
     config.errorlog = logging.getLogger(f"{__name__}.hypercorn")  # quiet unless configured
     config.graceful_timeout = 0.5
     config.keep_alive_max_requests = 1 << 30  # like vLLM's uvicorn: no per-connection cap
+    config.include_date_header = False  # the app sends its own Date (FakeEngine.send_date)
     return config
 
 
