@@ -921,6 +921,40 @@ def test_codec_accepts_nothing_h11_rejects(
     assert theirs == ours
 
 
+CHUNKED_HEAD = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+@pytest.mark.parametrize("body", [
+    b"5\r\nhello\r\n1\r\n \r\n6\r\nworld!\r\n0\r\n\r\n",  # event-stream shape
+    b"5\r\nhello\r\n6\r\na\r\nbcd\r\n3\r\nxyz\r\n0\r\n\r\n",  # a CRLF inside data
+    b"2\r\nab\r\n2\r\ncd\r\n0\r\nx-trailer: 1\r\n\r\n",  # trailers after the last
+    b"2\r\nab\r\n2;x=y\r\ncd\r\n2\r\nef\r\n0\r\n\r\n",  # an extension midway
+    b"00A\r\n0123456789\r\nB\r\nabcdefghijk\r\n000\r\n\r\n",  # upper case, zeros
+    b"2\r\na\r\r\n2\r\n\nb\r\n2\r\ncd\r\n0\r\n\r\n",  # CR and LF at data edges
+    b"2\r\nab\r\n3\r\ncd\r\n0\r\n\r\n",  # a size that does not match its data
+], ids=["plain", "crlf-in-data", "trailers", "extension", "case-and-zeros", "cr-lf-edges",
+        "wrong-size"])
+def test_chunk_runs_decode_like_h11_wherever_the_reads_split(body: bytes) -> None:
+    """Chunked bodies with the event-stream shape and every way out of it, fed in two reads
+    cut at every offset, against h11: the same body, or an error from both."""
+    wire = CHUNKED_HEAD + body
+    for cut in range(1, len(wire)):
+        pieces = [wire[:cut], wire[cut:]]
+        try:
+            ours: Parsed | Exception | None = parse_with_pool_codec(b"GET", pieces, False)
+        except _ProtocolError as exc:
+            ours = exc
+        try:
+            theirs: Parsed | Exception | None = parse_with_h11(b"GET", pieces, False)
+        except h11.RemoteProtocolError as exc:
+            theirs = exc
+        if isinstance(theirs, Exception) or isinstance(ours, Exception):
+            assert isinstance(ours, Exception) and isinstance(theirs, Exception), (cut, ours,
+                                                                                   theirs)
+        else:
+            assert ours == theirs, cut
+
+
 @pytest.mark.parametrize("wire", [
     b"HTTP/1.1 200 OK\r\nbad header\r\n\r\n",
     b"HTTP/1.1 200 OK\r\nx: a\rb\r\n\r\n",

@@ -37,6 +37,7 @@ import re
 import socket
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager, suppress
+from itertools import repeat
 from types import TracebackType
 from typing import Final
 from urllib.parse import urlsplit
@@ -262,6 +263,10 @@ class _ResponseParser:
         buf, pos = self._buf, self._pos
         end = len(buf)
         parts: list[bytes] = []
+        if self._chunk == _CHUNK_SIZE:
+            run, pos = _plain_chunk_run(buf, pos)
+            if run:
+                parts.append(run)
         plain_size_line = _PLAIN_CHUNK_SIZE.match
         while pos < end:
             state = self._chunk
@@ -334,6 +339,34 @@ class _ResponseParser:
             self.done = True
         elif not self.done:
             raise _ProtocolError("connection closed before the end of the response body")
+
+
+def _plain_chunk_run(buf: bytes, pos: int) -> tuple[bytes, int]:
+    """The data of the complete chunks from `pos` (at a chunk-size line) up to the last chunk,
+    and the position after them, when they have the shape of an event stream: plain size
+    lines and no CRLF inside the data. Found with a few passes over the buffer in C rather
+    than a Python step per chunk (27 against 48 µs for 64 SSE events). (b"", pos) if there
+    are fewer than two such chunks or the shape does not hold; the step-by-step parser then
+    does the same work.
+
+    Splitting at CRLF gives size, data, size, data, ...; a CRLF inside some chunk's data cuts
+    that chunk's piece shorter than its declared size, so nothing is taken then."""
+    pieces = buf[pos:].split(b"\r\n")
+    pairs = (len(pieces) - 1) // 2  # pairs of pieces with a CRLF after both: complete
+    sizes = pieces[0:2 * pairs:2]
+    if b"0" in sizes:  # the last chunk (in its usual spelling): stop before it
+        pairs = sizes.index(b"0")
+        del sizes[pairs:]
+    if pairs < 2:
+        return b"", pos
+    widths = list(map(len, sizes))
+    if min(widths) == 0 or max(widths) > 16 or b"".join(sizes).translate(None, _HEX):
+        return b"", pos
+    values = list(map(int, sizes, repeat(16, pairs)))
+    data = pieces[1:2 * pairs:2]
+    if 0 in values or values != list(map(len, data)):
+        return b"", pos
+    return b"".join(data), pos + sum(widths) + sum(values) + 4 * pairs
 
 
 def _encode_head(method: bytes, target: bytes, host: bytes,
