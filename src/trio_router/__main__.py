@@ -40,9 +40,7 @@ DEMO_MODEL: Final = "fake-model"
 DEMO_ADAPTER: Final = "fake-lora"
 DEMO_TTFT_S: Final = 0.15  # a realistic time to first token
 DEMO_INTER_TOKEN_S: Final = 0.03  # and a realistic delay between tokens
-
-
-GC_YOUNG_THRESHOLD: Final = 10_000
+GC_YOUNG_THRESHOLD: Final = 10_000  # allocations between two young-generation collections
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -119,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def tune_gc() -> None:
     """Cyclic garbage collection for a long-running server. What is loaded at start-up (the
-    modules, the Kubernetes client's ~56,000 objects) is moved out of the collector's view,
+    modules and the Kubernetes client: ~56,000 objects) is moved out of the collector's view,
     and the youngest generation is collected every GC_YOUNG_THRESHOLD allocations instead of
     700. Without this a full collection paused the router for ~30 ms about twice a second
     under load, which set its p99 latency (bench/bench_proxy.py, README "Performance")."""
