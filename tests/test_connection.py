@@ -194,6 +194,17 @@ async def until(condition: Callable[[], bool]) -> None:
         await trio.sleep(0.01)
 
 
+async def idle_and_busy(served: Served, *, busy_for: float
+                        ) -> tuple[trio.SocketStream, trio.SocketStream]:
+    """Two connections: one idle after an answer, one whose request is answered after
+    `busy_for` seconds."""
+    idle, busy = await served.connect(), await served.connect()
+    await request(idle, "/")
+    await read_response(idle)
+    await request(busy, f"/sleep/{busy_for:g}")
+    return idle, busy
+
+
 # -- keep-alive -----------------------------------------------------------------------------
 async def test_idle_connection_is_closed_after_the_keep_alive_timeout(
         autojump_clock: trio.testing.MockClock) -> None:
@@ -237,10 +248,7 @@ async def test_request_longer_than_the_keep_alive_timeout_is_not_cut(
 async def test_shutdown_closes_idle_connections_now_and_busy_ones_after_their_answer(
         autojump_clock: trio.testing.MockClock) -> None:
     async with serve() as served:
-        idle, busy = await served.connect(), await served.connect()
-        await request(idle, "/")
-        await read_response(idle)
-        await request(busy, "/sleep/3")
+        idle, busy = await idle_and_busy(served, busy_for=3)
         await trio.sleep(1)
         served.stop.set()
         await wait_closed_by_server(idle)
@@ -253,10 +261,7 @@ async def test_shutdown_closes_idle_connections_now_and_busy_ones_after_their_an
 async def test_a_connection_the_client_closed_leaves_no_timer_behind(
         autojump_clock: trio.testing.MockClock) -> None:
     async with serve() as served:
-        idle, busy = await served.connect(), await served.connect()
-        await request(idle, "/")
-        await read_response(idle)
-        await request(busy, "/sleep/30")
+        idle, busy = await idle_and_busy(served, busy_for=30)
         await until(lambda: timer_tasks() == 2)
         closed_at = trio.current_time()
         await idle.aclose()

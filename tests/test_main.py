@@ -178,6 +178,23 @@ async def start_stream(url: str) -> tuple[trio.SocketStream, bytes]:
     return stream, received
 
 
+@asynccontextmanager
+async def router_streaming(tmp_path: Path, engine: FakeEngine, *, drain_s: float
+                           ) -> AsyncIterator[tuple[trio.Process, Output, trio.SocketStream,
+                                                    bytes]]:
+    """`engine` served, a router process in front of it, and a streamed request through the
+    router that has received its first event: (process, its stderr, the stream, that event).
+    """
+    async with open_fake_engines([engine]) as (engine_url,):
+        config = write_config(tmp_path / "r.toml", engine_url, drain_s=drain_s)
+        async with open_process("--config", str(config)) as (process, _, stderr):
+            url = (await stderr.wait_for(r"Running on (http://\S+)")).group(1)
+            await stderr.wait_for(r"is routable")
+            stream, first = await start_stream(url)
+            async with stream:
+                yield process, stderr, stream, first
+
+
 async def read_to_end(stream: trio.SocketStream) -> bytes:
     received = b""
     while data := await stream.receive_some():
@@ -190,21 +207,16 @@ async def test_sigterm_lets_a_stream_in_flight_finish_then_exits_0(tmp_path: Pat
     engine = FakeEngine(tokens=3, gate=gate)
     drain_s = 5.0
     with trio.fail_after(LIMIT):
-        async with open_fake_engines([engine]) as (engine_url,):
-            config = write_config(tmp_path / "r.toml", engine_url, drain_s=drain_s)
-            async with open_process("--config", str(config)) as (process, _, stderr):
-                url = (await stderr.wait_for(r"Running on (http://\S+)")).group(1)
-                await stderr.wait_for(r"is routable")
-                stream, first = await start_stream(url)
-                async with stream:
-                    process.send_signal(signal.SIGTERM)
-                    await stderr.wait_for("SIGTERM: no new connections")
-                    signalled = trio.current_time()
-                    gate.set()  # the engine finishes the stream during the drain
-                    rest = await read_to_end(stream)
-                    with trio.fail_after(drain_s + 2):
-                        code = await process.wait()
-                    assert trio.current_time() - signalled < drain_s + 2
+        async with router_streaming(tmp_path, engine, drain_s=drain_s) as (
+                process, stderr, stream, first):
+            process.send_signal(signal.SIGTERM)
+            await stderr.wait_for("SIGTERM: no new connections")
+            signalled = trio.current_time()
+            gate.set()  # the engine finishes the stream during the drain
+            rest = await read_to_end(stream)
+            with trio.fail_after(drain_s + 2):
+                code = await process.wait()
+            assert trio.current_time() - signalled < drain_s + 2
     assert code == 0, stderr.text
     assert first.startswith(b"HTTP/1.1 200")
     assert b"data: [DONE]" in rest and rest.endswith(b"0\r\n\r\n")  # complete, not cut
@@ -215,19 +227,14 @@ async def test_drain_ends_at_drain_s_and_the_process_still_exits_0(tmp_path: Pat
     engine = FakeEngine(tokens=3, gate=trio.Event())  # the stream never finishes by itself
     drain_s = 1.0
     with trio.fail_after(LIMIT):
-        async with open_fake_engines([engine]) as (engine_url,):
-            config = write_config(tmp_path / "r.toml", engine_url, drain_s=drain_s)
-            async with open_process("--config", str(config)) as (process, _, stderr):
-                url = (await stderr.wait_for(r"Running on (http://\S+)")).group(1)
-                await stderr.wait_for(r"is routable")
-                stream, _ = await start_stream(url)
-                async with stream:
-                    process.send_signal(signal.SIGTERM)
-                    signalled = trio.current_time()
-                    with trio.fail_after(drain_s + 2):
-                        code = await process.wait()
-                        rest = await read_to_end(stream)  # cut at the deadline
-                    elapsed = trio.current_time() - signalled
+        async with router_streaming(tmp_path, engine, drain_s=drain_s) as (
+                process, stderr, stream, _):
+            process.send_signal(signal.SIGTERM)
+            signalled = trio.current_time()
+            with trio.fail_after(drain_s + 2):
+                code = await process.wait()
+                rest = await read_to_end(stream)  # cut at the deadline
+            elapsed = trio.current_time() - signalled
             await engine.wait_until(lambda: engine.disconnects == 1)  # upstream closed too
     assert code == 0, stderr.text
     assert drain_s - 0.1 <= elapsed < drain_s + 2
