@@ -32,13 +32,17 @@ from trio_router.errors import DiscoveryError
 RawObject = dict[str, Any]
 TRUE: Final = ("true", "True", "1")
 CHUNK_BYTES: Final = 64 * 1024
+COMPACT: Final = (",", ":")  # JSON separators, as the API server writes it
 
 
 def pod_json(name: str, *, uid: str | None = None, ip: str = "10.0.0.1", ready: bool = True,
              phase: str = "Running", labels: dict[str, str] | None = None,
              namespace: str = "default", restarts: int = 0, terminating: bool = False,
-             resource_version: str = "") -> RawObject:
-    """The raw JSON of a v1 Pod with the fields discovery reads."""
+             resource_version: str = "", realistic: bool = False,
+             heartbeat: int = 0) -> RawObject:
+    """The raw JSON of a v1 Pod with the fields discovery reads. `realistic` adds what a real
+    vLLM pod object carries besides them (spec, owner, managed fields, container details:
+    about 2.2 KB as a watch event); `heartbeat` changes a timestamp that routing does not read."""
     meta: RawObject = {"name": name, "namespace": namespace, "uid": uid or f"uid-{name}",
                        "labels": dict(labels if labels is not None else {"app": "vllm"})}
     if resource_version:
@@ -52,7 +56,60 @@ def pod_json(name: str, *, uid: str | None = None, ip: str = "10.0.0.1", ready: 
     }
     if ip:
         status["podIP"] = ip
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "status": status}
+    pod: RawObject = {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "status": status}
+    if realistic:
+        _add_realistic_fields(pod, heartbeat)
+    return pod
+
+
+def _add_realistic_fields(pod: RawObject, heartbeat: int) -> None:
+    """The rest of a vLLM pod as the API server sends it, trimmed to typical sizes."""
+    meta, status = pod["metadata"], pod["status"]
+    name, stamp = meta["name"], f"2026-11-30T10:{heartbeat // 60 % 60:02d}:{heartbeat % 60:02d}Z"
+    meta.update({
+        "generateName": name.rsplit("-", 1)[0] + "-",
+        "creationTimestamp": "2026-11-30T09:00:00Z",
+        "labels": {**meta["labels"], "pod-template-hash": "7d9f8b6c5d",
+                   "app.kubernetes.io/name": "vllm", "model": "llama-3-8b-instruct"},
+        "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": "8000",
+                        "kubectl.kubernetes.io/restartedAt": "2026-11-29T18:00:00Z"},
+        "ownerReferences": [{"apiVersion": "apps/v1", "kind": "ReplicaSet",
+                             "name": "vllm-7d9f8b6c5d", "uid": "3f1e0c2a-rs",
+                             "controller": True, "blockOwnerDeletion": True}],
+        "managedFields": [
+            {"manager": "kubelet", "operation": "Update", "apiVersion": "v1", "time": stamp,
+             "fieldsType": "FieldsV1", "subresource": "status",
+             "fieldsV1": {"f:status": {"f:conditions": {}, "f:podIP": {}}}},
+        ],
+    })
+    pod["spec"] = {
+        "containers": [{
+            "name": "vllm", "image": "vllm/vllm-openai:v0.11.0",
+            "args": ["--model", "meta-llama/Meta-Llama-3-8B-Instruct", "--port", "8000"],
+            "ports": [{"containerPort": 8000, "name": "http", "protocol": "TCP"}],
+            "resources": {"limits": {"nvidia.com/gpu": "1"}},
+            "readinessProbe": {"httpGet": {"path": "/health", "port": 8000},
+                               "periodSeconds": 5, "failureThreshold": 3},
+            "volumeMounts": [{"name": "cache", "mountPath": "/root/.cache/huggingface"}],
+        }],
+        "volumes": [{"name": "cache", "persistentVolumeClaim": {"claimName": "hf-cache"}}],
+        "nodeName": "gpu-node-17", "restartPolicy": "Always",
+    }
+    ready = status["conditions"][0]["status"]
+    status["conditions"] = [
+        {"type": kind, "status": ready if kind in ("Ready", "ContainersReady") else "True",
+         "lastProbeTime": None, "lastTransitionTime": stamp}
+        for kind in ("Initialized", "Ready", "ContainersReady", "PodScheduled")]
+    status.update({"hostIP": "10.20.0.17", "startTime": "2026-11-30T09:00:00Z",
+                   "qosClass": "Burstable"})
+    if "podIP" in status:
+        status["podIPs"] = [{"ip": status["podIP"]}]
+    for container in status["containerStatuses"]:
+        container.update({
+            "image": "docker.io/vllm/vllm-openai:v0.11.0",
+            "imageID": "docker.io/vllm/vllm-openai@sha256:" + "0f" * 32,
+            "containerID": "containerd://" + "ab" * 32, "started": True,
+            "state": {"running": {"startedAt": "2026-11-30T09:01:00Z"}}})
 
 
 def status_json(code: int, reason: str, message: str, **extra: Any) -> RawObject:
@@ -206,6 +263,7 @@ class FakeApiServer(_Changes):
         fields.setdefault("uid", old["metadata"]["uid"])
         fields.setdefault("labels", old["metadata"]["labels"])
         fields.setdefault("ip", old["status"].get("podIP", ""))
+        fields.setdefault("realistic", "spec" in old)
         return self._record("MODIFIED", pod_json(name, namespace=self.namespace, **fields),
                             silent)
 
@@ -221,7 +279,7 @@ class FakeApiServer(_Changes):
         else:
             self._pods[name] = pod
         if not silent:
-            line = json.dumps({"type": kind, "object": pod}).encode() + b"\n"
+            line = json.dumps({"type": kind, "object": pod}, separators=COMPACT).encode() + b"\n"
             self._history.append(_Entry(self._rv, pod["metadata"]["labels"], line))
             self._history_rvs.append(self._rv)
         self._notify()
@@ -309,7 +367,7 @@ class FakeApiServer(_Changes):
     @staticmethod
     async def _send_json(stream: trio.SocketStream, conn: h11.Connection, status: int,
                          body: RawObject, headers: Iterable[tuple[str, str]] = ()) -> None:
-        data = json.dumps(body).encode()
+        data = json.dumps(body, separators=COMPACT).encode()
         await stream.send_all(conn.send(h11.Response(status_code=status, headers=[
             ("content-type", "application/json"), ("content-length", str(len(data))),
             *headers])) + conn.send(h11.Data(data=data)) + conn.send(h11.EndOfMessage()))
@@ -358,7 +416,8 @@ class FakeApiServer(_Changes):
 
     async def _end_with_error(self, stream: trio.SocketStream, conn: h11.Connection,
                               code: int, reason: str, message: str) -> bool:
-        line = json.dumps({"type": "ERROR", "object": status_json(code, reason, message)})
+        line = json.dumps({"type": "ERROR", "object": status_json(code, reason, message)},
+                          separators=COMPACT)
         await stream.send_all(conn.send(h11.Data(data=line.encode() + b"\n"))
                               + conn.send(h11.EndOfMessage()))
         return True
@@ -375,7 +434,7 @@ class FakeApiServer(_Changes):
         next_bookmark = trio.current_time() + interval if interval else math.inf
         epoch, sent = self._epoch, 0
         if start is None:  # no resourceVersion: synthetic ADDED for the current pods
-            lines = [json.dumps({"type": "ADDED", "object": p}).encode() + b"\n"
+            lines = [json.dumps({"type": "ADDED", "object": p}, separators=COMPACT).encode() + b"\n"
                      for p in self._pods.values() if match(p["metadata"]["labels"])]
             await stream.send_all(b"".join(self._chunk(conn, line) for line in lines))
             cursor = self._rv
