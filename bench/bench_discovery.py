@@ -1,4 +1,6 @@
-"""Discovery core benchmarks (real clock, no network: engines behind httpx.MockTransport).
+"""Discovery core benchmarks, in process (real clock; engines served in this process over
+socket pairs, tests/fake_network.py): they explain where time goes inside the discovery core.
+The figures of the real router process come from bench/bench_scale.py.
 
     python bench/bench_discovery.py
 

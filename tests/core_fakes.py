@@ -1,17 +1,18 @@
-"""Trio-native fakes for the discovery core: engines behind `httpx.MockTransport` that sleep on
-the Trio clock (so autojump tests take milliseconds), and a harness wiring the real table,
-supervisors and reconciler together."""
+"""Trio-native fakes for the discovery core: engines on a fake network of socket pairs whose
+answers sleep on the Trio clock (so autojump tests take milliseconds), and a harness wiring the
+real table, supervisors and reconciler together."""
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
-import httpx
 import trio
 
+from fake_network import CloseConnection, FakeNetwork, FakeReply, FakeRequest
 from trio_router.config import ProbeConfig
 from trio_router.endpoints import EventType, Pod, PodEvent, RoutingTable
 from trio_router.health import Prober, Supervisors, open_supervisors
@@ -31,24 +32,27 @@ class FakeEngines:
     probes: Counter[str] = field(default_factory=Counter)
     default_model: str = "m"
 
-    async def handler(self, request: httpx.Request) -> httpx.Response:
-        ip = request.url.host
+    def network(self) -> FakeNetwork:
+        return FakeNetwork(self.handler, refuses=lambda ip: self.mode.get(ip) == "refuse")
+
+    async def handler(self, request: FakeRequest) -> FakeReply:
+        ip = request.host
         self.probes[ip] += 1
         mode = self.mode.get(ip, "ok")
+        if mode == "refuse":  # the engine is gone: its open connections end as well
+            raise CloseConnection
         if mode == "hang":
             await trio.sleep_forever()
-        if mode == "refuse":
-            raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
         if mode == "drip":
-            return httpx.Response(200, content=_drip(), headers={"content-type": "text/plain"})
+            return FakeReply(200, _drip(), [("content-type", "text/plain")])
         if mode.startswith("slow:"):
             await trio.sleep(float(mode.removeprefix("slow:")))
         if mode == "500":
-            return httpx.Response(500, text="engine error")
+            return FakeReply(500, b"engine error")
         ids = [] if mode == "empty" else self.models.get(ip, [self.default_model])
-        return httpx.Response(200, json={"object": "list", "data": [
+        return FakeReply(200, json.dumps({"object": "list", "data": [
             {"id": i, "object": "model", "owned_by": "vllm", "root": i, "parent": None}
-            for i in ids]})
+            for i in ids]}).encode(), [("content-type", "application/json")])
 
 
 async def _drip() -> AsyncIterator[bytes]:
@@ -82,6 +86,7 @@ class Core:
     supervisors: Supervisors
     reconciler: Reconciler
     engines: FakeEngines
+    network: FakeNetwork
 
     async def wait_until(self, predicate: str, *uids: str) -> None:
         """Wait (on table changes, no polling) until every uid is routable / gone / not routable."""
@@ -104,7 +109,10 @@ async def open_core(engines: FakeEngines | None = None, *,
     probe = probe or ProbeConfig(timeout_s=5.0, interval_s=10.0, backoff_max_s=30.0)
     engines = engines or FakeEngines()
     table = RoutingTable()
-    async with httpx.AsyncClient(transport=httpx.MockTransport(engines.handler)) as client:
-        prober = Prober(client, timeout=probe.timeout_s)
-        async with open_supervisors(table, prober, probe) as supervisors:
-            yield Core(table, supervisors, Reconciler(table, supervisors, port=PORT), engines)
+    network = engines.network()
+    async with network.open():
+        prober = Prober(timeout=probe.timeout_s)
+        async with open_supervisors(table, prober, probe,
+                                    connect=network.connect) as supervisors:
+            yield Core(table, supervisors, Reconciler(table, supervisors, port=PORT), engines,
+                       network)

@@ -5,9 +5,9 @@ Each test is named after the DISCOVERY.md §1 property it proves.
 
 from __future__ import annotations
 
+import math
 import threading
 
-import httpx
 import pytest
 import trio
 import trio.testing
@@ -16,6 +16,7 @@ from core_fakes import FakeEngines, added, deleted, make_pod, modified, open_cor
 from trio_router.config import ProbeConfig
 from trio_router.endpoints import EngineState, Model, RoutingTable
 from trio_router.health import ProbeFailed, Prober, parse_models
+from trio_router.proxy import UpstreamPool
 
 
 async def test_deleted_is_never_stuck_behind_probes(autojump_clock: trio.testing.MockClock
@@ -197,11 +198,13 @@ async def test_hung_or_slow_drip_probes(autojump_clock: trio.testing.MockClock,
     a per-read timeout), affects no other engine, and uses no thread."""
     threads = threading.active_count()
     engines = FakeEngines(mode={"127.0.1.1": mode})
-    async with httpx.AsyncClient(transport=httpx.MockTransport(engines.handler)) as client:
-        prober = Prober(client, timeout=5.0)
+    network = engines.network()
+    async with network.open():
+        pool = UpstreamPool(connect_timeout=math.inf, read_timeout=math.inf,
+                            connect=network.connect)
         start = trio.current_time()
         with pytest.raises(ProbeFailed, match="no answer within 5 s"):
-            await prober.probe("http://127.0.1.1:8000")
+            await Prober(timeout=5.0).probe(pool, "http://127.0.1.1:8000")
         assert trio.current_time() - start == pytest.approx(5.0)
 
     async with open_core(engines) as core:
@@ -340,7 +343,7 @@ async def test_ipv6_and_malformed_addresses(autojump_clock: trio.testing.MockClo
         engine1, engine2 = core.table.get("uid-1"), core.table.get("uid-2")
         assert engine1 is not None and engine1.url == "http://[fd00::1]:8000"
         assert engine2 is not None and engine2.state is EngineState.UNHEALTHY
-        assert "InvalidURL" in engine2.reason
+        assert "cannot resolve engine http://999.1.1.1:8000" in engine2.reason
 
 
 async def test_probe_settings_change_live(autojump_clock: trio.testing.MockClock) -> None:
@@ -360,3 +363,48 @@ async def test_probe_settings_change_live(autojump_clock: trio.testing.MockClock
         start = trio.current_time()
         await core.wait_until("unroutable", "uid-1")  # two failures of 2 s, not 5 s
         assert trio.current_time() - start < 1.1 + 2 + 1.1 + 2 + 0.1
+
+
+async def test_each_engine_keeps_its_own_connection(autojump_clock: trio.testing.MockClock
+                                                    ) -> None:
+    """Every engine's probes reuse one kept-alive connection of its own; a DELETED closes it
+    (and the connection of a probe that hangs) in the same step that cancels the scope."""
+    engines = FakeEngines(mode={"127.0.1.3": "hang"})
+    async with open_core(engines) as core:
+        for n in (1, 2, 3):
+            core.reconciler.apply(added(make_pod(n)))
+        await core.wait_until("routable", "uid-1", "uid-2")
+        await trio.sleep(100)
+        assert engines.probes["127.0.1.1"] >= 9 and engines.probes["127.0.1.2"] >= 9
+        assert core.network.connections["127.0.1.1"] == 1
+        assert core.network.connections["127.0.1.2"] == 1
+        await core.network.wait_for(lambda: core.network.open_now["127.0.1.3"] == 1)
+
+        core.reconciler.apply(deleted(make_pod(1)))
+        core.reconciler.apply(deleted(make_pod(3)))
+        with trio.fail_after(0.1):  # the engines see their connections close at once
+            await core.network.wait_for(lambda: core.network.open_now == {
+                "127.0.1.1": 0, "127.0.1.2": 1, "127.0.1.3": 0})
+
+
+async def test_healthy_engines_are_never_ejected_because_others_hang(
+        autojump_clock: trio.testing.MockClock) -> None:
+    """With far more hanging engines than probe slots (`probe.max_concurrent`), a healthy
+    engine waits for a slot but its probe deadline starts only when it is sent: it becomes
+    routable, and no probe of it ever fails."""
+    hanging = {f"127.0.2.{n}": "hang" for n in range(1, 41)}
+    engines = FakeEngines(mode=hanging)
+    probe = ProbeConfig(timeout_s=5.0, interval_s=10.0, max_concurrent=4)
+    async with open_core(engines, probe=probe) as core:
+        for n in range(1, 41):
+            core.reconciler.apply(added(make_pod(100 + n, ip=f"127.0.2.{n}")))
+        core.reconciler.apply(added(make_pod(1)))
+        await core.wait_until("routable", "uid-1")
+        assert trio.current_time() > probe.timeout_s  # it did wait behind hanging probes
+        healthy = core.table.get("uid-1")
+        assert healthy is not None
+        for _ in range(600):
+            await trio.sleep(1)
+            assert healthy.routable and healthy.consecutive_failures == 0, healthy.reason
+        assert engines.probes["127.0.1.1"] >= 10
+        assert max(engines.probes[ip] for ip in hanging) >= 3  # the others are still probed

@@ -1,24 +1,27 @@
-"""Engine stats: parsing vLLM's /metrics text, the scraper (virtual time, engines faked at
-the wire with httpx.MockTransport), how policies use what it writes, and RequestStats."""
+"""Engine stats: parsing vLLM's /metrics text, the scraper (virtual time, engines on a fake
+network of socket pairs), how policies use what it writes, and RequestStats."""
 
 from __future__ import annotations
 
 import math
 import random
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
 
-import httpx
 import pytest
 import trio
 import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fake_network import FakeNetwork, FakeReply, FakeRequest, Handler
 from trio_router import stats as stats_module
 from trio_router.config import RoutingConfig
 from trio_router.endpoints import Engine, EngineState, Model, RoutingTable
 from trio_router.policy import RequestInfo, make_policy
+from trio_router.proxy import UpstreamPool
 from trio_router.stats import RequestStats, parse_vllm_metrics, run_stats_scraper
 
 FIXTURE = (Path(__file__).parent / "fixtures" / "vllm_metrics.txt").read_text()
@@ -118,26 +121,41 @@ class FakeMetrics:
         self.waiting = 0.0
         self.kv = 0.4219
         self.requests: list[float] = []  # trio times of the requests
+        self.headers: dict[str, str] = {}  # of the last request
 
-    async def __call__(self, request: httpx.Request) -> httpx.Response:
-        assert request.url.path == "/metrics"
+    async def __call__(self, request: FakeRequest) -> FakeReply:
+        assert request.path == "/metrics"
         self.requests.append(trio.current_time())
+        self.headers = request.headers
         if self.mode == "hang":
             await trio.sleep_forever()
         if self.mode == "slow":
             await trio.sleep(1.5)
         if self.mode == "500":
-            return httpx.Response(500, text="engine error")
+            return FakeReply(500, b"engine error")
         if self.mode == "garbage":
-            return httpx.Response(200, text="<html>not metrics</html>")
+            return FakeReply(200, b"<html>not metrics</html>")
         labels = '{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"}'
-        return httpx.Response(200, text=FIXTURE
-                              .replace(f"vllm:num_requests_running{labels} 3.0",
-                                       f"vllm:num_requests_running{labels} {self.running}")
-                              .replace(f"vllm:num_requests_waiting{labels} 2.0",
-                                       f"vllm:num_requests_waiting{labels} {self.waiting}")
-                              .replace(f"vllm:kv_cache_usage_perc{labels} 0.4219",
-                                       f"vllm:kv_cache_usage_perc{labels} {self.kv}"))
+        return FakeReply(200, FIXTURE
+                         .replace(f"vllm:num_requests_running{labels} 3.0",
+                                  f"vllm:num_requests_running{labels} {self.running}")
+                         .replace(f"vllm:num_requests_waiting{labels} 2.0",
+                                  f"vllm:num_requests_waiting{labels} {self.waiting}")
+                         .replace(f"vllm:kv_cache_usage_perc{labels} 0.4219",
+                                  f"vllm:kv_cache_usage_perc{labels} {self.kv}").encode())
+
+
+@asynccontextmanager
+async def engine_pool(handler: Handler) -> AsyncIterator[tuple[UpstreamPool, FakeNetwork]]:
+    """An engine connection pool (as a supervisor makes one) on a fake network."""
+    network = FakeNetwork(handler)
+    async with network.open():
+        pool = UpstreamPool(connect_timeout=math.inf, read_timeout=math.inf,
+                            max_idle_s=300.0, connect=network.connect)
+        try:
+            yield pool, network
+        finally:
+            pool.close()
 
 
 async def test_scraper_stores_fresh_gauges_every_interval(
@@ -145,19 +163,42 @@ async def test_scraper_stores_fresh_gauges_every_interval(
     fake, engine = FakeMetrics(), routable_engine()
     table = RoutingTable()
     table.put(engine)
-    async with httpx.AsyncClient(transport=httpx.MockTransport(fake)) as client, \
-            trio.open_nursery() as nursery:
+    async with engine_pool(fake) as (client, network), trio.open_nursery() as nursery:
         fake.running = 7
-        nursery.start_soon(partial(run_stats_scraper, engine, table, client, interval=5.0,
-                                           timeout=2.0, generation=0))
+        nursery.start_soon(partial(
+            run_stats_scraper, engine, table, client, interval=5.0, timeout=2.0,
+            generation=0, headers=lambda: [(b"authorization", b"Bearer engine-key")]))
         await trio.sleep(1)
         assert engine.stats == {"running": 7.0, "waiting": 0.0, "kv_cache_usage": 0.4219,
                                 "scraped_at": 0.0, "stale_after": 15.0}
+        assert fake.headers["authorization"] == "Bearer engine-key"
         fake.running = 2
         await trio.sleep(59)
         assert engine.stats["running"] == 2.0
         gaps = [b - a for a, b in zip(fake.requests, fake.requests[1:], strict=False)]
         assert 11 <= len(fake.requests) <= 14 and all(4.5 <= g <= 5.5 for g in gaps)
+        assert network.connections == {"10.0.0.1": 1}  # one connection, kept alive
+        nursery.cancel_scope.cancel()
+
+
+async def test_scraper_skips_an_engine_that_is_not_routable(
+        autojump_clock: trio.testing.MockClock) -> None:
+    """A hanging or failing engine is probed, not scraped: no connection per scrape for
+    figures that would route nothing. Scraping resumes once it is routable again."""
+    fake, engine = FakeMetrics(), routable_engine()
+    table = RoutingTable()
+    table.put(engine)
+    async with engine_pool(fake) as (client, _network), trio.open_nursery() as nursery:
+        nursery.start_soon(partial(run_stats_scraper, engine, table, client, interval=5.0,
+                                   timeout=2.0, generation=0))
+        await trio.sleep(1)
+        assert len(fake.requests) == 1
+        table.mark_failed(engine.uid, 0, "probe failed", eject=True)
+        await trio.sleep(60)
+        assert len(fake.requests) == 1 and engine.stats == {}  # expired, not refreshed
+        table.mark_routable(engine.uid, 0, [Model("m")], now=trio.current_time())
+        await trio.sleep(6)
+        assert len(fake.requests) == 2 and engine.stats["running"] == 0.0
         nursery.cancel_scope.cancel()
 
 
@@ -165,10 +206,9 @@ async def test_scraper_deadline_failures_and_expiry(autojump_clock: trio.testing
     fake, engine = FakeMetrics(), routable_engine()
     table = RoutingTable()
     table.put(engine)
-    async with httpx.AsyncClient(transport=httpx.MockTransport(fake)) as client, \
-            trio.open_nursery() as nursery:
+    async with engine_pool(fake) as (client, _network), trio.open_nursery() as nursery:
         nursery.start_soon(partial(run_stats_scraper, engine, table, client, interval=5.0,
-                                           timeout=2.0, generation=0))
+                                   timeout=2.0, generation=0))
         await trio.sleep(1)
         scraped_at = engine.stats["scraped_at"]
         fake.mode = "hang"  # every later scrape hits its 2 s deadline
@@ -195,7 +235,7 @@ async def test_scraper_ignores_an_oversized_body(autojump_clock: trio.testing.Mo
     fake, engine = FakeMetrics(), routable_engine()
     table = RoutingTable()
     table.put(engine)
-    async with httpx.AsyncClient(transport=httpx.MockTransport(fake)) as client:
+    async with engine_pool(fake) as (client, _network):
         with trio.move_on_after(1):
             await run_stats_scraper(engine, table, client, interval=5.0, timeout=2.0,
                                     generation=0)
@@ -207,7 +247,7 @@ async def test_scraper_ends_when_its_entry_is_gone_or_newer(
     fake, engine = FakeMetrics(), routable_engine()
     table = RoutingTable()
     table.put(engine)
-    async with httpx.AsyncClient(transport=httpx.MockTransport(fake)) as client:
+    async with engine_pool(fake) as (client, _network):
         with trio.fail_after(30):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(partial(run_stats_scraper, engine, table, client,
@@ -233,7 +273,7 @@ async def test_scraper_ends_when_its_entry_is_gone_or_newer(
 
 
 async def test_scraper_is_disabled_by_a_zero_interval() -> None:
-    async with httpx.AsyncClient(transport=httpx.MockTransport(FakeMetrics())) as client:
+    async with engine_pool(FakeMetrics()) as (client, _network):
         with trio.fail_after(1):
             await run_stats_scraper(routable_engine(), RoutingTable(), client, interval=0,
                                     timeout=1.0, generation=0)
@@ -242,18 +282,17 @@ async def test_scraper_is_disabled_by_a_zero_interval() -> None:
 async def test_least_loaded_follows_scraped_queues(autojump_clock: trio.testing.MockClock) -> None:
     busy, idle = FakeMetrics(), FakeMetrics()
     busy.running, busy.waiting, busy.kv, idle.kv = 20, 30, 0.9, 0.0
-    engines = [routable_engine("uid-busy", "http://busy:8000"),
-               routable_engine("uid-idle", "http://idle:8000")]
+    engines = [routable_engine("uid-busy", "http://10.0.0.1:8000"),
+               routable_engine("uid-idle", "http://10.0.0.2:8000")]
     table = RoutingTable()
     for engine in engines:
         table.put(engine)
     policy = make_policy(RoutingConfig(policy="least_loaded"), table, rng=random.Random(1))
 
-    async def handler(request: httpx.Request) -> httpx.Response:
-        return await (busy if request.url.host == "busy" else idle)(request)
+    async def handler(request: FakeRequest) -> FakeReply:
+        return await (busy if request.host == "10.0.0.1" else idle)(request)
 
-    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client, \
-            trio.open_nursery() as nursery:
+    async with engine_pool(handler) as (client, _network), trio.open_nursery() as nursery:
         for engine in engines:
             nursery.start_soon(partial(run_stats_scraper, engine, table, client, interval=5.0,
                                        timeout=2.0, generation=0))

@@ -2,32 +2,43 @@
 result to the routing table only while the engine entry is still the one probed.
 
 Every engine gets its own task inside its own `trio.CancelScope`, all in one nursery owned by
-`open_supervisors()`. `Supervisors.stop(uid)` cancels one engine synchronously. Probes are
-Trio-native (httpx on Trio): no threads.
+`open_supervisors()`. `Supervisors.stop(uid)` cancels one engine synchronously. Each engine's
+supervisor owns its own connections to that engine (an `UpstreamPool` of its own), kept alive
+from one probe or scrape to the next and closed with its scope: what one engine costs, or how
+long it hangs, never depends on the others. Probes are Trio-native: no threads.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Final
 
-import httpx
 import trio
 
 from .config import ProbeConfig
 from .endpoints import Engine, Model, RoutingTable
+from .errors import UpstreamError, UpstreamTimeoutError
+from .proxy import Connector, EngineUnreachableError, UpstreamPool, fetch, open_tcp_socket
 
 logger = logging.getLogger(__name__)
 
 BACKOFF_START_S: Final = 1.0  # first retry delay of a failing engine (capped by interval_s)
 JITTER: Final = 0.1  # re-probe periods are spread by ±10% so engines do not probe in lockstep
+MAX_MODELS_BYTES: Final = 4 * 1024 * 1024  # a larger /v1/models answer fails the probe
+# An engine connection idle for longer is not reused. Engines close idle connections sooner
+# (vLLM after 5 s); one closed meanwhile is noticed when taken and replaced at once.
+ENGINE_IDLE_S: Final = 300.0
+ENGINE_CONNECTIONS: Final = 2  # idle connections kept per engine: a probe and a scrape
 
 # A per-engine worker beside the probe loop (e.g. the stats scraper), run inside the engine's
-# cancel scope: called as worker(engine, generation) and cancelled with the engine.
-EngineWorker = Callable[[Engine, int], Awaitable[None]]
+# cancel scope: called as worker(engine, generation, pool) with the engine's own connection
+# pool, and cancelled with the engine.
+EngineWorker = Callable[[Engine, int, UpstreamPool], Awaitable[None]]
 
 
 class ProbeFailed(Exception):
@@ -64,30 +75,36 @@ def parse_models(payload: Any) -> list[Model]:
 
 class Prober:
     """Runs one `/v1/models` probe against an engine with a hard deadline on the whole exchange
-    (connect, head, slow-drip body): a deadline, not a per-read timeout."""
+    (connect, head, slow-drip body): a deadline, not a per-read timeout. It starts when the
+    request is about to be sent, so time spent waiting for a probe slot never counts."""
 
-    def __init__(self, client: httpx.AsyncClient, *, timeout: float, api_key: str = "") -> None:
-        self._client = client
+    def __init__(self, *, timeout: float, api_key: str = "") -> None:
         self.timeout = timeout  # seconds; may be changed live (config reload)
-        self._headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        self.api_key = api_key  # sent as Bearer to engines (probes and scrapes); may change
 
-    async def probe(self, url: str) -> list[Model]:
-        """Return the engine's models; raises ProbeFailed. Cancellation propagates."""
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        """The headers of a request the router itself sends to an engine."""
+        key = self.api_key
+        return [(b"authorization", b"Bearer " + key.encode())] if key else []
+
+    async def probe(self, pool: UpstreamPool, url: str) -> list[Model]:
+        """Return the models of the engine at `url`, asked over `pool` (that engine's own
+        connections); raises ProbeFailed. Cancellation propagates."""
         timeout = self.timeout
         with trio.move_on_after(timeout) as scope:
             try:
-                response = await self._client.get(f"{url}/v1/models", headers=self._headers)
-            except httpx.ConnectError as exc:
-                raise ProbeFailed(f"cannot connect: {exc or type(exc).__name__}",
-                                  refused=True) from exc
-            except (httpx.HTTPError, httpx.InvalidURL) as exc:
-                raise ProbeFailed(f"{type(exc).__name__}: {exc}") from exc
+                status, body = await fetch(pool, url, b"/v1/models", self.headers(),
+                                           max_bytes=MAX_MODELS_BYTES)
+            except EngineUnreachableError as exc:
+                raise ProbeFailed(str(exc), refused=exc.connect_failed) from exc
+            except (UpstreamError, UpstreamTimeoutError) as exc:
+                raise ProbeFailed(str(exc)) from exc
         if scope.cancelled_caught:
             raise ProbeFailed(f"no answer within {timeout:g} s")
-        if response.status_code != 200:
-            raise ProbeFailed(f"GET /v1/models answered {response.status_code}")
+        if status != 200:
+            raise ProbeFailed(f"GET /v1/models answered {status}")
         try:
-            payload = response.json()
+            payload = json.loads(body)
         except ValueError as exc:
             raise ProbeFailed(f"/v1/models answer is not JSON: {exc}") from exc
         return parse_models(payload)
@@ -97,9 +114,11 @@ class Supervisors:
     """One probing task per engine, each in its own cancel scope, all in one owned nursery."""
 
     def __init__(self, nursery: trio.Nursery, table: RoutingTable, prober: Prober,
-                 config: ProbeConfig, workers: Sequence[EngineWorker] = ()) -> None:
+                 config: ProbeConfig, workers: Sequence[EngineWorker] = (), *,
+                 connect: Connector = open_tcp_socket) -> None:
         self._nursery, self._table, self._prober = nursery, table, prober
         self._config, self._workers = config, tuple(workers)
+        self._connect = connect
         self._scopes: dict[str, trio.CancelScope] = {}
         self._wake: dict[str, trio.Event] = {}
         self._limiter = trio.CapacityLimiter(config.max_concurrent)
@@ -152,19 +171,26 @@ class Supervisors:
 
     async def _supervise(self, engine: Engine, generation: int, scope: trio.CancelScope) -> None:
         with scope:
-            async with trio.open_nursery() as nursery:
-                for worker in self._workers:
-                    nursery.start_soon(worker, engine, generation)
-                await self._probe_forever(engine, generation)
-                nursery.cancel_scope.cancel()  # the entry is gone: its workers end too
+            # The engine's own connections. Its deadlines are the probe's and the scrape's.
+            pool = UpstreamPool(connect_timeout=math.inf, read_timeout=math.inf,
+                                max_idle_per_origin=ENGINE_CONNECTIONS,
+                                max_idle_s=ENGINE_IDLE_S, connect=self._connect)
+            try:
+                async with trio.open_nursery() as nursery:
+                    for worker in self._workers:
+                        nursery.start_soon(worker, engine, generation, pool)
+                    await self._probe_forever(engine, generation, pool)
+                    nursery.cancel_scope.cancel()  # the entry is gone: its workers end too
+            finally:
+                pool.close()  # an exchange cut short has closed its own connection already
 
-    async def _probe_forever(self, engine: Engine, generation: int) -> None:
+    async def _probe_forever(self, engine: Engine, generation: int, pool: UpstreamPool) -> None:
         table = self._table
         failures = 0
         while True:
             async with self._limiter:
                 try:
-                    models = await self._prober.probe(engine.url)
+                    models = await self._prober.probe(pool, engine.url)
                     error = None
                 except ProbeFailed as exc:
                     error = exc
@@ -204,8 +230,10 @@ class Supervisors:
 
 @asynccontextmanager
 async def open_supervisors(table: RoutingTable, prober: Prober, config: ProbeConfig, *,
-                           workers: Sequence[EngineWorker] = ()) -> AsyncIterator[Supervisors]:
-    """Own every engine supervisor; leaving the block cancels them all."""
+                           workers: Sequence[EngineWorker] = (),
+                           connect: Connector = open_tcp_socket) -> AsyncIterator[Supervisors]:
+    """Own every engine supervisor; leaving the block cancels them all. `connect` opens
+    connections to engines (TCP; tests pass a fake network)."""
     async with trio.open_nursery() as nursery:
-        yield Supervisors(nursery, table, prober, config, workers)
+        yield Supervisors(nursery, table, prober, config, workers, connect=connect)
         nursery.cancel_scope.cancel(reason="supervisors closed")

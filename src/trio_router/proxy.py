@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import re
 import socket
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, suppress
 from itertools import repeat
 from types import TracebackType
@@ -46,7 +46,8 @@ import trio
 
 from .errors import UpstreamError, UpstreamTimeoutError
 
-__all__ = ["ClientGoneError", "EngineUnreachableError", "UpstreamPool", "UpstreamResponse"]
+__all__ = ["ClientGoneError", "EngineUnreachableError", "UpstreamPool", "UpstreamResponse",
+           "fetch"]
 
 READ_SIZE: Final = 65536  # bytes asked of the socket per receive
 CHECKPOINT_EVERY: Final = 16  # body chunks returned at once, at most, between two checkpoints
@@ -93,12 +94,21 @@ _CHUNK_TRAILER: Final = 3
 
 class EngineUnreachableError(UpstreamError):
     """The request never reached the engine (connect failed, or the connection closed before
-    any response byte); safe to send it to another engine."""
+    any response byte); safe to send it to another engine. `connect_failed`: no connection
+    could be opened at all (refused, unreachable, unresolvable)."""
+
+    def __init__(self, message: str, *, connect_failed: bool = False) -> None:
+        super().__init__(message)
+        self.connect_failed = connect_failed
 
 
 class ClientGoneError(Exception):
     """The caller's `client_gone` check said the client left: the exchange was dropped and
     its connection closed."""
+
+
+# Opens a connected stream socket to (host, port); raises OSError.
+Connector = Callable[[str, int], Awaitable[socket.socket]]
 
 
 class _StaleConnectionError(Exception):
@@ -498,6 +508,30 @@ class _Origin:
         self.idle: list[_Connection] = []
 
 
+async def open_tcp_socket(host: str, port: int) -> socket.socket:
+    """A TCP connection to `host`:`port` (each resolved address tried in turn), as a
+    non-blocking socket with TCP_NODELAY. Raises OSError (socket.gaierror if `host` does not
+    resolve). Cancellation closes the socket being connected."""
+    addresses = await trio.socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    error: OSError | None = None
+    for family, kind, proto, _, address in addresses:
+        raw = socket.socket(family, kind, proto)
+        sock = trio.socket.from_stdlib_socket(raw)  # makes it non-blocking
+        connected = False
+        try:
+            await sock.connect(address)
+            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            connected = True
+        except OSError as exc:
+            error = exc
+        finally:
+            if not connected:
+                sock.close()
+        if connected:
+            return raw
+    raise error or OSError(f"no address for {host}")
+
+
 class UpstreamPool:
     """Keep-alive HTTP/1.1 connections to engines, pooled per origin.
 
@@ -512,10 +546,13 @@ class UpstreamPool:
         max_idle_per_origin: idle connections kept per engine; more are closed on release.
         max_idle_s: an idle connection older than this is closed rather than reused. Keep it
             below the engines' keep-alive timeout (5 s for vLLM/uvicorn and Hypercorn).
+        connect: opens a connected stream socket to (host, port), raising OSError; the
+            default is TCP (`open_tcp_socket`). Tests pass one end of a socket pair.
     """
 
     def __init__(self, *, connect_timeout: float, read_timeout: float,
-                 max_idle_per_origin: int = 64, max_idle_s: float = 4.0) -> None:
+                 max_idle_per_origin: int = 64, max_idle_s: float = 4.0,
+                 connect: Connector = open_tcp_socket) -> None:
         if connect_timeout <= 0 or read_timeout <= 0 or max_idle_s < 0:
             raise ValueError("connect_timeout and read_timeout must be > 0, max_idle_s >= 0")
         if max_idle_per_origin < 0:
@@ -524,6 +561,7 @@ class UpstreamPool:
         self._read_timeout = read_timeout
         self._max_idle = max_idle_per_origin
         self._max_idle_s = max_idle_s
+        self._open = connect
         self._origins: dict[str, _Origin] = {}
         self._closed = False
         self.connections_opened = 0  # total TCP connections opened; for metrics and tests
@@ -536,15 +574,20 @@ class UpstreamPool:
         await self.aclose()
 
     async def aclose(self) -> None:
+        """Close every idle connection (see `close`), with a checkpoint."""
+        self.close()
+        await trio.lowlevel.checkpoint()
+
+    def close(self) -> None:
         """Close every idle connection. Exchanges still running keep their connection and
-        close it when they end; nothing is pooled after this."""
+        close it when they end; nothing is pooled after this. Synchronous: it completes in
+        a cancelled task too."""
         self._closed = True
         for origin in self._origins.values():
             idle, origin.idle = origin.idle, []
             for conn in idle:
                 conn.close_now()
         self._origins.clear()
-        await trio.lowlevel.checkpoint()
 
     def idle_count(self, base_url: str | None = None) -> int:
         """Idle connections for one origin, or for all."""
@@ -614,34 +657,19 @@ class UpstreamPool:
             conn.close_now()
 
     async def _connect(self, origin: _Origin) -> _Connection:
-        """A new connection to `origin`; EngineUnreachableError on refusal or timeout. Tries
-        the resolved addresses in turn; cancellation closes the socket being connected."""
-        error: OSError | None = None
+        """A new connection to `origin`; EngineUnreachableError on refusal or timeout."""
         with trio.move_on_after(self._connect_timeout):
             try:
-                addresses = await trio.socket.getaddrinfo(
-                    origin.host, origin.port, type=socket.SOCK_STREAM)
+                raw = await self._open(origin.host, origin.port)
+            except socket.gaierror as exc:
+                raise EngineUnreachableError(
+                    f"cannot resolve engine {origin.url}: {exc}", connect_failed=True) from exc
             except OSError as exc:
                 raise EngineUnreachableError(
-                    f"cannot resolve engine {origin.url}: {exc}") from exc
-            for family, kind, proto, _, address in addresses:
-                raw = socket.socket(family, kind, proto)
-                sock = trio.socket.from_stdlib_socket(raw)  # makes it non-blocking
-                connected = False
-                try:
-                    await sock.connect(address)
-                    raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                    connected = True
-                except OSError as exc:
-                    error = exc
-                finally:
-                    if not connected:
-                        sock.close()
-                if connected:
-                    self.connections_opened += 1
-                    return _Connection(sock, raw)
-            raise EngineUnreachableError(
-                f"cannot connect to engine {origin.url}: {error}") from error
+                    f"cannot connect to engine {origin.url}: {exc}", connect_failed=True
+                ) from exc
+            self.connections_opened += 1
+            return _Connection(trio.socket.from_stdlib_socket(raw), raw)
         raise EngineUnreachableError(
             f"cannot connect to engine {origin.url}: no answer within "
             f"{self._connect_timeout:g} s (proxy.connect_timeout_s)")
@@ -858,3 +886,24 @@ class UpstreamResponse:
         else:
             parser.eof()
         return waited
+
+
+async def fetch(pool: UpstreamPool, base_url: str, target: bytes,
+                headers: list[tuple[bytes, bytes]], *, max_bytes: int) -> tuple[int, bytes]:
+    """GET `target` from the engine at `base_url` on `pool`: the status and the whole body.
+
+    For the router's own small requests to an engine (health probes, metrics scrapes): the
+    connection is kept alive for the next one when the body was read to its end. Raises this
+    module's errors, and `UpstreamError` for a body larger than `max_bytes` (its connection
+    is closed). Bound it with a deadline: cancellation closes the connection.
+    """
+    async with pool.request(base_url, b"GET", target, headers, b"") as response:
+        parts: list[bytes] = []
+        size = 0
+        async for chunk in response:
+            size += len(chunk)
+            if size > max_bytes:
+                raise UpstreamError(f"engine {base_url} answered {target.decode()!r} with "
+                                    f"more than {max_bytes} bytes")
+            parts.append(chunk)
+        return response.status, b"".join(parts)

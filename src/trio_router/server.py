@@ -1,11 +1,12 @@
 """`run(config)`: build every object of a router process, own its tasks, serve with Hypercorn.
 
-Ownership, top down: `run` opens the shared httpx client (probes and scraping) and the upstream
-pool, the per-engine supervisors, and one nursery holding discovery and the signal handler;
-Hypercorn's trio worker serves `RouterApp` inside that nursery. SIGINT/SIGTERM make Hypercorn
-stop accepting and drain in-flight requests for up to `server.drain_s`; then the nursery is
-cancelled (discovery and its watch thread, probes, scrapers) and `run` returns. A second signal
-cancels the drain. SIGHUP reloads the config file (see `Reloader`).
+Ownership, top down: `run` opens the upstream pool (requests), the per-engine supervisors
+(each with its own connections for probes and scrapes), and one nursery holding discovery and
+the signal handler; Hypercorn's trio worker serves `RouterApp` inside that nursery.
+SIGINT/SIGTERM make Hypercorn stop accepting and drain in-flight requests for up to
+`server.drain_s`; then the nursery is cancelled (discovery and its watch thread, probes,
+scrapers) and `run` returns. A second signal cancels the drain. SIGHUP reloads the config
+file (see `Reloader`).
 """
 
 from __future__ import annotations
@@ -16,12 +17,11 @@ import logging
 import math
 import os
 import signal
-from collections.abc import Awaitable, Callable, Generator
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Final
 
-import httpx
 import hypercorn.config
 import hypercorn.trio
 import hypercorn.trio.run
@@ -215,19 +215,6 @@ def use_keep_alive_connections() -> bool:
     return True
 
 
-class EngineAuth(httpx.Auth):
-    """`Authorization: Bearer <proxy.api_key_env's key>` on the probe and scrape client's
-    requests (none when the key is empty). A reload changes `key` in place."""
-
-    def __init__(self, key: str) -> None:
-        self.key = key
-
-    def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
-        if self.key:
-            request.headers["authorization"] = f"Bearer {self.key}"
-        yield request
-
-
 class Reloader:
     """Applies a re-read config to the running process (SIGHUP).
 
@@ -243,11 +230,11 @@ class Reloader:
 
     def __init__(self, load: Callable[[], Config], config: Config, *, app: RouterApp,
                  table: RoutingTable, hconfig: hypercorn.config.Config, metrics: Metrics,
-                 pools: list[UpstreamPool], engine_auth: EngineAuth, supervisors: Supervisors,
+                 pools: list[UpstreamPool], prober: Prober, supervisors: Supervisors,
                  stats_workers: Callable[[StatsConfig], list[EngineWorker]],
                  on_reload: Callable[[ReloadOutcome], None] | None = None) -> None:
         self._load, self.config = load, config
-        self._engine_auth = engine_auth
+        self._prober = prober
         self._supervisors, self._stats_workers = supervisors, stats_workers
         self._app, self._table, self._hconfig = app, table, hconfig
         self._metrics, self._pools, self._on_reload = metrics, pools, on_reload
@@ -301,7 +288,7 @@ class Reloader:
             raise
         engine_key = env_key(effective.proxy.api_key_env, "proxy.api_key_env")
         self._app.settings = settings
-        self._engine_auth.key = engine_key
+        self._prober.api_key = engine_key
         if effective.probe != old.probe or effective.stats != old.stats:
             self._supervisors.update_config(
                 effective.probe, workers=None if effective.stats == old.stats
@@ -365,59 +352,58 @@ async def run(config: Config, *, load: Callable[[], Config] | None = None,
     """
     table = table if table is not None else RoutingTable()
     use_keep_alive_connections()
-    engine_auth = EngineAuth(env_key(config.proxy.api_key_env, "proxy.api_key_env"))
+    prober = Prober(timeout=config.probe.timeout_s,
+                    api_key=env_key(config.proxy.api_key_env, "proxy.api_key_env"))
     hconfig = hypercorn_config(config)
     pools = [UpstreamPool(connect_timeout=config.proxy.connect_timeout_s,
                           read_timeout=config.proxy.read_timeout_s)]
     settings = make_settings(config, table, pools[0])
     source: KubernetesPodSource | None = None
+
+    def stats_workers(stats: StatsConfig) -> list[EngineWorker]:
+        if stats.interval_s <= 0:
+            return []
+        return [lambda engine, generation, pool: run_stats_scraper(
+            engine, table, pool, interval=stats.interval_s, timeout=stats.timeout_s,
+            generation=generation, headers=prober.headers)]
+
     try:
-        async with httpx.AsyncClient(timeout=config.probe.timeout_s, auth=engine_auth) as client:
-            prober = Prober(client, timeout=config.probe.timeout_s)  # the client's auth: key
-
-            def stats_workers(stats: StatsConfig) -> list[EngineWorker]:
-                if stats.interval_s <= 0:
-                    return []
-                return [lambda engine, generation: run_stats_scraper(
-                    engine, table, client, interval=stats.interval_s, timeout=stats.timeout_s,
-                    generation=generation)]
-
-            async with (open_supervisors(table, prober, config.probe,
-                                         workers=stats_workers(config.stats)) as supervisors,
-                        trio.open_nursery() as nursery):
-                status: DiscoveryStatus
-                if config.discovery.mode == "static":
-                    status = DiscoveryStatus.static()
-                    add_static_engines(table, supervisors, config.discovery.static.urls)
-                else:
-                    status = DiscoveryStatus()
-                    reconciler = Reconciler(table, supervisors,
-                                            port=config.discovery.kubernetes.port)
-                    source = KubernetesPodSource(config.discovery.kubernetes)
-                    await nursery.start(partial(
-                        run_kubernetes_discovery, source, reconciler, status,
-                        config.discovery.kubernetes))
-                metrics = Metrics(table, discovery_snapshot=lambda: status.snapshot(
-                    trio.current_time()))
-                table.add_remove_listener(lambda engine: metrics.forget_engine(engine.name))
-                app = RouterApp(settings=settings, table=table, supervisors=supervisors,
-                                metrics=metrics,
-                                health=lambda: status.health(trio.current_time()))
-                stop = trio.Event()
-                if handle_signals:
-                    reloader = None
-                    if load is not None:
-                        reloader = Reloader(load, config, app=app, table=table,
-                                            hconfig=hconfig, metrics=metrics, pools=pools,
-                                            engine_auth=engine_auth, supervisors=supervisors,
-                                            stats_workers=stats_workers, on_reload=on_reload)
-                    await nursery.start(_handle_signals, stop, reloader, config,
-                                        nursery.cancel_scope)
-                asgi: Any = app  # plain-dict ASGI typing, not hypercorn's TypedDicts
-                await hypercorn.trio.serve(asgi, hconfig, shutdown_trigger=stop.wait,
-                                           task_status=task_status)
-                logger.info("server stopped; stopping discovery and probes")
-                nursery.cancel_scope.cancel(reason="server stopped")
+        async with (open_supervisors(table, prober, config.probe,
+                                     workers=stats_workers(config.stats)) as supervisors,
+                    trio.open_nursery() as nursery):
+            status: DiscoveryStatus
+            if config.discovery.mode == "static":
+                status = DiscoveryStatus.static()
+                add_static_engines(table, supervisors, config.discovery.static.urls)
+            else:
+                status = DiscoveryStatus()
+                reconciler = Reconciler(table, supervisors,
+                                        port=config.discovery.kubernetes.port)
+                source = KubernetesPodSource(config.discovery.kubernetes)
+                await nursery.start(partial(
+                    run_kubernetes_discovery, source, reconciler, status,
+                    config.discovery.kubernetes))
+            metrics = Metrics(table, discovery_snapshot=lambda: status.snapshot(
+                trio.current_time()))
+            table.add_remove_listener(lambda engine: metrics.forget_engine(engine.name))
+            app = RouterApp(settings=settings, table=table, supervisors=supervisors,
+                            metrics=metrics,
+                            health=lambda: status.health(trio.current_time()))
+            stop = trio.Event()
+            if handle_signals:
+                reloader = None
+                if load is not None:
+                    reloader = Reloader(load, config, app=app, table=table,
+                                        hconfig=hconfig, metrics=metrics, pools=pools,
+                                        prober=prober, supervisors=supervisors,
+                                        stats_workers=stats_workers, on_reload=on_reload)
+                await nursery.start(_handle_signals, stop, reloader, config,
+                                    nursery.cancel_scope)
+            asgi: Any = app  # plain-dict ASGI typing, not hypercorn's TypedDicts
+            await hypercorn.trio.serve(asgi, hconfig, shutdown_trigger=stop.wait,
+                                       task_status=task_status)
+            logger.info("server stopped; stopping discovery and probes")
+            nursery.cancel_scope.cancel(reason="server stopped")
     finally:
         with trio.CancelScope(shield=True):
             for pool in pools:

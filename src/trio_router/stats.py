@@ -11,15 +11,15 @@ from __future__ import annotations
 import logging
 import math
 import random
-from collections.abc import AsyncGenerator
-from contextlib import aclosing
-from typing import Final, cast
+from collections.abc import Callable
+from typing import Final
 
-import httpx
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from .endpoints import Engine, RequestStats, RoutingTable
+from .errors import UpstreamError, UpstreamTimeoutError
+from .proxy import UpstreamPool, fetch
 
 logger = logging.getLogger(__name__)
 
@@ -83,67 +83,70 @@ def parse_vllm_metrics(text: str) -> dict[str, float]:
     return out
 
 
-async def run_stats_scraper(engine: Engine, table: RoutingTable, client: httpx.AsyncClient, *,
+async def run_stats_scraper(engine: Engine, table: RoutingTable, pool: UpstreamPool, *,
                             interval: float, timeout: float,  # noqa: ASYNC109 (per scrape)
-                            generation: int) -> None:
-    """Scrape `engine`'s /metrics about every `interval` seconds (first at once, then with
-    ±10% jitter) and store its gauges in `engine.stats`, with "scraped_at" (trio time) and
-    "stale_after" (3 * `interval`). Each scrape has the hard deadline `timeout` (connect,
-    headers and the whole body): a deadline per scrape, not a bound on this function. A result is
-    stored only if `table.current(engine.uid, generation)` is still `engine` after the await;
-    once it is not (the engine was removed or must be probed afresh), this returns, and the
-    supervisor starts a new scraper for the new generation. Failed scrapes store nothing;
-    figures older than 3 * `interval` are cleared. Runs until cancelled (the engine's
-    supervisor scope: DELETED stops it); cancellation abandons the scrape in progress and the
-    client closes the connection. Returns at once if `interval` <= 0 (scraping disabled)."""
+                            generation: int,
+                            headers: Callable[[], list[tuple[bytes, bytes]]] = list) -> None:
+    """Scrape `engine`'s /metrics about every `interval` seconds (±10% jitter) while it is
+    routable, over `pool` (the engine's own connections, kept alive between scrapes), and
+    store its gauges in `engine.stats`, with "scraped_at" (trio time) and "stale_after"
+    (3 * `interval`). An engine that is not routable is not scraped: its figures would route
+    nothing, and a hanging engine would cost a connection per scrape. `headers()` gives the
+    request's headers (the engine API key). Each scrape has the hard deadline `timeout`
+    (connect, headers and the whole body): a deadline per scrape, not a bound on this
+    function. A result is stored only if `table.current(engine.uid, generation)` is still
+    `engine` after the await; once it is not (the engine was removed or must be probed
+    afresh), this returns, and the supervisor starts a new scraper for the new generation.
+    Failed scrapes store nothing; figures older than 3 * `interval` are cleared. Runs until
+    cancelled (the engine's supervisor scope: DELETED stops it); cancellation abandons the
+    scrape in progress and closes its connection. Returns at once if `interval` <= 0."""
     if interval <= 0:
         return
-    url = f"{engine.url.rstrip('/')}/metrics"
     stale_after = STALE_INTERVALS * interval
     failing = False
     while True:
         started = trio.current_time()
-        text, error = None, f"no complete answer within {timeout:g}s"
-        with trio.move_on_after(timeout):
-            text, error = await _fetch(client, url)
-        if table.current(engine.uid, generation) is not engine:
+        if engine.routable:
+            text, error = None, f"no complete answer within {timeout:g}s"
+            with trio.move_on_after(timeout):
+                text, error = await _fetch(pool, engine.url, headers())
+            if table.current(engine.uid, generation) is not engine:
+                return
+            now = trio.current_time()
+            stats = parse_vllm_metrics(text) if text is not None else {}
+            if stats:
+                stats["scraped_at"], stats["stale_after"] = now, stale_after
+                engine.stats = stats
+                if failing:
+                    logger.info("metrics of engine %s at %s are readable again", engine.name,
+                                engine.url)
+                failing = False
+            else:
+                error = error or "no vLLM load gauges in the response"
+                if not failing:
+                    logger.info("cannot read the metrics of engine %s at %s: %s", engine.name,
+                                engine.url, error)
+                failing = True
+        elif table.current(engine.uid, generation) is not engine:
             return
         now = trio.current_time()
-        stats = parse_vllm_metrics(text) if text is not None else {}
-        if stats:
-            stats["scraped_at"], stats["stale_after"] = now, stale_after
-            engine.stats = stats
-            if failing:
-                logger.info("metrics of engine %s at %s are readable again", engine.name, url)
-            failing = False
-        else:
-            error = error or "no vLLM load gauges in the response"
-            if not failing:
-                logger.info("cannot read the metrics of engine %s at %s: %s", engine.name, url,
-                            error)
-            failing = True
-            if engine.stats and not now - engine.stats.get("scraped_at", -math.inf) <= stale_after:
-                engine.stats = {}
+        if engine.stats and not now - engine.stats.get("scraped_at", -math.inf) <= stale_after:
+            engine.stats = {}
         await trio.sleep_until(started + interval * random.uniform(1 - JITTER, 1 + JITTER))
 
 
-async def _fetch(client: httpx.AsyncClient, url: str) -> tuple[str | None, str]:
-    """The body of GET `url`, or None and why not. The caller bounds it with a deadline."""
+async def _fetch(pool: UpstreamPool, url: str,
+                 headers: list[tuple[bytes, bytes]]) -> tuple[str | None, str]:
+    """The body of GET `url`/metrics, or None and why not. The caller bounds it with a
+    deadline."""
     try:
-        async with client.stream("GET", url) as response:
-            if response.status_code != 200:
-                return None, f"HTTP {response.status_code}"
-            chunks, size = [], 0
-            body = cast(AsyncGenerator[bytes, None], response.aiter_bytes())
-            async with aclosing(body):  # closed however the loop ends (limit, cancellation)
-                async for chunk in body:
-                    size += len(chunk)
-                    if size > MAX_METRICS_BYTES:
-                        return None, f"body larger than {MAX_METRICS_BYTES} bytes"
-                    chunks.append(chunk)
-            return b"".join(chunks).decode("utf-8", errors="replace"), ""
-    except httpx.HTTPError as exc:
-        return None, f"{type(exc).__name__}: {exc}"
+        status, body = await fetch(pool, url, b"/metrics", headers,
+                                   max_bytes=MAX_METRICS_BYTES)
+    except (UpstreamError, UpstreamTimeoutError) as exc:
+        return None, str(exc)
+    if status != 200:
+        return None, f"HTTP {status}"
+    return body.decode("utf-8", errors="replace"), ""
 
 
 __all__ = ["RequestStats", "parse_vllm_metrics", "run_stats_scraper"]
