@@ -25,7 +25,12 @@ from urllib.parse import parse_qsl, urlsplit
 import h11
 import trio
 
-from trio_router.discovery import PodListing, WatchObserver, pod_from_dict
+from trio_router.discovery import (
+    PodListing,
+    WatchObserver,
+    pod_from_dict,
+    watch_event_from_dict,
+)
 from trio_router.endpoints import EventType, Pod, PodEvent
 from trio_router.errors import DiscoveryError
 
@@ -560,7 +565,7 @@ class FakePodSource(_Changes):
             changed = self._changed
             for rv, raw in self._history:
                 if rv > cursor:
-                    observer.event(raw)
+                    observer.event(watch_event_from_dict(raw))
                     cursor = rv
             if trio.current_time() >= deadline:
                 break

@@ -5,6 +5,7 @@ test_discovery_wire.py."""
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from collections.abc import AsyncIterator
@@ -14,6 +15,9 @@ from functools import partial
 import pytest
 import trio
 import trio.testing
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kubernetes.client.exceptions import ApiException
 
 from fake_apiserver import FakePodSource, FakeWatch, RecordingSink, pod_json
 from trio_router.config import KubernetesConfig
@@ -25,8 +29,10 @@ from trio_router.discovery import (
     KubernetesStatusError,
     StaticDiscoveryStatus,
     WatchTuning,
+    _decode_event,
     pod_from_dict,
     run_kubernetes_discovery,
+    watch_event_from_dict,
 )
 from trio_router.endpoints import EventType
 
@@ -89,6 +95,45 @@ def test_pod_from_dict_tolerates_missing_and_mistyped_fields(raw: dict[str, obje
         "", "Unknown", False, False, 0)
     assert pod.unroutable_reason() is not None
     assert pod.uid == pod.name  # no UID: identified by name
+
+
+@settings(max_examples=200, deadline=None)
+@given(name=st.text(max_size=20), ip=st.sampled_from(["", "10.0.0.7", "fd00::1"]),
+       ready=st.booleans(), phase=st.sampled_from(["Running", "Pending", "Failed", "Unknown"]),
+       restarts=st.integers(0, 10**6), terminating=st.booleans(), realistic=st.booleans(),
+       kind=st.sampled_from(["ADDED", "MODIFIED", "DELETED", "BOOKMARK", "WEIRD"]),
+       rv=st.text(max_size=12))
+def test_watch_lines_decode_to_what_the_tolerant_path_reads(
+        name: str, ip: str, ready: bool, phase: str, restarts: int, terminating: bool,
+        realistic: bool, kind: str, rv: str) -> None:
+    """The fast decoder (msgspec, only the fields discovery reads) and the tolerant one
+    (json.loads + pod_from_dict) agree on every well-formed event."""
+    raw = {"type": kind, "object": pod_json(
+        name, ip=ip, ready=ready, phase=phase, restarts=restarts, terminating=terminating,
+        realistic=realistic, resource_version=rv)}
+    line = json.dumps(raw).encode()
+    assert _decode_event(line) == watch_event_from_dict(raw)
+
+
+@pytest.mark.parametrize("raw", [
+    {"type": "MODIFIED", "object": {"metadata": {"name": "e", "uid": 7}, "status": {
+        "podIP": None, "phase": 3, "conditions": ["Ready", {"type": "Ready"}],
+        "containerStatuses": [None, {"restartCount": "2"}, {"restartCount": True}]}}},
+    {"type": "ADDED", "object": pod_json("e", restarts=2) | {"status": "odd"}},
+    {"type": 5, "object": []},
+])
+def test_mistyped_watch_lines_take_the_tolerant_path(raw: dict[str, object]) -> None:
+    assert _decode_event(json.dumps(raw).encode()) == watch_event_from_dict(raw)
+
+
+def test_watch_error_lines_and_garbage() -> None:
+    error = _decode_event(json.dumps({"type": "ERROR", "object": {
+        "kind": "Status", "status": "Failure", "code": 410, "reason": "Expired",
+        "message": "too old resource version"}}).encode())
+    assert isinstance(error, ApiException) and error.status == 410
+    assert "Expired: too old resource version" in str(error.reason)
+    assert _decode_event(b"  ") is None and _decode_event(b"{not json") is None
+    assert _decode_event(b"[1, 2]") is None
 
 
 # -- the algorithm -----------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from trio_router.discovery import (
     DiscoveryStatus,
     KubernetesPodSource,
     PodSink,
-    RawObject,
+    WatchEvent,
     WatchTuning,
     _WatchStream,
     run_kubernetes_discovery,
@@ -218,7 +218,7 @@ class Connected:
     def connected(self) -> None:
         self.connected_seen.set()
 
-    def event(self, raw: RawObject) -> None:
+    def event(self, event: WatchEvent) -> None:
         self.event_seen.set()
 
 
@@ -294,13 +294,13 @@ async def test_1_21_teardown_while_events_flow_is_quiet(
 
 class _Observer:
     def __init__(self) -> None:
-        self.events: list[RawObject] = []
+        self.events: list[WatchEvent] = []
 
     def connected(self) -> None:
-        self.events.append({"type": "CONNECTED"})
+        self.events.append(WatchEvent("CONNECTED"))
 
-    def event(self, raw: RawObject) -> None:
-        self.events.append(raw)
+    def event(self, event: WatchEvent) -> None:
+        self.events.append(event)
 
 
 def test_1_21_thread_to_trio_after_the_run_finished_is_quiet() -> None:
@@ -311,7 +311,7 @@ def test_1_21_thread_to_trio_after_the_run_finished_is_quiet() -> None:
                             trio.lowlevel.current_trio_token())
 
     stream = trio.run(open_stream)
-    assert stream._deliver([{"type": "BOOKMARK"}]) is False  # RunFinishedError: quiet
+    assert stream._deliver([WatchEvent("BOOKMARK")]) is False  # RunFinishedError: quiet
     assert observer.events == []
 
 
@@ -319,10 +319,10 @@ async def test_1_21_nothing_is_applied_after_the_stream_stopped() -> None:
     observer = _Observer()
     stream = _WatchStream(KubernetesPodSource(KubernetesConfig()), "1", 60, observer,
                           trio.lowlevel.current_trio_token())
-    assert await trio.to_thread.run_sync(stream._deliver, [{"type": "BOOKMARK"}]) is True
+    assert await trio.to_thread.run_sync(stream._deliver, [WatchEvent("BOOKMARK")]) is True
     stream.stop()
-    assert await trio.to_thread.run_sync(stream._deliver, [{"type": "ADDED"}]) is False
-    assert observer.events == [{"type": "BOOKMARK"}]
+    assert await trio.to_thread.run_sync(stream._deliver, [WatchEvent("ADDED")]) is False
+    assert observer.events == [WatchEvent("BOOKMARK")]
 
 
 async def test_401_marks_health_degraded_and_rereads_the_token(

@@ -22,15 +22,14 @@ import logging
 import math
 import os
 import random
-import select
-import ssl
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Final, Protocol
 
 import kubernetes.client
 import kubernetes.config
+import msgspec
 import trio
 import urllib3
 from kubernetes.client.exceptions import ApiException
@@ -38,6 +37,7 @@ from kubernetes.client.exceptions import ApiException
 from .config import KubernetesConfig
 from .endpoints import EventType, Pod, PodEvent
 from .errors import DiscoveryError
+from .proxy import ChunkedDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -50,12 +50,13 @@ LIST_READ_TIMEOUT_S: Final = 30.0  # longest silence tolerated while reading a L
 RETRY_AFTER_MAX_S: Final = 60.0  # a Retry-After longer than this is shortened to it
 FAILING_AFTER_ERRORS: Final = 6  # consecutive errors after which /health turns 503
 MAX_BATCH: Final = 512  # watch events handed to the Trio thread in one step, at most
+READ_SIZE: Final = 65536  # bytes of a watch stream asked for per read
 
 _EVENT_TYPES: Final = {t.value: t for t in EventType}
-Batch = list[RawObject]  # watch events handed from the watch thread to Trio in one step
+Batch = list["WatchEvent"]  # watch events handed from the watch thread to Trio in one step
 # kubernetes.config is untyped: use it through Any.
 _kube_config: Any = kubernetes.config
-_CONNECTED: Final[RawObject] = {"type": "CONNECTED"}  # watch thread -> Trio: headers received
+_CONNECTED: Final = "CONNECTED"  # WatchEvent type, watch thread -> Trio: headers received
 
 
 # -- errors ---------------------------------------------------------------------------------
@@ -144,6 +145,87 @@ class PodListing:
     resource_version: str
 
 
+@dataclass(frozen=True, slots=True)
+class WatchEvent:
+    """One watch event as discovery reads it: its type (ADDED, MODIFIED, DELETED, BOOKMARK, or
+    anything else, which is ignored), the object's resourceVersion ("" if none), and for pod
+    events the pod."""
+
+    type: str
+    resource_version: str = ""
+    pod: Pod | None = None
+
+
+def watch_event_from_dict(raw: RawObject) -> WatchEvent:
+    """The `WatchEvent` of a raw watch event {"type": ..., "object": {...}}."""
+    kind, obj = raw.get("type"), raw.get("object")
+    kind = kind if isinstance(kind, str) else repr(kind)
+    pod = pod_from_dict(obj) if kind in _EVENT_TYPES and isinstance(obj, dict) else None
+    return WatchEvent(kind, resource_version_of(obj), pod)
+
+
+# Only the fields discovery reads, for msgspec: decoding a watch event or a LIST into these
+# skips every other field of the pod (spec, managed fields, container details) at C speed,
+# several times cheaper than building the whole object with `json.loads`. An answer whose
+# fields have unexpected types takes the tolerant path instead (`json.loads`, then
+# `pod_from_dict`).
+class _Condition(msgspec.Struct, frozen=True):
+    type: str = ""
+    status: str = ""
+
+
+class _ContainerStatus(msgspec.Struct, frozen=True):
+    restartCount: int = 0  # the API's names
+
+
+class _PodStatus(msgspec.Struct, frozen=True):
+    phase: str = ""
+    podIP: str = ""
+    conditions: tuple[_Condition, ...] = ()
+    containerStatuses: tuple[_ContainerStatus, ...] = ()
+
+
+class _Metadata(msgspec.Struct, frozen=True):
+    name: str = ""
+    uid: str = ""
+    resourceVersion: str = ""
+    deletionTimestamp: str | None = None
+
+
+class _Object(msgspec.Struct, frozen=True):
+    """A Pod, a bookmark, or a Status (whose `status` is a string, with code and reason)."""
+
+    metadata: _Metadata = _Metadata()
+    status: _PodStatus | str | None = None
+    code: int | None = None
+    reason: str | None = None
+    message: str | None = None
+
+    def pod(self) -> Pod:
+        meta = self.metadata
+        status = self.status if isinstance(self.status, _PodStatus) else _PodStatus()
+        return Pod(uid=meta.uid or meta.name, name=meta.name, ip=status.podIP,
+                   phase=status.phase or "Unknown",
+                   ready=any(c.type == "Ready" and c.status == "True"
+                             for c in status.conditions),
+                   terminating=bool(meta.deletionTimestamp),
+                   restart_count=sum(c.restartCount for c in status.containerStatuses))
+
+
+class _Event(msgspec.Struct, frozen=True):
+    type: str = ""
+    object: _Object | None = None
+
+
+class _PodList(msgspec.Struct, frozen=True):
+    metadata: _Metadata = _Metadata()
+    items: tuple[_Object, ...] | None = None
+
+
+_decode_event_struct: Final = msgspec.json.Decoder(_Event).decode
+_decode_list_struct: Final = msgspec.json.Decoder(_PodList).decode
+
+
 # -- the interfaces the algorithm runs against -----------------------------------------------
 class PodSink(Protocol):
     """Where pods go (the Reconciler). Both methods are synchronous: when they return, the
@@ -160,8 +242,8 @@ class WatchObserver(Protocol):
     def connected(self) -> None:
         """The server accepted the watch (response headers received)."""
 
-    def event(self, raw: RawObject) -> None:
-        """One raw watch event: {"type": ADDED|MODIFIED|DELETED|BOOKMARK, "object": {...}}."""
+    def event(self, event: WatchEvent) -> None:
+        """One watch event (ADDED, MODIFIED, DELETED, BOOKMARK)."""
 
 
 class PodSource(Protocol):
@@ -461,18 +543,16 @@ class _DiscoveryLoop:
     def connected(self) -> None:
         self._status.record_connected(trio.current_time())
 
-    def event(self, raw: RawObject) -> None:
-        kind = raw.get("type")
-        obj = raw.get("object")
-        if kind == "BOOKMARK":
+    def event(self, event: WatchEvent) -> None:
+        if event.type == "BOOKMARK":
             bookmark = True
-        elif isinstance(obj, dict) and (event_type := _EVENT_TYPES.get(str(kind))) is not None:
+        elif event.pod is not None and (event_type := _EVENT_TYPES.get(event.type)) is not None:
             bookmark = False
-            self._sink.apply(PodEvent(event_type, pod_from_dict(obj)))
+            self._sink.apply(PodEvent(event_type, event.pod))
         else:
-            logger.warning("ignoring a watch event of type %r", kind)
+            logger.warning("ignoring a watch event of type %r", event.type)
             return
-        if rv := resource_version_of(obj):
+        if rv := event.resource_version:
             self._rv = rv
         self._stream_events += 1
         self._status.record_event(trio.current_time(), rv, bookmark=bookmark)
@@ -569,9 +649,15 @@ class KubernetesPodSource:
                 raise
             raise translated from exc
         try:
-            answer = json.loads(body)
-        except ValueError as exc:
+            listed = _decode_list_struct(body)
+            if listed.items is not None and listed.metadata.resourceVersion:
+                return PodListing(tuple(item.pod() for item in listed.items),
+                                  listed.metadata.resourceVersion)
+        except msgspec.ValidationError:
+            pass  # valid JSON with unexpected types: the tolerant path below
+        except msgspec.DecodeError as exc:
             raise DiscoveryError(f"LIST of pods answered with invalid JSON: {exc}") from exc
+        answer = json.loads(body)
         items = answer.get("items") if isinstance(answer, dict) else None
         version = resource_version_of(answer)
         if not isinstance(items, list) or not version:
@@ -636,7 +722,8 @@ class _WatchStream:
         except Exception as exc:
             if self._stopped:
                 return  # whatever the shut-down socket raised is expected
-            if self._connected and isinstance(exc, urllib3.exceptions.ReadTimeoutError):
+            if self._connected and isinstance(exc, urllib3.exceptions.ReadTimeoutError
+                                              | TimeoutError):
                 raise WatchStalledError(
                     f"watch silent for {config.read_timeout_s:g} s (read timeout)") from exc
             if (translated := self._source._translate(exc)) is None:
@@ -649,11 +736,11 @@ class _WatchStream:
         if self._stopped:
             return False
         observer = self._observer
-        for raw in batch:
-            if raw is _CONNECTED:
+        for event in batch:
+            if event.type == _CONNECTED:
                 observer.connected()
             else:
-                observer.event(raw)
+                observer.event(event)
         return True
 
     def _deliver(self, batch: Batch) -> bool:
@@ -676,73 +763,92 @@ class _WatchStream:
             _preload_content=False, **kwargs)
         self._response = response
         try:
-            if self._stopped or not self._deliver([_CONNECTED]):
+            if self._stopped or not self._deliver([WatchEvent(_CONNECTED)]):
                 raise _Stopped
             if not 200 <= response.status <= 299:
                 api.api_client.response_deserialize(response, {})  # raises ApiException
             self._connected = True
             pending = b""
-            batch: Batch = []
-            for segment in response.stream(amt=None, decode_content=False):
+            for data in _body_pieces(response):
                 if self._stopped:
                     raise _Stopped
-                *lines, pending = (pending + segment).split(b"\n")
+                *lines, pending = (pending + data).split(b"\n")
+                batch: Batch = []
                 for line in lines:
                     if (event := _decode_event(line)) is None:
                         continue
-                    if event.get("type") == "ERROR":  # apply what came before it, then raise
+                    if isinstance(event, ApiException):  # apply what came before, then raise
                         if batch and not self._deliver(batch):
                             raise _Stopped
-                        raise _error_event(event)
+                        raise event
                     batch.append(event)
-                if batch and (len(batch) >= MAX_BATCH or not _next_chunk_received(response)):
-                    if not self._deliver(batch):
-                        raise _Stopped
-                    batch = []
-            if batch and not self._deliver(batch):
-                raise _Stopped
+                    if len(batch) >= MAX_BATCH:
+                        if not self._deliver(batch):
+                            raise _Stopped
+                        batch = []
+                if batch and not self._deliver(batch):
+                    raise _Stopped
         finally:
             response.close()  # unread body: the connection must not go back to the pool
             response.release_conn()
 
 
-def _next_chunk_received(response: Any) -> bool:
-    """Worker thread: True only if the next HTTP chunk of the watch `response` has been
-    received whole, so that reading it cannot block; then the events read so far can wait for
-    it and cross to Trio together (the API server sends one chunk per event). Looks at the
-    buffered reader under urllib3's response and peeks only when the socket is readable (or
-    TLS holds decrypted bytes), so it never waits; False whenever that cannot be told."""
+def _body_pieces(response: Any) -> Iterator[bytes]:
+    """Worker thread: the de-chunked body of the watch `response` in pieces as they arrive,
+    each piece all that one read brought: every event received whole by then crosses to Trio
+    in the same hand-off, and none waits for one that has not fully arrived. Reads the socket's
+    buffered reader under urllib3's response (what is left after the headers) and decodes the
+    chunked framing with the upstream codec; where that reader is not there, or the body is
+    not plainly chunked, urllib3 yields it one chunk at a time instead. The socket's read
+    timeout applies to every read (TimeoutError); a body that ends before its last chunk
+    raises urllib3's ProtocolError."""
     reader = getattr(getattr(response, "_fp", None), "fp", None)
-    sock = getattr(getattr(response, "connection", None), "sock", None)
-    if reader is None or sock is None or not hasattr(reader, "peek"):
-        return False
-    try:
-        if not (select.select([sock], [], [], 0)[0]
-                or (isinstance(sock, ssl.SSLSocket) and sock.pending())):
-            return False
-        data = reader.peek(1)
-    except (OSError, ValueError):
-        return False
-    end = data.find(b"\r\n")
-    if end <= 0:
-        return False
-    try:
-        size = int(data[:end].split(b";", 1)[0], 16)
-    except ValueError:
-        return False
-    return size > 0 and len(data) >= end + 2 + size + 2
+    if (reader is None or not hasattr(reader, "read1") or not getattr(response, "chunked", False)
+            or response.headers.get("content-encoding")):
+        yield from response.stream(amt=None, decode_content=False)
+        return
+    decoder = ChunkedDecoder()
+    while not decoder.done:
+        data = reader.read1(READ_SIZE)
+        if not data:
+            raise urllib3.exceptions.ProtocolError("watch response ended prematurely")
+        try:
+            yield decoder.feed(data)
+        except ValueError as exc:
+            raise urllib3.exceptions.ProtocolError(f"bad chunked watch response: {exc}") from exc
 
 
-def _decode_event(line: bytes) -> RawObject | None:
-    """One watch event from one line of the stream, or None for a blank or garbled line."""
+def _decode_event(line: bytes) -> WatchEvent | ApiException | None:
+    """One watch event from one line of the stream; an ERROR event as the `ApiException` it
+    stands for; None for a blank or garbled line."""
     if not line.strip():
         return None
     try:
-        event = json.loads(line)
+        event = _decode_event_struct(line)
+    except msgspec.ValidationError:  # valid JSON, unexpected types: the tolerant path
+        return _decode_event_tolerant(line)
+    except msgspec.DecodeError:
+        logger.warning("ignoring a watch line that is not JSON: %r", line[:200])
+        return None
+    obj = event.object or _Object()
+    if event.type == "ERROR":
+        return ApiException(status=obj.code if obj.code is not None else 500,
+                            reason=f"{obj.reason}: {obj.message}")
+    pod = obj.pod() if event.type in _EVENT_TYPES and event.object is not None else None
+    return WatchEvent(event.type, obj.metadata.resourceVersion, pod)
+
+
+def _decode_event_tolerant(line: bytes) -> WatchEvent | ApiException | None:
+    try:
+        raw = json.loads(line)
     except ValueError:
         logger.warning("ignoring a watch line that is not JSON: %r", line[:200])
         return None
-    return event if isinstance(event, dict) else None
+    if not isinstance(raw, dict):
+        return None
+    if raw.get("type") == "ERROR":
+        return _error_event(raw)
+    return watch_event_from_dict(raw)
 
 
 def _error_event(event: RawObject) -> ApiException:

@@ -46,8 +46,8 @@ import trio
 
 from .errors import UpstreamError, UpstreamTimeoutError
 
-__all__ = ["ClientGoneError", "EngineUnreachableError", "UpstreamPool", "UpstreamResponse",
-           "fetch"]
+__all__ = ["ChunkedDecoder", "ClientGoneError", "EngineUnreachableError", "UpstreamPool",
+           "UpstreamResponse", "fetch"]
 
 READ_SIZE: Final = 65536  # bytes asked of the socket per receive
 CHECKPOINT_EVERY: Final = 16  # body chunks returned at once, at most, between two checkpoints
@@ -349,6 +349,32 @@ class _ResponseParser:
             self.done = True
         elif not self.done:
             raise _ProtocolError("connection closed before the end of the response body")
+
+
+class ChunkedDecoder:
+    """The chunked transfer coding (RFC 9112 §7.1) of a body whose head was read elsewhere,
+    decoded by this module's response codec: `feed()` the raw body bytes as they arrive and
+    get back the data they complete; `done` once the last chunk and trailers have come. No
+    I/O; raises ValueError on malformed framing."""
+
+    __slots__ = ("_parser",)
+
+    def __init__(self) -> None:
+        self._parser = _ResponseParser()
+        self._parser._mode = _CHUNKED
+
+    @property
+    def done(self) -> bool:
+        return self._parser.done
+
+    def feed(self, data: bytes) -> bytes:
+        """The body data in `data` and what came before it (b"" if none yet)."""
+        parser = self._parser
+        parser.feed(data)
+        try:
+            return parser.read_body()
+        except _ProtocolError as exc:
+            raise ValueError(str(exc)) from exc
 
 
 def _plain_chunk_run(buf: bytes, pos: int) -> tuple[bytes, int]:

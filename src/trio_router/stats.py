@@ -11,11 +11,11 @@ from __future__ import annotations
 import logging
 import math
 import random
+import re
 from collections.abc import Callable
 from typing import Final
 
 import trio
-from prometheus_client.parser import text_string_to_metric_families
 
 from .endpoints import Engine, RequestStats, RoutingTable
 from .errors import UpstreamError, UpstreamTimeoutError
@@ -27,58 +27,64 @@ STALE_INTERVALS: Final = 3  # scraped stats older than this many intervals are i
 MAX_METRICS_BYTES: Final = 8 * 1024 * 1024  # a larger /metrics body is not read
 JITTER: Final = 0.1  # scrape period drawn from interval * [1 - JITTER, 1 + JITTER]
 
-_COUNTS: Final = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting"}
-_KV_USAGE: Final = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # newest first
+_COUNTS: Final = {b"vllm:num_requests_running": "running",
+                   b"vllm:num_requests_waiting": "waiting"}
+_KV_USAGE: Final = (b"vllm:kv_cache_usage_perc", b"vllm:gpu_cache_usage_perc")  # newest first
 _NAMES: Final = (*_COUNTS, *_KV_USAGE)
-_COMMENTS: Final = ("# HELP ", "# TYPE ")  # both 7 characters long
+# One sample line of the Prometheus text format, after its metric name: optional labels
+# (name="value" pairs, values with \\, \" and \n escapes), the value, an optional timestamp.
+_SAMPLE_REST: Final = re.compile(
+    rb'(?:\{(?:[a-zA-Z_][a-zA-Z0-9_]*[ \t]*=[ \t]*"(?:[^"\\\n]|\\.)*"[ \t]*,?[ \t]*)*\})?'
+    rb"[ \t]+([^ \t]+)(?:[ \t]+-?[0-9]+)?[ \t]*")
 
 
-def _wanted(line: str) -> bool:
-    return line.startswith(_NAMES) or (line.startswith(_COMMENTS) and
-                                       line[7:].startswith(_NAMES))
+def _samples(body: bytes, name: bytes) -> list[float] | None:
+    """The values of every sample line of metric `name` in `body`; None if one is malformed.
+    `bytes.find` skips the other metrics at C speed (an engine exports hundreds of lines),
+    and only the lines of `name` are looked at."""
+    values: list[float] = []
+    start = 0
+    while (at := body.find(name, start)) >= 0:
+        after = at + len(name)
+        end = body.find(b"\n", after)
+        end = len(body) if end < 0 else end
+        start = end
+        # A sample of this metric starts a line and the name ends there; anything else is
+        # another metric with a longer name, or a comment (# HELP / # TYPE).
+        if (at and body[at - 1] != 10) or body[after:after + 1] not in (b"{", b" ", b"\t"):
+            continue
+        match = _SAMPLE_REST.fullmatch(body, after, end)
+        if match is None:
+            return None
+        try:
+            values.append(float(match.group(1)))
+        except ValueError:
+            return None
+    return values
 
 
-def _gauge_lines(text: str) -> list[str]:
-    """The lines of `text` (samples, HELP and TYPE) about the gauges we read, in order.
-    `str.find` skips the other metrics at C speed: an engine exports hundreds of lines."""
-    found: dict[int, str] = {}
+def parse_vllm_metrics(text: str | bytes) -> dict[str, float]:
+    """vLLM's load gauges from a /metrics page: "running" and "waiting" (request counts,
+    summed over label sets such as data-parallel ranks) and "kv_cache_usage" (0..1, the mean
+    over label sets, from `vllm:kv_cache_usage_perc`, else the older
+    `vllm:gpu_cache_usage_perc`). Absent gauges are absent keys; non-finite samples are
+    skipped. A page with a malformed sample line of one of these gauges yields {}; it never
+    raises. Only the lines of these gauges are parsed, which keeps a scrape cheap however
+    many other metrics the engine exports."""
+    body = text.encode("utf-8", errors="replace") if isinstance(text, str) else text
+    values: dict[bytes, list[float]] = {}
     for name in _NAMES:
-        start = 0
-        while (at := text.find(name, start)) >= 0:
-            begin = text.rfind("\n", 0, at) + 1
-            end = text.find("\n", at)
-            end = len(text) if end < 0 else end
-            if begin not in found and _wanted(line := text[begin:end]):
-                found[begin] = line
-            start = end
-    return [found[begin] for begin in sorted(found)]
-
-
-def parse_vllm_metrics(text: str) -> dict[str, float]:
-    """vLLM's load gauges from a /metrics text: "running" and "waiting" (request counts, summed
-    over label sets such as data-parallel ranks) and "kv_cache_usage" (0..1, the mean over
-    label sets, from `vllm:kv_cache_usage_perc`, else the older `vllm:gpu_cache_usage_perc`).
-    Absent gauges are absent keys; non-finite samples are skipped. Text that does not parse
-    yields {} and never raises. Only the lines of these gauges reach prometheus-client's
-    parser, which keeps a scrape cheap however many other metrics the engine exports."""
-    try:
-        lines = _gauge_lines(text)
-        if not lines:
+        found = _samples(body, name)
+        if found is None:
             return {}
-        values: dict[str, list[float]] = {}
-        for family in text_string_to_metric_families("\n".join(lines) + "\n"):
-            for sample in family.samples:
-                if sample.name in _NAMES and math.isfinite(sample.value):
-                    values.setdefault(sample.name, []).append(float(sample.value))
-    except Exception:  # the parser raises assorted errors (ValueError, IndexError, ...)
-        return {}
+        values[name] = [v for v in found if math.isfinite(v)]
     out: dict[str, float] = {}
     for name, key in _COUNTS.items():
-        if name in values:
+        if values[name]:
             out[key] = max(0.0, math.fsum(values[name]))
     for name in _KV_USAGE:
-        if found := values.get(name):
-            out["kv_cache_usage"] = min(1.0, max(0.0, math.fsum(found) / len(found)))
+        if found_kv := values[name]:
+            out["kv_cache_usage"] = min(1.0, max(0.0, math.fsum(found_kv) / len(found_kv)))
             break
     return out
 
@@ -107,13 +113,13 @@ async def run_stats_scraper(engine: Engine, table: RoutingTable, pool: UpstreamP
     while True:
         started = trio.current_time()
         if engine.routable:
-            text, error = None, f"no complete answer within {timeout:g}s"
+            body, error = None, f"no complete answer within {timeout:g}s"
             with trio.move_on_after(timeout):
-                text, error = await _fetch(pool, engine.url, headers())
+                body, error = await _fetch(pool, engine.url, headers())
             if table.current(engine.uid, generation) is not engine:
                 return
             now = trio.current_time()
-            stats = parse_vllm_metrics(text) if text is not None else {}
+            stats = parse_vllm_metrics(body) if body is not None else {}
             if stats:
                 stats["scraped_at"], stats["stale_after"] = now, stale_after
                 engine.stats = stats
@@ -136,7 +142,7 @@ async def run_stats_scraper(engine: Engine, table: RoutingTable, pool: UpstreamP
 
 
 async def _fetch(pool: UpstreamPool, url: str,
-                 headers: list[tuple[bytes, bytes]]) -> tuple[str | None, str]:
+                 headers: list[tuple[bytes, bytes]]) -> tuple[bytes | None, str]:
     """The body of GET `url`/metrics, or None and why not. The caller bounds it with a
     deadline."""
     try:
@@ -146,7 +152,7 @@ async def _fetch(pool: UpstreamPool, url: str,
         return None, str(exc)
     if status != 200:
         return None, f"HTTP {status}"
-    return body.decode("utf-8", errors="replace"), ""
+    return body, ""
 
 
 __all__ = ["RequestStats", "parse_vllm_metrics", "run_stats_scraper"]
