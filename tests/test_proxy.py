@@ -23,6 +23,7 @@ from trio_router.errors import UpstreamError, UpstreamTimeoutError
 from trio_router.proxy import (
     CHECKPOINT_EVERY,
     CLIENT_CHECK_S,
+    ChunkedDecoder,
     ClientGoneError,
     EngineUnreachableError,
     UpstreamPool,
@@ -1003,3 +1004,29 @@ async def test_header_injection_is_refused_before_sending() -> None:
                 async with pool.request(url, b"POST", b"/a b", [], b"{}"):
                     raise AssertionError("not reached")
     assert engine.request_count == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.binary(min_size=1, max_size=300), max_size=12),
+       st.lists(st.integers(1, 50), min_size=1, max_size=20), st.booleans())
+def test_chunked_decoder_reassembles_any_split(chunks: list[bytes], splits: list[int],
+                                               extras: bool) -> None:
+    """The watch stream's decoder: a chunked body fed in arbitrary pieces gives back its data
+    exactly, with extensions and trailers ignored, and says when the body is complete."""
+    ext = b";name=value" if extras else b""
+    wire = b"".join(b"%x%s\r\n%s\r\n" % (len(c), ext, c) for c in chunks)
+    wire += b"0\r\nx-trailer: 1\r\n\r\n" if extras else b"0\r\n\r\n"
+    decoder, out, pos, turn = ChunkedDecoder(), [], 0, 0
+    while pos < len(wire):
+        assert not decoder.done
+        step = splits[turn % len(splits)]
+        out.append(decoder.feed(wire[pos:pos + step]))
+        pos, turn = pos + step, turn + 1
+    assert decoder.done and b"".join(out) == b"".join(chunks)
+
+
+@pytest.mark.parametrize("wire", [b"zz\r\n", b"3\r\nabcX\r\n", b"3 4\r\nabc\r\n",
+                                  b"1\r\na\r\n0\r\nbad trailer\r\n\r\n"])
+def test_chunked_decoder_rejects_bad_framing(wire: bytes) -> None:
+    with pytest.raises(ValueError):
+        ChunkedDecoder().feed(wire)

@@ -81,6 +81,17 @@ def test_malformed_text_yields_nothing(text: str) -> None:
     assert parse_vllm_metrics(text) == {}
 
 
+def test_label_values_with_braces_spaces_escapes_and_timestamps() -> None:
+    text = ('vllm:num_requests_running{model_name="a } b, \\"c\\"",engine="0",} 2 1700000000000\n'
+            "vllm:num_requests_running 1.5e0\n"
+            "vllm:num_requests_running_total 99\n"  # another metric with a longer name
+            "# HELP vllm:num_requests_waiting waiting, with a } in the help\n"
+            "vllm:num_requests_waiting\t+Inf\n"
+            "vllm:num_requests_waiting 4\n")
+    assert parse_vllm_metrics(text) == {"running": 3.5, "waiting": 4.0}
+    assert parse_vllm_metrics(text.encode()) == parse_vllm_metrics(text)
+
+
 def test_non_finite_and_out_of_range_values_are_tamed() -> None:
     assert parse_vllm_metrics(gauges(float("nan"), -3, 7.5)) == {"waiting": 0.0,
                                                                   "kv_cache_usage": 1.0}

