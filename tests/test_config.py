@@ -83,7 +83,10 @@ def test_int_accepted_for_float_durations(tmp_path: Path) -> None:
     ("[routing]\npolicy = 'random'\n", "routing.policy must be one of"),
     ("[discovery]\nmode = 'dns'\n", "discovery.mode must be one of"),
     ("[discovery]\nmode = 'static'\n", "discovery.static.urls is empty"),
-    ("[discovery.static]\nurls = ['127.0.0.1:8000']\n", "is not an http(s) URL"),
+    ("[discovery.static]\nurls = ['127.0.0.1:8000']\n", "is not an http://host:port URL"),
+    ("[discovery.static]\nurls = ['https://10.0.0.1:8000']\n", "TLS to engines is not supported"),
+    ("[discovery.static]\nurls = ['http://10.0.0.1:8000/v1']\n", "without a path"),
+    ("[discovery.static]\nurls = ['http://10.0.0.1:99999']\n", "bad port"),
     ("[discovery.kubernetes]\nport = 0\n", "discovery.kubernetes.port must be 1..65535"),
     ("[probe\n", "invalid TOML"),
 ])

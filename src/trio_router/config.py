@@ -13,6 +13,7 @@ import typing
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 from .errors import ConfigError
 
@@ -48,14 +49,32 @@ class ServerConfig:
         _positive("server", drain_s=self.drain_s, max_body_bytes=self.max_body_bytes)
 
 
+def _check_engine_url(url: str) -> None:
+    """An engine base URL is http://host[:port] and nothing more: the router appends the API
+    paths itself, and speaks plain HTTP/1.1 to engines."""
+    where = "discovery.static.urls"
+    parts = urlsplit(url)
+    if parts.scheme == "https":
+        raise ConfigError(f"{where}: {url!r}: engines are reached over plain HTTP; TLS to "
+                          "engines is not supported (use http://, e.g. inside the cluster)")
+    try:
+        port = parts.port
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {url!r} has a bad port: {exc}") from exc
+    if parts.scheme != "http" or not parts.hostname or port == 0:
+        raise ConfigError(f"{where}: {url!r} is not an http://host:port URL")
+    if parts.path.strip("/") or parts.query or parts.fragment or parts.username:
+        raise ConfigError(f"{where}: {url!r}: give the engine's base URL, http://host:port, "
+                          "without a path (the router adds /v1/... itself)")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StaticConfig:
     urls: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for url in self.urls:
-            if not url.startswith(("http://", "https://")):
-                raise ConfigError(f"discovery.static.urls: {url!r} is not an http(s) URL")
+            _check_engine_url(url)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
