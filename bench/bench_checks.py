@@ -25,8 +25,8 @@ from pathlib import Path
 import trio
 
 from trio_router.health import Prober
-from trio_router.proxy import UpstreamPool, fetch
 from trio_router.stats import parse_vllm_metrics
+from trio_router.upstream import UpstreamPool, fetch
 
 ROOT = Path(__file__).resolve().parent.parent
 ADDRESS, PORT = "127.0.9.1", 18899

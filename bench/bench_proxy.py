@@ -166,11 +166,10 @@ async def _serve_baseline(kind: str) -> None:
     import hypercorn.config
     import hypercorn.trio
 
-    if kind == "lean":  # Hypercorn with trio_router's connection class, nothing else of it
-        from trio_router.server import use_keep_alive_connections
+    from trio_router import connection
 
-        use_keep_alive_connections()
-
+    # "lean": Hypercorn with trio_router's connection class, nothing else of it.
+    serve = connection.serve if kind == "lean" else hypercorn.trio.serve
     config = hypercorn.config.Config()
     config.bind = ["127.0.0.1:0"]
     config.accesslog = None
@@ -179,8 +178,7 @@ async def _serve_baseline(kind: str) -> None:
     with trio.open_signal_receiver(signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
             app: Any = _baseline_app  # plain-dict ASGI typing, not hypercorn's TypedDicts
-            urls = await nursery.start(partial(hypercorn.trio.serve, app, config,
-                                               shutdown_trigger=stop.wait))
+            urls = await nursery.start(partial(serve, app, config, shutdown_trigger=stop.wait))
             print(urls[0], flush=True)
             async for _ in signals:
                 stop.set()

@@ -1,4 +1,4 @@
-"""`server.KeepAliveConnection`, the connection class trio_router gives Hypercorn's trio worker:
+"""`connection.KeepAliveConnection`, the connection class trio_router gives Hypercorn's trio worker:
 keep-alive timing, shutdown, writes the socket cannot take at once, clients that vanish.
 
 Real sockets on 127.0.0.1: `hypercorn.trio.serve` with a small ASGI app, raw TCP clients. The
@@ -27,7 +27,7 @@ import trio.testing
 from hypercorn.events import Closed, RawData
 from hypercorn.trio.worker_context import WorkerContext
 
-from trio_router import server
+from trio_router import connection
 
 KEEP_ALIVE: Final = 5.0
 BIG: Final = 16 * 1024 * 1024  # more than the kernel takes in one write on loopback
@@ -50,6 +50,12 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     while (await receive()).get("more_body"):
         pass
     path = scope["path"]
+    if path == "/client":  # what the connection seam tells the app about its client
+        body = type(connection.current_client()).__name__.encode()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", b"%d" % len(body))]})
+        await send({"type": "http.response.body", "body": body})
+        return
     if path.startswith("/sleep/"):
         await trio.sleep(float(path.removeprefix("/sleep/")))
     if path == "/big":
@@ -103,7 +109,6 @@ class Served:
 async def serve() -> AsyncIterator[Served]:
     """`app` on Hypercorn's trio worker with trio_router's connection class; `stop` starts
     Hypercorn's graceful shutdown."""
-    assert server.use_keep_alive_connections()
     config = hypercorn.config.Config()
     config.bind = ["127.0.0.1:0"]
     config.keep_alive_timeout = KEEP_ALIVE
@@ -114,7 +119,7 @@ async def serve() -> AsyncIterator[Served]:
     with trio.fail_after(VIRTUAL_LIMIT):
         async with trio.open_nursery() as nursery:
             asgi: Any = app
-            urls = await nursery.start(partial(hypercorn.trio.serve, asgi, config,
+            urls = await nursery.start(partial(connection.serve, asgi, config,
                                                shutdown_trigger=stop.wait))
             served = Served(int(urls[0].rsplit(":", 1)[1]), stop)
             try:
@@ -339,17 +344,17 @@ async def test_writes_to_a_reset_or_closed_socket_tell_the_protocol_it_closed() 
     with trio.fail_after(LIMIT):
         for how in ("reset", "closed"):
             ours, peer = socket_pair()
-            connection = server.KeepAliveConnection(
+            conn = connection.KeepAliveConnection(
                 app, hypercorn.config.Config(), WorkerContext(None), {}, ours)
-            protocol = connection.protocol = RecordingProtocol()  # type: ignore[assignment]
+            protocol = conn.protocol = RecordingProtocol()  # type: ignore[assignment]
             if how == "reset":
                 peer.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                 await peer.aclose()
-                await connection.protocol_send(RawData(b"first"))  # may still be taken
-                await connection.protocol_send(RawData(b"second"))
+                await conn.protocol_send(RawData(b"first"))  # may still be taken
+                await conn.protocol_send(RawData(b"second"))
             else:
                 await ours.aclose()
-                await connection.protocol_send(RawData(b"data"))
+                await conn.protocol_send(RawData(b"data"))
                 await peer.aclose()
             assert any(isinstance(event, Closed) for event in protocol.events), how
             await ours.aclose()
@@ -389,16 +394,35 @@ async def test_http2_streams_share_the_connection_and_its_writes() -> None:
 
 
 # -- installation ---------------------------------------------------------------------------
-def test_installed_once_and_not_on_an_unknown_hypercorn(
-        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    assert server.use_keep_alive_connections()
-    assert hypercorn.trio.run.TCPServer is server.KeepAliveConnection  # type: ignore[attr-defined]
-    assert server.use_keep_alive_connections()  # idempotent
+async def test_installed_for_this_server_only(monkeypatch: pytest.MonkeyPatch,
+                                             caplog: pytest.LogCaptureFixture) -> None:
+    """`serve` drives its own connections with the class (its requests see their client
+    socket), and leaves Hypercorn's default alone for other servers in the process; on an
+    unknown Hypercorn it serves with Hypercorn's own class and says so."""
+    original = hypercorn.trio.run.TCPServer  # type: ignore[attr-defined]
+    async with serve() as served:
+        assert hypercorn.trio.run.TCPServer is original  # type: ignore[attr-defined]
+        stream = await served.connect()
+        await request(stream, "/client")
+        assert (await read_response(stream))[1] == b"ClientSocket"
+
+        config = hypercorn.config.Config()
+        config.bind = ["127.0.0.1:0"]
+        config.accesslog = None
+        config.errorlog = logging.getLogger("test_connection.hypercorn")
+        async with trio.open_nursery() as nursery:
+            asgi: Any = app
+            urls = await nursery.start(partial(hypercorn.trio.serve, asgi, config))
+            plain = await trio.open_tcp_stream("127.0.0.1", int(urls[0].rsplit(":", 1)[1]))
+            async with plain:
+                await request(plain, "/client")
+                assert (await read_response(plain))[1] == b"NoneType"
+            nursery.cancel_scope.cancel()
 
     class Unknown:
         pass
 
     monkeypatch.setattr(hypercorn.trio.run, "TCPServer", Unknown)
-    assert not server.use_keep_alive_connections()
+    assert not connection._installable()
     assert getattr(hypercorn.trio.run, "TCPServer") is Unknown  # noqa: B009
     assert "serving with Hypercorn's own" in caplog.text

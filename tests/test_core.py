@@ -16,7 +16,7 @@ from core_fakes import FakeEngines, added, deleted, make_pod, modified, open_cor
 from trio_router.config import ProbeConfig
 from trio_router.endpoints import EngineState, Model, RoutingTable
 from trio_router.health import ProbeFailed, Prober, parse_models
-from trio_router.proxy import UpstreamPool
+from trio_router.upstream import UpstreamPool
 
 
 async def test_deleted_is_never_stuck_behind_probes(autojump_clock: trio.testing.MockClock

@@ -42,7 +42,7 @@ from .errors import (
 from .health import Supervisors
 from .metrics import CONTENT_TYPE, NO_LABEL, Metrics
 from .policy import Policy, RequestInfo, make_policy, request_info
-from .proxy import ClientGoneError, EngineUnreachableError, UpstreamPool
+from .upstream import ClientGoneError, EngineUnreachableError, UpstreamPool
 
 logger = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ from kubernetes.client.exceptions import ApiException
 from .config import KubernetesConfig
 from .endpoints import EventType, Pod, PodEvent
 from .errors import DiscoveryError
-from .proxy import ChunkedDecoder
+from .http11 import ChunkedDecoder
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ import trio
 from .config import ProbeConfig
 from .endpoints import Engine, Model, RoutingTable
 from .errors import UpstreamError, UpstreamTimeoutError
-from .proxy import Connector, EngineUnreachableError, UpstreamPool, fetch, open_tcp_socket
+from .upstream import Connector, EngineUnreachableError, UpstreamPool, fetch, open_tcp_socket
 
 logger = logging.getLogger(__name__)
 

@@ -12,24 +12,17 @@ file (see `Reloader`).
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 import logging
-import math
-import os
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Final
 
 import hypercorn.config
-import hypercorn.trio
-import hypercorn.trio.run
 import trio
-from hypercorn.events import Closed, Event, RawData
-from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
-from hypercorn.trio.worker_context import TrioSingleTask
 
+from . import connection
 from .app import RouterApp, env_key, make_settings
 from .config import Config, StatsConfig, parse_bind
 from .discovery import DiscoveryStatus, KubernetesPodSource, run_kubernetes_discovery
@@ -37,9 +30,9 @@ from .endpoints import RoutingTable
 from .errors import ConfigError
 from .health import EngineWorker, Prober, Supervisors, open_supervisors
 from .metrics import Metrics
-from .proxy import UpstreamPool
 from .reconcile import Reconciler, add_static_engines
 from .stats import run_stats_scraper
+from .upstream import UpstreamPool
 
 logger = logging.getLogger(__name__)
 
@@ -75,144 +68,6 @@ def hypercorn_config(config: Config) -> hypercorn.config.Config:
     hc.accesslog = None  # no per-request logging on the hot path
     hc.errorlog = logging.getLogger("hypercorn.error")  # configured by __main__, like ours
     return hc
-
-
-class KeepAliveTimer(TrioSingleTask):
-    """A client connection's keep-alive timer: one task per connection whose cancel-scope
-    deadline moves, in place of Hypercorn's `TrioSingleTask`, which starts a fresh timer task
-    (and cancels the last one) around every request. Same behaviour: a connection idle for
-    `keep_alive_timeout` is closed; on shutdown an idle connection is closed at once and a
-    busy one when its response is complete (Hypercorn's protocol does that part).
-
-    Hypercorn's connection calls `restart` when it goes idle (also once at the start) and
-    `stop` when a request begins; `close` ends the timer with the connection.
-    """
-
-    def __init__(self, connection: KeepAliveConnection) -> None:
-        super().__init__()
-        self._connection = connection
-        self._scope = trio.CancelScope()
-        self._idle = False
-        self._running = False
-        self._closed = False
-
-    async def restart(self, task_group: Any, action: Callable[[], Awaitable[None]]) -> None:
-        """The connection is idle from now on (`action`, Hypercorn's timer body, is not
-        used: the timer task below does its job)."""
-        self._idle = True
-        if self._connection.context.terminated.is_set():
-            self._scope.deadline = -math.inf  # shutting down: close an idle connection now
-        else:
-            self._scope.deadline = (trio.current_time()
-                                    + self._connection.config.keep_alive_timeout)
-        if not self._running:
-            self._running = True
-            task_group.spawn(self._run)
-
-    async def stop(self) -> None:
-        """A request has begun: no timeout until it is answered."""
-        self._idle = False
-        self._scope.deadline = math.inf
-
-    def close(self) -> None:
-        """The connection has ended: end the timer task."""
-        self._closed = True
-        self._scope.cancel()
-
-    async def _run(self) -> None:
-        while True:
-            with self._scope:
-                await self._connection.context.terminated.wait()
-                if not self._idle:  # the protocol closes the connection after this response
-                    await trio.sleep_forever()
-            if self._closed:
-                return
-            if self._idle:  # idle past the keep-alive timeout, or shutting down while idle
-                break
-            # The deadline passed just as a request began: keep serving it, with a new scope.
-            self._scope = trio.CancelScope(deadline=math.inf)
-        with trio.CancelScope(shield=True):
-            await self._connection._initiate_server_close()
-
-
-class KeepAliveConnection(TCPServer):
-    """Hypercorn's trio connection (its HTTP/1.1 and HTTP/2 protocols and ASGI handling,
-    unchanged) with a leaner drive of the socket, measured with bench/bench_proxy.py:
-
-    - the keep-alive timer above: Hypercorn's cost about a quarter of its CPU per request;
-    - a write is tried at once on the non-blocking socket and waits (under Hypercorn's send
-      lock, shielded, as before) only for what the socket did not take; an empty write (the
-      end of a Content-Length body) is skipped. Hypercorn's way cost a lock round trip and a
-      shielded checkpoint per write, three writes per response;
-    - reads have no timeout scope when `read_timeout` is unset (Hypercorn's default, ours).
-
-    The timer ends with the connection, where Hypercorn's outlived a connection the client
-    closed until the keep-alive timeout.
-    """
-
-    def __init__(self, app: Any, config: hypercorn.config.Config, context: Any, state: Any,
-                 stream: Any) -> None:
-        super().__init__(app, config, context, state, stream)
-        self.idle_task = self.keep_alive = KeepAliveTimer(self)
-        # The stream's socket, for writes tried at once (plain TCP only; TLS goes Hypercorn's
-        # way). Its fileno() is -1 once it is closed, so a write never reaches a descriptor
-        # number the process has reused since.
-        self._socket = stream.socket if isinstance(stream, trio.SocketStream) else None
-
-    async def protocol_send(self, event: Event) -> None:
-        if type(event) is not RawData:
-            await super().protocol_send(event)
-            return
-        data = event.data
-        if not data:
-            return
-        sock = self._socket
-        if sock is not None and not self.send_lock.locked():
-            try:
-                sent = os.write(sock.fileno(), data)
-            except BlockingIOError:
-                sent = 0
-            except OSError:  # reset, broken pipe, or closed here (fileno() is then -1)
-                await self.protocol.handle(Closed())
-                return
-            if sent == len(data):
-                return
-            event = RawData(data=data[sent:])
-        await super().protocol_send(event)
-
-    async def _read_data(self) -> None:
-        try:
-            if self.config.read_timeout is not None:
-                await super()._read_data()
-                return
-            receive_some, handle = self.stream.receive_some, self.protocol.handle
-            while True:
-                try:
-                    data = await receive_some(MAX_RECV)
-                except (trio.ClosedResourceError, trio.BrokenResourceError):
-                    break
-                await handle(RawData(bytes(data)))
-                if not data:
-                    break
-            await handle(Closed())
-        finally:
-            self.keep_alive.close()
-
-
-def use_keep_alive_connections() -> bool:
-    """Make `hypercorn.trio.serve` drive each connection with `KeepAliveConnection`. True if
-    in use; False (logged) if this Hypercorn is not the one it was written for, in which case
-    Hypercorn's own connection class serves, correctly but at a higher CPU cost."""
-    current = getattr(hypercorn.trio.run, "TCPServer", None)
-    if current is KeepAliveConnection:
-        return True
-    if current is not TCPServer or not hasattr(TCPServer, "_initiate_server_close"):
-        logger.warning("this Hypercorn (%s) is not the one trio_router's connection class "
-                       "was written for; serving with Hypercorn's own",
-                       importlib.metadata.version("hypercorn"))
-        return False
-    hypercorn.trio.run.TCPServer = KeepAliveConnection  # type: ignore[attr-defined]
-    return True
 
 
 class Reloader:
@@ -351,7 +206,6 @@ async def run(config: Config, *, load: Callable[[], Config] | None = None,
     THREAD_EXIT_S) when this returns.
     """
     table = table if table is not None else RoutingTable()
-    use_keep_alive_connections()
     prober = Prober(timeout=config.probe.timeout_s,
                     api_key=env_key(config.proxy.api_key_env, "proxy.api_key_env"))
     hconfig = hypercorn_config(config)
@@ -400,8 +254,8 @@ async def run(config: Config, *, load: Callable[[], Config] | None = None,
                 await nursery.start(_handle_signals, stop, reloader, config,
                                     nursery.cancel_scope)
             asgi: Any = app  # plain-dict ASGI typing, not hypercorn's TypedDicts
-            await hypercorn.trio.serve(asgi, hconfig, shutdown_trigger=stop.wait,
-                                       task_status=task_status)
+            await connection.serve(asgi, hconfig, shutdown_trigger=stop.wait,
+                                   task_status=task_status)
             logger.info("server stopped; stopping discovery and probes")
             nursery.cancel_scope.cancel(reason="server stopped")
     finally:

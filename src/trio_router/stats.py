@@ -19,7 +19,7 @@ import trio
 
 from .endpoints import Engine, RequestStats, RoutingTable
 from .errors import UpstreamError, UpstreamTimeoutError
-from .proxy import UpstreamPool, fetch
+from .upstream import UpstreamPool, fetch
 
 logger = logging.getLogger(__name__)
 

@@ -20,18 +20,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trio_router.errors import UpstreamError, UpstreamTimeoutError
-from trio_router.proxy import (
+from trio_router.http11 import ChunkedDecoder, ProtocolError, ResponseParser
+from trio_router.testing import FakeEngine, open_fake_engines
+from trio_router.upstream import (
     CHECKPOINT_EVERY,
     CLIENT_CHECK_S,
-    ChunkedDecoder,
     ClientGoneError,
     EngineUnreachableError,
     UpstreamPool,
     UpstreamResponse,
-    _ProtocolError,
-    _ResponseParser,
 )
-from trio_router.testing import FakeEngine, open_fake_engines
 
 CHAT = b"/v1/chat/completions"
 JSON_HEADERS = [(b"content-type", b"application/json")]
@@ -794,8 +792,8 @@ HOP_BY_HOP = {b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trail
 
 
 def parse_with_pool_codec(method: bytes, pieces: list[bytes], eof: bool) -> Parsed | None:
-    """Feed `pieces` to _ResponseParser; None if incomplete, raises _ProtocolError."""
-    parser = _ResponseParser(head_request=method == b"HEAD")
+    """Feed `pieces` to ResponseParser; None if incomplete, raises ProtocolError."""
+    parser = ResponseParser(head_request=method == b"HEAD")
     has_head, body = False, b""
     for piece in pieces:
         parser.feed(piece)
@@ -911,7 +909,7 @@ def test_codec_accepts_nothing_h11_rejects(
         wire = wire[:at] + junk + wire[at + len(junk):]
     try:
         ours = parse_with_pool_codec(method, [wire], until_close)
-    except _ProtocolError:
+    except ProtocolError:
         return
     if ours is None:
         return
@@ -943,7 +941,7 @@ def test_chunk_runs_decode_like_h11_wherever_the_reads_split(body: bytes) -> Non
         pieces = [wire[:cut], wire[cut:]]
         try:
             ours: Parsed | Exception | None = parse_with_pool_codec(b"GET", pieces, False)
-        except _ProtocolError as exc:
+        except ProtocolError as exc:
             ours = exc
         try:
             theirs: Parsed | Exception | None = parse_with_h11(b"GET", pieces, False)
@@ -979,14 +977,14 @@ def test_chunk_runs_decode_like_h11_wherever_the_reads_split(body: bytes) -> Non
     b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n0\r\nnot a trailer\r\n\r\n",
 ])
 def test_codec_rejects_malformed_responses(wire: bytes) -> None:
-    with pytest.raises(_ProtocolError):
+    with pytest.raises(ProtocolError):
         parse_with_pool_codec(b"GET", [wire], True)
 
 
 def test_codec_bounds_the_head() -> None:
-    parser = _ResponseParser()
+    parser = ResponseParser()
     parser.feed(b"HTTP/1.1 200 OK\r\n" + b"x: y\r\n" * 20_000)
-    with pytest.raises(_ProtocolError, match="larger than"):
+    with pytest.raises(ProtocolError, match="larger than"):
         parser.read_head()
 
 

@@ -7,10 +7,8 @@ arrived, and `async for chunk in response` yields the body as it arrives from th
 everything already received, de-chunked, in one piece. Nothing is buffered whole, so a slow
 reader slows the engine down through TCP backpressure.
 
-The wire format is handled by `_ResponseParser`, a small HTTP/1.1 response codec written for
-this one job (responses to our own requests, never pipelined). It validates like h11 does
-(tokens, field values, status line, Content-Length, chunk framing) at a fraction of h11's CPU
-cost per request, which dominated this client's profile; the tests check it against h11.
+The wire format is the codec's (`trio_router.http11`); this module owns the sockets,
+deadlines, reuse and the mapping of every failure to the router's errors.
 
 Failures are translated into trio_router's errors here, and only here:
 
@@ -33,11 +31,9 @@ Timeouts are Trio cancel scopes, so a test clock and outer scopes see them.
 
 from __future__ import annotations
 
-import re
 import socket
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, suppress
-from itertools import repeat
 from types import TracebackType
 from typing import Final
 from urllib.parse import urlsplit
@@ -45,51 +41,16 @@ from urllib.parse import urlsplit
 import trio
 
 from .errors import UpstreamError, UpstreamTimeoutError
+from .http11 import TARGET_CHARS, ProtocolError, ResponseParser, encode_request_head
 
-__all__ = ["ChunkedDecoder", "ClientGoneError", "EngineUnreachableError", "UpstreamPool",
-           "UpstreamResponse", "fetch"]
+__all__ = ["ClientGoneError", "EngineUnreachableError", "UpstreamPool", "UpstreamResponse",
+           "fetch"]
 
 READ_SIZE: Final = 65536  # bytes asked of the socket per receive
 CHECKPOINT_EVERY: Final = 16  # body chunks returned at once, at most, between two checkpoints
 CLIENT_CHECK_S: Final = 0.25  # how often a long wait for the engine asks `client_gone`
-MAX_HEAD_BYTES: Final = 64 * 1024  # largest response head (or trailer section) accepted
-MAX_CHUNK_LINE: Final = 4096  # longest chunk-size line (with extensions) accepted
 INLINE_BODY_BYTES: Final = 64 * 1024  # smaller bodies go out in the same write as the head
 MAX_ORIGINS: Final = 1024  # origins remembered before those without idle connections are dropped
-
-# Never forwarded to an engine: the pool sets Host and Content-Length itself, and hop-by-hop
-# headers (RFC 9110 §7.6.1) describe the client's connection, not this one.
-_REQUEST_DROP: Final = frozenset({
-    b"host", b"content-length", b"transfer-encoding", b"connection", b"keep-alive", b"te",
-    b"trailer", b"upgrade", b"proxy-connection", b"proxy-authorization", b"expect",
-})
-# Never handed back to the caller: they describe the engine's connection and framing, which
-# the router's own server redoes for its client. Content-Length is end-to-end and is kept.
-_RESPONSE_DROP: Final = frozenset({
-    b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer", b"upgrade",
-    b"proxy-connection", b"proxy-authenticate",
-})
-
-# Character classes (RFC 9110 §5.6.2, §5.5), used as `bytes.translate(None, delete=...)`: what
-# is left after deleting the allowed characters is what is wrong. Cheaper than a regex.
-_TOKEN: Final = b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
-_FIELD_VALUE: Final = bytes(range(0x21, 0x7F)) + bytes(range(0x80, 0x100)) + b" \t"
-_HEAD_CHARS: Final = _FIELD_VALUE + b"\r\n"
-_TARGET: Final = bytes(range(0x21, 0x7F))
-_HEX: Final = b"0123456789abcdefABCDEF"
-_DIGITS: Final = b"0123456789"
-_PLAIN_CHUNK_SIZE: Final = re.compile(rb"[0-9A-Fa-f]{1,16}\r\n")  # a chunk-size line, nothing more
-
-# Body framing modes of _ResponseParser.
-_DONE: Final = 0
-_LENGTH: Final = 1
-_CHUNKED: Final = 2
-_UNTIL_CLOSE: Final = 3
-# Positions inside a chunked body.
-_CHUNK_SIZE: Final = 0
-_CHUNK_DATA: Final = 1
-_CHUNK_DATA_END: Final = 2
-_CHUNK_TRAILER: Final = 3
 
 
 class EngineUnreachableError(UpstreamError):
@@ -113,329 +74,6 @@ Connector = Callable[[str, int], Awaitable[socket.socket]]
 
 class _StaleConnectionError(Exception):
     """A connection closed or reset before any response byte: retried once, then unreachable."""
-
-
-class _ProtocolError(Exception):
-    """The engine's bytes are not a valid HTTP/1.1 response."""
-
-
-def _is_token(value: bytes) -> bool:
-    return bool(value) and not value.translate(None, _TOKEN)
-
-
-class _ResponseParser:
-    """An incremental parser for one HTTP/1.1 response to a request this client sent.
-
-    `feed()` bytes as they arrive, `read_head()` until it returns True (1xx heads are skipped),
-    then `read_body()` for whatever body bytes the buffer holds, and `eof()` when the peer
-    closes. Raises _ProtocolError on anything malformed. No I/O, no Trio.
-    """
-
-    __slots__ = ("_buf", "_chunk", "_head_request", "_mode", "_pos", "_remaining",
-                 "_trailer_bytes", "done", "headers", "keep_alive", "status")
-
-    def __init__(self, *, head_request: bool = False) -> None:
-        self._buf = b""
-        self._pos = 0
-        self._head_request = head_request
-        self._mode = _DONE
-        self._chunk = _CHUNK_SIZE
-        self._remaining = 0
-        self._trailer_bytes = 0
-        self.status = 0
-        self.headers: list[tuple[bytes, bytes]] = []  # lowercase names, hop-by-hop dropped
-        self.keep_alive = False
-        self.done = False  # the whole body has been returned by read_body()
-
-    @property
-    def reusable(self) -> bool:
-        """The response ended cleanly, the engine keeps the connection, nothing extra came."""
-        return self.done and self.keep_alive and self._pos == len(self._buf)
-
-    def feed(self, data: bytes) -> None:
-        if self._pos >= len(self._buf):
-            self._buf = data
-        else:
-            self._buf = self._buf[self._pos:] + data
-        self._pos = 0
-
-    # -- head ----------------------------------------------------------------------------------
-    def read_head(self) -> bool:
-        """Parse the response head if the buffer holds all of it; True once it has."""
-        while True:
-            buf, pos = self._buf, self._pos
-            end = buf.find(b"\r\n\r\n", pos)
-            if end < 0:
-                if len(buf) - pos > MAX_HEAD_BYTES:
-                    raise _ProtocolError(f"response head larger than {MAX_HEAD_BYTES} bytes")
-                return False
-            if end - pos > MAX_HEAD_BYTES:
-                raise _ProtocolError(f"response head larger than {MAX_HEAD_BYTES} bytes")
-            block = buf[pos:end]
-            lines = block.split(b"\r\n")
-            self._pos = end + 4
-            # Every byte of a head is a field-value character or part of a CRLF line break.
-            breaks = len(lines) - 1
-            if (block.translate(None, _HEAD_CHARS) or block.count(b"\n") != breaks
-                    or block.count(b"\r") != breaks):
-                raise _ProtocolError(f"invalid characters in response head {block[:200]!r}")
-            line = lines[0]
-            # status-line = HTTP-version SP 3DIGIT [ SP reason-phrase ]  (reason may be absent)
-            if (len(line) < 12 or line[:7] != b"HTTP/1." or line[7:8] not in b"01"
-                    or line[8:9] != b" " or line[9:12].translate(None, _DIGITS)
-                    or line[12:13] not in b" " or line[9:10] == b"0"):
-                raise _ProtocolError(f"bad status line {line[:100]!r}")
-            status = int(line[9:12])
-            if status >= 200:
-                self._parse_fields(lines, status, http10=line[7:8] == b"0")
-                return True
-            if status == 101:
-                raise _ProtocolError("unexpected 101 Switching Protocols")
-            # 100 Continue, 103 Early Hints: informational, followed by the real response.
-            for header in lines[1:]:
-                name, colon, _ = header.partition(b":")
-                if not colon or not _is_token(name):
-                    raise _ProtocolError(f"bad header line {header[:100]!r}")
-
-    def _parse_fields(self, lines: list[bytes], status: int, *, http10: bool) -> None:
-        headers: list[tuple[bytes, bytes]] = []
-        content_length: bytes | None = None
-        chunked = False
-        close = http10  # HTTP/1.0 connections are never reused (as in h11)
-        for line in lines[1:]:  # the characters were checked by read_head()
-            name, colon, value = line.partition(b":")
-            if not colon or not name or name.translate(None, _TOKEN):
-                raise _ProtocolError(f"bad header line {line[:100]!r}")
-            value = value.strip(b" \t")
-            name = name.lower()
-            if name not in _RESPONSE_DROP and name != b"content-length":
-                headers.append((name, value))
-            elif name == b"content-length":
-                lengths = {v.strip(b" \t") for v in value.split(b",")}
-                if len(lengths) != 1:
-                    raise _ProtocolError(f"conflicting Content-Length {value[:100]!r}")
-                value = lengths.pop()
-                if (not value or value.translate(None, _DIGITS) or len(value) > 18
-                        or (content_length is not None and value != content_length)):
-                    raise _ProtocolError(f"bad Content-Length {value[:100]!r}")
-                if content_length is None:
-                    content_length = value
-                    headers.append((name, value))
-            elif name == b"transfer-encoding":
-                if chunked or value.lower() != b"chunked":
-                    raise _ProtocolError(f"unsupported Transfer-Encoding {value[:100]!r}")
-                chunked = True
-            elif name == b"connection" and b"close" in (
-                    t.strip(b" \t") for t in value.lower().split(b",")):
-                close = True
-        self.status = status
-        self.keep_alive = not close
-        if self._head_request or status in (204, 304):
-            self._mode = _DONE
-            self.done = True
-        elif chunked:
-            self._mode, self._chunk = _CHUNKED, _CHUNK_SIZE
-            if content_length is not None:  # Transfer-Encoding wins; the length is not ours
-                headers = [h for h in headers if h[0] != b"content-length"]
-        elif content_length is not None:
-            self._remaining = int(content_length)
-            self._mode = _LENGTH if self._remaining else _DONE
-            self.done = not self._remaining
-        else:
-            self._mode = _UNTIL_CLOSE
-            self.keep_alive = False
-        self.headers = headers
-
-    # -- body ----------------------------------------------------------------------------------
-    def read_body(self) -> bytes:
-        """Every body byte the buffer holds now (b"" if none); sets `done` at the end."""
-        mode = self._mode
-        if mode == _LENGTH:
-            buf, pos = self._buf, self._pos
-            take = min(len(buf) - pos, self._remaining)
-            if not take:
-                return b""
-            self._pos = pos + take
-            self._remaining -= take
-            if not self._remaining:
-                self._mode = _DONE
-                self.done = True
-            return buf[pos:pos + take]
-        if mode == _CHUNKED:
-            return self._read_chunked()
-        if mode == _UNTIL_CLOSE:
-            data = self._buf[self._pos:]
-            self._pos = len(self._buf)
-            return data
-        return b""
-
-    def _read_chunked(self) -> bytes:
-        buf, pos = self._buf, self._pos
-        end = len(buf)
-        parts: list[bytes] = []
-        if self._chunk == _CHUNK_SIZE:
-            run, pos = _plain_chunk_run(buf, pos)
-            if run:
-                parts.append(run)
-        plain_size_line = _PLAIN_CHUNK_SIZE.match
-        while pos < end:
-            state = self._chunk
-            if state == _CHUNK_SIZE and (plain := plain_size_line(buf, pos)) is not None:
-                # The common case in one step: a size line without extensions or whitespace,
-                # then the whole chunk and its CRLF. Anything else takes the steps below.
-                start = plain.end()
-                stop = start + int(buf[pos:start - 2], 16)
-                if stop > start and stop + 2 <= end and buf.startswith(b"\r\n", stop):
-                    parts.append(buf[start:stop])
-                    pos = stop + 2
-                    continue
-            if state == _CHUNK_DATA:
-                take = min(end - pos, self._remaining)
-                parts.append(buf[pos:pos + take])
-                pos += take
-                self._remaining -= take
-                if not self._remaining:
-                    self._chunk = _CHUNK_DATA_END
-            elif state == _CHUNK_DATA_END:
-                if buf[pos:pos + 2] != b"\r\n"[:end - pos]:
-                    raise _ProtocolError("chunk data not followed by CRLF")
-                if end - pos < 2:
-                    break
-                pos += 2
-                self._chunk = _CHUNK_SIZE
-            elif state == _CHUNK_SIZE:
-                eol = buf.find(b"\r\n", pos)
-                if eol < 0:
-                    if end - pos > MAX_CHUNK_LINE:
-                        raise _ProtocolError("chunk-size line too long")
-                    break
-                line = buf[pos:eol]
-                size, semicolon, _ = line.partition(b";")  # extensions are ignored
-                if not semicolon:  # whitespace may trail the size, not precede the ';'
-                    size = size.rstrip(b" \t")
-                if (not size or len(size) > 16 or size.translate(None, _HEX)
-                        or line.translate(None, _FIELD_VALUE)):
-                    raise _ProtocolError(f"bad chunk size line {line[:100]!r}")
-                pos = eol + 2
-                self._remaining = int(size, 16)
-                self._chunk = _CHUNK_DATA if self._remaining else _CHUNK_TRAILER
-            else:  # trailer section, ended by an empty line; trailers are dropped
-                eol = buf.find(b"\r\n", pos)
-                if eol < 0:
-                    if self._trailer_bytes + end - pos > MAX_HEAD_BYTES:
-                        raise _ProtocolError("trailer section too large")
-                    break
-                if eol == pos:
-                    pos += 2
-                    self._mode = _DONE
-                    self.done = True
-                    break
-                line = buf[pos:eol]
-                name, colon, _ = line.partition(b":")
-                if not colon or not _is_token(name) or line.translate(None, _FIELD_VALUE):
-                    raise _ProtocolError(f"bad trailer line {line[:100]!r}")
-                self._trailer_bytes += eol + 2 - pos
-                pos = eol + 2
-        self._pos = pos
-        if len(parts) == 1:
-            return parts[0]
-        return b"".join(parts)
-
-    def eof(self) -> None:
-        """The engine closed the connection: the end of an until-close body, else an error."""
-        self.keep_alive = False
-        if self._mode == _UNTIL_CLOSE:
-            self._mode = _DONE
-            self.done = True
-        elif not self.done:
-            raise _ProtocolError("connection closed before the end of the response body")
-
-
-class ChunkedDecoder:
-    """The chunked transfer coding (RFC 9112 §7.1) of a body whose head was read elsewhere,
-    decoded by this module's response codec: `feed()` the raw body bytes as they arrive and
-    get back the data they complete; `done` once the last chunk and trailers have come. No
-    I/O; raises ValueError on malformed framing."""
-
-    __slots__ = ("_parser",)
-
-    def __init__(self) -> None:
-        self._parser = _ResponseParser()
-        self._parser._mode = _CHUNKED
-
-    @property
-    def done(self) -> bool:
-        return self._parser.done
-
-    def feed(self, data: bytes) -> bytes:
-        """The body data in `data` and what came before it (b"" if none yet)."""
-        parser = self._parser
-        parser.feed(data)
-        try:
-            return parser.read_body()
-        except _ProtocolError as exc:
-            raise ValueError(str(exc)) from exc
-
-
-def _plain_chunk_run(buf: bytes, pos: int) -> tuple[bytes, int]:
-    """The data of the complete chunks from `pos` (at a chunk-size line) up to the last chunk,
-    and the position after them, when they have the shape of an event stream: plain size
-    lines and no CRLF inside the data. Found with a few passes over the buffer in C rather
-    than a Python step per chunk (27 against 48 µs for 64 SSE events). (b"", pos) if there
-    are fewer than two such chunks or the shape does not hold; the step-by-step parser then
-    does the same work.
-
-    Splitting at CRLF gives size, data, size, data, ...; a CRLF inside some chunk's data cuts
-    that chunk's piece shorter than its declared size, so nothing is taken then."""
-    pieces = buf[pos:].split(b"\r\n")
-    pairs = (len(pieces) - 1) // 2  # pairs of pieces with a CRLF after both: complete
-    sizes = pieces[0:2 * pairs:2]
-    if b"0" in sizes:  # the last chunk (in its usual spelling): stop before it
-        pairs = sizes.index(b"0")
-        del sizes[pairs:]
-    if pairs < 2:
-        return b"", pos
-    widths = list(map(len, sizes))
-    if min(widths) == 0 or max(widths) > 16 or b"".join(sizes).translate(None, _HEX):
-        return b"", pos
-    values = list(map(int, sizes, repeat(16, pairs)))
-    data = pieces[1:2 * pairs:2]
-    if 0 in values or values != list(map(len, data)):
-        return b"", pos
-    return b"".join(data), pos + sum(widths) + sum(values) + 4 * pairs
-
-
-def _encode_head(method: bytes, target: bytes, host: bytes,
-                 headers: list[tuple[bytes, bytes]], body_length: int) -> bytes:
-    """The request head, with our Host and Content-Length and the caller's end-to-end headers
-    (hop-by-hop ones, including those named by Connection, dropped). ValueError if invalid."""
-    if not _is_token(method) or not target or target.translate(None, _TARGET):
-        raise ValueError(f"invalid request line {method[:20]!r} {target[:100]!r}")
-    parts = [method, b" ", target, b" HTTP/1.1\r\nhost: ", host,
-             b"\r\ncontent-length: ", b"%d" % body_length]
-    connection: list[bytes] | None = None
-    for name, value in headers:
-        lname = name.lower()
-        if lname in _REQUEST_DROP:
-            if lname == b"connection":
-                connection = (connection or []) + [
-                    t.strip(b" \t") for t in value.lower().split(b",")]
-            continue
-        if not name or name.translate(None, _TOKEN):
-            raise ValueError(f"invalid header name {name[:100]!r}")
-        parts += (b"\r\n", name, b": ", value)
-    if connection:  # rare: drop the headers the client's Connection header names
-        named = frozenset(connection) | {b"connection"}
-        return _encode_head(method, target, host,
-                            [h for h in headers if h[0].lower() not in named], body_length)
-    parts.append(b"\r\n\r\n")
-    head = b"".join(parts)
-    # Values may hold only field-value characters: a CR or LF in one would split the head.
-    breaks = (len(parts) - 8) // 4 + 4  # 7 parts, 4 per header, 1 end: 4 CRLFs + 1 each
-    if (head.translate(None, _HEAD_CHARS) or head.count(b"\n") != breaks
-            or head.count(b"\r") != breaks):
-        raise ValueError("invalid characters in a header value")
-    return head
 
 
 class _Connection:
@@ -523,7 +161,7 @@ class _Origin:
             if port is not None:
                 authority += f":{port}"
             host_header = authority.encode("ascii")
-            if host_header.translate(None, _TARGET):
+            if host_header.translate(None, TARGET_CHARS):
                 raise ValueError("bad characters in the host")
         except ValueError as exc:  # UnicodeEncodeError is one too
             raise EngineUnreachableError(f"engine URL {url!r} is not usable: {exc}") from exc
@@ -731,7 +369,7 @@ class UpstreamResponse:
         self._body = body
         self._conn: _Connection | None = None
         self._origin: _Origin | None = None
-        self._parser: _ResponseParser | None = None
+        self._parser: ResponseParser | None = None
         self._done = False
         self._unchecked = 0  # chunks returned since the last checkpoint
         self.status = 0
@@ -742,7 +380,7 @@ class UpstreamResponse:
         pool = self._pool
         origin = self._origin = pool._origin(self._base_url)
         try:
-            head = _encode_head(self._method, self._target, origin.host_header,
+            head = encode_request_head(self._method, self._target, origin.host_header,
                                 self._req_headers, len(self._body))
         except ValueError as exc:
             raise UpstreamError(f"cannot send request to engine {origin.url}: {exc}") from exc
@@ -774,7 +412,7 @@ class UpstreamResponse:
             try:  # an unread body may already be here whole (or be empty): then it can end
                 while parser.read_body():
                     pass
-            except _ProtocolError:
+            except ProtocolError:
                 pass
         if parser.reusable:
             assert self._origin is not None
@@ -787,7 +425,7 @@ class UpstreamResponse:
         returns: on any failure (or cancellation) `conn` is closed before the error leaves."""
         assert self._origin is not None
         url = self._origin.url
-        parser = _ResponseParser(head_request=self._method == b"HEAD")
+        parser = ResponseParser(head_request=self._method == b"HEAD")
         read_timeout = self._pool._read_timeout
         ok = False
         try:
@@ -832,7 +470,7 @@ class UpstreamResponse:
             self._parser = parser
             self._conn = conn
             ok = True
-        except _ProtocolError as exc:
+        except ProtocolError as exc:
             raise UpstreamError(f"engine {url} sent a malformed response: {exc}") from exc
         finally:
             if not ok:
@@ -884,11 +522,11 @@ class UpstreamResponse:
                     raise StopAsyncIteration
                 if await self._receive(parser):
                     self._unchecked = 0
-        except _ProtocolError as exc:
+        except ProtocolError as exc:
             raise UpstreamError(
                 f"engine {self._base_url} broke off the response body: {exc}") from exc
 
-    async def _receive(self, parser: _ResponseParser) -> bool:
+    async def _receive(self, parser: ResponseParser) -> bool:
         """Feed the parser what the socket holds, waiting for it if need be; True if it
         waited (a checkpoint)."""
         assert self._conn is not None
