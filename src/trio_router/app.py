@@ -22,7 +22,7 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import msgspec
 import trio
@@ -42,7 +42,7 @@ from .errors import (
 from .health import Supervisors
 from .metrics import CONTENT_TYPE, NO_LABEL, Metrics
 from .policy import Policy, RequestInfo, make_policy, request_info
-from .upstream import ClientGoneError, EngineUnreachableError, UpstreamPool
+from .upstream import ClientGoneError, EngineUnreachableError, Relay, RelayTarget, UpstreamPool
 
 logger = logging.getLogger(__name__)
 
@@ -147,13 +147,23 @@ def client_gone_check(receive: Receive) -> Callable[[], bool] | None:
     return gone
 
 
+class ClientConnection(RelayTarget, Protocol):
+    """The client socket of the request being handled, as the server tells it
+    (`connection.current_client`): where a relayed body is written."""
+
+    def writes_pending(self) -> bool: ...
+
+
 class RouterApp:
     """The ASGI callable. Built by `server.run` with every collaborator; holds no tasks of its
     own (each request runs in the task Hypercorn gives it) and no global state."""
 
     def __init__(self, *, settings: Settings, table: RoutingTable, supervisors: Supervisors,
-                 metrics: Metrics, health: Callable[[], tuple[bool, str]]) -> None:
+                 metrics: Metrics, health: Callable[[], tuple[bool, str]],
+                 relay: Relay | None = None,
+                 client_socket: Callable[[], ClientConnection | None] = lambda: None) -> None:
         self.settings = settings
+        self._relay, self._client_socket = relay, client_socket
         self._table, self._supervisors = table, supervisors
         self._metrics, self._health = metrics, health
         self._id_prefix = secrets.token_hex(4).encode()
@@ -239,12 +249,12 @@ class RouterApp:
         if query := scope["query_string"]:
             target += b"?" + query
         status, engine_name = await self._forward(
-            settings, send, client_gone_check(receive), model, candidates, info, target,
-            headers, body, request_id, started)
+            settings, send, client_gone_check(receive), scope["http_version"] == "1.1", model,
+            candidates, info, target, headers, body, request_id, started)
         self._metrics.observe_request(model, engine_name, status, trio.current_time() - started)
 
     async def _forward(self, settings: Settings, send: Send,
-                       client_gone: Callable[[], bool] | None, model: str,
+                       client_gone: Callable[[], bool] | None, relay_ok: bool, model: str,
                        candidates: Sequence[Engine], info: RequestInfo, target: bytes,
                        headers: list[tuple[bytes, bytes]], body: bytes, request_id: bytes,
                        started: float) -> tuple[int, str]:
@@ -291,6 +301,25 @@ class RouterApp:
                     status = response.status
                     await send({"type": "http.response.start", "status": status,
                                 "headers": out})
+                    client = (self._client_socket() if relay_ok and response.relayable
+                              else None)
+                    if client is not None and self._relay is not None:
+                        # Head and what came with it through the server (which starts a
+                        # chunked body), then the rest relayed as it comes.
+                        first = response.read_buffered()
+                        if first:
+                            ttfb = trio.current_time() - started
+                            self._metrics.observe_ttfb(model, ttfb)
+                        ended = response.complete
+                        await send({"type": "http.response.body", "body": first,
+                                    "more_body": not ended})
+                        if not ended and not client.writes_pending():
+                            first_at = await self._relay.relay(response, client, client_gone)
+                            if ttfb is None and first_at is not None:
+                                ttfb = first_at - started
+                                self._metrics.observe_ttfb(model, ttfb)
+                            ended = True
+                            await send(_END_BODY)
                     async for chunk in response:
                         if ttfb is None:
                             ttfb = trio.current_time() - started

@@ -45,6 +45,9 @@ TARGET_CHARS: Final = bytes(range(0x21, 0x7F))
 _HEX: Final = b"0123456789abcdefABCDEF"
 _DIGITS: Final = b"0123456789"
 _PLAIN_CHUNK_SIZE: Final = re.compile(rb"[0-9A-Fa-f]{1,16}\r\n")  # a chunk-size line, nothing more
+# A chunk-size line as h11 (and so Hypercorn) writes one: lowercase hex, no leading zero, no
+# extension. A chunk with this line is passed on by the relay exactly as it came.
+_CANONICAL_CHUNK_SIZE: Final = re.compile(rb"[1-9a-f][0-9a-f]{0,15}\r\n")
 
 # Body framing modes of ResponseParser.
 _DONE: Final = 0
@@ -211,6 +214,42 @@ class ResponseParser:
             self._pos = len(self._buf)
             return data
         return b""
+
+    @property
+    def chunked(self) -> bool:
+        """The rest of the body is in the chunked transfer coding (the head was read, the
+        body is not over)."""
+        return self._mode == _CHUNKED
+
+    def read_body_framed(self) -> bytes:
+        """For a chunked body: every body byte the buffer holds now, as the bytes that carry
+        it on another chunked HTTP/1.1 connection (b"" if none). Complete chunks already in
+        the form h11 writes (lowercase hex size, no leading zero, no extension) come back as
+        they came, one slice of the input with no re-framing; any other data (a chunk cut by
+        the end of the buffer, extensions, another spelling of the size) is decoded and framed
+        anew as one chunk. The last chunk and trailers are consumed but not returned: the
+        connection that carries the body ends it itself. Sets `done` at the end."""
+        if self._mode != _CHUNKED:
+            raise ProtocolError("read_body_framed() needs a chunked body")
+        parts: list[bytes] = []
+        if self._chunk == _CHUNK_SIZE:
+            buf = self._buf
+            start = pos = self._pos
+            end = len(buf)
+            canonical = _CANONICAL_CHUNK_SIZE.match
+            while (size_line := canonical(buf, pos)) is not None:
+                data = size_line.end()
+                stop = data + int(buf[pos:data - 2], 16)
+                if stop + 2 > end or buf[stop:stop + 2] != b"\r\n":
+                    break
+                pos = stop + 2
+            if pos > start:
+                parts.append(buf[start:pos])
+                self._pos = pos
+        rest = self._read_chunked()
+        if rest:
+            parts.append(b"%x\r\n%s\r\n" % (len(rest), rest))
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def _read_chunked(self) -> bytes:
         buf, pos = self._buf, self._pos

@@ -32,7 +32,7 @@ from .health import EngineWorker, Prober, Supervisors, open_supervisors
 from .metrics import Metrics
 from .reconcile import Reconciler, add_static_engines
 from .stats import run_stats_scraper
-from .upstream import UpstreamPool
+from .upstream import UpstreamPool, open_relay
 
 logger = logging.getLogger(__name__)
 
@@ -222,7 +222,8 @@ async def run(config: Config, *, load: Callable[[], Config] | None = None,
             generation=generation, headers=prober.headers)]
 
     try:
-        async with (open_supervisors(table, prober, config.probe,
+        async with (open_relay() as relay,
+                    open_supervisors(table, prober, config.probe,
                                      workers=stats_workers(config.stats)) as supervisors,
                     trio.open_nursery() as nursery):
             status: DiscoveryStatus
@@ -242,7 +243,8 @@ async def run(config: Config, *, load: Callable[[], Config] | None = None,
             table.add_remove_listener(lambda engine: metrics.forget_engine(engine.name))
             app = RouterApp(settings=settings, table=table, supervisors=supervisors,
                             metrics=metrics,
-                            health=lambda: status.health(trio.current_time()))
+                            health=lambda: status.health(trio.current_time()),
+                            relay=relay, client_socket=connection.current_client)
             stop = trio.Event()
             if handle_signals:
                 reloader = None

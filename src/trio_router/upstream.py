@@ -31,11 +31,14 @@ Timeouts are Trio cancel scopes, so a test clock and outer scopes see them.
 
 from __future__ import annotations
 
+import math
+import os
+import select
 import socket
-from collections.abc import Awaitable, Callable
-from contextlib import AbstractAsyncContextManager, suppress
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, suppress
 from types import TracebackType
-from typing import Final
+from typing import Final, Protocol
 from urllib.parse import urlsplit
 
 import trio
@@ -43,8 +46,8 @@ import trio
 from .errors import UpstreamError, UpstreamTimeoutError
 from .http11 import TARGET_CHARS, ProtocolError, ResponseParser, encode_request_head
 
-__all__ = ["ClientGoneError", "EngineUnreachableError", "UpstreamPool", "UpstreamResponse",
-           "fetch"]
+__all__ = ["ClientGoneError", "EngineUnreachableError", "Relay", "RelayTarget", "UpstreamPool",
+           "UpstreamResponse", "fetch", "open_relay"]
 
 READ_SIZE: Final = 65536  # bytes asked of the socket per receive
 CHECKPOINT_EVERY: Final = 16  # body chunks returned at once, at most, between two checkpoints
@@ -497,6 +500,22 @@ class UpstreamResponse:
         the caller can end its own response with it)."""
         return self._parser is not None and self._parser.done
 
+    @property
+    def relayable(self) -> bool:
+        """The rest of the body is chunked and not over: `Relay.relay` can move it."""
+        return self._conn is not None and self._parser is not None and self._parser.chunked
+
+    def read_buffered(self) -> bytes:
+        """The body bytes already received with the head, de-chunked (b"" if none), without
+        waiting: what goes out with the response head before a relay takes over. Raises
+        UpstreamError if they are malformed."""
+        assert self._parser is not None
+        try:
+            return self._parser.read_body()
+        except ProtocolError as exc:
+            raise UpstreamError(
+                f"engine {self._base_url} broke off the response body: {exc}") from exc
+
     def __aiter__(self) -> UpstreamResponse:
         return self
 
@@ -571,3 +590,250 @@ async def fetch(pool: UpstreamPool, base_url: str, target: bytes,
                                     f"more than {max_bytes} bytes")
             parts.append(chunk)
         return response.status, b"".join(parts)
+
+
+# -- the relay --------------------------------------------------------------------------------
+class RelayTarget(Protocol):
+    """Where a relayed body goes: a client connection speaking HTTP/1.1 with a chunked
+    response body under way, whose socket nothing else writes to meanwhile (see
+    `connection.ClientSocket`). `fileno()` is -1 once the socket is closed."""
+
+    def fileno(self) -> int: ...
+
+
+class Relay:
+    """Moves the chunked bodies of engine answers to their clients, for every relayed stream
+    at once, in one task: what a token stream costs per event is a `recv` from the engine and
+    a `write` to the client, with nothing in between but the chunk framing check.
+
+    An HTTP/1.1 client with a chunked response under way can take the engine's chunks as they
+    are. `relay()` hands such a body over: the engine's socket joins this relay's own epoll
+    set (level-triggered, registered once per stream), and when it is readable, what it holds
+    is read, its chunk framing checked by the codec (`ResponseParser.read_body_framed`:
+    complete chunks in h11's form pass as they came, anything else is framed anew) and written
+    to the client's socket at once; the last chunk is left to the client connection's own
+    codec. Every socket ready at a wake-up is served in the same pass, so a burst of events
+    on many streams costs one trip through the scheduler.
+
+    - Backpressure: when the client's socket does not take everything, the engine's socket is
+      no longer read until the rest is written (the client's socket joins the set for
+      writability meanwhile): at most one read of an engine's bytes is held per stream.
+    - Every CLIENT_CHECK_S the relayed streams are checked: a client that left (the
+      `client_gone` check) ends its stream with ClientGoneError; an engine silent for
+      `read_timeout` with UpstreamTimeoutError. A write that fails (reset, closed) is a gone
+      client; an engine that resets, closes early or breaks the framing ends its stream with
+      UpstreamError.
+    - The task that called `relay()` owns its stream: cancelling it takes the stream out of
+      the set at once (and the exchange then closes the engine's connection).
+
+    Use from the Trio thread; run it with `open_relay()`.
+    """
+
+    def __init__(self) -> None:
+        self._epoll = select.epoll()
+        self._by_fd: dict[int, _Relayed] = {}  # engine sockets, and client sockets being waited on
+        self._streams: set[_Relayed] = set()
+        self._streams_changed = trio.Event()
+        self.relayed = 0  # streams handed over in all; for metrics and tests
+
+    def __len__(self) -> int:
+        return len(self._streams)
+
+    async def relay(self, response: UpstreamResponse, client: RelayTarget,
+                    client_gone: Callable[[], bool] | None = None) -> float | None:
+        """Move the rest of `response`'s body (`response.relayable`) to `client`. Returns
+        when the engine's last chunk has been read and everything before it written (the
+        caller then ends its response, which writes the last chunk): the trio time of the
+        first byte written, or None if there was no body. Raises ClientGoneError,
+        UpstreamTimeoutError or UpstreamError (then the client's response cannot be ended
+        cleanly). Cancellation takes the stream out of the relay at once."""
+        stream = _Relayed(self, response, client, client_gone)
+        self._streams.add(stream)
+        self.relayed += 1
+        self._wake_ticker()
+        try:
+            stream.start(trio.current_time())
+            await stream.finished.wait()
+        finally:
+            stream.detach()
+        if stream.error is not None:
+            raise stream.error
+        return stream.first_byte_at
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                  ) -> None:
+        """Serve every relayed stream until cancelled."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._check_forever)
+            task_status.started()
+            epoll, by_fd = self._epoll, self._by_fd
+            while True:
+                await trio.lowlevel.wait_readable(epoll.fileno())
+                ready = epoll.poll(0)
+                now = trio.current_time()
+                for fd, flags in ready:
+                    stream = by_fd.get(fd)
+                    if stream is not None:  # None: its stream ended earlier in this pass
+                        stream.ready(fd, flags, now)
+
+    def close(self) -> None:
+        """Release the epoll set (streams still relayed were ended by their owners)."""
+        self._epoll.close()
+
+    async def _check_forever(self) -> None:
+        while True:
+            if not self._streams:
+                await self._streams_changed.wait()
+            await trio.sleep(CLIENT_CHECK_S)
+            now = trio.current_time()
+            for stream in list(self._streams):
+                stream.check(now)
+
+    def _wake_ticker(self) -> None:
+        self._streams_changed.set()
+        self._streams_changed = trio.Event()
+
+
+@asynccontextmanager
+async def open_relay() -> AsyncIterator[Relay]:
+    """A running `Relay`; leaving the block stops it (streams still relayed end with their
+    owners' cancellation)."""
+    relay = Relay()
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(relay.run)
+            yield relay
+            nursery.cancel_scope.cancel()
+    finally:
+        relay.close()
+
+
+class _Relayed:
+    """One stream in a `Relay`: the engine's side (socket, parser), the client's socket, and
+    the bytes read but not yet written."""
+
+    __slots__ = ("_client", "_client_fd", "_client_gone", "_conn", "_engine_fd", "_parser",
+                 "_pending", "_read_timeout", "_relay", "_url", "deadline", "error",
+                 "finished", "first_byte_at")
+
+    def __init__(self, relay: Relay, response: UpstreamResponse, client: RelayTarget,
+                 client_gone: Callable[[], bool] | None) -> None:
+        if response._conn is None or response._parser is None or not response.relayable:
+            raise ValueError("relay() needs a chunked response whose body is not over")
+        self._relay = relay
+        self._conn, self._parser = response._conn, response._parser
+        self._url = response._base_url
+        self._read_timeout = response._pool._read_timeout
+        self._client, self._client_gone = client, client_gone
+        self._engine_fd = -1
+        self._client_fd = -1  # registered for writability while a write waits
+        self._pending = b""
+        self.deadline = math.inf
+        self.error: Exception | None = None
+        self.finished = trio.Event()
+        self.first_byte_at: float | None = None
+
+    def start(self, now: float) -> None:
+        """Watch the engine's socket, and relay what was already received."""
+        self.deadline = now + self._read_timeout
+        self._engine_fd = self._conn.raw.fileno()
+        self._relay._epoll.register(self._engine_fd, select.EPOLLIN)
+        self._relay._by_fd[self._engine_fd] = self
+        self._forward(now)
+
+    def ready(self, fd: int, flags: int, now: float) -> None:
+        if fd == self._client_fd:
+            self._flush(now)
+            return
+        try:
+            data = self._conn.raw.recv(READ_SIZE)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            self._finish(UpstreamError(
+                f"engine {self._url} reset the connection mid-response: {exc}"))
+            return
+        if data:
+            self._parser.feed(data)
+            self.deadline = now + self._read_timeout
+            self._forward(now)
+        else:
+            self._finish(UpstreamError(
+                f"engine {self._url} broke off the response body: connection closed "
+                "before the end of the response body"))
+
+    def check(self, now: float) -> None:
+        """The periodic check: a client that left, an engine silent for too long."""
+        if self._client_gone is not None and self._client_gone():
+            self._finish(ClientGoneError())
+        elif now >= self.deadline:
+            self._finish(UpstreamTimeoutError(
+                f"engine {self._url} was silent for {self._read_timeout:g} s mid-response "
+                "(proxy.read_timeout_s)"))
+
+    def _forward(self, now: float) -> None:
+        try:
+            out = self._parser.read_body_framed()
+        except ProtocolError as exc:
+            self._finish(UpstreamError(f"engine {self._url} broke off the response body: {exc}"))
+            return
+        if out:
+            self._pending = out
+            self._flush(now)
+        elif self._parser.done:
+            self._finish(None)
+
+    def _flush(self, now: float) -> None:
+        """Write what is pending; wait for the client's socket if it does not take it all."""
+        data = self._pending
+        try:
+            written = os.write(self._client.fileno(), data)
+        except BlockingIOError:
+            written = 0
+        except OSError:  # reset, broken pipe, or closed by the server (fileno() is -1)
+            self._finish(ClientGoneError())
+            return
+        if self.first_byte_at is None and written:
+            self.first_byte_at = now
+        epoll = self._relay._epoll
+        if written < len(data):
+            self._pending = data[written:]
+            self.deadline = math.inf  # the client is slow, not the engine
+            if self._client_fd < 0:
+                if self._engine_fd >= 0:
+                    epoll.modify(self._engine_fd, 0)  # read no more until this is written
+                self._client_fd = self._client.fileno()
+                epoll.register(self._client_fd, select.EPOLLOUT)
+                self._relay._by_fd[self._client_fd] = self
+            return
+        self._pending = b""
+        if self._client_fd >= 0:
+            self._unregister(self._client_fd)
+            self._client_fd = -1
+            if self._engine_fd >= 0:
+                epoll.modify(self._engine_fd, select.EPOLLIN)
+            self.deadline = now + self._read_timeout
+        if self._parser.done:
+            self._finish(None)
+
+    def _finish(self, error: Exception | None) -> None:
+        if self.finished.is_set():
+            return
+        self.error = error
+        self.detach()
+        self.finished.set()
+
+    def detach(self) -> None:
+        """Leave the relay (synchronous; idempotent)."""
+        for fd in (self._engine_fd, self._client_fd):
+            if fd >= 0:
+                self._unregister(fd)
+        self._engine_fd = self._client_fd = -1
+        self._relay._streams.discard(self)
+
+    def _unregister(self, fd: int) -> None:
+        relay = self._relay
+        if relay._by_fd.get(fd) is self:
+            del relay._by_fd[fd]
+            with suppress(OSError, ValueError):  # closed meanwhile: the kernel dropped it
+                relay._epoll.unregister(fd)
