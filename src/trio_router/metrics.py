@@ -13,7 +13,7 @@ from typing import Any, Final
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from .endpoints import EngineState, RoutingTable
 
@@ -43,7 +43,8 @@ class Metrics:
     request path; label children are created once per label combination and cached."""
 
     def __init__(self, table: RoutingTable, *,
-                 discovery_snapshot: Callable[[], Mapping[str, Any]] | None = None) -> None:
+                 discovery_snapshot: Callable[[], Mapping[str, Any]] | None = None,
+                 relayed: Callable[[], int] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self._requests = Counter(
             "trio_router_requests", "Proxied requests by model, engine and HTTP status "
@@ -69,6 +70,8 @@ class Metrics:
         self.registry.register(_TableCollector(table))
         if discovery_snapshot is not None:
             self.registry.register(_DiscoveryCollector(discovery_snapshot))
+        if relayed is not None:
+            self.registry.register(_RelayCollector(relayed))
 
     def observe_request(self, model: str, engine: str, status: int, seconds: float) -> None:
         """Count one finished request and record its duration."""
@@ -133,6 +136,19 @@ class _TableCollector:
         routable.add_metric([], counts[EngineState.ROUTABLE])
         models.add_metric([], len(self._table.models()))
         return [in_flight, states, routable, models]
+
+
+class _RelayCollector:
+    """How many streamed answers went by the relay (engine chunks passed to the client as
+    they came) rather than through the server's own framing."""
+
+    def __init__(self, relayed: Callable[[], int]) -> None:
+        self._relayed = relayed
+
+    def collect(self) -> Iterable[Metric]:
+        return [CounterMetricFamily(
+            "trio_router_relayed_responses", "Streamed answers whose body the relay moved to "
+            "an HTTP/1.1 client as the engine sent it.", value=self._relayed())]
 
 
 class _DiscoveryCollector:

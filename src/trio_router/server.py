@@ -239,7 +239,7 @@ async def run(config: Config, *, load: Callable[[], Config] | None = None,
                     run_kubernetes_discovery, source, reconciler, status,
                     config.discovery.kubernetes))
             metrics = Metrics(table, discovery_snapshot=lambda: status.snapshot(
-                trio.current_time()))
+                trio.current_time()), relayed=lambda: relay.relayed)
             table.add_remove_listener(lambda engine: metrics.forget_engine(engine.name))
             app = RouterApp(settings=settings, table=table, supervisors=supervisors,
                             metrics=metrics,

@@ -1,0 +1,473 @@
+"""The relay of chunked token streams: the codec's framing on any chunking and read split, the
+`Relay` on virtual time (socket pairs), and the router end to end (real Hypercorn, an engine
+writing scripted bytes, raw HTTP/1.1, HTTP/1.0 and HTTP/2 clients)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Final
+
+import h11
+import httpx
+import pytest
+import trio
+import trio.testing
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fake_network import FakeNetwork, FakeReply, FakeRequest
+from test_app import router_config, sample
+from trio_router import server
+from trio_router.endpoints import RoutingTable
+from trio_router.errors import UpstreamTimeoutError
+from trio_router.http11 import ResponseParser
+from trio_router.upstream import CLIENT_CHECK_S, ClientGoneError, UpstreamPool, open_relay
+
+LIMIT: Final = 10.0
+HEAD: Final = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+               b"transfer-encoding: chunked\r\n\r\n")
+
+
+def chunked(chunks: Sequence[bytes], *, spelling: str = "h11", trailers: bool = False) -> bytes:
+    """A chunked body carrying `chunks`: sizes as h11 writes them, or in another valid
+    spelling (uppercase, leading zeros, extensions), and optional trailers."""
+    out = []
+    for i, data in enumerate(chunks):
+        size = b"%x" % len(data)
+        if spelling == "upper":
+            size = size.upper()
+        elif spelling == "zeros":
+            size = b"00" + size
+        elif spelling == "ext":
+            size += b";n=%d" % i
+        out.append(size + b"\r\n" + data + b"\r\n")
+    out.append(b"0\r\nx-trailer: 1\r\n\r\n" if trailers else b"0\r\n\r\n")
+    return b"".join(out)
+
+
+def decode_chunked(wire: bytes) -> bytes:
+    """The body of a chunked message, decoded by h11 (the oracle); fails if it is not one
+    complete, well-formed chunked body."""
+    conn = h11.Connection(h11.CLIENT)
+    conn.send(h11.Request(method="GET", target="/", headers=[("host", "x")]))
+    conn.send(h11.EndOfMessage())
+    conn.receive_data(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + wire)
+    body = b""
+    while True:
+        event = conn.next_event()
+        if isinstance(event, h11.Data):
+            body += event.data
+        elif isinstance(event, h11.EndOfMessage):
+            return body
+        assert event is not h11.NEED_DATA, "incomplete chunked body"
+
+
+# -- the codec ----------------------------------------------------------------------------------
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.binary(min_size=1, max_size=200), max_size=10),
+       st.sampled_from(["h11", "upper", "zeros", "ext"]), st.booleans(),
+       st.lists(st.integers(1, 64), min_size=1, max_size=12))
+def test_framed_relay_carries_exactly_the_body_at_any_split(
+        chunks: list[bytes], spelling: str, trailers: bool, splits: list[int]) -> None:
+    """Whatever the engine's chunking and however its bytes are split into reads, what the
+    relay writes plus the server's last chunk is a well-formed chunked body with exactly the
+    engine's data, and the same data the general path (de-chunk, re-frame) delivers. Chunks in
+    h11's form that arrive whole are passed byte for byte."""
+    wire = chunked(chunks, spelling=spelling, trailers=trailers)
+    relayed, general = ResponseParser(), ResponseParser()
+    for parser in (relayed, general):
+        parser.feed(HEAD)
+        assert parser.read_head() and parser.chunked
+    out, data, pos, turn = [], [], 0, 0
+    while pos < len(wire):
+        piece = wire[pos:pos + splits[turn % len(splits)]]
+        pos, turn = pos + len(piece), turn + 1
+        relayed.feed(piece)
+        out.append(relayed.read_body_framed())
+        general.feed(piece)
+        data.append(general.read_body())
+    assert relayed.done and general.done and relayed.reusable
+    assert decode_chunked(b"".join(out) + b"0\r\n\r\n") == b"".join(data) == b"".join(chunks)
+
+
+def test_chunks_in_h11_form_pass_as_they_came() -> None:
+    """Chunks that arrive whole in h11's spelling are the engine's own bytes, not re-framed;
+    a chunk cut by the end of a read, or in another spelling, is framed anew."""
+    events = [b"data: %d\n\n" % i for i in range(3)]
+    wire = chunked(events)
+    parser = ResponseParser()
+    parser.feed(HEAD + wire[:-5])
+    assert parser.read_head()
+    assert parser.read_body_framed() == wire[:-5]  # the very same bytes
+    parser.feed(b"0\r\n\r\n")
+    assert parser.read_body_framed() == b"" and parser.done
+
+    parser = ResponseParser()
+    parser.feed(HEAD + b"A\r\n0123")
+    assert parser.read_head()
+    assert parser.read_body_framed() == b"4\r\n0123\r\n"  # cut: what came, as a chunk
+    parser.feed(b"456789\r\n")
+    assert parser.read_body_framed() == b"6\r\n456789\r\n"
+
+
+def test_framed_relay_rejects_broken_framing() -> None:
+    parser = ResponseParser()
+    parser.feed(HEAD + b"5\r\nabcdeXY")
+    assert parser.read_head()
+    with pytest.raises(Exception, match="CRLF"):
+        parser.read_body_framed()
+
+
+# -- the Relay on virtual time ------------------------------------------------------------------
+class EngineScript:
+    """A fake engine answering every POST with a chunked stream: `chunks` (one per write,
+    `gap` seconds apart), then the last chunk unless `hang`."""
+
+    def __init__(self, chunks: Sequence[bytes], *, gap: float = 0.0, hang: bool = False) -> None:
+        self.chunks, self.gap, self.hang = list(chunks), gap, hang
+        self.sent = 0  # chunks the engine has written
+
+    async def __call__(self, request: FakeRequest) -> FakeReply:
+        return FakeReply(200, self._body(), [("content-type", "text/event-stream")])
+
+    async def _body(self) -> AsyncIterator[bytes]:
+        for chunk in self.chunks:
+            yield chunk
+            self.sent += 1
+            await trio.sleep(self.gap)
+        if self.hang:
+            await trio.sleep_forever()
+
+
+@dataclass
+class Client:
+    """The client's end of a socket pair, as the relay sees a client socket."""
+
+    ours: socket.socket
+    theirs: socket.socket
+    gone: bool = False
+    received: bytearray = field(default_factory=bytearray)
+
+    @classmethod
+    def make(cls) -> Client:
+        ours, theirs = socket.socketpair()
+        ours.setblocking(False)
+        theirs.setblocking(False)
+        return cls(ours, theirs)
+
+    def fileno(self) -> int:
+        return self.ours.fileno()
+
+    def receive(self) -> None:
+        """Read what the relay has written so far into `received`."""
+        while True:
+            try:
+                data = self.theirs.recv(1 << 20)
+            except BlockingIOError:
+                return
+            self.received += data
+
+    def drain(self) -> bytes:
+        """Everything received until now."""
+        self.receive()
+        return bytes(self.received)
+
+    def close(self) -> None:
+        self.ours.close()
+        self.theirs.close()
+
+
+@asynccontextmanager
+async def relayed_exchange(script: EngineScript, *, read_timeout: float = 600.0
+                           ) -> AsyncIterator[tuple[Any, Any, FakeNetwork]]:
+    network = FakeNetwork(script)
+    async with network.open(), open_relay() as relay:
+        pool = UpstreamPool(connect_timeout=5.0, read_timeout=read_timeout,
+                            connect=network.connect)
+        async with pool.request("http://10.0.0.1:8000", b"POST", b"/v1/completions", [],
+                                b"{}") as response:
+            assert response.relayable
+            yield relay, response, network
+        pool.close()
+
+
+async def test_relay_moves_a_stream_and_ends_it(autojump_clock: trio.testing.MockClock) -> None:
+    events = [b"data: %d\n\n" % i for i in range(20)]
+    client = Client.make()
+    async with relayed_exchange(EngineScript(events, gap=0.005)) as (relay, response, _):
+        start = trio.current_time()
+        first = await relay.relay(response, client)
+        assert first is not None and first >= start
+        assert response.complete and len(relay) == 0 and relay.relayed == 1
+    assert decode_chunked(client.drain() + b"0\r\n\r\n") == b"".join(events)
+    client.close()
+
+
+async def test_relay_ends_a_silent_engine_at_the_read_timeout(
+        autojump_clock: trio.testing.MockClock) -> None:
+    client = Client.make()
+    async with relayed_exchange(EngineScript([b"data: 1\n\n"], hang=True),
+                                read_timeout=5.0) as (relay, response, _):
+        start = trio.current_time()
+        with pytest.raises(UpstreamTimeoutError, match="silent for 5 s"):
+            await relay.relay(response, client)
+        assert 5.0 <= trio.current_time() - start <= 5.0 + CLIENT_CHECK_S + 0.01
+        assert len(relay) == 0
+    assert decode_chunked(client.drain() + b"0\r\n\r\n") == b"data: 1\n\n"
+    client.close()
+
+
+async def test_relay_notices_a_client_that_left(autojump_clock: trio.testing.MockClock) -> None:
+    client = Client.make()
+    async with relayed_exchange(EngineScript([b"data: 1\n\n"], hang=True)) as (
+            relay, response, network), trio.open_nursery() as nursery:
+        async def leave() -> None:
+            await trio.sleep(10)
+            client.gone = True
+        nursery.start_soon(leave)
+        with pytest.raises(ClientGoneError):
+            await relay.relay(response, client, lambda: client.gone)
+        assert 10.0 <= trio.current_time() <= 10.0 + CLIENT_CHECK_S + 0.01
+    # Leaving the exchange closed the engine's connection: the engine saw it.
+    with trio.fail_after(1):
+        await network.wait_for(lambda: network.open_now["10.0.0.1"] == 0)
+    client.close()
+
+
+async def test_relay_holds_back_the_engine_for_a_client_that_does_not_read(
+        autojump_clock: trio.testing.MockClock) -> None:
+    """A client that stops reading: the relay stops reading the engine (at most one read is
+    held, the rest stays with the engine), and carries on where it was once the client reads
+    again."""
+    events = [bytes([65 + i % 26]) * 16384 for i in range(2000)]  # 32 MiB in all
+    script = EngineScript(events)
+    client = Client.make()
+    async with (relayed_exchange(script) as (relay, response, _),
+                trio.open_nursery() as nursery):
+        done = trio.Event()
+
+        async def run() -> None:
+            await relay.relay(response, client)
+            done.set()
+
+        nursery.start_soon(run)
+        await trio.sleep(60)
+        assert not done.is_set()
+        (stream,) = relay._streams
+        assert 0 < len(stream._pending) <= 65536 + 16  # one read, framed
+        assert script.sent < len(events) // 2  # the engine's writes are blocked
+
+        async def read() -> None:
+            while True:
+                await trio.lowlevel.wait_readable(client.theirs)
+                client.receive()
+
+        nursery.start_soon(read)
+        await done.wait()
+        nursery.cancel_scope.cancel()
+    assert decode_chunked(client.drain() + b"0\r\n\r\n") == b"".join(events)
+    client.close()
+
+
+async def test_relay_stops_when_the_client_resets(
+        autojump_clock: trio.testing.MockClock) -> None:
+    client = Client.make()
+    async with relayed_exchange(EngineScript([b"x" * 100] * 3, gap=1.0, hang=True)) as (
+            relay, response, _), trio.open_nursery() as nursery:
+        async def reset_client() -> None:
+            await trio.sleep(1.5)
+            client.theirs.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                     struct.pack("ii", 1, 0))
+            client.theirs.close()
+        nursery.start_soon(reset_client)
+        with pytest.raises(ClientGoneError):
+            await relay.relay(response, client)
+    client.ours.close()
+
+
+# -- end to end -------------------------------------------------------------------------------
+@dataclass
+class ScriptedEngine:
+    """An engine on a real socket answering every POST with `head` and then `pieces`, each
+    written once the router has taken the one before (every task blocked), so that each is a
+    read of its own; then it ends, resets the connection, or hangs. GET /v1/models answers
+    the probe."""
+
+    pieces: list[bytes]
+    then: str = "end"  # "end", "reset", or "hang"
+    head: bytes = HEAD
+    closed: trio.Event = field(default_factory=trio.Event)  # the router closed a stream
+
+    async def serve(self, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
+                    ) -> None:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.2.1")
+        port = listeners[0].socket.getsockname()[1]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(partial(trio.serve_listeners, self._handle, listeners))
+            task_status.started(f"http://127.0.2.1:{port}")
+
+    async def _handle(self, stream: trio.SocketStream) -> None:
+        conn = h11.Connection(h11.SERVER)
+        async with stream:
+            while True:
+                request = None
+                while True:
+                    event = conn.next_event()
+                    if event is h11.NEED_DATA:
+                        data = await stream.receive_some()
+                        if not data:
+                            return
+                        conn.receive_data(data)
+                    elif isinstance(event, h11.Request):
+                        request = event
+                    elif isinstance(event, h11.EndOfMessage):
+                        break
+                assert request is not None
+                if request.method == b"GET":
+                    body = json.dumps({"object": "list", "data": [{"id": "fake-model"}]})
+                    await stream.send_all(conn.send(h11.Response(
+                        status_code=200, headers=[("content-length", str(len(body)))]))
+                        + conn.send(h11.Data(data=body.encode())) + conn.send(h11.EndOfMessage()))
+                    conn.start_next_cycle()
+                    continue
+                await stream.send_all(self.head)
+                for piece in self.pieces:
+                    await trio.testing.wait_all_tasks_blocked()
+                    await stream.send_all(piece)
+                if self.then == "reset":
+                    await trio.testing.wait_all_tasks_blocked()
+                    stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                             struct.pack("ii", 1, 0))
+                    return
+                if self.then == "hang":
+                    if not await stream.receive_some():  # only the router's close ends it
+                        self.closed.set()
+                    return
+                return  # "end": the pieces held the whole body; no keep-alive needed
+
+
+@asynccontextmanager
+async def open_scripted_router(engine: ScriptedEngine, **sections: Any
+                               ) -> AsyncIterator[tuple[str, str]]:
+    """The router in front of `engine`: (router URL, the engine's name in metrics)."""
+    async with trio.open_nursery() as nursery:
+        url = await nursery.start(engine.serve)
+        table = RoutingTable()
+        bound = await nursery.start(partial(server.run, router_config([url], **sections),
+                                            table=table, handle_signals=False))
+        while not table.routable("fake-model"):
+            await table.wait_changed()
+        yield bound[0], url.removeprefix("http://")
+        nursery.cancel_scope.cancel()
+
+
+async def requests_with_status(url: str, engine: str, status: int) -> float:
+    async with httpx.AsyncClient() as client:
+        return sample((await client.get(f"{url}/metrics")).text, "trio_router_requests_total",
+                      model="fake-model", engine=engine, status=str(status))
+
+
+async def raw_request(url: str, version: str) -> tuple[trio.SocketStream, bytes]:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    stream = await trio.open_tcp_stream(host, int(port))
+    body = json.dumps({"model": "fake-model", "stream": True}).encode()
+    await stream.send_all(f"POST /v1/completions HTTP/{version}\r\nhost: r\r\n"
+                          f"content-length: {len(body)}\r\n\r\n".encode() + body)
+    return stream, body
+
+
+async def read_all(stream: trio.SocketStream) -> bytes:
+    """Everything until the router closes the connection or ends a chunked body."""
+    data = b""
+    while not data.endswith(b"\r\n0\r\n\r\n"):
+        piece = await stream.receive_some()
+        if not piece:
+            break
+        data += piece
+    return data
+
+
+async def relayed_count(url: str) -> float:
+    async with httpx.AsyncClient() as client:
+        return sample((await client.get(f"{url}/metrics")).text,
+                      "trio_router_relayed_responses_total")
+
+
+EVENTS: Final = [b'data: {"i": %d, "text": "tok\\r\\nen"}\n\n' % i for i in range(6)]
+SCRIPTS: Final = {
+    "one chunk per read": [chunked([e])[:-5] for e in EVENTS] + [b"0\r\n\r\n"],
+    "several chunks per read": [chunked(EVENTS[:3])[:-5], chunked(EVENTS[3:])],
+    "chunks cut anywhere": (lambda w: [w[i:i + 7] for i in range(0, len(w), 7)])(
+        chunked(EVENTS)),
+    "other spellings and trailers": [chunked(EVENTS[:2], spelling="upper")[:-5],
+                                     chunked(EVENTS[2:4], spelling="ext")[:-5],
+                                     chunked(EVENTS[4:], spelling="zeros", trailers=True)],
+    "last chunk split": (lambda w: [w[:-3], w[-3:-1], w[-1:]])(chunked(EVENTS)),
+}
+
+
+@pytest.mark.parametrize("script", list(SCRIPTS))
+async def test_http11_relay_and_http10_general_path_deliver_the_same_body(script: str) -> None:
+    engine = ScriptedEngine(SCRIPTS[script])
+    with trio.fail_after(LIMIT):
+        async with open_scripted_router(engine) as (url, _):
+            before = await relayed_count(url)
+            stream, _ = await raw_request(url, "1.1")
+            async with stream:
+                head, _, relayed = (await read_all(stream)).partition(b"\r\n\r\n")
+            assert b"transfer-encoding: chunked" in head.lower()
+            assert decode_chunked(relayed) == b"".join(EVENTS)
+            assert await relayed_count(url) == before + 1
+
+            stream, _ = await raw_request(url, "1.0")
+            async with stream:
+                head, _, general = (await read_all(stream)).partition(b"\r\n\r\n")
+            assert b"transfer-encoding" not in head.lower() and general == b"".join(EVENTS)
+            assert await relayed_count(url) == before + 1  # HTTP/1.0: not relayed
+
+
+async def test_http2_clients_take_the_general_path() -> None:
+    engine = ScriptedEngine(SCRIPTS["one chunk per read"])
+    with trio.fail_after(LIMIT):
+        async with open_scripted_router(engine) as (url, _):
+            before = await relayed_count(url)
+            async with httpx.AsyncClient(http1=False, http2=True) as client:
+                response = await client.post(f"{url}/v1/completions",
+                                             json={"model": "fake-model", "stream": True})
+            assert response.http_version == "HTTP/2" and response.content == b"".join(EVENTS)
+            assert await relayed_count(url) == before
+
+
+async def test_engine_reset_mid_relay_cuts_the_client() -> None:
+    engine = ScriptedEngine(SCRIPTS["one chunk per read"][:3], then="reset")
+    with trio.fail_after(LIMIT):
+        async with open_scripted_router(engine) as (url, name):
+            stream, _ = await raw_request(url, "1.1")
+            async with stream:
+                data = await read_all(stream)  # ends with the router's close
+            body = data.partition(b"\r\n\r\n")[2]
+            assert body.startswith(b"%x\r\n" % len(EVENTS[0]) + EVENTS[0])
+            with pytest.raises(AssertionError, match="incomplete"):  # no clean end
+                decode_chunked(body)
+            assert await requests_with_status(url, name, 502) == 1
+
+
+async def test_client_leaving_mid_relay_closes_the_engine_connection() -> None:
+    engine = ScriptedEngine(SCRIPTS["one chunk per read"][:2], then="hang")
+    with trio.fail_after(LIMIT):
+        async with open_scripted_router(engine) as (url, name):
+            stream, _ = await raw_request(url, "1.1")
+            first = b""
+            while b"data: {" not in first:
+                first += await stream.receive_some()
+            await stream.aclose()
+            start = trio.current_time()
+            await engine.closed.wait()
+            assert trio.current_time() - start < 1.0  # a client check comes every 0.25 s
+            assert await requests_with_status(url, name, 499) == 1
