@@ -398,6 +398,8 @@ async def test_healthy_engines_are_never_ejected_because_others_hang(
     async with open_core(engines, probe=probe) as core:
         for n in range(1, 41):
             core.reconciler.apply(added(make_pod(100 + n, ip=f"127.0.2.{n}")))
+        # Every probe slot is taken by a hanging engine before the healthy one comes.
+        await core.network.wait_for(lambda: sum(core.network.open_now.values()) == 4)
         core.reconciler.apply(added(make_pod(1)))
         await core.wait_until("routable", "uid-1")
         assert trio.current_time() > probe.timeout_s  # it did wait behind hanging probes
