@@ -42,7 +42,13 @@ from .errors import (
 from .health import Supervisors
 from .metrics import CONTENT_TYPE, NO_LABEL, Metrics
 from .policy import Policy, RequestInfo, make_policy, request_info
-from .upstream import ClientGoneError, EngineUnreachableError, Relay, RelayTarget, UpstreamPool
+from .upstream import (
+    ClientGoneError,
+    EngineUnreachableError,
+    Relay,
+    RelayTarget,
+    UpstreamPool,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -301,25 +307,7 @@ class RouterApp:
                     status = response.status
                     await send({"type": "http.response.start", "status": status,
                                 "headers": out})
-                    client = (self._client_socket() if relay_ok and response.relayable
-                              else None)
-                    if client is not None and self._relay is not None:
-                        # Head and what came with it through the server (which starts a
-                        # chunked body), then the rest relayed as it comes.
-                        first = response.read_buffered()
-                        if first:
-                            ttfb = trio.current_time() - started
-                            self._metrics.observe_ttfb(model, ttfb)
-                        ended = response.complete
-                        await send({"type": "http.response.body", "body": first,
-                                    "more_body": not ended})
-                        if not ended and not client.writes_pending():
-                            first_at = await self._relay.relay(response, client, client_gone)
-                            if ttfb is None and first_at is not None:
-                                ttfb = first_at - started
-                                self._metrics.observe_ttfb(model, ttfb)
-                            ended = True
-                            await send(_END_BODY)
+                    relay = self._relay if relay_ok else None
                     async for chunk in response:
                         if ttfb is None:
                             ttfb = trio.current_time() - started
@@ -327,6 +315,17 @@ class RouterApp:
                         ended = response.complete  # the last chunk ends the response
                         await send({"type": "http.response.body", "body": chunk,
                                     "more_body": not ended})
+                        if relay is not None and not ended:
+                            # The head and the first chunk went out through the server,
+                            # which frames the body as chunked; the rest can be relayed.
+                            client = self._client_socket()
+                            if (client is not None and response.relayable
+                                    and not client.writes_pending()):
+                                await relay.relay(response, client, client_gone)
+                                ended = True
+                                await send(_END_BODY)
+                                break
+                            relay = None  # the general path, to the end
                     if not ended:
                         await send(_END_BODY)
                 engine.requests.record(ttfb, trio.current_time() - started, ok=status < 500)

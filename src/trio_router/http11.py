@@ -244,8 +244,10 @@ class ResponseParser:
                     break
                 pos = stop + 2
             if pos > start:
-                parts.append(buf[start:pos])
                 self._pos = pos
+                if pos == end:  # the common case: whole chunks and nothing else
+                    return buf[start:pos]
+                parts.append(buf[start:pos])
         rest = self._read_chunked()
         if rest:
             parts.append(b"%x\r\n%s\r\n" % (len(rest), rest))

@@ -505,17 +505,6 @@ class UpstreamResponse:
         """The rest of the body is chunked and not over: `Relay.relay` can move it."""
         return self._conn is not None and self._parser is not None and self._parser.chunked
 
-    def read_buffered(self) -> bytes:
-        """The body bytes already received with the head, de-chunked (b"" if none), without
-        waiting: what goes out with the response head before a relay takes over. Raises
-        UpstreamError if they are malformed."""
-        assert self._parser is not None
-        try:
-            return self._parser.read_body()
-        except ProtocolError as exc:
-            raise UpstreamError(
-                f"engine {self._base_url} broke off the response body: {exc}") from exc
-
     def __aiter__(self) -> UpstreamResponse:
         return self
 
