@@ -120,7 +120,7 @@ def tune_gc() -> None:
     modules and the Kubernetes client: ~56,000 objects) is moved out of the collector's view,
     and the youngest generation is collected every GC_YOUNG_THRESHOLD allocations instead of
     700. Without this a full collection paused the router for ~30 ms about twice a second
-    under load, which set its p99 latency (bench/bench_proxy.py, README "Performance")."""
+    under load, which set its p99 latency (bench/bench_proxy.py, docs/performance.md)."""
     gc.collect()
     gc.freeze()
     gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
