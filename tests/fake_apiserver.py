@@ -14,6 +14,8 @@ from __future__ import annotations
 import bisect
 import json
 import math
+import socket
+import struct
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -207,6 +209,7 @@ class FakeApiServer(_Changes):
         self.bookmark_interval_s: float | None = None  # periodic bookmarks (when allowed)
         self.expired_as_event = True  # 410 as an ERROR event in a 200 stream, or HTTP 410
         self.watch_plans: deque[WatchPlan] = deque()
+        self.unavailable = False  # every request answered 503 (see `outage`)
         self.list_plans: deque[WatchPlan] = deque()  # only kind "status" applies
         self.requests = Requests()
         self.open_watches = 0
@@ -297,9 +300,23 @@ class FakeApiServer(_Changes):
         self._history_rvs.clear()
         self._notify()
 
-    def reset_watches(self) -> None:
-        """Cut every open watch connection (no end of the chunked body)."""
-        self._epoch, self._epoch_action = self._epoch + 1, "reset"
+    def reset_watches(self, *, rst: bool = False) -> None:
+        """Cut every open watch connection (no end of the chunked body): closed, or with
+        `rst` reset (TCP RST)."""
+        self._epoch, self._epoch_action = self._epoch + 1, "rst" if rst else "reset"
+        self._notify()
+
+    def outage(self, down: bool) -> None:
+        """Start (cutting every open watch) or end an outage: while it lasts, every request
+        gets 503. Pods may still change meanwhile; watches see it when it is over."""
+        self.unavailable = down
+        if down:
+            self.reset_watches()
+
+    def end_watches(self) -> None:
+        """End every open watch cleanly (the end of the chunked body), as a restarting API
+        server or a load balancer's idle timeout does."""
+        self._epoch, self._epoch_action = self._epoch + 1, "end"
         self._notify()
 
     def expire_watches(self) -> None:
@@ -345,6 +362,10 @@ class FakeApiServer(_Changes):
         url = urlsplit(request.target.decode())
         query = dict(parse_qsl(url.query))
         headers = {k.decode().lower(): v.decode() for k, v in request.headers}
+        if self.unavailable:  # an outage: every request fails, and the connection ends
+            await self._send_json(stream, conn, 503, status_json(
+                503, "ServiceUnavailable", "the API server is unavailable"))
+            return False
         if self.token is not None and headers.get("authorization") != f"Bearer {self.token}":
             await self._send_json(stream, conn, 401,
                                   status_json(401, "Unauthorized", "Unauthorized"))
@@ -448,6 +469,13 @@ class FakeApiServer(_Changes):
         while True:
             changed = self._changed  # captured before the checks: no change is missed
             if self._epoch != epoch:  # before sending: changes made with a reset stay unsent
+                if self._epoch_action == "end":
+                    await stream.send_all(conn.send(h11.EndOfMessage()))
+                    return False  # and close the connection
+                if self._epoch_action == "rst":
+                    stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                             struct.pack("ii", 1, 0))
+                    return False
                 if self._epoch_action == "reset" or not self.expired_as_event:
                     return False
                 return await self._end_with_error(stream, conn, 410, "Expired",

@@ -456,6 +456,8 @@ def toml_literal(value: Any) -> str:
     """A default as written in TOML: strings quoted, lists bracketed, numbers as Python shows."""
     if isinstance(value, list):
         return "[" + ", ".join(toml_literal(v) for v in value) + "]"
+    if isinstance(value, bool):
+        return "true" if value else "false"
     return json.dumps(value) if isinstance(value, str) else repr(value)
 
 

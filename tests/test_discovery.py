@@ -5,6 +5,7 @@ test_discovery_wire.py."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import random
@@ -27,6 +28,7 @@ from trio_router.discovery import (
     DiscoveryStatus,
     KubernetesConnectionError,
     KubernetesStatusError,
+    Readiness,
     StaticDiscoveryStatus,
     WatchTuning,
     _decode_event,
@@ -34,7 +36,7 @@ from trio_router.discovery import (
     run_kubernetes_discovery,
     watch_event_from_dict,
 )
-from trio_router.endpoints import EventType
+from trio_router.endpoints import Engine, EventType, RoutingTable
 
 CONFIG = KubernetesConfig(relist_interval_s=3600.0, stale_after_s=180.0)
 REFUSED = KubernetesConnectionError("Kubernetes API unreachable: connection refused")
@@ -146,7 +148,7 @@ async def test_1_7_clean_end_rewatches_at_once_from_the_last_rv(
         source.emit("MODIFIED", pod_json("a", restarts=1))
         await source.wait_for(lambda: len(source.watch_calls) >= 4)
     (t0, rv0, timeout0), (t1, rv1, _), *_ = source.watch_calls
-    assert t1 == pytest.approx(t0 + timeout0)  # no backoff
+    assert t0 + timeout0 <= t1 <= t0 + timeout0 + DEFAULT_TUNING.resume_jitter_s  # no backoff
     assert 300 <= timeout0 < 600
     assert (rv0, rv1) == ("2", "3")  # from the list's RV, then from the last event's
     assert len(source.list_calls) == 1 and len(sink.replaced) == 1
@@ -220,8 +222,66 @@ async def test_1_12_error_loops_back_off_with_jitter_capped_and_reset(
         assert d <= gap <= 2 * d  # jitter in [d, 2d), d doubling from 0.8 s up to 30 s
         ratios.append(gap / d)
     assert len({round(r, 6) for r in ratios}) == 12  # really jittered
-    assert times[13] - times[12] == pytest.approx(130.0)  # a clean end: re-watch at once
-    assert 0.8 <= times[14] - times[13] <= 1.6  # after 2 min without errors: reset to 0.8 s
+    # A clean end: re-watch at once (a jitter of at most 0.1 s).
+    assert 130.0 <= times[13] - times[12] <= 130.1
+    assert 0.8 <= times[14] - times[13] <= 1.6  # the successful start reset the delay to 0.8 s
+
+
+async def test_a_successful_watch_start_resets_the_backoff(
+        autojump_clock: trio.testing.MockClock) -> None:
+    """Failures after a watch that started are first failures again, even within 2 min."""
+    source, sink = FakePodSource(), RecordingSink()
+    source.watch_plans.extend([FakeWatch(0, REFUSED)] * 6)
+    source.watch_plans.append(FakeWatch(5.0, REFUSED))  # starts, then breaks after 5 s
+    source.watch_plans.append(FakeWatch(0, REFUSED))
+    async with running(source, sink):
+        await source.wait_for(lambda: len(source.watch_calls) == 9)
+    times = watch_times(source)
+    assert times[6] - times[5] >= base_delay(5)  # the backoff had grown
+    assert 5.0 <= times[7] - times[6] <= 5.1  # a working stream broke: resumed at once
+    assert 0.8 <= times[8] - times[7] <= 1.6  # the next failure is a first one again
+
+
+def last_restarts_are(sink: RecordingSink, restarts: int) -> bool:
+    return bool(sink.applied) and sink.applied[-1].pod.restart_count == restarts
+
+
+async def test_watch_resets_do_not_grow_the_delay(autojump_clock: trio.testing.MockClock
+                                                  ) -> None:
+    """A stream that delivered events and then was reset resumes at once from the last
+    resourceVersion, however often it happens; the health stays good."""
+    source, sink = FakePodSource(), RecordingSink()
+    source.emit("ADDED", pod_json("a"))
+    reset = KubernetesConnectionError("connection reset by peer")
+    source.watch_plans.extend([FakeWatch(3.0, reset)] * 60)  # a reset every 3 s for 3 min
+    async with running(source, sink) as status:
+        for i in range(40):
+            source.emit("MODIFIED", pod_json("a", restarts=i + 1))  # keeps the streams busy
+            changed = trio.current_time()
+            await sink.wait_for(partial(last_restarts_are, sink, i + 1))
+            assert trio.current_time() - changed <= 1.1
+            await trio.sleep(2.5)
+        await trio.sleep(30)  # a quiet cluster: the streams deliver nothing, and are reset
+        assert status.errors == 0 and status.consecutive_errors == 0
+        assert status.interruptions >= 30 and status.health(trio.current_time())[0]
+    times = watch_times(source)
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    assert max(gaps) <= 3.0 + 0.1  # each resumed within the jitter, never backed off
+    assert len(source.list_calls) == 1
+
+
+async def test_streams_that_die_at_once_are_not_a_hot_loop(
+        autojump_clock: trio.testing.MockClock) -> None:
+    """A stream that starts, delivers, and dies at once, over and over: resumed no more than
+    once per `resume_spacing_s`."""
+    source, sink = FakePodSource(), RecordingSink()
+    source.emit("ADDED", pod_json("a"))
+    source.watch_plans.extend([FakeWatch(0.001, KubernetesConnectionError("reset"))] * 2000)
+    async with running(source, sink):
+        for i in range(200):
+            source.emit("MODIFIED", pod_json("a", restarts=i + 1))
+            await trio.sleep(0.5)
+    assert len(source.watch_calls) <= 100 * 1.0 / DEFAULT_TUNING.resume_spacing_s + 2
 
 
 async def test_1_12_a_long_outage_is_not_a_hot_loop(
@@ -400,3 +460,37 @@ def test_static_status_is_synced_and_always_healthy() -> None:
     assert isinstance(status, StaticDiscoveryStatus) and status.synced
     assert status.health(1e9) == (True, "static discovery")
     assert status.snapshot(1e9)["healthy"] == 1
+
+
+# -- readiness --------------------------------------------------------------------------------
+async def test_readiness_is_whether_the_router_can_route(
+        autojump_clock: trio.testing.MockClock) -> None:
+    """Not ready before the first LIST, nor while the engines it found await their first
+    probe; then ready, and only "degraded" while the watch is stale, failing or rejected,
+    unless strict."""
+    status, table = DiscoveryStatus(stale_after_s=10.0), RoutingTable()
+    lenient, strict = Readiness(status, table), Readiness(status, table, strict=True)
+    now = trio.current_time()
+    assert lenient.check(now)[:2] == (False, "unavailable")
+    status.record_error("LIST: connection refused")
+    assert "connection refused" in lenient.check(now)[2]
+    table.put(Engine(uid="u1", name="e1", url="http://10.0.0.1:8000"))  # probing
+    status.record_list(now, "5")
+    assert lenient.check(now) == (False, "unavailable",
+                                  "waiting for the first probe of 1 engine(s)")
+    table.mark_failed("u1", 0, "no answer", eject=True)  # its first probe failed: known
+    assert lenient.check(now) == (True, "ok", "ok") == strict.check(now)
+    table.put(Engine(uid="u2", name="e2", url="http://10.0.0.2:8000"))  # a later one
+    assert lenient.check(now)[0]  # probing later engines does not make it unready again
+
+    await trio.sleep(11)  # no watch progress: stale
+    ready, state, reason = lenient.check(trio.current_time())
+    assert (ready, state) == (True, "degraded") and "stale" in reason
+    assert strict.check(trio.current_time())[:2] == (False, "unavailable")
+    for _ in range(FAILING_AFTER_ERRORS):
+        status.record_error("watch: HTTP 500")
+    status.record_event(trio.current_time(), "6", bookmark=True)  # progress clears it all
+    assert lenient.check(trio.current_time()) == (True, "ok", "ok")
+    status.record_error("watch: HTTP 403", auth=True)
+    assert lenient.check(trio.current_time())[1] == "degraded"
+    assert not strict.check(trio.current_time())[0]

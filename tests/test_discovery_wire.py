@@ -398,3 +398,55 @@ async def test_a_burst_is_applied_complete_and_in_order(apiserver: FakeApiServer
             assert sink.names() == {f"engine-{n}" for n in range(1, 21)} - {"engine-7"}
             apiserver.modify_pod("engine-1", restarts=99_999)  # alone on a drained stream
             await sink.wait_for(lambda: sink.pods["uid-1"].restart_count == 99_999)
+
+
+# -- hostile networks -----------------------------------------------------------------------
+def restarts_are(sink: RecordingSink, restarts: int) -> bool:
+    return "uid-1" in sink.pods and sink.pods["uid-1"].restart_count == restarts
+
+
+async def test_watch_resets_every_second_lose_no_change_and_add_no_delay(
+        apiserver: FakeApiServer, kubeconfig: Path) -> None:
+    """The watch is ended cleanly, then reset (TCP RST), in turn, about every second, while
+    pods keep changing: every change reaches the sink within 2 s, the streams are resumed from
+    the last resourceVersion with no LIST, and no error is counted."""
+    add_engines(apiserver, 1)
+    sink = RecordingSink()
+    with trio.fail_after(LIMIT_S + 10):
+        async with running(k8s_config(kubeconfig), sink, tuning=WatchTuning()) as (_, status):
+            await sink.wait_for(lambda: "engine-1" in sink.names())
+            for i in range(12):
+                if i % 2:
+                    apiserver.reset_watches(rst=True)
+                else:
+                    apiserver.end_watches()
+                await trio.sleep(0.3)  # a change a little after each cut
+                apiserver.modify_pod("engine-1", restarts=i + 1)
+                changed = trio.current_time()
+                await sink.wait_for(partial(restarts_are, sink, i + 1))
+                assert trio.current_time() - changed < 2.0
+                await trio.sleep(0.5)
+            assert len(apiserver.requests.lists) == 1
+            assert status.errors == 0 and status.interruptions >= 5
+            assert status.health(trio.current_time()) == (True, "ok")
+
+
+async def test_a_frozen_watch_is_replaced_after_the_read_timeout(
+        apiserver: FakeApiServer, kubeconfig: Path) -> None:
+    """A watch whose connection stays open and silent (a half-open TCP connection, a stuck
+    proxy) is resumed from the last resourceVersion after `read_timeout_s`, with no LIST; a
+    change made meanwhile then arrives."""
+    add_engines(apiserver, 1)
+    apiserver.watch_plans.append(WatchPlan("stall"))
+    sink = RecordingSink()
+    with trio.fail_after(LIMIT_S):
+        async with running(k8s_config(kubeconfig, read_timeout_s=1.0), sink,
+                           tuning=WatchTuning()) as (_, status):
+            await apiserver.wait_for(lambda: apiserver.open_watches == 1)
+            frozen = trio.current_time()
+            apiserver.modify_pod("engine-1", restarts=7)
+            await sink.wait_for(lambda: "uid-1" in sink.pods
+                                and sink.pods["uid-1"].restart_count == 7)
+            assert 1.0 <= trio.current_time() - frozen < 1.0 + 1.2
+            assert len(apiserver.requests.lists) == 1 and status.interruptions == 1
+            assert status.errors == 0

@@ -229,3 +229,67 @@ def test_malformed_requests_never_get_a_500(fuzz_router: str, path: str, body: b
     if not from_engine and response.status_code >= 400:
         assert response.headers["content-type"] == "application/json"
         assert "error" in response.json()
+
+
+async def test_an_api_outage_leaves_the_router_serving(apiserver: FakeApiServer,
+                                                       kubeconfig: Path) -> None:
+    """The API server answers 503 for many times `stale_after_s`: `/health` stays 200
+    ("degraded"), requests keep being served, an engine that dies meanwhile is ejected by its
+    probes; once the API server is back, the changes made meanwhile (a pod deleted, one
+    added) reach the table."""
+    engines = [FakeEngine(name="pod-a"), FakeEngine(name="pod-b"), FakeEngine(name="pod-c")]
+    scopes = [trio.CancelScope() for _ in engines]
+
+    async def serve(i: int, port: int, *, task_status: trio.TaskStatus[str]) -> None:
+        with scopes[i]:
+            await serve_fake_engine(engines[i], f"127.0.1.{i + 1}", port,
+                                    task_status=task_status)
+
+    with trio.fail_after(LIMIT + 10):
+        async with trio.open_nursery() as nursery:
+            url_a = await nursery.start(serve, 0, 0)
+            port = int(url_a.rsplit(":", 1)[1])
+            await nursery.start(serve, 1, port)
+            await nursery.start(serve, 2, port)
+            apiserver.add_pod("pod-a", ip="127.0.1.1")
+            apiserver.add_pod("pod-b", ip="127.0.1.2")
+            config = Config(
+                server=ServerConfig(bind="127.0.0.1:0"),
+                discovery=DiscoveryConfig(mode="kubernetes", kubernetes=KubernetesConfig(
+                    namespace=apiserver.namespace, port=port, kubeconfig=str(kubeconfig),
+                    stale_after_s=0.5, read_timeout_s=1.0)),
+                probe=ProbeConfig(interval_s=0.2, timeout_s=0.5, backoff_max_s=0.5),
+                stats=StatsConfig(interval_s=0.0))
+            table = RoutingTable()
+            (url,) = await nursery.start(partial(server.run, config, table=table,
+                                                 handle_signals=False))
+
+            def routable() -> set[str]:
+                return {e.name for e in table.routable("fake-model")}
+
+            while routable() != {"pod-a", "pod-b"}:
+                await table.wait_changed()
+            async with httpx.AsyncClient(base_url=url, timeout=LIMIT) as client:
+                assert (await client.get("/health")).json()["status"] == "ok"
+                apiserver.outage(True)
+                apiserver.delete_pod("pod-b")  # unseen until the API server is back
+                apiserver.add_pod("pod-c", ip="127.0.1.3")
+                start = trio.current_time()
+                served, degraded = 0, 0
+                while trio.current_time() - start < 3.0:  # 6 x stale_after_s
+                    health = await client.get("/health")
+                    assert health.status_code == 200, health.text
+                    degraded += health.json()["status"] == "degraded"
+                    response = await client.post(CHAT, json=chat())
+                    assert response.status_code == 200, response.text
+                    served += 1
+                    if trio.current_time() - start > 1.0 and not scopes[1].cancel_called:
+                        scopes[1].cancel()  # pod-b's engine dies during the outage
+                    await trio.sleep(0.05)
+                assert degraded > 0 and served > 20
+                assert routable() == {"pod-a"}  # pod-b failed its probes: ejected
+                apiserver.outage(False)
+                while routable() != {"pod-a", "pod-c"} or "uid-pod-b" in table:
+                    await table.wait_changed()
+                assert (await client.get("/health")).json()["status"] == "ok"  # fresh again
+            nursery.cancel_scope.cancel()

@@ -165,7 +165,7 @@ class RouterApp:
     own (each request runs in the task Hypercorn gives it) and no global state."""
 
     def __init__(self, *, settings: Settings, table: RoutingTable, supervisors: Supervisors,
-                 metrics: Metrics, health: Callable[[], tuple[bool, str]],
+                 metrics: Metrics, health: Callable[[], tuple[bool, str, str]],
                  relay: Relay | None = None,
                  client_socket: Callable[[], ClientConnection | None] = lambda: None) -> None:
         self.settings = settings
@@ -415,11 +415,10 @@ class RouterApp:
             # msgspec encodes the table of 1,000 engines several times faster than json.
             await _send_json(send, 200, msgspec.json.encode({"engines": engines}))
         elif path == "/health":
-            ok, reason = self._health()
+            ready, state, reason = self._health()
             routable = len(self._table.routable_engines())
-            await _send_json(send, 200 if ok else 503, json.dumps(
-                {"status": "ok" if ok else "unavailable", "reason": reason,
-                 "routable_engines": routable}).encode())
+            await _send_json(send, 200 if ready else 503, json.dumps(
+                {"status": state, "reason": reason, "routable_engines": routable}).encode())
         else:
             body = self._metrics.render()
             await send({"type": "http.response.start", "status": 200, "headers": [

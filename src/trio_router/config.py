@@ -84,9 +84,10 @@ class KubernetesConfig:
     port: int = 8000  # engine port on every pod
     kubeconfig: str = ""  # optional path
     # Beyond the contract: the watch's tuning knobs (DISCOVERY.md §2).
-    read_timeout_s: float = 75.0  # longest silence tolerated on a watch stream before resuming
+    read_timeout_s: float = 45.0  # longest silence tolerated on a watch stream before resuming
     relist_interval_s: float = 600.0  # safety-net LIST-and-diff period (jittered ±10%)
-    stale_after_s: float = 180.0  # /health turns 503 when the watch made no progress this long
+    stale_after_s: float = 180.0  # the watch is reported stale after this long without progress
+    strict_health: bool = False  # /health 503 while stale or failing (default: 200, degraded)
 
     def __post_init__(self) -> None:
         if not 0 < self.port <= 65535:

@@ -35,7 +35,7 @@ import urllib3
 from kubernetes.client.exceptions import ApiException
 
 from .config import KubernetesConfig
-from .endpoints import EventType, Pod, PodEvent
+from .endpoints import EngineState, EventType, Pod, PodEvent, RoutingTable
 from .errors import DiscoveryError
 from .http11 import ChunkedDecoder
 
@@ -281,6 +281,7 @@ class DiscoveryStatus:
         self.last_error: str | None = None
         self.auth_failing = False  # the API server answered 401/403, or no credentials
         self.reconnects = 0  # watch streams opened after the first
+        self.interruptions = 0  # streams cut or silent after delivering: resumed at once
         self.relists = 0  # successful LISTs after the first
         self.events_applied = 0  # ADDED/MODIFIED/DELETED handed to the sink
         self.bookmarks = 0
@@ -360,10 +361,49 @@ class DiscoveryStatus:
             "errors_total": self.errors,
             "last_error": self.last_error,
             "reconnects_total": self.reconnects,
+            "interruptions_total": self.interruptions,
             "relists_total": self.relists,
             "events_total": self.events_applied,
             "bookmarks_total": self.bookmarks,
         }
+
+
+class Readiness:
+    """What `/health` answers: whether this router can route, which is not the same as
+    whether its view of the API is fresh.
+
+    Not ready until the first LIST has succeeded and every engine it found has had its first
+    probe answered (or failed): a new replica gets no traffic before it knows its engines.
+    From then on ready, whatever happens to the API server: staleness, watch errors and
+    rejected credentials are reported ("degraded", with the reason) but do not take the
+    router out of its Service, because its last table, kept honest by its own probes, still
+    routes (engines that die meanwhile fail their probes and leave routing). With `strict`,
+    any of those makes it not ready, as a router that must never route from a stale table
+    would want."""
+
+    def __init__(self, status: DiscoveryStatus, table: RoutingTable, *,
+                 strict: bool = False) -> None:
+        self._status, self._table, self._strict = status, table, strict
+        self._probed = False  # the first probes are over; latched
+
+    def check(self, now: float) -> tuple[bool, str, str]:
+        """(ready, "ok" | "degraded" | "unavailable", reason)."""
+        status = self._status
+        if not status.synced:
+            last = f"; last error: {status.last_error}" if status.last_error else ""
+            return False, "unavailable", f"Kubernetes pods not listed yet{last}"
+        if not self._probed:
+            probing = sum(1 for e in self._table if e.state is EngineState.PROBING)
+            if probing:
+                return False, "unavailable", (
+                    f"waiting for the first probe of {probing} engine(s)")
+            self._probed = True
+        fresh, reason = status.health(now)
+        if fresh:
+            return True, "ok", reason
+        if self._strict:
+            return False, "unavailable", reason
+        return True, "degraded", f"routing from the last known table: {reason}"
 
 
 def _age(now: float, then: float | None) -> float | None:
@@ -394,6 +434,8 @@ class WatchTuning:
     backoff_reset_s: float = 120.0  # the delay starts over after this long without errors
     watch_timeout_s: tuple[float, float] = (300.0, 600.0)  # server-side timeoutSeconds range
     short_watch_s: float = 1.0  # a clean end sooner than this, with no event, is an error
+    resume_spacing_s: float = 1.0  # watch streams start at most this often (reset loops)
+    resume_jitter_s: float = 0.1  # an interrupted stream resumes after up to this much more
     relist_jitter: float = 0.1  # the safety-net relist period varies by ±this fraction
 
 
@@ -406,6 +448,11 @@ class Backoff:
         self._tuning, self._rng = tuning, rng
         self._base = tuning.backoff_initial_s
         self._last_failure: float | None = None
+
+    def reset(self) -> None:
+        """A watch started: the next failure is a first one again."""
+        self._base = self._tuning.backoff_initial_s
+        self._last_failure = None
 
     def next_delay(self, now: float) -> float:
         """Record a failure at `now`; return how long to sleep before the next attempt."""
@@ -450,6 +497,8 @@ class _DiscoveryLoop:
         self._relist_at = math.inf  # trio time of the next safety-net relist
         self._stream_events = 0  # events and bookmarks in the current watch stream
         self._watches = 0
+        self._last_watch_start = -math.inf
+        self._stream_connected = False
 
     async def run(self, task_status: trio.TaskStatus[None]) -> None:
         started = False
@@ -487,20 +536,30 @@ class _DiscoveryLoop:
         return None
 
     async def _watch(self) -> bool:
-        """Run one watch stream from the last resourceVersion; True if a LIST comes next."""
+        """Run one watch stream from the last resourceVersion; True if a LIST comes next.
+
+        Only a failed attempt backs off: no connection, an error status, or a stream that
+        ended within `short_watch_s` without delivering anything. A stream that was working
+        (it delivered an event or bookmark, or stayed open longer than that) and then ended,
+        was reset or went silent is resumed at once from the last resourceVersion (after a
+        pause of up to `resume_jitter_s`, and never sooner than `resume_spacing_s` after the
+        previous start, so that streams that die at once cannot spin)."""
         low, high = self._tuning.watch_timeout_s
         timeout_seconds = max(1, int(self._rng.uniform(low, high)))
         if self._watches:
             self._status.reconnects += 1
         self._watches += 1
         self._stream_events = 0
+        self._stream_connected = False
         first_after_list, self._fresh_list = self._fresh_list, False
-        began = trio.current_time()
+        began = self._last_watch_start = trio.current_time()
         with trio.move_on_at(self._relist_at):
             try:
                 await self._source.watch(self._rv, self, timeout_seconds=timeout_seconds)
-            except WatchStalledError as exc:  # a quiet stream: resume at once
+            except WatchStalledError as exc:  # a frozen or quiet stream: resume at once
+                self._status.interruptions += 1
                 logger.info("%s; resuming from resourceVersion %s", exc, self._rv)
+                await self._resume_pause()
                 return False
             except KubernetesStatusError as exc:
                 if exc.expired:
@@ -512,6 +571,15 @@ class _DiscoveryLoop:
                 await self._back_off("watch", exc)
                 return exc.too_large_resource_version  # relist with the resourceVersion unset
             except DiscoveryError as exc:
+                if self._stream_events or (
+                        self._stream_connected
+                        and trio.current_time() - began >= self._tuning.short_watch_s):
+                    # It was working: an interruption, not a failure.
+                    self._status.interruptions += 1
+                    logger.info("watch interrupted after %d event(s): %s; resuming from "
+                                "resourceVersion %s", self._stream_events, exc, self._rv)
+                    await self._resume_pause()
+                    return False
                 await self._back_off("watch", exc)
                 return False
             now = trio.current_time()
@@ -520,9 +588,15 @@ class _DiscoveryLoop:
                     f"watch ended after {now - began:.2f} s with no event"))
                 return False
             self._status.record_clean_end(now)
+            await self._resume_pause()
             return False
         logger.info("safety-net relist (every %g s)", self._config.relist_interval_s)
         return True
+
+    async def _resume_pause(self) -> None:
+        tuning = self._tuning
+        wait = max(0.0, self._last_watch_start + tuning.resume_spacing_s - trio.current_time())
+        await trio.sleep(wait + self._rng.uniform(0.0, tuning.resume_jitter_s))
 
     async def _back_off(self, what: str, exc: DiscoveryError) -> None:
         await trio.sleep(self._failed(what, exc))
@@ -541,7 +615,9 @@ class _DiscoveryLoop:
 
     # -- WatchObserver ---------------------------------------------------------------------
     def connected(self) -> None:
+        self._stream_connected = True
         self._status.record_connected(trio.current_time())
+        self._backoff.reset()  # a watch that starts is the end of a run of failures
 
     def event(self, event: WatchEvent) -> None:
         if event.type == "BOOKMARK":

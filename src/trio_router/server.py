@@ -25,7 +25,12 @@ import trio
 from . import connection
 from .app import RouterApp, env_key, make_settings
 from .config import Config, StatsConfig, parse_bind
-from .discovery import DiscoveryStatus, KubernetesPodSource, run_kubernetes_discovery
+from .discovery import (
+    DiscoveryStatus,
+    KubernetesPodSource,
+    Readiness,
+    run_kubernetes_discovery,
+)
 from .endpoints import RoutingTable
 from .errors import ConfigError
 from .health import EngineWorker, Prober, Supervisors, open_supervisors
@@ -238,12 +243,14 @@ async def run(config: Config, *, load: Callable[[], Config] | None = None,
                 await nursery.start(partial(
                     run_kubernetes_discovery, source, reconciler, status,
                     config.discovery.kubernetes))
+            readiness = Readiness(status, table,
+                                  strict=config.discovery.kubernetes.strict_health)
             metrics = Metrics(table, discovery_snapshot=lambda: status.snapshot(
                 trio.current_time()), relayed=lambda: relay.relayed)
             table.add_remove_listener(lambda engine: metrics.forget_engine(engine.name))
             app = RouterApp(settings=settings, table=table, supervisors=supervisors,
                             metrics=metrics,
-                            health=lambda: status.health(trio.current_time()),
+                            health=lambda: readiness.check(trio.current_time()),
                             relay=relay, client_socket=connection.current_client)
             stop = trio.Event()
             if handle_signals:
