@@ -25,6 +25,7 @@ import pytest
 import trio
 import trio.testing
 from hypercorn.events import Closed, RawData
+from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 
 from trio_router import connection
@@ -397,8 +398,8 @@ async def test_http2_streams_share_the_connection_and_its_writes() -> None:
 async def test_installed_for_this_server_only(monkeypatch: pytest.MonkeyPatch,
                                              caplog: pytest.LogCaptureFixture) -> None:
     """`serve` drives its own connections with the class (its requests see their client
-    socket), and leaves Hypercorn's default alone for other servers in the process; on an
-    unknown Hypercorn it serves with Hypercorn's own class and says so."""
+    socket) and replaces nothing in Hypercorn, so other servers in the process keep
+    Hypercorn's own class; on an unknown Hypercorn it serves with Hypercorn's and says so."""
     original = hypercorn.trio.run.TCPServer  # type: ignore[attr-defined]
     async with serve() as served:
         assert hypercorn.trio.run.TCPServer is original  # type: ignore[attr-defined]
@@ -419,10 +420,6 @@ async def test_installed_for_this_server_only(monkeypatch: pytest.MonkeyPatch,
                 assert (await read_response(plain))[1] == b"NoneType"
             nursery.cancel_scope.cancel()
 
-    class Unknown:
-        pass
-
-    monkeypatch.setattr(hypercorn.trio.run, "TCPServer", Unknown)
-    assert not connection._installable()
-    assert getattr(hypercorn.trio.run, "TCPServer") is Unknown  # noqa: B009
+    monkeypatch.delattr(TCPServer, "_initiate_server_close")
+    assert not connection._checked()
     assert "serving with Hypercorn's own" in caplog.text

@@ -1,14 +1,16 @@
-"""trio_router's seam into Hypercorn's trio worker: the connection class it serves with.
+"""trio_router's seam into Hypercorn's trio worker: how its own server is run.
 
-The only module that touches Hypercorn's internals (`hypercorn.trio.tcp_server.TCPServer`, its
-keep-alive task, `hypercorn.trio.run.TCPServer`). Checked against Hypercorn 0.17 and 0.18,
-the releases `pyproject.toml` allows; on any other layout `serve` logs a warning and serves
-with Hypercorn's own class, correctly but at a higher CPU cost.
+The only module that touches Hypercorn's internals (its trio `TCPServer`, keep-alive task,
+lifespan and worker context). Checked against Hypercorn 0.17 and 0.18, the releases
+`pyproject.toml` allows; on any other layout `serve` logs a warning and serves with
+`hypercorn.trio.serve` as released, correctly but without the bounds below and at a higher CPU
+cost.
 
-- `serve(app, config, ...)`: `hypercorn.trio.serve` with `KeepAliveConnection` for this one
-  server. Hypercorn reads its connection class once, as it starts serving; the class is
-  swapped in for that moment only and restored, so other servers in the same process (the
-  fake engines of the tests and the demo) keep Hypercorn's own.
+- `serve(app, config, ...)`: what `hypercorn.trio.serve` does, with trio_router's connection
+  class (`KeepAliveConnection`) handed to the accept loop directly (nothing global is
+  replaced: other servers in the process, such as the fake engines of the tests and the demo,
+  are Hypercorn's own), a bound on open connections (beyond it, accepting waits), the listen
+  backlog, and a deadline on client writes.
 - `current_client()`: for the request being handled, its client connection's socket as a
   `ClientSocket` (plain TCP only), so that the app can write a relayed body to it without
   knowing how Hypercorn is built.
@@ -22,16 +24,20 @@ import logging
 import math
 import os
 from collections.abc import Awaitable, Callable
+from contextlib import suppress
 from functools import partial
 from typing import Any
 
 import hypercorn.config
 import hypercorn.trio
-import hypercorn.trio.run
 import trio
+from hypercorn.app_wrappers import ASGIWrapper
 from hypercorn.events import Closed, Event, RawData
+from hypercorn.trio.lifespan import Lifespan
 from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
-from hypercorn.trio.worker_context import TrioSingleTask
+from hypercorn.trio.worker_context import TrioSingleTask, WorkerContext
+from hypercorn.typing import ConnectionState
+from hypercorn.utils import ShutdownError, raise_shutdown, repr_socket_addr
 
 logger = logging.getLogger(__name__)
 
@@ -130,32 +136,44 @@ class KeepAliveTimer(TrioSingleTask):
 
 class KeepAliveConnection(TCPServer):
     """Hypercorn's trio connection (its HTTP/1.1 and HTTP/2 protocols and ASGI handling,
-    unchanged) with a leaner drive of the socket, measured with bench/bench_proxy.py:
+    unchanged) with a leaner and bounded drive of the socket:
 
     - the keep-alive timer above: Hypercorn's cost about a quarter of its CPU per request;
     - a write is tried at once on the non-blocking socket and waits (under Hypercorn's send
-      lock, shielded, as before) only for what the socket did not take; an empty write (the
-      end of a Content-Length body) is skipped. Hypercorn's way cost a lock round trip and a
-      shielded checkpoint per write, three writes per response;
+      lock) only for what the socket did not take; an empty write (the end of a
+      Content-Length body) is skipped. Hypercorn's way cost a lock round trip and a shielded
+      checkpoint per write, three writes per response;
+    - a write that makes no progress for `write_timeout` seconds (a client that stopped
+      reading) closes the connection, and a write can be cancelled (the drain deadline at
+      shutdown): Hypercorn shields its writes, so a client that never reads held a shutdown
+      for as long as it stayed connected;
     - reads have no timeout scope when `read_timeout` is unset (Hypercorn's default, ours).
 
     The timer ends with the connection, where Hypercorn's outlived a connection the client
-    closed until the keep-alive timeout.
+    closed until the keep-alive timeout. `slots`, if given, is released when the connection
+    ends (see `serve`'s connection bound).
     """
 
     def __init__(self, app: Any, config: hypercorn.config.Config, context: Any, state: Any,
-                 stream: Any) -> None:
+                 stream: Any, *, write_timeout: float = math.inf,
+                 slots: trio.Semaphore | None = None) -> None:
         super().__init__(app, config, context, state, stream)
         self.idle_task = self.keep_alive = KeepAliveTimer(self)
+        self.write_timeout = write_timeout
+        self._slots = slots
         # The stream's socket, for writes tried at once (plain TCP only; TLS goes Hypercorn's
         # way). Its fileno() is -1 once it is closed, so a write never reaches a descriptor
         # number the process has reused since.
         self._socket = stream.socket if isinstance(stream, trio.SocketStream) else None
 
     async def run(self) -> None:
-        if self._socket is not None:  # the request tasks spawned from here inherit it
-            _client.set(ClientSocket(self, self._socket))
-        await super().run()
+        try:
+            if self._socket is not None:  # the request tasks spawned from here inherit it
+                _client.set(ClientSocket(self, self._socket))
+            await super().run()
+        finally:
+            if self._slots is not None:
+                self._slots.release()
 
     async def protocol_send(self, event: Event) -> None:
         if type(event) is not RawData:
@@ -165,7 +183,10 @@ class KeepAliveConnection(TCPServer):
         if not data:
             return
         sock = self._socket
-        if sock is not None and not self.send_lock.locked():
+        if sock is None:  # TLS: Hypercorn's own way
+            await super().protocol_send(event)
+            return
+        if not self.send_lock.locked():
             try:
                 sent = os.write(sock.fileno(), data)
             except BlockingIOError:
@@ -175,8 +196,35 @@ class KeepAliveConnection(TCPServer):
                 return
             if sent == len(data):
                 return
-            event = RawData(data=data[sent:])
-        await super().protocol_send(event)
+            data = data[sent:]
+        async with self.send_lock:
+            if not await self._send_rest(sock, data):
+                await self.protocol.handle(Closed())
+
+    async def _send_rest(self, sock: trio.socket.SocketType, data: bytes) -> bool:
+        """Write `data`, waiting for the socket as needed; False (the connection closed) if
+        the client is gone or took nothing for `write_timeout`. Cancellation closes the
+        connection too: a response cut mid-write cannot go on."""
+        done = False
+        try:
+            with memoryview(data) as view:
+                sent = 0
+                while sent < len(view):
+                    with trio.move_on_after(self.write_timeout) as waited:
+                        await trio.lowlevel.wait_writable(sock)
+                    if waited.cancelled_caught:
+                        logger.info("a client took no response bytes for %g s; closing its "
+                                    "connection", self.write_timeout)
+                        return False
+                    with suppress(BlockingIOError):
+                        sent += os.write(sock.fileno(), view[sent:])
+            done = True
+            return True
+        except OSError:
+            return False
+        finally:
+            if not done:
+                sock.close()  # synchronous: also when cancelled
 
     async def _read_data(self) -> None:
         try:
@@ -197,11 +245,9 @@ class KeepAliveConnection(TCPServer):
             self.keep_alive.close()
 
 
-def _installable() -> bool:
-    current = getattr(hypercorn.trio.run, "TCPServer", None)
-    if current is KeepAliveConnection:
-        return True
-    if current is not TCPServer or not hasattr(TCPServer, "_initiate_server_close"):
+def _checked() -> bool:
+    """This Hypercorn is one the connection class was written for (0.17, 0.18)."""
+    if not hasattr(TCPServer, "_initiate_server_close") or not hasattr(TCPServer, "_close"):
         logger.warning("this Hypercorn (%s) is not the one trio_router's connection class "
                        "was written for; serving with Hypercorn's own",
                        importlib.metadata.version("hypercorn"))
@@ -209,24 +255,77 @@ def _installable() -> bool:
     return True
 
 
+class _BoundedListener(trio.abc.Listener[trio.SocketStream]):
+    """Accepts a connection only once one of `slots` is free (the connection gives it back
+    when it ends): beyond the bound, connections wait in the listen backlog."""
+
+    def __init__(self, listener: trio.SocketListener, slots: trio.Semaphore) -> None:
+        self._listener, self._slots = listener, slots
+
+    async def accept(self) -> trio.SocketStream:
+        await self._slots.acquire()
+        try:
+            return await self._listener.accept()
+        except BaseException:
+            self._slots.release()
+            raise
+
+    async def aclose(self) -> None:
+        await self._listener.aclose()
+
+
 async def serve(app: Any, config: hypercorn.config.Config, *,
                 shutdown_trigger: Callable[[], Awaitable[None]],
+                max_connections: int = 0, write_timeout: float = math.inf,
                 task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
-    """`hypercorn.trio.serve(app, config, ...)`, each connection driven by
-    `KeepAliveConnection`; started (with the bound URLs) once it accepts connections. Runs
-    until `shutdown_trigger` returns and in-flight requests are done (Hypercorn's graceful
-    shutdown), or until cancelled."""
-    async with trio.open_nursery() as nursery:
-        run_module: Any = hypercorn.trio.run
-        original = run_module.TCPServer
-        installed = _installable()
-        if installed:
-            run_module.TCPServer = KeepAliveConnection
-        try:
-            # Hypercorn takes its class when it starts serving, before `start` returns here.
-            binds = await nursery.start(partial(hypercorn.trio.serve, app, config,
-                                                shutdown_trigger=shutdown_trigger))
-        finally:
-            if installed:
-                run_module.TCPServer = original
-        task_status.started(binds)
+    """Serve the ASGI `app` as `hypercorn.trio.serve(app, config, ...)` does (lifespan,
+    Hypercorn's HTTP/1.1 and HTTP/2 protocols, its graceful shutdown: `shutdown_trigger`
+    returning starts it, and in-flight requests get `config.graceful_timeout`), each connection
+    driven by `KeepAliveConnection`, with at most `max_connections` open at once (0: no bound;
+    beyond it, new connections wait in the listen backlog of `config.backlog`), and client
+    writes bounded by `write_timeout`. Plain TCP only. Started (with the bound URLs) once it
+    accepts connections. On a Hypercorn of another layout, `hypercorn.trio.serve` serves
+    instead (without these bounds), with a warning."""
+    if not _checked():
+        await hypercorn.trio.serve(app, config, shutdown_trigger=shutdown_trigger,
+                                   task_status=task_status)
+        return
+    wrapped = ASGIWrapper(app)
+    lifespan = Lifespan(wrapped, config, {})
+    context = WorkerContext(None)
+    async with trio.open_nursery() as lifespan_nursery:
+        await lifespan_nursery.start(lifespan.handle_lifespan)
+        await lifespan.wait_for_startup()
+        async with trio.open_nursery() as server_nursery:
+            sockets = config.create_sockets()
+            if sockets.secure_sockets or sockets.quic_sockets:
+                raise RuntimeError("connection.serve serves plain TCP only")
+            slots = trio.Semaphore(max_connections) if max_connections > 0 else None
+            listeners: list[trio.abc.Listener[trio.SocketStream]] = []
+            binds = []
+            for sock in sockets.insecure_sockets:
+                sock.listen(config.backlog)
+                listener = trio.SocketListener(trio.socket.from_stdlib_socket(sock))
+                listeners.append(listener if slots is None else _BoundedListener(listener, slots))
+                binds.append(f"http://{repr_socket_addr(sock.family, sock.getsockname())}")
+                await config.log.info(f"Running on {binds[-1]} (CTRL + C to quit)")
+            handler = partial(KeepAliveConnection, wrapped, config, context,
+                              ConnectionState({}), write_timeout=write_timeout, slots=slots)
+            task_status.started(binds)
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(raise_shutdown, shutdown_trigger)
+                    nursery.start_soon(raise_shutdown, context.terminate.wait)
+                    nursery.start_soon(partial(trio.serve_listeners, handler, listeners,
+                                               handler_nursery=server_nursery))
+                    await trio.sleep_forever()
+            except BaseExceptionGroup as error:
+                _, other_errors = error.split((ShutdownError, KeyboardInterrupt))
+                if other_errors is not None:
+                    raise other_errors from None
+            finally:
+                await context.terminated.set()
+                server_nursery.cancel_scope.deadline = (trio.current_time()
+                                                        + config.graceful_timeout)
+        await lifespan.wait_for_shutdown()
+        lifespan_nursery.cancel_scope.cancel()
