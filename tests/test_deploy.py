@@ -463,7 +463,7 @@ def toml_literal(value: Any) -> str:
 
 def test_operations_doc_gives_every_config_key_with_its_default() -> None:
     text = OPERATIONS_DOC.read_text(encoding="utf-8")
-    rows = dict(re.findall(r"^\| `([a-z_.]+)` \| `([^`]*)` \|", text, flags=re.MULTILINE))
+    rows = dict(re.findall(r"^\| `([a-z0-9_.]+)` \| `([^`]*)` \|", text, flags=re.MULTILINE))
     assert set(rows) == set(DEFAULTS), (
         f"missing {sorted(set(DEFAULTS) - set(rows))}, unknown {sorted(set(rows) - set(DEFAULTS))}")
     wrong = {k: rows[k] for k in DEFAULTS if rows[k] != toml_literal(DEFAULTS[k])}

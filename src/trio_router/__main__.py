@@ -9,9 +9,11 @@ router cannot start for another reason (for example the Kubernetes API is unusab
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import logging
+import resource
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
@@ -112,7 +114,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         logger.error("%s", exc)
         return 2
     tune_gc()
+    raise_open_files_limit()
     return _run_reporting_errors(partial(server.run, config, load=load))
+
+
+def raise_open_files_limit() -> None:
+    """Allow as many open descriptors as the hard limit does: client connections
+    (`server.max_connections`) and engine connections each hold one."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def tune_gc() -> None:

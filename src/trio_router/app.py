@@ -22,6 +22,7 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Final, Protocol
 
 import msgspec
@@ -35,11 +36,14 @@ from .errors import (
     BodyTooLargeError,
     ConfigError,
     NoEngineError,
+    OverloadedError,
+    RequestTimeoutError,
     RouterError,
     UnknownModelError,
     UpstreamError,
 )
 from .health import Supervisors
+from .http11 import FIELD_VALUE_CHARS
 from .metrics import CONTENT_TYPE, NO_LABEL, Metrics
 from .policy import Policy, RequestInfo, make_policy, request_info
 from .upstream import (
@@ -64,6 +68,8 @@ PROXIED_PATHS: Final = frozenset({
 ADMIN_PATHS: Final = frozenset({"/v1/models", "/engines", "/health", "/metrics"})
 UNAUTHENTICATED_PATHS: Final = frozenset({"/health", "/metrics"})
 MODEL_ONLY_POLICIES: Final = frozenset({"round_robin", "least_loaded"})  # no prompt rendering
+LARGE_BODY_BYTES: Final = 1 << 20  # larger request bodies are parsed in a worker thread
+LARGE_PARSES: Final = 2  # large bodies parsed at once, at most
 CLIENT_CLOSED: Final = 499  # metrics status of a request whose client went away (nginx's code)
 
 ENGINE_HEADER: Final = b"x-trio-router-engine"
@@ -89,6 +95,9 @@ class Settings:
     client_key: bytes | None  # the Bearer token clients must send, or None (no auth)
     upstream_authorization: bytes | None  # the Authorization value sent to engines, or None
     needs_request_info: bool  # the policy reads more of a request than its model
+    body_timeout: float  # seconds a request body may stop arriving
+    max_buffered_body_bytes: int  # request bodies held at once, in all
+    eject_on_5xx: bool  # an engine's 5xx answer counts as a failed request
 
 
 def env_key(env_var: str, where: str) -> str:
@@ -119,6 +128,9 @@ def make_settings(config: Config, table: RoutingTable, pool: UpstreamPool, *,
         client_key=client_key.encode() if client_key else None,
         upstream_authorization=b"Bearer " + upstream_key.encode() if upstream_key else None,
         needs_request_info=policy.name not in MODEL_ONLY_POLICIES,
+        body_timeout=config.server.request_body_timeout_s,
+        max_buffered_body_bytes=config.server.max_buffered_body_bytes,
+        eject_on_5xx=config.proxy.eject_on_5xx,
     )
 
 
@@ -170,6 +182,8 @@ class RouterApp:
                  client_socket: Callable[[], ClientConnection | None] = lambda: None) -> None:
         self.settings = settings
         self._relay, self._client_socket = relay, client_socket
+        self._bodies = _BodyBudget(settings.max_buffered_body_bytes)
+        self._parse_limiter = trio.CapacityLimiter(LARGE_PARSES)
         self._table, self._supervisors = table, supervisors
         self._metrics, self._health = metrics, health
         self._id_prefix = secrets.token_hex(4).encode()
@@ -187,6 +201,25 @@ class RouterApp:
                 await self._admin(scope, send)
         elif kind == "lifespan":
             await self._lifespan(receive, send)
+        elif kind == "websocket":
+            await self._refuse_websocket(scope, receive, send)
+
+    @staticmethod
+    async def _refuse_websocket(scope: Scope, receive: Receive, send: Send) -> None:
+        """A WebSocket upgrade: the OpenAI API here is HTTP (streams are SSE). Answered with a
+        400 that says so, where the server can send one, else refused (403)."""
+        if (await receive())["type"] != "websocket.connect":
+            return
+        if "websocket.http.response" in scope.get("extensions", {}):
+            body = error_body("WebSocket is not supported: use HTTP (streaming answers are "
+                              "server-sent events)", type="invalid_request_error",
+                              code="websocket_not_supported")
+            await send({"type": "websocket.http.response.start", "status": 400, "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", b"%d" % len(body))]})
+            await send({"type": "websocket.http.response.body", "body": body})
+        else:
+            await send({"type": "websocket.close", "code": 1003})
 
     @staticmethod
     async def _lifespan(receive: Receive, send: Send) -> None:
@@ -209,8 +242,12 @@ class RouterApp:
         request_id: bytes | None = None
         authorization: bytes | None = None
         content_length: bytes | None = None
+        chunked = False
+        bad_header: bytes | None = None
         headers: list[tuple[bytes, bytes]] = []
         for name, value in scope["headers"]:
+            if value.translate(None, FIELD_VALUE_CHARS):
+                bad_header = name
             if name == b"authorization":
                 authorization = value
                 continue  # replaced below
@@ -218,6 +255,8 @@ class RouterApp:
                 request_id = value
             elif name == b"content-length":
                 content_length = value
+            elif name == b"transfer-encoding":
+                chunked = True
             headers.append((name, value))
         if request_id is None:
             request_id = b"%s-%d" % (self._id_prefix, next(self._ids))
@@ -227,14 +266,29 @@ class RouterApp:
             headers.append((b"authorization", upstream_authorization))
 
         model = NO_LABEL
-        body: bytes | None = None
+        body: bytes | bytearray | None = None
+        self._bodies.limit = settings.max_buffered_body_bytes
+        held = _Held(self._bodies)
         try:
+            if chunked and content_length is not None:
+                # RFC 9112 §6.1: a request with both may be an attempt to smuggle another one.
+                raise BadRequestError("a request must not have both Content-Length and "
+                                      "Transfer-Encoding")
+            if bad_header is not None:
+                raise BadRequestError(f"header {bad_header.decode('latin-1')!r} has control "
+                                      "characters in its value")
             if settings.client_key is not None:
                 _check_key(settings.client_key, authorization)
-            body = await _read_body(receive, content_length, settings.max_body_bytes)
+            body = await _read_body(receive, content_length, settings.max_body_bytes,
+                                    stall_s=settings.body_timeout, held=held)
             if body is None:
                 return  # the client left while sending
-            payload = _parse(body)
+            if len(body) > LARGE_BODY_BYTES:  # parsed in a worker thread, off the event loop
+                payload = await trio.to_thread.run_sync(
+                    partial(_parse_large, body, model_only=not settings.needs_request_info),
+                    limiter=self._parse_limiter)
+            else:
+                payload = _parse(body)
             model = payload["model"]
             candidates = self._table.routable(model)
             if not candidates:
@@ -245,6 +299,7 @@ class RouterApp:
             info = (request_info(payload, scope["headers"], settings.config.routing)
                     if settings.needs_request_info else RequestInfo(model=model))
         except RouterError as exc:
+            held.release()
             # Answered before the body was read: the connection cannot carry another request.
             await self._send_error(send, exc, request_id, close=body is None)
             self._metrics.observe_request(model, NO_LABEL, exc.status,
@@ -254,15 +309,19 @@ class RouterApp:
         target = scope["raw_path"]
         if query := scope["query_string"]:
             target += b"?" + query
-        status, engine_name = await self._forward(
-            settings, send, client_gone_check(receive), scope["http_version"] == "1.1", model,
-            candidates, info, target, headers, body, request_id, started)
+        try:
+            status, engine_name = await self._forward(
+                settings, send, client_gone_check(receive), scope["http_version"] == "1.1",
+                model, candidates, info, target, headers, body, request_id, started)
+        finally:
+            held.release()
         self._metrics.observe_request(model, engine_name, status, trio.current_time() - started)
 
     async def _forward(self, settings: Settings, send: Send,
                        client_gone: Callable[[], bool] | None, relay_ok: bool, model: str,
                        candidates: Sequence[Engine], info: RequestInfo, target: bytes,
-                       headers: list[tuple[bytes, bytes]], body: bytes, request_id: bytes,
+                       headers: list[tuple[bytes, bytes]], body: bytes | bytearray,
+                       request_id: bytes,
                        started: float) -> tuple[int, str]:
         """Try engines until one answers (at most `retries` more after the first unreachable
         one) and stream its response. Returns the status and engine for metrics (status 499
@@ -329,6 +388,10 @@ class RouterApp:
                     if not ended:
                         await send(_END_BODY)
                 engine.requests.record(ttfb, trio.current_time() - started, ok=status < 500)
+                if status >= 500 and settings.eject_on_5xx:
+                    self._supervisors.request_failed(engine, generation, f"answered {status}")
+                else:
+                    self._supervisors.request_succeeded(engine)
                 return status, engine.name
             except ClientGoneError:
                 if logger.isEnabledFor(logging.DEBUG):
@@ -339,7 +402,8 @@ class RouterApp:
             except EngineUnreachableError as exc:
                 if responded:  # cannot happen by the pool's contract; never resend then
                     raise
-                self._supervisors.report_unreachable(engine, generation, str(exc))
+                self._supervisors.report_unreachable(engine, generation, str(exc),
+                                                     refused=exc.connect_failed)
                 self._metrics.engine_unreachable(engine.name)
                 tried.append(engine.uid)
                 unreachable = exc
@@ -348,8 +412,11 @@ class RouterApp:
                         f"engine {engine.name} for model {model!r} could not be reached "
                         f"({len(tried)} attempt(s)): {exc}"), model, engine.name)
                 candidates = table.routable(model)
+            except OverloadedError as exc:  # the router's own limits: not the engine's fault
+                return await self._fail(send, request_id, exc, model, engine.name)
             except RouterError as exc:
                 engine.requests.record(ttfb, trio.current_time() - started, ok=False)
+                self._supervisors.request_failed(engine, generation, str(exc))
                 if not responded:
                     return await self._fail(send, request_id, exc, model, engine.name)
                 logger.warning("request %s for %s on engine %s broke off mid-response: %s",
@@ -376,6 +443,8 @@ class RouterApp:
             extra.append((ENGINE_HEADER, engine.encode()))
         if isinstance(exc, AuthError):
             extra.append((b"www-authenticate", b"Bearer"))
+        if exc.status == 503:
+            extra.append((b"retry-after", b"1"))
         await _send_json(send, exc.status, error_body(str(exc), type=exc.type, code=exc.code),
                          extra)
 
@@ -456,11 +525,45 @@ def _check_key(expected: bytes, authorization: bytes | None) -> None:
         raise AuthError("invalid API key")
 
 
-async def _read_body(receive: Receive, content_length: bytes | None,
-                     limit: int) -> bytes | None:
+class _BodyBudget:
+    """Bytes of request bodies held in memory at once, across all requests, at most
+    `limit` (`server.max_buffered_body_bytes`): a request whose body would go beyond it gets
+    503 instead, so many large bodies at once cannot exhaust memory."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.used = limit, 0
+
+
+class _Held:
+    """The part of the body budget one request holds; `release()` gives it back."""
+
+    __slots__ = ("_budget", "size")
+
+    def __init__(self, budget: _BodyBudget) -> None:
+        self._budget, self.size = budget, 0
+
+    def grow(self, size: int) -> None:
+        budget = self._budget
+        if budget.used + size > budget.limit:
+            raise OverloadedError(
+                f"request bodies being handled already hold {budget.used} bytes; this one "
+                f"would go beyond {budget.limit} (server.max_buffered_body_bytes)")
+        budget.used += size
+        self.size += size
+
+    def release(self) -> None:
+        self._budget.used -= self.size
+        self.size = 0
+
+
+async def _read_body(receive: Receive, content_length: bytes | None, limit: int, *,
+                     stall_s: float, held: _Held) -> bytes | bytearray | None:
     """The whole request body, or None if the client disconnected first. Raises
-    BodyTooLargeError past `limit` (declared or counted) and BadRequestError for a bad
-    Content-Length."""
+    BodyTooLargeError past `limit` (declared or counted), BadRequestError for a bad
+    Content-Length, RequestTimeoutError when no part of it arrives for `stall_s` seconds, and
+    OverloadedError when it would take the body budget past its limit (`held` records what
+    it takes: all of a declared length at once, as it arrives otherwise)."""
+    declared: int | None = None
     if content_length is not None:
         try:
             declared = int(content_length)
@@ -469,32 +572,69 @@ async def _read_body(receive: Receive, content_length: bytes | None,
         if declared > limit:
             raise BodyTooLargeError(f"request body of {declared} bytes exceeds the limit of "
                                     f"{limit} bytes (server.max_body_bytes)")
-    message = await receive()
+        if declared < 0:
+            raise BadRequestError(f"invalid Content-Length {content_length!r}")
+        held.grow(declared)
+    with trio.move_on_after(stall_s) as waited:
+        message = await receive()
+    if waited.cancelled_caught:
+        raise RequestTimeoutError(f"the request body stopped arriving for {stall_s:g} s "
+                                  "(server.request_body_timeout_s)")
     if message["type"] != "http.request":
         return None
-    body: bytes = message.get("body", b"")
-    size = len(body)
-    if size > limit:
+    first: bytes = message.get("body", b"")
+    if len(first) > limit:
         raise BodyTooLargeError(f"request body exceeds the limit of {limit} bytes "
                                 "(server.max_body_bytes)")
+    if declared is None:
+        held.grow(len(first))
     if not message.get("more_body", False):
-        return body
-    chunks = [body]
+        return first  # the common case: one message, no copy
+    body = bytearray(first)
     while True:
-        message = await receive()
+        with trio.move_on_after(stall_s) as waited:
+            message = await receive()
+        if waited.cancelled_caught:
+            raise RequestTimeoutError(f"the request body stopped arriving for {stall_s:g} s "
+                                      "(server.request_body_timeout_s)")
         if message["type"] != "http.request":
             return None
         chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
+        if len(body) + len(chunk) > limit:
             raise BodyTooLargeError(f"request body exceeds the limit of {limit} bytes "
                                     "(server.max_body_bytes)")
-        chunks.append(chunk)
+        if declared is None:
+            held.grow(len(chunk))
+        body += chunk  # grows in place: no second copy of a large body
         if not message.get("more_body", False):
-            return b"".join(chunks)
+            return body
 
 
-def _parse(body: bytes) -> dict[str, Any]:
+class _ModelOnly(msgspec.Struct):
+    model: str
+
+
+def _parse_large(body: bytes | bytearray, *, model_only: bool) -> dict[str, Any]:
+    """`_parse` for a large body, in a worker thread. When routing needs only the model, only
+    that field is decoded (msgspec skips the rest without building it), so a 30 MB request
+    costs no more than its bytes."""
+    if not model_only:
+        return _parse(body)
+    try:
+        model = _decode_model_only(body).model
+    except msgspec.DecodeError as exc:
+        raise BadRequestError(f"request body is not valid JSON: {exc}") from None
+    except msgspec.ValidationError as exc:
+        raise BadRequestError(f'request body has no "model" string: {exc}') from None
+    if not model:
+        raise BadRequestError('request body has no "model" string')
+    return {"model": model}
+
+
+_decode_model_only: Final = msgspec.json.Decoder(_ModelOnly).decode
+
+
+def _parse(body: bytes | bytearray) -> dict[str, Any]:
     """The JSON object of a request; BadRequestError if it is not one or has no string model."""
     try:
         payload = json.loads(body)

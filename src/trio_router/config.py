@@ -43,10 +43,25 @@ class ServerConfig:
     drain_s: float = 30.0  # graceful shutdown budget
     max_body_bytes: int = 33554432  # larger request bodies get 413
     api_key_env: str = ""  # env var holding the key clients must send as Bearer
+    # Beyond the contract: bounds against hostile or broken clients.
+    max_buffered_body_bytes: int = 201326592  # request bodies held at once, in all (192 MiB)
+    request_body_timeout_s: float = 60.0  # a body that stops arriving this long: 408
+    write_timeout_s: float = 60.0  # a client taking no response bytes this long: dropped
+    backlog: int = 2048  # listen backlog
+    max_connections: int = 10000  # client connections at once; beyond, accepting waits
 
     def __post_init__(self) -> None:
         parse_bind(self.bind)
-        _positive("server", drain_s=self.drain_s, max_body_bytes=self.max_body_bytes)
+        _positive("server", drain_s=self.drain_s, max_body_bytes=self.max_body_bytes,
+                  max_buffered_body_bytes=self.max_buffered_body_bytes,
+                  request_body_timeout_s=self.request_body_timeout_s,
+                  write_timeout_s=self.write_timeout_s, backlog=self.backlog,
+                  max_connections=self.max_connections)
+        if self.max_buffered_body_bytes < self.max_body_bytes:
+            raise ConfigError(
+                f"server.max_buffered_body_bytes ({self.max_buffered_body_bytes}) must be at "
+                f"least server.max_body_bytes ({self.max_body_bytes}): a body that size could "
+                "never be taken")
 
 
 def _check_engine_url(url: str) -> None:
@@ -173,12 +188,26 @@ class ProxyConfig:
     read_timeout_s: float = 600.0  # longest silence tolerated from an engine mid-response
     retries: int = 2  # other engines tried when one cannot be reached, before any byte is sent
     api_key_env: str = ""  # env var whose value is sent to engines as Bearer (probes too)
+    # Beyond the contract: connection bounds and outlier detection.
+    max_connections_per_engine: int = 512  # requests wait for a connection beyond this
+    eject_after_failures: int = 5  # consecutive failed requests that eject an engine; 0: never
+    eject_on_5xx: bool = False  # engine 5xx answers count as failed requests too
+    ejection_s: float = 30.0  # how long an ejected engine stays out (x consecutive ejections)
+    max_ejected_percent: int = 50  # requests never eject more than this share of engines
 
     def __post_init__(self) -> None:
         _positive("proxy", connect_timeout_s=self.connect_timeout_s,
-                  read_timeout_s=self.read_timeout_s)
+                  read_timeout_s=self.read_timeout_s,
+                  max_connections_per_engine=self.max_connections_per_engine,
+                  ejection_s=self.ejection_s)
         if self.retries < 0:
             raise ConfigError(f"proxy.retries must be >= 0, got {self.retries}")
+        if self.eject_after_failures < 0:
+            raise ConfigError(f"proxy.eject_after_failures must be >= 0, got "
+                              f"{self.eject_after_failures}")
+        if not 0 <= self.max_ejected_percent <= 100:
+            raise ConfigError(f"proxy.max_ejected_percent must be 0..100, got "
+                              f"{self.max_ejected_percent}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

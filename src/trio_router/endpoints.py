@@ -144,6 +144,7 @@ class Engine:
     consecutive_failures: int = 0
     last_probe_ok: float | None = None  # trio.current_time() of the last successful probe
     in_flight: int = 0  # requests from this router being served right now
+    request_failures: int = 0  # requests in a row that failed after reaching the engine
     stats: dict[str, float] = field(default_factory=dict)  # scraped engine gauges
     requests: RequestStats = field(default_factory=RequestStats)  # this router's figures
 

@@ -49,6 +49,23 @@ class NoEngineError(RouterError):
     code = "no_routable_engine"
 
 
+class OverloadedError(RouterError):
+    """The router itself cannot take the request now (out of descriptors, its request body
+    budget spent): the client should retry shortly."""
+
+    status = 503
+    type = "server_error"
+    code = "router_overloaded"
+
+
+class RequestTimeoutError(RouterError):
+    """The client stopped sending its request body."""
+
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+
+
 class UpstreamError(RouterError):
     """The chosen engine(s) could not be reached."""
 

@@ -41,6 +41,7 @@ _RESPONSE_DROP: Final = frozenset({
 _TOKEN: Final = b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
 _FIELD_VALUE: Final = bytes(range(0x21, 0x7F)) + bytes(range(0x80, 0x100)) + b" \t"
 _HEAD_CHARS: Final = _FIELD_VALUE + b"\r\n"
+FIELD_VALUE_CHARS: Final = _FIELD_VALUE  # what a header value may hold (bytes.translate)
 TARGET_CHARS: Final = bytes(range(0x21, 0x7F))
 _HEX: Final = b"0123456789abcdefABCDEF"
 _DIGITS: Final = b"0123456789"

@@ -45,6 +45,9 @@ THREAD_EXIT_S: Final = 10.0  # bound on waiting for an abandoned Kubernetes thre
 KEEP_ALIVE_S: Final = 75.0  # idle client connections are kept longer than common LB timeouts
 LIVE_SECTIONS: Final = ("server", "routing", "proxy", "probe", "stats")
 RESTART_SECTIONS: Final = ("discovery",)
+# Keys of [server] that shape the listening server itself: they need a restart.
+SERVER_RESTART_KEYS: Final = ("bind", "backlog", "max_connections", "write_timeout_s")
+POOL_SWEEP_S: Final = 2.0  # how often idle engine connections the engine closed are dropped
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,12 +64,28 @@ class ReloadOutcome:
         return not self.error
 
 
+def new_pool(config: Config) -> UpstreamPool:
+    """The upstream pool of requests to engines, as `config.proxy` says."""
+    return UpstreamPool(connect_timeout=config.proxy.connect_timeout_s,
+                        read_timeout=config.proxy.read_timeout_s,
+                        max_per_origin=config.proxy.max_connections_per_engine)
+
+
+async def _sweep_pools(pools: list[UpstreamPool]) -> None:
+    """Drop idle engine connections the engines have closed, every POOL_SWEEP_S."""
+    while True:
+        await trio.sleep(POOL_SWEEP_S)
+        for pool in pools:
+            pool.sweep()
+
+
 def hypercorn_config(config: Config) -> hypercorn.config.Config:
     """Hypercorn settings for `config`: bind, drain budget, keep-alive, logging."""
     parse_bind(config.server.bind)  # raises ConfigError naming the value
     hc = hypercorn.config.Config()
     hc.bind = [config.server.bind]
     hc.graceful_timeout = config.server.drain_s
+    hc.backlog = config.server.backlog
     hc.keep_alive_timeout = KEEP_ALIVE_S
     hc.include_server_header = False  # the engine's own Server header passes through
     hc.include_date_header = False  # so does its Date; the app dates its own answers
@@ -121,12 +140,14 @@ class Reloader:
         """Swap in `new` (no await: a request sees all old or all new settings). Returns the
         outcome and the upstream pool to retire, if one was replaced. Raises ConfigError."""
         old = self.config
-        restart = [f"server.bind ({old.server.bind} -> {new.server.bind})"
-                   ] if new.server.bind != old.server.bind else []
+        restart = [f"server.{key} ({getattr(old.server, key)} -> {getattr(new.server, key)})"
+                   for key in SERVER_RESTART_KEYS
+                   if getattr(new.server, key) != getattr(old.server, key)]
         restart += [f"[{section}]" for section in RESTART_SECTIONS
                     if getattr(new, section) != getattr(old, section)]
         effective = dataclasses.replace(
-            new, server=dataclasses.replace(new.server, bind=old.server.bind),
+            new, server=dataclasses.replace(new.server, **{
+                key: getattr(old.server, key) for key in SERVER_RESTART_KEYS}),
             **{section: getattr(old, section) for section in RESTART_SECTIONS})
         applied = tuple(f"[{section}]" for section in LIVE_SECTIONS
                         if getattr(effective, section) != getattr(old, section))
@@ -135,10 +156,11 @@ class Reloader:
                            "then", ", ".join(restart))
         current = self._app.settings
         pool = current.pool
-        if (effective.proxy.connect_timeout_s, effective.proxy.read_timeout_s) != (
-                old.proxy.connect_timeout_s, old.proxy.read_timeout_s):
-            pool = UpstreamPool(connect_timeout=effective.proxy.connect_timeout_s,
-                                read_timeout=effective.proxy.read_timeout_s)
+        if (effective.proxy.connect_timeout_s, effective.proxy.read_timeout_s,
+                effective.proxy.max_connections_per_engine) != (
+                old.proxy.connect_timeout_s, old.proxy.read_timeout_s,
+                old.proxy.max_connections_per_engine):
+            pool = new_pool(effective)
         policy = current.policy if effective.routing == old.routing else None
         try:
             settings = make_settings(effective, self._table, pool, policy=policy)
@@ -149,6 +171,7 @@ class Reloader:
         engine_key = env_key(effective.proxy.api_key_env, "proxy.api_key_env")
         self._app.settings = settings
         self._prober.api_key = engine_key
+        self._supervisors.update_ejection(effective.proxy)
         if effective.probe != old.probe or effective.stats != old.stats:
             self._supervisors.update_config(
                 effective.probe, workers=None if effective.stats == old.stats
@@ -214,8 +237,7 @@ async def run(config: Config, *, load: Callable[[], Config] | None = None,
     prober = Prober(timeout=config.probe.timeout_s,
                     api_key=env_key(config.proxy.api_key_env, "proxy.api_key_env"))
     hconfig = hypercorn_config(config)
-    pools = [UpstreamPool(connect_timeout=config.proxy.connect_timeout_s,
-                          read_timeout=config.proxy.read_timeout_s)]
+    pools = [new_pool(config)]
     settings = make_settings(config, table, pools[0])
     source: KubernetesPodSource | None = None
 
@@ -227,9 +249,10 @@ async def run(config: Config, *, load: Callable[[], Config] | None = None,
             generation=generation, headers=prober.headers)]
 
     try:
-        async with (open_relay() as relay,
+        async with (open_relay(write_timeout=config.server.write_timeout_s) as relay,
                     open_supervisors(table, prober, config.probe,
-                                     workers=stats_workers(config.stats)) as supervisors,
+                                     workers=stats_workers(config.stats),
+                                     ejection=config.proxy) as supervisors,
                     trio.open_nursery() as nursery):
             status: DiscoveryStatus
             if config.discovery.mode == "static":
@@ -263,7 +286,10 @@ async def run(config: Config, *, load: Callable[[], Config] | None = None,
                 await nursery.start(_handle_signals, stop, reloader, config,
                                     nursery.cancel_scope)
             asgi: Any = app  # plain-dict ASGI typing, not hypercorn's TypedDicts
+            nursery.start_soon(_sweep_pools, pools)
             await connection.serve(asgi, hconfig, shutdown_trigger=stop.wait,
+                                   max_connections=config.server.max_connections,
+                                   write_timeout=config.server.write_timeout_s,
                                    task_status=task_status)
             logger.info("server stopped; stopping discovery and probes")
             nursery.cancel_scope.cancel(reason="server stopped")

@@ -31,6 +31,8 @@ Timeouts are Trio cancel scopes, so a test clock and outer scopes see them.
 
 from __future__ import annotations
 
+import errno
+import logging
 import math
 import os
 import select
@@ -43,8 +45,10 @@ from urllib.parse import urlsplit
 
 import trio
 
-from .errors import UpstreamError, UpstreamTimeoutError
+from .errors import OverloadedError, UpstreamError, UpstreamTimeoutError
 from .http11 import TARGET_CHARS, ProtocolError, ResponseParser, encode_request_head
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["ClientGoneError", "EngineUnreachableError", "Relay", "RelayTarget", "UpstreamPool",
            "UpstreamResponse", "fetch", "open_relay"]
@@ -71,6 +75,9 @@ class ClientGoneError(Exception):
     its connection closed."""
 
 
+# Out of descriptors, buffers or memory: the router's own limits when opening a connection.
+_LOCAL_LIMITS: Final = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+
 # Opens a connected stream socket to (host, port); raises OSError.
 Connector = Callable[[str, int], Awaitable[socket.socket]]
 
@@ -95,7 +102,7 @@ class _Connection:
         self.raw = raw  # the same socket, for synchronous non-blocking calls
         self.idle_since = 0.0
 
-    async def send_all(self, data: bytes, stall_s: float) -> bool:
+    async def send_all(self, data: bytes | bytearray, stall_s: float) -> bool:
         """Send all of `data`, waiting at most `stall_s` at a time for the socket to take more
         (a budget of silence, not of the whole send); False if it stalled that long. OSError
         if the connection is broken."""
@@ -151,9 +158,9 @@ class _Connection:
 class _Origin:
     """One engine address: how to reach it and its idle connections (newest last)."""
 
-    __slots__ = ("host", "host_header", "idle", "port", "url")
+    __slots__ = ("host", "host_header", "idle", "port", "slots", "url")
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, max_connections: int) -> None:
         parts = urlsplit(url)
         host = parts.hostname
         try:
@@ -173,6 +180,7 @@ class _Origin:
         self.port = port or 80
         self.host_header = host_header
         self.idle: list[_Connection] = []
+        self.slots = trio.Semaphore(max_connections)  # connections in use or idle, at most
 
 
 async def open_tcp_socket(host: str, port: int) -> socket.socket:
@@ -213,21 +221,24 @@ class UpstreamPool:
         max_idle_per_origin: idle connections kept per engine; more are closed on release.
         max_idle_s: an idle connection older than this is closed rather than reused. Keep it
             below the engines' keep-alive timeout (5 s for vLLM/uvicorn and Hypercorn).
+        max_per_origin: requests in flight to one engine at once, at most; more wait for one
+            to end (a connection per request: this bounds the connections to an engine).
         connect: opens a connected stream socket to (host, port), raising OSError; the
             default is TCP (`open_tcp_socket`). Tests pass one end of a socket pair.
     """
 
     def __init__(self, *, connect_timeout: float, read_timeout: float,
                  max_idle_per_origin: int = 64, max_idle_s: float = 4.0,
-                 connect: Connector = open_tcp_socket) -> None:
+                 max_per_origin: int = 1 << 30, connect: Connector = open_tcp_socket) -> None:
         if connect_timeout <= 0 or read_timeout <= 0 or max_idle_s < 0:
             raise ValueError("connect_timeout and read_timeout must be > 0, max_idle_s >= 0")
-        if max_idle_per_origin < 0:
-            raise ValueError(f"max_idle_per_origin must be >= 0, got {max_idle_per_origin}")
+        if max_idle_per_origin < 0 or max_per_origin < 1:
+            raise ValueError("max_idle_per_origin must be >= 0 and max_per_origin >= 1")
         self._connect_timeout = connect_timeout
         self._read_timeout = read_timeout
         self._max_idle = max_idle_per_origin
         self._max_idle_s = max_idle_s
+        self._max_per_origin = max_per_origin
         self._open = connect
         self._origins: dict[str, _Origin] = {}
         self._closed = False
@@ -256,6 +267,25 @@ class UpstreamPool:
                 conn.close_now()
         self._origins.clear()
 
+    def sweep(self) -> int:
+        """Close the idle connections the engine has closed (or that sent stray bytes) and
+        those idle for longer than `max_idle_s`, so none lingers half-closed until its engine
+        is used again. Returns how many were closed."""
+        closed = 0
+        oldest_allowed = trio.current_time() - self._max_idle_s
+        for origin in self._origins.values():
+            if not origin.idle:
+                continue
+            keep = []
+            for conn in origin.idle:
+                if conn.idle_since < oldest_allowed or conn.readable():
+                    conn.close_now()
+                    closed += 1
+                else:
+                    keep.append(conn)
+            origin.idle = keep
+        return closed
+
     def idle_count(self, base_url: str | None = None) -> int:
         """Idle connections for one origin, or for all."""
         if base_url is not None:
@@ -264,7 +294,7 @@ class UpstreamPool:
         return sum(len(o.idle) for o in self._origins.values())
 
     def request(self, base_url: str, method: bytes, target: bytes,
-                headers: list[tuple[bytes, bytes]], body: bytes, *,
+                headers: list[tuple[bytes, bytes]], body: bytes | bytearray, *,
                 client_gone: Callable[[], bool] | None = None
                 ) -> AbstractAsyncContextManager[UpstreamResponse]:
         """One exchange with the engine at `base_url` (like "http://10.0.0.7:8000").
@@ -285,8 +315,9 @@ class UpstreamPool:
         origin = self._origins.get(base_url)
         if origin is None:
             if len(self._origins) >= MAX_ORIGINS:  # engines come and go: forget unused ones
-                self._origins = {k: o for k, o in self._origins.items() if o.idle}
-            origin = self._origins[base_url] = _Origin(base_url)
+                self._origins = {k: o for k, o in self._origins.items()
+                                 if o.idle or o.slots.value < self._max_per_origin}
+            origin = self._origins[base_url] = _Origin(base_url, self._max_per_origin)
         return origin
 
     def _checkout(self, origin: _Origin) -> _Connection | None:
@@ -332,6 +363,9 @@ class UpstreamPool:
                 raise EngineUnreachableError(
                     f"cannot resolve engine {origin.url}: {exc}", connect_failed=True) from exc
             except OSError as exc:
+                if exc.errno in _LOCAL_LIMITS:  # the router's own limit, not the engine's fault
+                    raise OverloadedError(f"the router cannot open a connection to engine "
+                                          f"{origin.url} now: {exc}") from exc
                 raise EngineUnreachableError(
                     f"cannot connect to engine {origin.url}: {exc}", connect_failed=True
                 ) from exc
@@ -357,11 +391,11 @@ class UpstreamResponse:
     """
 
     __slots__ = ("_base_url", "_body", "_client_gone", "_conn", "_done", "_method", "_origin",
-                 "_parser", "_pool", "_req_headers", "_target", "_unchecked", "headers",
-                 "status")
+                 "_parser", "_pool", "_req_headers", "_slot", "_target", "_unchecked",
+                 "headers", "status")
 
     def __init__(self, pool: UpstreamPool, base_url: str, method: bytes, target: bytes,
-                 headers: list[tuple[bytes, bytes]], body: bytes,
+                 headers: list[tuple[bytes, bytes]], body: bytes | bytearray,
                  client_gone: Callable[[], bool] | None = None) -> None:
         self._pool = pool
         self._client_gone = client_gone
@@ -372,6 +406,7 @@ class UpstreamResponse:
         self._body = body
         self._conn: _Connection | None = None
         self._origin: _Origin | None = None
+        self._slot = False  # holds one of its origin's slots
         self._parser: ResponseParser | None = None
         self._done = False
         self._unchecked = 0  # chunks returned since the last checkpoint
@@ -384,9 +419,41 @@ class UpstreamResponse:
         origin = self._origin = pool._origin(self._base_url)
         try:
             head = encode_request_head(self._method, self._target, origin.host_header,
-                                self._req_headers, len(self._body))
+                                       self._req_headers, len(self._body))
         except ValueError as exc:
             raise UpstreamError(f"cannot send request to engine {origin.url}: {exc}") from exc
+        if self._client_gone is not None and self._client_gone():
+            raise ClientGoneError  # e.g. an HTTP/2 stream reset before it was sent on
+        await self._take_slot(origin)
+        try:
+            return await self._start(origin, head)
+        except BaseException:
+            self._give_slot()
+            raise
+
+    async def _take_slot(self, origin: _Origin) -> None:
+        """One of the origin's slots, waiting if all are taken (asking `client_gone` every
+        CLIENT_CHECK_S meanwhile)."""
+        slots, gone = origin.slots, self._client_gone
+        try:
+            slots.acquire_nowait()
+        except trio.WouldBlock:
+            while True:
+                with trio.move_on_after(CLIENT_CHECK_S if gone is not None else math.inf):
+                    await slots.acquire()
+                    break
+                if gone is not None and gone():
+                    raise ClientGoneError from None
+        self._slot = True
+
+    def _give_slot(self) -> None:
+        if self._slot:
+            self._slot = False
+            assert self._origin is not None
+            self._origin.slots.release()
+
+    async def _start(self, origin: _Origin, head: bytes) -> UpstreamResponse:
+        pool = self._pool
         conn = pool._checkout(origin)
         if conn is not None:
             try:
@@ -407,6 +474,12 @@ class UpstreamResponse:
 
     async def __aexit__(self, exc_type: type[BaseException] | None,
                         exc: BaseException | None, tb: TracebackType | None) -> None:
+        try:
+            self._end(exc_type)
+        finally:
+            self._give_slot()
+
+    def _end(self, exc_type: type[BaseException] | None) -> None:
         conn, parser = self._conn, self._parser
         if conn is None or parser is None:
             return
@@ -606,7 +679,8 @@ class Relay:
 
     - Backpressure: when the client's socket does not take everything, the engine's socket is
       no longer read until the rest is written (the client's socket joins the set for
-      writability meanwhile): at most one read of an engine's bytes is held per stream.
+      writability meanwhile): at most one read of an engine's bytes is held per stream. A
+      client that takes nothing for `write_timeout` ends its stream with ClientGoneError.
     - Every CLIENT_CHECK_S the relayed streams are checked: a client that left (the
       `client_gone` check) ends its stream with ClientGoneError; an engine silent for
       `read_timeout` with UpstreamTimeoutError. A write that fails (reset, closed) is a gone
@@ -618,7 +692,8 @@ class Relay:
     Use from the Trio thread; run it with `open_relay()`.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, write_timeout: float = math.inf) -> None:
+        self.write_timeout = write_timeout  # a client taking nothing this long is dropped
         self._epoll = select.epoll()
         self._by_fd: dict[int, _Relayed] = {}  # engine sockets, and client sockets being waited on
         self._streams: set[_Relayed] = set()
@@ -684,10 +759,10 @@ class Relay:
 
 
 @asynccontextmanager
-async def open_relay() -> AsyncIterator[Relay]:
+async def open_relay(*, write_timeout: float = math.inf) -> AsyncIterator[Relay]:
     """A running `Relay`; leaving the block stops it (streams still relayed end with their
     owners' cancellation)."""
-    relay = Relay()
+    relay = Relay(write_timeout=write_timeout)
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(relay.run)
@@ -703,7 +778,7 @@ class _Relayed:
 
     __slots__ = ("_client", "_client_fd", "_client_gone", "_conn", "_engine_fd", "_parser",
                  "_pending", "_read_timeout", "_relay", "_url", "deadline", "error",
-                 "finished", "first_byte_at")
+                 "finished", "first_byte_at", "write_deadline")
 
     def __init__(self, relay: Relay, response: UpstreamResponse, client: RelayTarget,
                  client_gone: Callable[[], bool] | None) -> None:
@@ -717,7 +792,8 @@ class _Relayed:
         self._engine_fd = -1
         self._client_fd = -1  # registered for writability while a write waits
         self._pending = b""
-        self.deadline = math.inf
+        self.deadline = math.inf  # the engine's silence budget
+        self.write_deadline = math.inf  # the client's, while a write waits
         self.error: Exception | None = None
         self.finished = trio.Event()
         self.first_byte_at: float | None = None
@@ -755,6 +831,10 @@ class _Relayed:
         """The periodic check: a client that left, an engine silent for too long."""
         if self._client_gone is not None and self._client_gone():
             self._finish(ClientGoneError())
+        elif now >= self.write_deadline:
+            logger.info("a client took nothing of a relayed stream for %g s; dropping it",
+                        self._relay.write_timeout)
+            self._finish(ClientGoneError())
         elif now >= self.deadline:
             self._finish(UpstreamTimeoutError(
                 f"engine {self._url} was silent for {self._read_timeout:g} s mid-response "
@@ -788,6 +868,8 @@ class _Relayed:
         if written < len(data):
             self._pending = data[written:]
             self.deadline = math.inf  # the client is slow, not the engine
+            if written or self.write_deadline == math.inf:
+                self.write_deadline = now + self._relay.write_timeout
             if self._client_fd < 0:
                 if self._engine_fd >= 0:
                     epoll.modify(self._engine_fd, 0)  # read no more until this is written
@@ -796,6 +878,7 @@ class _Relayed:
                 self._relay._by_fd[self._client_fd] = self
             return
         self._pending = b""
+        self.write_deadline = math.inf
         if self._client_fd >= 0:
             self._unregister(self._client_fd)
             self._client_fd = -1
