@@ -13,6 +13,9 @@ SPEC.json: {"port": 18800, "engines": {"127.0.10.1": "ok", "127.0.11.1": "hang",
 - "hang": never (it accepts the connection and reads the request, then stays silent: a stuck
   node or a partitioned zone, as seen from the router).
 
+A chat request with `"stream": true` is answered with a chunked event stream of 2,000 events
+of about 1 KB each, written at once (for slow-reader runs).
+
 Like vLLM (uvicorn), an engine closes a keep-alive connection after 5 s without a request.
 The process prints "ready N" once every engine listens, then serves until killed. asyncio
 protocols keep its own CPU small next to the router's.
@@ -35,6 +38,13 @@ METRICS: Final = (Path(__file__).resolve().parent.parent / "tests" / "fixtures"
 MODELS: Final = json.dumps({"object": "list", "data": [{
     "id": "fake-model", "object": "model", "created": 0, "owned_by": "vllm",
     "root": "fake-model", "parent": None, "max_model_len": 4096}]}).encode()
+
+
+_EVENT: Final = b"data: " + json.dumps({"choices": [{"delta": {"content": "x" * 1000}}]}).encode()
+STREAM: Final = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                 b"transfer-encoding: chunked\r\n\r\n"
+                 + b"".join(b"%x\r\n%s\n\n\r\n" % (len(_EVENT) + 2, _EVENT) for _ in range(2000))
+                 + b"0\r\n\r\n")
 
 
 def _response(status: bytes, content_type: bytes, body: bytes) -> bytes:
@@ -89,19 +99,20 @@ class Engine(asyncio.Protocol):
                     length = int(value)
             if len(self._buffer) < end + 4 + length:
                 return
+            body = self._buffer[end + 4:end + 4 + length]
             self._buffer = self._buffer[end + 4 + length:]
             if self._idle is not None:
                 self._idle.cancel()
                 self._idle = None
             if self._hang:
                 continue
-            reply = self._answer(head[0])
+            reply = self._answer(head[0], body)
             if self._delay:
                 asyncio.get_running_loop().call_later(self._delay, self._send, reply)
             else:
                 self._send(reply)
 
-    def _answer(self, request_line: bytes) -> bytes:
+    def _answer(self, request_line: bytes, body: bytes) -> bytes:
         method, _, rest = request_line.partition(b" ")
         path = rest.partition(b" ")[0].partition(b"?")[0]
         if method == b"GET" and path == b"/v1/models":
@@ -109,6 +120,8 @@ class Engine(asyncio.Protocol):
         if method == b"GET" and path == b"/metrics":
             return _response(b"200 OK", b"text/plain; version=0.0.4", METRICS)
         if method == b"POST" and path == b"/v1/chat/completions":
+            if b'"stream": true' in body or b'"stream":true' in body:
+                return STREAM
             return _response(b"200 OK", b"application/json", _chat(self._address))
         return _response(b"404 Not Found", b"application/json", b'{"detail":"Not Found"}')
 

@@ -613,6 +613,7 @@ def _hypercorn_config(host: str, port: int) -> hypercorn.config.Config:
     config.accesslog = None
     config.errorlog = logging.getLogger(f"{__name__}.hypercorn")  # quiet unless configured
     config.graceful_timeout = 0.5
+    config.backlog = 2048  # like vLLM's uvicorn
     config.keep_alive_max_requests = 1 << 30  # like vLLM's uvicorn: no per-connection cap
     config.include_date_header = False  # the app sends its own Date (FakeEngine.send_date)
     return config
