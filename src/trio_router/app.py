@@ -20,7 +20,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Final, Protocol
@@ -28,6 +28,7 @@ from typing import Any, Final, Protocol
 import msgspec
 import trio
 
+from .admission import Admission, Tenant
 from .config import Config
 from .endpoints import Engine, RoutingTable
 from .errors import (
@@ -37,6 +38,8 @@ from .errors import (
     ConfigError,
     NoEngineError,
     OverloadedError,
+    QueueTimeoutError,
+    RateLimitedError,
     RequestTimeoutError,
     RouterError,
     UnknownModelError,
@@ -179,8 +182,12 @@ class RouterApp:
     def __init__(self, *, settings: Settings, table: RoutingTable, supervisors: Supervisors,
                  metrics: Metrics, health: Callable[[], tuple[bool, str, str]],
                  relay: Relay | None = None,
-                 client_socket: Callable[[], ClientConnection | None] = lambda: None) -> None:
+                 client_socket: Callable[[], ClientConnection | None] = lambda: None,
+                 admission: Admission | None = None) -> None:
         self.settings = settings
+        self._admission = admission if admission is not None else Admission(
+            table, settings.config.admission,
+            max_per_engine=settings.config.proxy.max_connections_per_engine)
         self._relay, self._client_socket = relay, client_socket
         self._bodies = _BodyBudget(settings.max_buffered_body_bytes)
         self._parse_limiter = trio.CapacityLimiter(LARGE_PARSES)
@@ -277,8 +284,7 @@ class RouterApp:
             if bad_header is not None:
                 raise BadRequestError(f"header {bad_header.decode('latin-1')!r} has control "
                                       "characters in its value")
-            if settings.client_key is not None:
-                _check_key(settings.client_key, authorization)
+            tenant = self._authenticate(settings, authorization)
             body = await _read_body(receive, content_length, settings.max_body_bytes,
                                     stall_s=settings.body_timeout, held=held)
             if body is None:
@@ -298,6 +304,7 @@ class RouterApp:
                 raise UnknownModelError(f"the model {unknown!r} does not exist")
             info = (request_info(payload, scope["headers"], settings.config.routing)
                     if settings.needs_request_info else RequestInfo(model=model))
+            self._admission.admit(tenant)
         except RouterError as exc:
             held.release()
             # Answered before the body was read: the connection cannot carry another request.
@@ -312,14 +319,16 @@ class RouterApp:
         try:
             status, engine_name = await self._forward(
                 settings, send, client_gone_check(receive), scope["http_version"] == "1.1",
-                model, candidates, info, target, headers, body, request_id, started)
+                tenant, model, candidates, info, target, headers, body, request_id, started)
         finally:
             held.release()
+            self._admission.leave(tenant)
         self._metrics.observe_request(model, engine_name, status, trio.current_time() - started)
 
     async def _forward(self, settings: Settings, send: Send,
-                       client_gone: Callable[[], bool] | None, relay_ok: bool, model: str,
-                       candidates: Sequence[Engine], info: RequestInfo, target: bytes,
+                       client_gone: Callable[[], bool] | None, relay_ok: bool, tenant: Tenant,
+                       model: str, candidates: Sequence[Engine], info: RequestInfo,
+                       target: bytes,
                        headers: list[tuple[bytes, bytes]], body: bytes | bytearray,
                        request_id: bytes,
                        started: float) -> tuple[int, str]:
@@ -328,25 +337,38 @@ class RouterApp:
         when the client left: the engine's connection is closed then). An error after the
         response started cannot be reported: the client connection is cut instead (by
         returning without the final body message)."""
-        table, policy, pool = self._table, settings.policy, settings.pool
+        table, policy, pool, admission = self._table, settings.policy, settings.pool, \
+            self._admission
         tried: list[str] = []
         unreachable: EngineUnreachableError | None = None
+        why = ""
+
+        def pick(exclude: Collection[str]) -> Engine:
+            nonlocal why
+            engine, why = policy.choose(table.routable(model), info, exclude=exclude)
+            return engine
+
         while True:
             try:
-                engine, why = policy.choose(candidates, info, exclude=tried)
+                engine = await admission.acquire(tenant, model, pick, tried=tried,
+                                                 client_gone=client_gone)
             except NoEngineError as exc:
                 return await self._fail(send, request_id, exc if unreachable is None
                                         else UpstreamError(
                     f"no engine for model {model!r} could be reached after {len(tried)} "
                     f"attempt(s); last: {unreachable}"), model)
+            except (RateLimitedError, QueueTimeoutError) as exc:
+                return await self._fail(send, request_id, exc, model)
+            except ClientGoneError:
+                return CLIENT_CLOSED, NO_LABEL
             if logger.isEnabledFor(logging.DEBUG):
-                logger.debug("request %s for %s: policy %s chose %s among %d candidate(s)"
-                             " (excluded %s): %s", request_id.decode(errors="replace"), model,
+                logger.debug("request %s for %s (tenant %r): policy %s chose %s among %d "
+                             "candidate(s) (excluded %s): %s",
+                             request_id.decode(errors="replace"), model, tenant.name,
                              policy.name, engine.name, len(candidates), tried, why)
             generation = engine.generation
             responded = False
             ttfb: float | None = None
-            engine.in_flight += 1
             try:
                 async with pool.request(engine.url, b"POST", target, headers, body,
                                         client_gone=client_gone) as response:
@@ -423,7 +445,27 @@ class RouterApp:
                                request_id.decode(errors="replace"), model, engine.name, exc)
                 return exc.status, engine.name
             finally:
-                engine.in_flight -= 1
+                admission.release(engine)
+
+    @property
+    def admission(self) -> Admission:
+        return self._admission
+
+    def _authenticate(self, settings: Settings, authorization: bytes | None) -> Tenant:
+        """The tenant a request's key belongs to. With `[[tenants]]`, one of their keys (or
+        `server.api_key_env`'s, for the anonymous tenant) is needed; with only
+        `server.api_key_env`, that key; with neither, nothing. AuthError otherwise."""
+        admission = self._admission
+        if admission.tenants_configured:
+            token = _bearer(authorization)
+            if (tenant := admission.tenant_of_key(token)) is not None:
+                return tenant
+            if settings.client_key is None or not hmac.compare_digest(token,
+                                                                       settings.client_key):
+                raise AuthError("invalid API key")
+        elif settings.client_key is not None:
+            _check_key(settings.client_key, authorization)
+        return admission.anonymous
 
     async def _fail(self, send: Send, request_id: bytes, exc: RouterError,
                     model: str, engine: str = NO_LABEL) -> tuple[int, str]:
@@ -443,7 +485,9 @@ class RouterApp:
             extra.append((ENGINE_HEADER, engine.encode()))
         if isinstance(exc, AuthError):
             extra.append((b"www-authenticate", b"Bearer"))
-        if exc.status == 503:
+        if exc.headers:
+            extra.extend(exc.headers)
+        elif exc.status == 503:
             extra.append((b"retry-after", b"1"))
         await _send_json(send, exc.status, error_body(str(exc), type=exc.type, code=exc.code),
                          extra)
@@ -466,14 +510,13 @@ class RouterApp:
                 f"{path} accepts only GET", type="invalid_request_error",
                 code="method_not_allowed"), [(b"allow", b"GET, HEAD")])
             return
-        client_key = self.settings.client_key
-        if client_key is not None and path not in UNAUTHENTICATED_PATHS:
+        if path not in UNAUTHENTICATED_PATHS:
             authorization = None
             for name, value in scope["headers"]:
                 if name == b"authorization":
                     authorization = value
             try:
-                _check_key(client_key, authorization)
+                self._authenticate(self.settings, authorization)
             except AuthError as exc:
                 await self._send_error(send, exc, None)
                 return
@@ -514,6 +557,16 @@ def http_date() -> bytes:
 @functools.lru_cache(maxsize=2)
 def _http_date_of(second: int) -> bytes:
     return email.utils.formatdate(second, usegmt=True).encode()
+
+
+def _bearer(authorization: bytes | None) -> bytes:
+    """The token of "Bearer <token>"; AuthError if there is none."""
+    if authorization is None:
+        raise AuthError("missing API key: send it as 'Authorization: Bearer <key>'")
+    scheme, _, token = authorization.partition(b" ")
+    if scheme.lower() != b"bearer":
+        raise AuthError("invalid API key")
+    return token.strip()
 
 
 def _check_key(expected: bytes, authorization: bytes | None) -> None:

@@ -221,6 +221,50 @@ class StatsConfig:
         _positive("stats", timeout_s=self.timeout_s)
 
 
+FAIRNESS: typing.Final = ("tenant", "none")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AdmissionConfig:
+    max_in_flight_per_engine: int = 0  # an engine is saturated at this many; 0: no cap
+    max_waiting_per_engine: int = 0  # ... or when its own queue is this long; 0: ignore
+    queue_size: int = 1024  # requests waiting at the router, in all; beyond: 429
+    queue_timeout_s: float = 30.0  # longest wait in the queue; then 503
+    fairness: str = "tenant"  # "tenant": weighted round robin across tenants; "none": FIFO
+
+    def __post_init__(self) -> None:
+        for key in ("max_in_flight_per_engine", "max_waiting_per_engine", "queue_size"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"admission.{key} must be >= 0, got {getattr(self, key)}")
+        _positive("admission", queue_timeout_s=self.queue_timeout_s)
+        if self.fairness not in FAIRNESS:
+            raise ConfigError(f"admission.fairness must be one of {list(FAIRNESS)}, "
+                              f"got {self.fairness!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TenantConfig:
+    name: str = ""
+    key_env: str = ""  # env var holding the tenant's Bearer key
+    weight: int = 1  # share of the queue's dispatches, against the other tenants
+    requests_per_minute: int = 0  # token bucket (burst = this); 0: unlimited
+    max_concurrent: int = 0  # in flight + queued; 0: unlimited
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ConfigError("tenants: every tenant needs a name")
+        if not self.key_env:
+            raise ConfigError(f"tenants: tenant {self.name!r} needs key_env (the environment "
+                              "variable holding its key)")
+        if self.weight < 1:
+            raise ConfigError(f"tenants: tenant {self.name!r}: weight must be >= 1, "
+                              f"got {self.weight}")
+        for key in ("requests_per_minute", "max_concurrent"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"tenants: tenant {self.name!r}: {key} must be >= 0, "
+                                  f"got {getattr(self, key)}")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
@@ -229,6 +273,16 @@ class Config:
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     proxy: ProxyConfig = field(default_factory=ProxyConfig)
     stats: StatsConfig = field(default_factory=StatsConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    tenants: tuple[TenantConfig, ...] = ()
+
+    def __post_init__(self) -> None:
+        names = [t.name for t in self.tenants]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"tenants: names must be unique, got {names}")
+        envs = [t.key_env for t in self.tenants]
+        if len(set(envs)) != len(envs):
+            raise ConfigError(f"tenants: each tenant needs its own key_env, got {envs}")
 
 
 def _type_name(tp: Any) -> str:
@@ -298,7 +352,8 @@ def config_as_dict(config: Any) -> dict[str, Any]:
         if dataclasses.is_dataclass(value):
             out[f.name] = config_as_dict(value)
         elif isinstance(value, tuple):
-            out[f.name] = list(value)
+            out[f.name] = [config_as_dict(v) if dataclasses.is_dataclass(v) else v
+                           for v in value]
         else:
             out[f.name] = value
     return out
@@ -308,15 +363,25 @@ def dump_toml(config: Config) -> str:
     """Render the effective config as TOML text (the output of `check-config`)."""
     lines: list[str] = []
 
+    def tables(value: Any) -> bool:  # an array of tables, like [[tenants]]
+        return isinstance(value, list) and bool(value) and isinstance(value[0], dict)
+
     def emit(table: dict[str, Any], path: str) -> None:
-        scalars = {k: v for k, v in table.items() if not isinstance(v, dict)}
+        scalars = {k: v for k, v in table.items()
+                   if not isinstance(v, dict) and not tables(v)}
         if scalars:
-            lines.append(f"[{path}]")
+            if path:  # top-level keys (an empty `tenants`) come before any table
+                lines.append(f"[{path}]")
             lines.extend(f"{k} = {_toml_value(v)}" for k, v in scalars.items())
             lines.append("")
         for k, v in table.items():
             if isinstance(v, dict):
                 emit(v, f"{path}.{k}" if path else k)
+            elif tables(v):
+                for item in v:
+                    lines.append(f"[[{path}.{k}]]" if path else f"[[{k}]]")
+                    lines.extend(f"{ik} = {_toml_value(iv)}" for ik, iv in item.items())
+                    lines.append("")
 
     emit(config_as_dict(config), "")
     return "\n".join(lines)

@@ -9,6 +9,7 @@ class RouterError(Exception):
     status: int = 500
     type: str = "server_error"
     code: str = "internal_error"
+    headers: tuple[tuple[bytes, bytes], ...] = ()  # extra response headers (Retry-After, ...)
 
 
 class ConfigError(RouterError):
@@ -64,6 +65,30 @@ class RequestTimeoutError(RouterError):
     status = 408
     type = "invalid_request_error"
     code = "request_timeout"
+
+
+class RateLimitedError(RouterError):
+    """A tenant is over its request rate or its concurrency, or the router's queue is full:
+    retry later (the headers say when)."""
+
+    status = 429
+    type = "requests"
+    code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, *, code: str = "rate_limit_exceeded",
+                 headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+        super().__init__(message)
+        self.code = code
+        self.headers = headers
+
+
+class QueueTimeoutError(RouterError):
+    """A request waited in the router's queue for `admission.queue_timeout_s`: every engine
+    for its model stayed saturated."""
+
+    status = 503
+    type = "server_error"
+    code = "queue_timeout"
 
 
 class UpstreamError(RouterError):

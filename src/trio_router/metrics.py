@@ -44,7 +44,8 @@ class Metrics:
 
     def __init__(self, table: RoutingTable, *,
                  discovery_snapshot: Callable[[], Mapping[str, Any]] | None = None,
-                 relayed: Callable[[], int] | None = None) -> None:
+                 relayed: Callable[[], int] | None = None,
+                 admission: Callable[[], tuple[Mapping[str, int], int]] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self._requests = Counter(
             "trio_router_requests", "Proxied requests by model, engine and HTTP status "
@@ -65,6 +66,14 @@ class Metrics:
         self._reloads = Counter(
             "trio_router_config_reloads", "SIGHUP config reloads by result.", ["result"],
             registry=self.registry)
+        self._queue_wait = Histogram(
+            "trio_router_queue_wait_seconds", "Time requests waited at the router for a free "
+            "engine (only requests that waited), by model.", ["model"],
+            buckets=LATENCY_BUCKETS, registry=self.registry)
+        self._rejected = Counter(
+            "trio_router_rejected_requests", "Requests turned away by admission, by reason "
+            "(rate_limited, tenant_concurrency, queue_full, queue_timeout) and tenant.",
+            ["reason", "tenant"], registry=self.registry)
         self._children: dict[tuple[str, str, int], _Child] = {}
         self._ttfb_children: dict[str, Any] = {}
         self.registry.register(_TableCollector(table))
@@ -72,6 +81,8 @@ class Metrics:
             self.registry.register(_DiscoveryCollector(discovery_snapshot))
         if relayed is not None:
             self.registry.register(_RelayCollector(relayed))
+        if admission is not None:
+            self.registry.register(_AdmissionCollector(admission))
 
     def observe_request(self, model: str, engine: str, status: int, seconds: float) -> None:
         """Count one finished request and record its duration."""
@@ -92,6 +103,12 @@ class Metrics:
 
     def engine_unreachable(self, engine: str) -> None:
         self._unreachable.labels(engine).inc()
+
+    def queue_wait(self, model: str, seconds: float) -> None:
+        self._queue_wait.labels(model).observe(seconds)
+
+    def rejected(self, reason: str, tenant: str) -> None:
+        self._rejected.labels(reason, tenant).inc()
 
     def reload(self, result: str) -> None:
         """Count one SIGHUP reload: "ok", "unchanged" or "error"."""
@@ -149,6 +166,24 @@ class _RelayCollector:
         return [CounterMetricFamily(
             "trio_router_relayed_responses", "Streamed answers whose body the relay moved to "
             "an HTTP/1.1 client as the engine sent it.", value=self._relayed())]
+
+
+class _AdmissionCollector:
+    """Requests waiting at the router by model, and saturated engines, read at scrape time."""
+
+    def __init__(self, state: Callable[[], tuple[Mapping[str, int], int]]) -> None:
+        self._state = state
+
+    def collect(self) -> Iterable[Metric]:
+        queued, saturated = self._state()
+        depth = GaugeMetricFamily("trio_router_queued_requests", "Requests waiting at the "
+                                  "router for a free engine, by model.", labels=["model"])
+        for model, count in queued.items():
+            depth.add_metric([model], count)
+        busy = GaugeMetricFamily("trio_router_saturated_engines", "Engines that take no more "
+                                 "requests now (admission caps, or their own queue).")
+        busy.add_metric([], saturated)
+        return [depth, busy]
 
 
 class _DiscoveryCollector:

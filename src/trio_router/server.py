@@ -23,6 +23,7 @@ import hypercorn.config
 import trio
 
 from . import connection
+from .admission import Admission
 from .app import RouterApp, env_key, make_settings
 from .config import Config, StatsConfig, parse_bind
 from .discovery import (
@@ -43,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 THREAD_EXIT_S: Final = 10.0  # bound on waiting for an abandoned Kubernetes thread at exit
 KEEP_ALIVE_S: Final = 75.0  # idle client connections are kept longer than common LB timeouts
-LIVE_SECTIONS: Final = ("server", "routing", "proxy", "probe", "stats")
+LIVE_SECTIONS: Final = ("server", "routing", "proxy", "probe", "stats", "admission", "tenants")
 RESTART_SECTIONS: Final = ("discovery",)
 # Keys of [server] that shape the listening server itself: they need a restart.
 SERVER_RESTART_KEYS: Final = ("bind", "backlog", "max_connections", "write_timeout_s")
@@ -64,11 +65,21 @@ class ReloadOutcome:
         return not self.error
 
 
+def tenant_keys(config: Config) -> dict[str, str]:
+    """Each tenant's key (from its `key_env`) and name; ConfigError if one is unset."""
+    keys: dict[str, str] = {}
+    for tenant in config.tenants:
+        key = env_key(tenant.key_env, f"tenants[{tenant.name!r}].key_env")
+        if key in keys:
+            raise ConfigError(f"tenants {keys[key]!r} and {tenant.name!r} have the same key")
+        keys[key] = tenant.name
+    return keys
+
+
 def new_pool(config: Config) -> UpstreamPool:
     """The upstream pool of requests to engines, as `config.proxy` says."""
     return UpstreamPool(connect_timeout=config.proxy.connect_timeout_s,
-                        read_timeout=config.proxy.read_timeout_s,
-                        max_per_origin=config.proxy.max_connections_per_engine)
+                        read_timeout=config.proxy.read_timeout_s)
 
 
 async def _sweep_pools(pools: list[UpstreamPool]) -> None:
@@ -156,10 +167,8 @@ class Reloader:
                            "then", ", ".join(restart))
         current = self._app.settings
         pool = current.pool
-        if (effective.proxy.connect_timeout_s, effective.proxy.read_timeout_s,
-                effective.proxy.max_connections_per_engine) != (
-                old.proxy.connect_timeout_s, old.proxy.read_timeout_s,
-                old.proxy.max_connections_per_engine):
+        if (effective.proxy.connect_timeout_s, effective.proxy.read_timeout_s) != (
+                old.proxy.connect_timeout_s, old.proxy.read_timeout_s):
             pool = new_pool(effective)
         policy = current.policy if effective.routing == old.routing else None
         try:
@@ -169,9 +178,13 @@ class Reloader:
                 self._pools.append(pool)  # closed with the others; it holds no connection
             raise
         engine_key = env_key(effective.proxy.api_key_env, "proxy.api_key_env")
+        keys = tenant_keys(effective)
         self._app.settings = settings
         self._prober.api_key = engine_key
         self._supervisors.update_ejection(effective.proxy)
+        self._app.admission.configure(
+            effective.admission, max_per_engine=effective.proxy.max_connections_per_engine,
+            tenants=effective.tenants, keys=keys)
         if effective.probe != old.probe or effective.stats != old.stats:
             self._supervisors.update_config(
                 effective.probe, workers=None if effective.stats == old.stats
@@ -241,12 +254,16 @@ async def run(config: Config, *, load: Callable[[], Config] | None = None,
     settings = make_settings(config, table, pools[0])
     source: KubernetesPodSource | None = None
 
+    admission = Admission(table, config.admission,
+                          max_per_engine=config.proxy.max_connections_per_engine,
+                          tenants=config.tenants, keys=tenant_keys(config))
+
     def stats_workers(stats: StatsConfig) -> list[EngineWorker]:
         if stats.interval_s <= 0:
             return []
         return [lambda engine, generation, pool: run_stats_scraper(
             engine, table, pool, interval=stats.interval_s, timeout=stats.timeout_s,
-            generation=generation, headers=prober.headers)]
+            generation=generation, headers=prober.headers, on_change=admission.load_changed)]
 
     try:
         async with (open_relay(write_timeout=config.server.write_timeout_s) as relay,
@@ -269,12 +286,15 @@ async def run(config: Config, *, load: Callable[[], Config] | None = None,
             readiness = Readiness(status, table,
                                   strict=config.discovery.kubernetes.strict_health)
             metrics = Metrics(table, discovery_snapshot=lambda: status.snapshot(
-                trio.current_time()), relayed=lambda: relay.relayed)
+                trio.current_time()), relayed=lambda: relay.relayed,
+                admission=lambda: (admission.queued(), len(admission.saturated)))
+            admission.observe(on_wait=metrics.queue_wait, on_reject=metrics.rejected)
             table.add_remove_listener(lambda engine: metrics.forget_engine(engine.name))
             app = RouterApp(settings=settings, table=table, supervisors=supervisors,
                             metrics=metrics,
                             health=lambda: readiness.check(trio.current_time()),
-                            relay=relay, client_socket=connection.current_client)
+                            relay=relay, client_socket=connection.current_client,
+                            admission=admission)
             stop = trio.Event()
             if handle_signals:
                 reloader = None
@@ -287,6 +307,7 @@ async def run(config: Config, *, load: Callable[[], Config] | None = None,
                                     nursery.cancel_scope)
             asgi: Any = app  # plain-dict ASGI typing, not hypercorn's TypedDicts
             nursery.start_soon(_sweep_pools, pools)
+            await nursery.start(admission.run)
             await connection.serve(asgi, hconfig, shutdown_trigger=stop.wait,
                                    max_connections=config.server.max_connections,
                                    write_timeout=config.server.write_timeout_s,

@@ -92,13 +92,15 @@ def parse_vllm_metrics(text: str | bytes) -> dict[str, float]:
 async def run_stats_scraper(engine: Engine, table: RoutingTable, pool: UpstreamPool, *,
                             interval: float, timeout: float,  # noqa: ASYNC109 (per scrape)
                             generation: int,
-                            headers: Callable[[], list[tuple[bytes, bytes]]] = list) -> None:
+                            headers: Callable[[], list[tuple[bytes, bytes]]] = list,
+                            on_change: Callable[[Engine], None] | None = None) -> None:
     """Scrape `engine`'s /metrics about every `interval` seconds (±10% jitter) while it is
     routable, over `pool` (the engine's own connections, kept alive between scrapes), and
     store its gauges in `engine.stats`, with "scraped_at" (trio time) and "stale_after"
     (3 * `interval`). An engine that is not routable is not scraped: its figures would route
     nothing, and a hanging engine would cost a connection per scrape. `headers()` gives the
-    request's headers (the engine API key). Each scrape has the hard deadline `timeout`
+    request's headers (the engine API key); `on_change(engine)` is called after each stored
+    result (admission checks saturation). Each scrape has the hard deadline `timeout`
     (connect, headers and the whole body): a deadline per scrape, not a bound on this
     function. A result is stored only if `table.current(engine.uid, generation)` is still
     `engine` after the await; once it is not (the engine was removed or must be probed
@@ -123,6 +125,8 @@ async def run_stats_scraper(engine: Engine, table: RoutingTable, pool: UpstreamP
             if stats:
                 stats["scraped_at"], stats["stale_after"] = now, stale_after
                 engine.stats = stats
+                if on_change is not None:
+                    on_change(engine)
                 if failing:
                     logger.info("metrics of engine %s at %s are readable again", engine.name,
                                 engine.url)

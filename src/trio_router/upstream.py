@@ -158,9 +158,9 @@ class _Connection:
 class _Origin:
     """One engine address: how to reach it and its idle connections (newest last)."""
 
-    __slots__ = ("host", "host_header", "idle", "port", "slots", "url")
+    __slots__ = ("host", "host_header", "idle", "port", "url")
 
-    def __init__(self, url: str, max_connections: int) -> None:
+    def __init__(self, url: str) -> None:
         parts = urlsplit(url)
         host = parts.hostname
         try:
@@ -180,7 +180,6 @@ class _Origin:
         self.port = port or 80
         self.host_header = host_header
         self.idle: list[_Connection] = []
-        self.slots = trio.Semaphore(max_connections)  # connections in use or idle, at most
 
 
 async def open_tcp_socket(host: str, port: int) -> socket.socket:
@@ -221,24 +220,21 @@ class UpstreamPool:
         max_idle_per_origin: idle connections kept per engine; more are closed on release.
         max_idle_s: an idle connection older than this is closed rather than reused. Keep it
             below the engines' keep-alive timeout (5 s for vLLM/uvicorn and Hypercorn).
-        max_per_origin: requests in flight to one engine at once, at most; more wait for one
-            to end (a connection per request: this bounds the connections to an engine).
         connect: opens a connected stream socket to (host, port), raising OSError; the
             default is TCP (`open_tcp_socket`). Tests pass one end of a socket pair.
     """
 
     def __init__(self, *, connect_timeout: float, read_timeout: float,
                  max_idle_per_origin: int = 64, max_idle_s: float = 4.0,
-                 max_per_origin: int = 1 << 30, connect: Connector = open_tcp_socket) -> None:
+                 connect: Connector = open_tcp_socket) -> None:
         if connect_timeout <= 0 or read_timeout <= 0 or max_idle_s < 0:
             raise ValueError("connect_timeout and read_timeout must be > 0, max_idle_s >= 0")
-        if max_idle_per_origin < 0 or max_per_origin < 1:
-            raise ValueError("max_idle_per_origin must be >= 0 and max_per_origin >= 1")
+        if max_idle_per_origin < 0:
+            raise ValueError(f"max_idle_per_origin must be >= 0, got {max_idle_per_origin}")
         self._connect_timeout = connect_timeout
         self._read_timeout = read_timeout
         self._max_idle = max_idle_per_origin
         self._max_idle_s = max_idle_s
-        self._max_per_origin = max_per_origin
         self._open = connect
         self._origins: dict[str, _Origin] = {}
         self._closed = False
@@ -315,9 +311,8 @@ class UpstreamPool:
         origin = self._origins.get(base_url)
         if origin is None:
             if len(self._origins) >= MAX_ORIGINS:  # engines come and go: forget unused ones
-                self._origins = {k: o for k, o in self._origins.items()
-                                 if o.idle or o.slots.value < self._max_per_origin}
-            origin = self._origins[base_url] = _Origin(base_url, self._max_per_origin)
+                self._origins = {k: o for k, o in self._origins.items() if o.idle}
+            origin = self._origins[base_url] = _Origin(base_url)
         return origin
 
     def _checkout(self, origin: _Origin) -> _Connection | None:
@@ -391,8 +386,8 @@ class UpstreamResponse:
     """
 
     __slots__ = ("_base_url", "_body", "_client_gone", "_conn", "_done", "_method", "_origin",
-                 "_parser", "_pool", "_req_headers", "_slot", "_target", "_unchecked",
-                 "headers", "status")
+                 "_parser", "_pool", "_req_headers", "_target", "_unchecked", "headers",
+                 "status")
 
     def __init__(self, pool: UpstreamPool, base_url: str, method: bytes, target: bytes,
                  headers: list[tuple[bytes, bytes]], body: bytes | bytearray,
@@ -406,7 +401,6 @@ class UpstreamResponse:
         self._body = body
         self._conn: _Connection | None = None
         self._origin: _Origin | None = None
-        self._slot = False  # holds one of its origin's slots
         self._parser: ResponseParser | None = None
         self._done = False
         self._unchecked = 0  # chunks returned since the last checkpoint
@@ -424,36 +418,6 @@ class UpstreamResponse:
             raise UpstreamError(f"cannot send request to engine {origin.url}: {exc}") from exc
         if self._client_gone is not None and self._client_gone():
             raise ClientGoneError  # e.g. an HTTP/2 stream reset before it was sent on
-        await self._take_slot(origin)
-        try:
-            return await self._start(origin, head)
-        except BaseException:
-            self._give_slot()
-            raise
-
-    async def _take_slot(self, origin: _Origin) -> None:
-        """One of the origin's slots, waiting if all are taken (asking `client_gone` every
-        CLIENT_CHECK_S meanwhile)."""
-        slots, gone = origin.slots, self._client_gone
-        try:
-            slots.acquire_nowait()
-        except trio.WouldBlock:
-            while True:
-                with trio.move_on_after(CLIENT_CHECK_S if gone is not None else math.inf):
-                    await slots.acquire()
-                    break
-                if gone is not None and gone():
-                    raise ClientGoneError from None
-        self._slot = True
-
-    def _give_slot(self) -> None:
-        if self._slot:
-            self._slot = False
-            assert self._origin is not None
-            self._origin.slots.release()
-
-    async def _start(self, origin: _Origin, head: bytes) -> UpstreamResponse:
-        pool = self._pool
         conn = pool._checkout(origin)
         if conn is not None:
             try:
@@ -474,12 +438,6 @@ class UpstreamResponse:
 
     async def __aexit__(self, exc_type: type[BaseException] | None,
                         exc: BaseException | None, tb: TracebackType | None) -> None:
-        try:
-            self._end(exc_type)
-        finally:
-            self._give_slot()
-
-    def _end(self, exc_type: type[BaseException] | None) -> None:
         conn, parser = self._conn, self._parser
         if conn is None or parser is None:
             return

@@ -1,0 +1,383 @@
+"""Admission: which request goes to an engine now, which waits at the router, and which is
+turned away. Tenants, their rate limits, saturated engines and the fair queue.
+
+- **Saturation.** An engine is saturated when this router's requests in flight to it reach
+  the per-engine cap (`admission.max_in_flight_per_engine`, and never more than
+  `proxy.max_connections_per_engine`: one bound, one mechanism), or, while its scraped vLLM
+  figures are fresh, when its own queue (`vllm:num_requests_waiting`) reaches
+  `admission.max_waiting_per_engine`. Routing policies choose among unsaturated engines only.
+- **Queue.** When every engine for the model is saturated, the request waits here, not at an
+  engine: at most `admission.queue_size` requests in all (beyond: 429 `queue_full`), each at
+  most `admission.queue_timeout_s` (then 503 `queue_timeout`). A slot that frees up (a request
+  done, an engine routable again, its figures lower) dispatches the next waiting request in
+  the same step: no polling. A request whose client leaves while it waits leaves the queue.
+- **Fairness.** With `admission.fairness = "tenant"`, dispatches go round robin across the
+  tenants with waiting requests, weighted by their `weight` (stride scheduling), and in
+  arrival order within a tenant: a tenant's backlog delays another tenant's next request by
+  about one dispatch at most. `"none"`: arrival order.
+- **Tenants.** Each has a request rate (a token bucket holding `requests_per_minute`, refilled
+  at that rate) and a bound on its requests in flight and queued; beyond either: 429 with
+  `Retry-After` and OpenAI's `x-ratelimit-*` headers.
+
+Everything here is synchronous bookkeeping on the Trio thread but the wait in `acquire` and
+the `run` task that dispatches when the routing table changes.
+"""
+
+from __future__ import annotations
+
+import hmac
+import math
+from collections import deque
+from collections.abc import Callable, Collection, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Final
+
+import trio
+
+from .config import AdmissionConfig, TenantConfig
+from .endpoints import Engine, RoutingTable
+from .errors import NoEngineError, QueueTimeoutError, RateLimitedError
+from .upstream import CLIENT_CHECK_S, ClientGoneError
+
+__all__ = ["Admission", "Tenant"]
+
+ANONYMOUS: Final = ""  # the tenant of requests when no tenants are configured
+
+# Picks an engine for a request among the routable ones whose uid is not excluded; raises
+# NoEngineError when none is left.
+Pick = Callable[[Collection[str]], Engine]
+
+
+@dataclass(eq=False)
+class Tenant:
+    """One tenant's limits and live state."""
+
+    name: str
+    weight: int = 1
+    requests_per_minute: int = 0
+    max_concurrent: int = 0
+    tokens: float = 0.0
+    refilled_at: float = -math.inf
+    active: int = 0  # requests in flight or queued
+    stride_pass: float = 0.0  # fair-queue position: grows by 1/weight per dispatch
+
+    def configure(self, config: TenantConfig) -> None:
+        if config.requests_per_minute != self.requests_per_minute:
+            self.tokens = float(config.requests_per_minute)  # a new rate starts full
+        self.weight = config.weight
+        self.requests_per_minute = config.requests_per_minute
+        self.max_concurrent = config.max_concurrent
+
+    def take_token(self, now: float) -> RateLimitedError | None:
+        """Spend one request of the rate, or the error saying when one will be there."""
+        rate = self.requests_per_minute
+        if not rate:
+            return None
+        per_s = rate / 60.0
+        if self.refilled_at == -math.inf:
+            self.tokens = float(rate)
+        else:
+            self.tokens = min(float(rate), self.tokens + (now - self.refilled_at) * per_s)
+        self.refilled_at = now
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return None
+        wait = math.ceil((1.0 - self.tokens) / per_s)
+        reset = math.ceil((rate - self.tokens) / per_s)
+        return RateLimitedError(
+            f"tenant {self.name!r} is over its {rate} requests per minute", headers=(
+                (b"retry-after", b"%d" % wait),
+                (b"x-ratelimit-limit-requests", b"%d" % rate),
+                (b"x-ratelimit-remaining-requests", b"0"),
+                (b"x-ratelimit-reset-requests", b"%ds" % reset)))
+
+
+class _Waiter:
+    __slots__ = ("engine", "event", "key", "model", "pick", "queued_at", "tenant", "tried")
+
+    def __init__(self, tenant: Tenant, model: str, pick: Pick, tried: Collection[str],
+                 now: float) -> None:
+        self.tenant, self.model, self.pick, self.tried = tenant, model, pick, tried
+        self.queued_at = now
+        self.event = trio.Event()
+        self.engine: Engine | None = None  # set when dispatched: a slot is held for it
+        self.key = tenant  # its line in the queue: its tenant, or one line for all (FIFO)
+
+
+class _Excluded(Collection[str]):
+    """The engines a pick must skip: those already tried, and the saturated ones."""
+
+    __slots__ = ("_saturated", "_tried")
+
+    def __init__(self, tried: Collection[str], saturated: set[str]) -> None:
+        self._tried, self._saturated = tried, saturated
+
+    def __contains__(self, uid: object) -> bool:
+        return uid in self._saturated or uid in self._tried
+
+    def __iter__(self) -> Iterator[str]:
+        return iter({*self._tried, *self._saturated})
+
+    def __len__(self) -> int:
+        return len({*self._tried, *self._saturated})
+
+
+@dataclass
+class _ModelQueue:
+    """The requests waiting for one model, in dispatch order."""
+
+    fair: bool
+    by_tenant: dict[Tenant, deque[_Waiter]] = field(default_factory=dict)
+    clock: float = 0.0  # the stride pass of the last dispatch
+
+    def __len__(self) -> int:
+        return sum(map(len, self.by_tenant.values()))
+
+    def push(self, waiter: _Waiter) -> None:
+        key = waiter.key = waiter.tenant if self.fair else _FIFO
+        waiting = self.by_tenant.get(key)
+        if waiting is None:
+            waiting = self.by_tenant[key] = deque()
+            key.stride_pass = max(key.stride_pass, self.clock)  # no credit for idle time
+        waiting.append(waiter)
+
+    def head(self) -> _Waiter | None:
+        if not self.by_tenant:
+            return None
+        key = min(self.by_tenant, key=lambda t: t.stride_pass)
+        return self.by_tenant[key][0]
+
+    def pop(self, waiter: _Waiter) -> None:
+        """Take the head `waiter` out: it is being dispatched."""
+        key = waiter.key
+        waiting = self.by_tenant[key]
+        waiting.popleft()
+        key.stride_pass += 1.0 / key.weight
+        self.clock = key.stride_pass
+        if not waiting:
+            del self.by_tenant[key]
+
+    def remove(self, waiter: _Waiter) -> None:
+        """Take `waiter` out from anywhere (it left: timeout, client gone, cancelled)."""
+        key = waiter.key
+        waiting = self.by_tenant.get(key)
+        if waiting is not None and waiter in waiting:
+            waiting.remove(waiter)
+            if not waiting:
+                del self.by_tenant[key]
+
+
+_FIFO: Final = Tenant(name="(fifo)")  # the one queue key when fairness is "none"
+
+
+class Admission:
+    """Admission control of one router process; see the module's docstring."""
+
+    def __init__(self, table: RoutingTable, config: AdmissionConfig, *,
+                 max_per_engine: int, tenants: Sequence[TenantConfig] = (),
+                 keys: dict[str, str] | None = None,
+                 on_wait: Callable[[str, float], None] | None = None,
+                 on_reject: Callable[[str, str], None] | None = None) -> None:
+        self._table = table
+        self._tenants: dict[str, Tenant] = {}
+        self._anonymous = Tenant(name=ANONYMOUS)
+        self._queues: dict[str, _ModelQueue] = {}
+        self._waiting = 0
+        self.saturated: set[str] = set()  # uids of engines that take no more now
+        self._on_wait = on_wait  # (model, seconds waited) of each request that waited
+        self._on_reject = on_reject  # (reason, tenant) of each request turned away
+        self.configure(config, max_per_engine=max_per_engine, tenants=tenants, keys=keys)
+
+    # -- configuration -------------------------------------------------------------------
+    def configure(self, config: AdmissionConfig, *, max_per_engine: int,
+                  tenants: Sequence[TenantConfig] = (), keys: dict[str, str] | None = None
+                  ) -> None:
+        """Apply settings (at start and on reload): requests queued or in flight keep going;
+        tenants that remain keep their state (a changed rate starts full)."""
+        self._config = config
+        caps = [c for c in (config.max_in_flight_per_engine, max_per_engine) if c > 0]
+        self._cap = min(caps) if caps else 0
+        old, self._tenants = self._tenants, {}
+        for tenant_config in tenants:
+            tenant = old.get(tenant_config.name) or Tenant(name=tenant_config.name)
+            tenant.configure(tenant_config)
+            self._tenants[tenant.name] = tenant
+        self._keys = [(key.encode(), name) for key, name in (keys or {}).items()]
+        fair = config.fairness == "tenant"
+        for queue in self._queues.values():
+            queue.fair = fair  # waiting requests keep their line; new ones follow the setting
+        self._fair = fair
+        for engine in self._table:
+            self._update_saturation(engine, trio.current_time())
+        self._dispatch()
+
+    def observe(self, *, on_wait: Callable[[str, float], None],
+                on_reject: Callable[[str, str], None]) -> None:
+        """Report each wait (model, seconds) and each rejection (reason, tenant)."""
+        self._on_wait, self._on_reject = on_wait, on_reject
+
+    @property
+    def tenants_configured(self) -> bool:
+        return bool(self._tenants)
+
+    def tenant_of_key(self, key: bytes | None) -> Tenant | None:
+        """The tenant whose key this is (constant-time comparisons), or None."""
+        found = None
+        for candidate, name in self._keys:
+            if key is not None and hmac.compare_digest(candidate, key):
+                found = name
+        return self._tenants.get(found) if found is not None else None
+
+    @property
+    def anonymous(self) -> Tenant:
+        return self._anonymous
+
+    # -- per request ---------------------------------------------------------------------
+    def admit(self, tenant: Tenant) -> None:
+        """Count a new request of `tenant`, or raise RateLimitedError (429) when it is over
+        its rate or its concurrency. Every admitted request ends with `leave`."""
+        if tenant.max_concurrent and tenant.active >= tenant.max_concurrent:
+            self._reject("tenant_concurrency", tenant)
+            raise RateLimitedError(
+                f"tenant {tenant.name!r} already has {tenant.active} requests in flight or "
+                f"queued (its max_concurrent)", headers=((b"retry-after", b"1"),))
+        if (error := tenant.take_token(trio.current_time())) is not None:
+            self._reject("rate_limited", tenant)
+            raise error
+        tenant.active += 1
+
+    def leave(self, tenant: Tenant) -> None:
+        tenant.active -= 1
+
+    async def acquire(self, tenant: Tenant, model: str, pick: Pick, *,
+                      tried: Collection[str] = (),
+                      client_gone: Callable[[], bool] | None = None) -> Engine:
+        """An engine for a request, with a slot held on it for the caller (give it back with
+        `release`). When every engine for `model` not in `tried` is saturated, wait in the
+        queue. Raises NoEngineError when every routable engine for it has been tried
+        (failover is over), RateLimitedError (429 `queue_full`) when the queue is full,
+        QueueTimeoutError after `admission.queue_timeout_s`, and ClientGoneError when
+        `client_gone` says so while waiting (asked every CLIENT_CHECK_S). Cancellation takes
+        the request out of the queue (and gives back a slot it was just given)."""
+        excluded = _Excluded(tried, self.saturated)
+        if not self._queues.get(model):  # nobody waits for this model: no one to overtake
+            try:
+                engine = pick(excluded)
+            except NoEngineError:
+                if all(e.uid in tried for e in self._table.routable(model)):
+                    raise
+            else:
+                self._take(engine)
+                return engine
+        if self._waiting >= self._config.queue_size:
+            self._reject("queue_full", tenant)
+            raise RateLimitedError(
+                f"the router's queue is full ({self._config.queue_size} requests wait for a "
+                "free engine)", code="queue_full", headers=((b"retry-after", b"1"),))
+        now = trio.current_time()
+        waiter = _Waiter(tenant, model, pick, tried, now)
+        queue = self._queues.get(model)
+        if queue is None:
+            queue = self._queues[model] = _ModelQueue(fair=self._fair)
+        queue.push(waiter)
+        self._waiting += 1
+        queued = True
+        try:
+            deadline = now + self._config.queue_timeout_s
+            while waiter.engine is None:
+                with trio.move_on_at(deadline if client_gone is None
+                                     else min(deadline, trio.current_time() + CLIENT_CHECK_S)):
+                    await waiter.event.wait()
+                if waiter.engine is not None:
+                    break
+                if client_gone is not None and client_gone():
+                    raise ClientGoneError
+                if trio.current_time() >= deadline:
+                    self._reject("queue_timeout", tenant)
+                    raise QueueTimeoutError(
+                        f"waited {self._config.queue_timeout_s:g} s for an engine for model "
+                        f"{model!r}: all were saturated (admission.queue_timeout_s)")
+            queued = False  # dispatched: `_dispatch` took it out of the queue
+            engine, waiter.engine = waiter.engine, None
+            if self._on_wait is not None:
+                self._on_wait(model, trio.current_time() - waiter.queued_at)
+            return engine
+        finally:
+            if queued and waiter.engine is None:
+                queue.remove(waiter)
+                self._waiting -= 1
+                if not queue.by_tenant and self._queues.get(model) is queue:
+                    del self._queues[model]
+            if waiter.engine is not None:  # dispatched just as it left: give the slot back
+                self.release(waiter.engine)
+
+    def release(self, engine: Engine) -> None:
+        """Give back the slot a request held on `engine`; the next waiting request may take
+        it at once."""
+        engine.in_flight -= 1
+        if engine.uid in self.saturated and not self._is_saturated(engine, trio.current_time()):
+            self.saturated.discard(engine.uid)
+            if self._waiting:
+                self._dispatch()
+
+    def load_changed(self, engine: Engine) -> None:
+        """The engine's scraped figures changed: it may have become (un)saturated."""
+        self._update_saturation(engine, trio.current_time())
+
+    def queued(self) -> dict[str, int]:
+        """Requests waiting, by model."""
+        return {model: len(queue) for model, queue in self._queues.items()}
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                  ) -> None:
+        """Until cancelled: after every change of the routing table (an engine routable
+        again, or gone), update saturation and dispatch what can go."""
+        task_status.started()
+        while True:
+            await self._table.wait_changed()
+            self.saturated.intersection_update(e.uid for e in self._table)
+            if self._waiting:
+                self._dispatch()
+
+    # -- internals -----------------------------------------------------------------------
+    def _is_saturated(self, engine: Engine, now: float) -> bool:
+        if self._cap and engine.in_flight >= self._cap:
+            return True
+        limit = self._config.max_waiting_per_engine
+        if limit and (stats := engine.stats):
+            fresh = now - stats.get("scraped_at", -math.inf) <= stats.get("stale_after", 0.0)
+            return fresh and stats.get("waiting", 0.0) >= limit
+        return False
+
+    def _update_saturation(self, engine: Engine, now: float) -> None:
+        if self._is_saturated(engine, now):
+            self.saturated.add(engine.uid)
+        elif engine.uid in self.saturated:
+            self.saturated.discard(engine.uid)
+            if self._waiting:
+                self._dispatch()
+
+    def _take(self, engine: Engine) -> None:
+        engine.in_flight += 1
+        if self._cap and engine.in_flight >= self._cap:
+            self.saturated.add(engine.uid)
+
+    def _dispatch(self) -> None:
+        """Hand free slots to waiting requests, in fairness order, as long as they can go."""
+        for model, queue in list(self._queues.items()):
+            while (waiter := queue.head()) is not None:
+                try:
+                    engine = waiter.pick(_Excluded(waiter.tried, self.saturated))
+                except NoEngineError:
+                    break
+                queue.pop(waiter)
+                self._waiting -= 1
+                self._take(engine)
+                waiter.engine = engine
+                waiter.event.set()
+            if not queue.by_tenant:
+                del self._queues[model]
+
+    def _reject(self, reason: str, tenant: Tenant) -> None:
+        if self._on_reject is not None:
+            self._on_reject(reason, tenant.name)
