@@ -7,7 +7,9 @@ turned away. Tenants, their rate limits, saturated engines and the fair queue.
   figures are fresh, when its own queue (`vllm:num_requests_waiting`) reaches
   `admission.max_waiting_per_engine`. Routing policies choose among unsaturated engines only.
 - **Queue.** When every engine for the model is saturated, the request waits here, not at an
-  engine: at most `admission.queue_size` requests in all (beyond: 429 `queue_full`), each at
+  engine: at most `admission.queue_size` requests in all (beyond: 429 `queue_full`; with
+  fairness, a full queue turns away the newest request of the tenant with the most waiting
+  rather than a request of a tenant with fewer), each at
   most `admission.queue_timeout_s` (then 503 `queue_timeout`). A slot that frees up (a request
   done, an engine routable again, its figures lower) dispatches the next waiting request in
   the same step: no polling. A request whose client leaves while it waits leaves the queue.
@@ -92,8 +94,14 @@ class Tenant:
                 (b"x-ratelimit-reset-requests", b"%ds" % reset)))
 
 
+def _queue_full(size: int) -> RateLimitedError:
+    return RateLimitedError(f"the router's queue is full ({size} requests wait for a free "
+                            "engine)", code="queue_full", headers=((b"retry-after", b"1"),))
+
+
 class _Waiter:
-    __slots__ = ("engine", "event", "key", "model", "pick", "queued_at", "tenant", "tried")
+    __slots__ = ("engine", "event", "evicted", "key", "model", "pick", "queued_at", "tenant",
+                 "tried")
 
     def __init__(self, tenant: Tenant, model: str, pick: Pick, tried: Collection[str],
                  now: float) -> None:
@@ -102,6 +110,7 @@ class _Waiter:
         self.event = trio.Event()
         self.engine: Engine | None = None  # set when dispatched: a slot is held for it
         self.key = tenant  # its line in the queue: its tenant, or one line for all (FIFO)
+        self.evicted = False  # pushed out of a full queue by another tenant's request
 
 
 class _Excluded(Collection[str]):
@@ -183,6 +192,7 @@ class Admission:
         self._anonymous = Tenant(name=ANONYMOUS)
         self._queues: dict[str, _ModelQueue] = {}
         self._waiting = 0
+        self._by_tenant: dict[Tenant, list[_Waiter]] = {}  # waiting requests, oldest first
         self.saturated: set[str] = set()  # uids of engines that take no more now
         self._on_wait = on_wait  # (model, seconds waited) of each request that waited
         self._on_reject = on_reject  # (reason, tenant) of each request turned away
@@ -269,17 +279,16 @@ class Admission:
             else:
                 self._take(engine)
                 return engine
-        if self._waiting >= self._config.queue_size:
+        if self._waiting >= self._config.queue_size and not self._make_room(tenant):
             self._reject("queue_full", tenant)
-            raise RateLimitedError(
-                f"the router's queue is full ({self._config.queue_size} requests wait for a "
-                "free engine)", code="queue_full", headers=((b"retry-after", b"1"),))
+            raise _queue_full(self._config.queue_size)
         now = trio.current_time()
         waiter = _Waiter(tenant, model, pick, tried, now)
         queue = self._queues.get(model)
         if queue is None:
             queue = self._queues[model] = _ModelQueue(fair=self._fair)
         queue.push(waiter)
+        self._by_tenant.setdefault(tenant, []).append(waiter)
         self._waiting += 1
         queued = True
         try:
@@ -290,6 +299,8 @@ class Admission:
                     await waiter.event.wait()
                 if waiter.engine is not None:
                     break
+                if waiter.evicted:
+                    raise _queue_full(self._config.queue_size)
                 if client_gone is not None and client_gone():
                     raise ClientGoneError
                 if trio.current_time() >= deadline:
@@ -303,13 +314,39 @@ class Admission:
                 self._on_wait(model, trio.current_time() - waiter.queued_at)
             return engine
         finally:
-            if queued and waiter.engine is None:
-                queue.remove(waiter)
-                self._waiting -= 1
-                if not queue.by_tenant and self._queues.get(model) is queue:
-                    del self._queues[model]
+            if queued and waiter.engine is None and not waiter.evicted:
+                self._unqueue(waiter, queue)
+            mine = self._by_tenant.get(tenant)
+            if mine is not None and waiter in mine:
+                mine.remove(waiter)
+                if not mine:
+                    del self._by_tenant[tenant]
             if waiter.engine is not None:  # dispatched just as it left: give the slot back
                 self.release(waiter.engine)
+
+    def _make_room(self, tenant: Tenant) -> bool:
+        """The queue is full: when `tenant` has fewer requests waiting than the tenant with
+        the most, that tenant's newest waiting request is turned away (429) to make room, so
+        a flood from one tenant cannot keep the others out of the queue. False otherwise."""
+        if not self._fair:
+            return False
+        mine = len(self._by_tenant.get(tenant, ()))
+        biggest = max(self._by_tenant, key=lambda t: len(self._by_tenant[t]), default=None)
+        if biggest is None or biggest is tenant or len(self._by_tenant[biggest]) <= mine + 1:
+            return False
+        victim = self._by_tenant[biggest][-1]
+        queue = self._queues[victim.model]
+        self._unqueue(victim, queue)
+        victim.evicted = True
+        victim.event.set()
+        self._reject("queue_full", biggest)
+        return True
+
+    def _unqueue(self, waiter: _Waiter, queue: _ModelQueue) -> None:
+        queue.remove(waiter)
+        self._waiting -= 1
+        if not queue.by_tenant and self._queues.get(waiter.model) is queue:
+            del self._queues[waiter.model]
 
     def release(self, engine: Engine) -> None:
         """Give back the slot a request held on `engine`; the next waiting request may take
@@ -372,6 +409,11 @@ class Admission:
                     break
                 queue.pop(waiter)
                 self._waiting -= 1
+                mine = self._by_tenant.get(waiter.tenant)
+                if mine is not None and waiter in mine:
+                    mine.remove(waiter)
+                    if not mine:
+                        del self._by_tenant[waiter.tenant]
                 self._take(engine)
                 waiter.engine = engine
                 waiter.event.set()

@@ -118,6 +118,7 @@ class FakeEngine:
     requests: deque[SeenRequest] = field(init=False)
     request_count: int = field(init=False, default=0)  # every request, kept or not
     in_flight: int = field(init=False, default=0)  # POST requests being answered now
+    max_in_flight: int = field(init=False, default=0)  # the most ever answered at once
     disconnects: int = field(init=False, default=0)  # clients gone before their reply ended
     completed: int = field(init=False, default=0)  # POST replies sent to the end
     _changed: trio.Event = field(init=False, repr=False)
@@ -316,6 +317,7 @@ class FakeEngineApp:
 
         if inference:
             engine.in_flight += 1
+            engine.max_in_flight = max(engine.max_in_flight, engine.in_flight)
         aborted = False
         try:
             async with trio.open_nursery() as nursery:
