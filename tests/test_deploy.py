@@ -12,14 +12,18 @@ import ast
 import json
 import re
 import shlex
+import shutil
+import subprocess
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+import kubernetes_validate
 import pytest
 import yaml
 
+from trio_router import __version__
 from trio_router.config import Config, config_as_dict, load_config, parse_bind, parse_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -30,14 +34,15 @@ OPERATIONS_DOC = REPO / "README.md"  # the config reference lives in the README
 
 # Keys of config/router.toml allowed to differ from the built-in defaults, and why.
 ROUTER_TOML_NON_DEFAULTS = {
-    "discovery.kubernetes.namespace": "the example's engines live in namespace llm",
+    "discovery.kubernetes.namespace": "the router's own namespace, where its engines are",
 }
 CLUSTER_BIND = "0.0.0.0:8080"
 EXIT_MARGIN_S = 2.0  # the router exits within server.drain_s + 2 s of SIGTERM
 EXPECTED_KINDS = {
     "ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Deployment", "Service",
-    "PodDisruptionBudget",
+    "PodDisruptionBudget", "HorizontalPodAutoscaler", "NetworkPolicy",
 }
+KUSTOMIZATION = MANIFEST_DIR / "kustomization.yaml"
 
 
 # --- helpers ------------------------------------------------------------------------------
@@ -58,10 +63,44 @@ def flatten(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 DEFAULTS = flatten(config_as_dict(Config()))
 
 
+def kustomization() -> dict[str, Any]:
+    doc: dict[str, Any] = yaml.safe_load(KUSTOMIZATION.read_text(encoding="utf-8"))
+    return doc
+
+
+def rendered() -> list[dict[str, Any]]:
+    """The objects `kubectl apply -k config/kubernetes` would create: `kubectl kustomize`
+    when kubectl is installed, else the same transformation the base uses (the namespace on
+    every object and on the RoleBinding's ServiceAccount subject, the image tag)."""
+    if kubectl := shutil.which("kubectl"):
+        out = subprocess.run([kubectl, "kustomize", str(MANIFEST_DIR)], check=True,
+                             capture_output=True, text=True, timeout=60).stdout
+        return [d for d in yaml.safe_load_all(out) if d]
+    kust = kustomization()
+    docs = []
+    for name in kust["resources"]:
+        for doc in yaml.safe_load_all((MANIFEST_DIR / name).read_text(encoding="utf-8")):
+            if not doc:
+                continue
+            doc["metadata"]["namespace"] = kust["namespace"]
+            for subject in doc.get("subjects", []):
+                if subject["kind"] == "ServiceAccount":
+                    subject["namespace"] = kust["namespace"]
+            for container in (doc.get("spec", {}).get("template", {}).get("spec", {})
+                              .get("containers", [])):
+                for image in kust.get("images", []):
+                    if container["image"].rsplit(":", 1)[0] == image["name"]:
+                        container["image"] = f"{image['name']}:{image['newTag']}"
+            docs.append(doc)
+    return docs
+
+
 def manifests() -> dict[str, dict[str, Any]]:
     """Every object under config/kubernetes/, by kind; a kind appearing twice is an error."""
     objects: dict[str, dict[str, Any]] = {}
     for path in sorted(MANIFEST_DIR.glob("*.y*ml")):
+        if path == KUSTOMIZATION:
+            continue
         for doc in yaml.safe_load_all(path.read_text(encoding="utf-8")):
             if doc is None:
                 continue
@@ -247,11 +286,45 @@ def test_manifests_hold_exactly_the_expected_objects(objs: dict[str, dict[str, A
     assert set(objs) == EXPECTED_KINDS  # notably no ClusterRole or ClusterRoleBinding
 
 
-def test_every_object_is_in_the_engines_namespace(objs: dict[str, dict[str, Any]]) -> None:
-    namespace = load_config(CONFIG_DIR / "router.toml").discovery.kubernetes.namespace
-    assert cluster_config(objs).discovery.kubernetes.namespace == namespace
+def test_the_namespace_is_set_in_one_place(objs: dict[str, dict[str, Any]]) -> None:
+    """kustomization.yaml names the namespace; no manifest does, and the router watches its
+    own namespace, so the engines are found wherever the base is deployed."""
+    assert cluster_config(objs).discovery.kubernetes.namespace == ""
     for kind, obj in objs.items():
-        assert obj["metadata"]["namespace"] == namespace, kind
+        assert "namespace" not in obj["metadata"], kind
+    namespace = kustomization()["namespace"]
+    docs = rendered()
+    assert {d["kind"] for d in docs} == EXPECTED_KINDS
+    for doc in docs:
+        assert doc["metadata"]["namespace"] == namespace, doc["kind"]
+    (binding,) = [d for d in docs if d["kind"] == "RoleBinding"]
+    assert binding["subjects"][0]["namespace"] == namespace
+
+
+def test_rendered_objects_are_strictly_valid() -> None:
+    """Every object `kubectl apply -k` would create is valid against the Kubernetes schema,
+    unknown fields rejected."""
+    for doc in rendered():
+        kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
+
+
+def test_autoscaler_and_network_policy_fit_the_deployment(objs: dict[str, dict[str, Any]]
+                                                          ) -> None:
+    hpa, deployment = objs["HorizontalPodAutoscaler"], objs["Deployment"]
+    assert hpa["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
+    assert hpa["spec"]["minReplicas"] >= objs["PodDisruptionBudget"]["spec"]["minAvailable"] + 1
+    policy = objs["NetworkPolicy"]["spec"]
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert policy["podSelector"]["matchLabels"].items() <= labels.items()
+    container = router_container(objs)
+    bind_port = parse_bind(cluster_config(objs).server.bind)[1]
+    assert [p["port"] for p in policy["ingress"][0]["ports"]] == [bind_port]
+    engine_port = cluster_config(objs).discovery.kubernetes.port
+    egress_ports = {p["port"] for rule in policy["egress"] for p in rule.get("ports", [])}
+    assert {engine_port, 443, 53} <= egress_ports
+    spread = {c["topologyKey"] for c in pod_spec(objs)["topologySpreadConstraints"]}
+    assert spread == {"topology.kubernetes.io/zone", "kubernetes.io/hostname"}
+    assert container["resources"]["requests"]["cpu"]  # the HPA's utilization is of this
 
 
 def test_configmap_is_router_toml_with_a_cluster_bind(objs: dict[str, dict[str, Any]]) -> None:
@@ -354,7 +427,7 @@ def test_service_account_is_bound_to_the_role(objs: dict[str, dict[str, Any]]) -
         "name": objs["Role"]["metadata"]["name"],
     }
     assert binding["subjects"] == [
-        {"kind": "ServiceAccount", "name": account["name"], "namespace": account["namespace"]},
+        {"kind": "ServiceAccount", "name": account["name"]},  # kustomize sets the namespace
     ]
 
 
@@ -383,7 +456,9 @@ def test_pod_is_locked_down(objs: dict[str, dict[str, Any]]) -> None:
 
 def test_image_tag_is_the_package_version(objs: dict[str, dict[str, Any]]) -> None:
     image: str = router_container(objs)["image"]
-    assert image.rsplit(":", 1)[1] == pyproject()["project"]["version"]
+    assert image.rsplit(":", 1)[1] == __version__
+    (tag,) = kustomization()["images"]
+    assert tag["newTag"] == __version__ and tag["name"] == image.rsplit(":", 1)[0]
 
 
 # --- Containerfile ------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from typing import Final
 import trio
 
 from . import server
+from ._version import __version__
 from .config import (
     Config,
     DiscoveryConfig,
@@ -51,6 +52,7 @@ def _parser() -> argparse.ArgumentParser:
         description="OpenAI-compatible router for vLLM engines, built on Trio.",
         epilog="Commands: 'trio-router --config FILE' serves; 'trio-router check-config FILE' "
                "validates a config; 'trio-router demo' runs fake engines behind the router.")
+    parser.add_argument("--version", action="version", version=f"trio-router {__version__}")
     parser.add_argument("--config", metavar="FILE", help="TOML config file to serve with")
     parser.add_argument("--bind", metavar="HOST:PORT", help="override server.bind")
     parser.add_argument("--log-level", choices=LOG_LEVELS, default="info",
@@ -160,8 +162,11 @@ def _run_reporting_errors(fn: Callable[[], Awaitable[object]]) -> int:
 
 
 def _check_config(path: str) -> int:
+    """Validate `path` as serving would: the file, and the environment variables it names
+    for keys (an unset one is the same error that stops the server)."""
     try:
         config = load_config(path)
+        server.check_keys(config)
     except ConfigError as exc:
         print(f"trio-router: invalid config: {exc}", file=sys.stderr)
         return 2
@@ -196,14 +201,15 @@ Stream it, token by token:
 
   curl -N {router_url}/v1/chat/completions -H 'Content-Type: application/json' -d '{stream_body}'
 
-Or with the openai SDK (pip install openai):
+Or with the openai SDK (pip install openai), pasted into python3 as it is:
 
-  from openai import OpenAI
-  client = OpenAI(base_url="{router_url}/v1", api_key="unused")
-  for chunk in client.chat.completions.create(
-          model="{DEMO_MODEL}", messages=[{{"role": "user", "content": "Hello!"}}],
-          stream=True):
-      print(chunk.choices[0].delta.content or "", end="", flush=True)
+from openai import OpenAI
+client = OpenAI(base_url="{router_url}/v1", api_key="unused")
+for chunk in client.chat.completions.create(
+        model="{DEMO_MODEL}", messages=[{{"role": "user", "content": "Hello!"}}],
+        stream=True):
+    print(chunk.choices[0].delta.content or "", end="", flush=True)
+
 
 Models: {DEMO_MODEL} and its LoRA adapter {DEMO_ADAPTER}. Also try
 {router_url}/v1/models, {router_url}/engines, {router_url}/metrics.

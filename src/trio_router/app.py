@@ -298,10 +298,10 @@ class RouterApp:
             model = payload["model"]
             candidates = self._table.routable(model)
             if not candidates:
-                if self._table.is_known_model(model):
-                    raise NoEngineError(f"no routable engine serves model {model!r} right now")
-                unknown, model = model, NO_LABEL  # clients choose unknown names: no label
-                raise UnknownModelError(f"the model {unknown!r} does not exist")
+                error = self._missing_model(model)
+                if isinstance(error, UnknownModelError):
+                    model = NO_LABEL  # clients choose unknown names: no label
+                raise error
             info = (request_info(payload, scope["headers"], settings.config.routing)
                     if settings.needs_request_info else RequestInfo(model=model))
             self._admission.admit(tenant)
@@ -495,48 +495,81 @@ class RouterApp:
     # -- admin endpoints -----------------------------------------------------------------
     async def _admin(self, scope: Scope, send: Send) -> None:
         path, method = scope["path"], scope["method"]
+        request_id = authorization = None
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                authorization = value
+            elif name == b"x-request-id":
+                request_id = value
+        if request_id is None:
+            request_id = b"%s-%d" % (self._id_prefix, next(self._ids))
+        rid = ((REQUEST_ID_HEADER, request_id),)
+        model_id = path.removeprefix("/v1/models/") if path.startswith("/v1/models/") else None
         if path in PROXIED_PATHS:
             await _send_json(send, 405, error_body(
                 f"{path} accepts only POST", type="invalid_request_error",
-                code="method_not_allowed"), [(b"allow", b"POST")])
+                code="method_not_allowed"), [(b"allow", b"POST"), *rid])
             return
-        if path not in ADMIN_PATHS:
+        if path not in ADMIN_PATHS and not model_id:
             await _send_json(send, 404, error_body(
                 f"no such endpoint: {method} {path}", type="invalid_request_error",
-                code="not_found"))
+                code="not_found"), rid)
             return
         if method not in ("GET", "HEAD"):
             await _send_json(send, 405, error_body(
                 f"{path} accepts only GET", type="invalid_request_error",
-                code="method_not_allowed"), [(b"allow", b"GET, HEAD")])
+                code="method_not_allowed"), [(b"allow", b"GET, HEAD"), *rid])
             return
         if path not in UNAUTHENTICATED_PATHS:
-            authorization = None
-            for name, value in scope["headers"]:
-                if name == b"authorization":
-                    authorization = value
             try:
                 self._authenticate(self.settings, authorization)
             except AuthError as exc:
-                await self._send_error(send, exc, None)
+                await self._send_error(send, exc, request_id)
                 return
         if path == "/v1/models":
-            await _send_json(send, 200, self._models())
+            await _send_json(send, 200, self._models(), rid)
+        elif model_id:
+            await self._model(send, model_id, request_id)
         elif path == "/engines":
             engines = [engine.describe() for engine in self._table]
             # msgspec encodes the table of 1,000 engines several times faster than json.
-            await _send_json(send, 200, msgspec.json.encode({"engines": engines}))
+            await _send_json(send, 200, msgspec.json.encode({"engines": engines}), rid)
         elif path == "/health":
             ready, state, reason = self._health()
             routable = len(self._table.routable_engines())
             await _send_json(send, 200 if ready else 503, json.dumps(
-                {"status": state, "reason": reason, "routable_engines": routable}).encode())
+                {"status": state, "reason": reason, "routable_engines": routable}).encode(),
+                [*rid, *(() if ready else ((b"retry-after", b"5"),))])
         else:
             body = self._metrics.render()
             await send({"type": "http.response.start", "status": 200, "headers": [
                 (b"content-type", CONTENT_TYPE), (b"content-length", b"%d" % len(body)),
-                (b"date", http_date())]})
+                (b"date", http_date()), *rid]})
             await send({"type": "http.response.body", "body": body})
+
+    async def _model(self, send: Send, model_id: str, request_id: bytes) -> None:
+        """GET /v1/models/{id} (the SDK's `models.retrieve`): one model of a routable engine,
+        or an OpenAI-style 404 (503 while engines whose models are not known yet could
+        serve it)."""
+        for model in self._table.models():
+            if model.id == model_id:
+                await _send_json(send, 200, json.dumps(model.as_openai()).encode(),
+                                 ((REQUEST_ID_HEADER, request_id),))
+                return
+        await self._send_error(send, self._missing_model(model_id), request_id)
+
+    def _missing_model(self, model: str) -> RouterError:
+        """The error for a model no routable engine serves: 503 if one served it before, or
+        if engines whose models are not known yet (not probed yet, or unreachable since they
+        started) might; 404 only when every engine's models are known and none is it."""
+        table = self._table
+        if table.is_known_model(model):
+            return NoEngineError(f"no routable engine serves model {model!r} right now")
+        if unknown := table.engines_with_unknown_models():
+            return NoEngineError(
+                f"no engine has confirmed model {model!r}: the models of {unknown} engine(s) "
+                "are not known yet (not probed yet, or not reachable)")
+        return UnknownModelError(f"the model {model!r} does not exist")
 
     def _models(self) -> bytes:
         """GET /v1/models: the union over routable engines, rebuilt only after a change."""

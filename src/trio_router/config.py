@@ -94,7 +94,7 @@ class StaticConfig:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class KubernetesConfig:
-    namespace: str = "default"
+    namespace: str = "default"  # "": the router's own namespace (in a pod), else "default"
     label_selector: str = "app=vllm"
     port: int = 8000  # engine port on every pod
     kubeconfig: str = ""  # optional path
@@ -107,8 +107,6 @@ class KubernetesConfig:
     def __post_init__(self) -> None:
         if not 0 < self.port <= 65535:
             raise ConfigError(f"discovery.kubernetes.port must be 1..65535, got {self.port}")
-        if not self.namespace:
-            raise ConfigError("discovery.kubernetes.namespace must not be empty")
         _positive(
             "discovery.kubernetes",
             read_timeout_s=self.read_timeout_s,

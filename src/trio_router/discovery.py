@@ -531,7 +531,8 @@ class _DiscoveryLoop:
             1 - jitter, 1 + jitter)
         logger.log(logging.INFO if first else logging.DEBUG,
                    "listed %d pod(s) in %s matching %r at resourceVersion %s",
-                   len(listing.pods), self._config.namespace, self._config.label_selector,
+                   len(listing.pods), self._config.namespace or "(the router's own namespace)",
+                   self._config.label_selector,
                    listing.resource_version)
         return None
 
@@ -653,6 +654,19 @@ def new_api_client(kubeconfig: str = "") -> Any:
         raise CredentialsError(f"cannot load Kubernetes credentials: {exc}") from exc
 
 
+SERVICE_ACCOUNT_NAMESPACE: Final = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+
+
+def own_namespace() -> str:
+    """The namespace the router runs in (its service account's), or "default" outside a
+    pod: what `discovery.kubernetes.namespace = ""` means."""
+    try:
+        with open(SERVICE_ACCOUNT_NAMESPACE, encoding="utf-8") as file:
+            return file.read().strip() or "default"
+    except OSError:
+        return "default"
+
+
 class KubernetesPodSource:
     """`PodSource` on the official client, with raw JSON (no model objects).
 
@@ -667,6 +681,7 @@ class KubernetesPodSource:
     def __init__(self, config: KubernetesConfig, *,
                  api_client_factory: Callable[[], Any] | None = None) -> None:
         self._config = config
+        self._namespace = config.namespace or own_namespace()
         self._new_api_client = api_client_factory or partial(new_api_client, config.kubeconfig)
         self._limiter = trio.CapacityLimiter(1)
         self._api: Any = None  # CoreV1Api; made and used only in this source's worker threads
@@ -714,7 +729,7 @@ class KubernetesPodSource:
             kwargs["label_selector"] = self._config.label_selector
         try:
             response = api.list_namespaced_pod(
-                self._config.namespace, _request_timeout=(CONNECT_TIMEOUT_S, LIST_READ_TIMEOUT_S),
+                self._namespace, _request_timeout=(CONNECT_TIMEOUT_S, LIST_READ_TIMEOUT_S),
                 _preload_content=False, **kwargs)
             try:
                 body = response.data
@@ -833,7 +848,7 @@ class _WatchStream:
         if config.label_selector:
             kwargs["label_selector"] = config.label_selector
         response = api.list_namespaced_pod(
-            config.namespace, watch=True, resource_version=self._rv,
+            self._source._namespace, watch=True, resource_version=self._rv,
             allow_watch_bookmarks=True, timeout_seconds=self._timeout,
             _request_timeout=(CONNECT_TIMEOUT_S, config.read_timeout_s),
             _preload_content=False, **kwargs)

@@ -213,6 +213,12 @@ class RoutingTable:
         """True if any engine has ever reported `model` (then "no engine" is a 503, not a 404)."""
         return model in self._known_models
 
+    def engines_with_unknown_models(self) -> int:
+        """Engines Kubernetes lets through whose models are not known: no probe has ever
+        answered (not probed yet, or unreachable since they started)."""
+        return sum(1 for e in self._engines.values()
+                   if not e.models and e.state in (EngineState.PROBING, EngineState.UNHEALTHY))
+
     def models(self) -> list[Model]:
         """The union of the models of routable engines, first reporter wins, sorted by id."""
         seen: dict[str, Model] = {}

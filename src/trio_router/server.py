@@ -65,6 +65,13 @@ class ReloadOutcome:
         return not self.error
 
 
+def check_keys(config: Config) -> None:
+    """Raise ConfigError, as serving would, if a key variable `config` names is unset."""
+    env_key(config.server.api_key_env, "server.api_key_env")
+    env_key(config.proxy.api_key_env, "proxy.api_key_env")
+    tenant_keys(config)
+
+
 def tenant_keys(config: Config) -> dict[str, str]:
     """Each tenant's key (from its `key_env`) and name; ConfigError if one is unset."""
     keys: dict[str, str] = {}
