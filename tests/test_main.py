@@ -276,10 +276,12 @@ async def test_demo_prints_commands_that_work() -> None:
             assert json.loads(body)["choices"][0]["message"]["content"].startswith("Hello")
 
             lines = text.splitlines()
-            start = lines.index("  from openai import OpenAI")
-            snippet = "\n".join(line[2:] for line in lines[start:start + 6])
-            sdk = await trio.run_process([sys.executable, "-c", snippet], capture_stdout=True,
-                                         capture_stderr=True)
+            start = lines.index("from openai import OpenAI")
+            snippet = "\n".join(lines[start:start + 7]) + "\n"
+            # Pasted as it is printed, into an interactive interpreter.
+            sdk = await trio.run_process([sys.executable, "-i", "-q"], stdin=snippet.encode(),
+                                         capture_stdout=True, capture_stderr=True)
+            assert "Error" not in sdk.stderr.decode(), sdk.stderr.decode()
             assert sdk.stdout.decode().startswith("Hello from a fake"), sdk.stderr.decode()
 
             process.send_signal(signal.SIGINT)

@@ -18,6 +18,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Collection, Sequence
@@ -366,9 +367,11 @@ class RouterApp:
                              "candidate(s) (excluded %s): %s",
                              request_id.decode(errors="replace"), model, tenant.name,
                              policy.name, engine.name, len(candidates), tried, why)
+            self._metrics.routed(policy.name, "failover" if tried else "first", engine.name)
             generation = engine.generation
             responded = False
             ttfb: float | None = None
+            chunk = b""
             try:
                 async with pool.request(engine.url, b"POST", target, headers, body,
                                         client_gone=client_gone) as response:
@@ -389,6 +392,7 @@ class RouterApp:
                     await send({"type": "http.response.start", "status": status,
                                 "headers": out})
                     relay = self._relay if relay_ok else None
+                    previous = b""
                     async for chunk in response:
                         if ttfb is None:
                             ttfb = trio.current_time() - started
@@ -396,19 +400,22 @@ class RouterApp:
                         ended = response.complete  # the last chunk ends the response
                         await send({"type": "http.response.body", "body": chunk,
                                     "more_body": not ended})
+                        previous = chunk
                         if relay is not None and not ended:
                             # The head and the first chunk went out through the server,
                             # which frames the body as chunked; the rest can be relayed.
                             client = self._client_socket()
                             if (client is not None and response.relayable
                                     and not client.writes_pending()):
-                                await relay.relay(response, client, client_gone)
+                                chunk = await relay.relay(response, client, client_gone)
                                 ended = True
                                 await send(_END_BODY)
                                 break
                             relay = None  # the general path, to the end
                     if not ended:
                         await send(_END_BODY)
+                    if status == 200 and (usage := _usage(previous[-4096:] + chunk[-4096:])):
+                        self._metrics.tokens(model, *usage)
                 engine.requests.record(ttfb, trio.current_time() - started, ok=status < 500)
                 if status >= 500 and settings.eject_on_5xx:
                     self._supervisors.request_failed(engine, generation, f"answered {status}")
@@ -590,6 +597,19 @@ def http_date() -> bytes:
 @functools.lru_cache(maxsize=2)
 def _http_date_of(second: int) -> bytes:
     return email.utils.formatdate(second, usegmt=True).encode()
+
+
+_USAGE: Final = re.compile(rb'"usage"\s*:\s*\{[^{}]*"prompt_tokens"\s*:\s*(\d+)[^{}]*'
+                          rb'"completion_tokens"\s*:\s*(\d+)')
+
+
+def _usage(tail: bytes) -> tuple[int, int] | None:
+    """(prompt, completion) tokens from the `usage` summary at the end of an engine's answer
+    (a JSON body, or a stream's last events), if it has one; only the last 4 KiB are read."""
+    found = None
+    for found in _USAGE.finditer(tail[-4096:]):  # noqa: B007 (the last one counts)
+        pass
+    return (int(found.group(1)), int(found.group(2))) if found is not None else None
 
 
 def _bearer(authorization: bytes | None) -> bytes:

@@ -8,13 +8,24 @@ no global registry.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Final
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    Info,
+    generate_latest,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.gc_collector import GCCollector
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
 
+from ._version import __version__
 from .endpoints import EngineState, RoutingTable
 
 CONTENT_TYPE: Final = CONTENT_TYPE_LATEST.encode("ascii")
@@ -74,6 +85,20 @@ class Metrics:
             "trio_router_rejected_requests", "Requests turned away by admission, by reason "
             "(rate_limited, tenant_concurrency, queue_full, queue_timeout) and tenant.",
             ["reason", "tenant"], registry=self.registry)
+        self._routed = Counter(
+            "trio_router_routing_decisions", "Engines chosen for requests, by policy, outcome "
+            "(first: the first engine tried; failover: another after an unreachable one) and "
+            "engine.", ["policy", "outcome", "engine"], registry=self.registry)
+        self._decisions: dict[tuple[str, str, str], Any] = {}
+        self._tokens = Counter(
+            "trio_router_tokens", "Tokens of answered requests, by model and kind (prompt, "
+            "completion), as the engines' `usage` reports them (streams: with "
+            "stream_options.include_usage).", ["model", "kind"], registry=self.registry)
+        info = Info("trio_router_build", "trio_router's version.", registry=self.registry)
+        info.info({"version": __version__})
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
         self._children: dict[tuple[str, str, int], _Child] = {}
         self._ttfb_children: dict[str, Any] = {}
         self.registry.register(_TableCollector(table))
@@ -101,6 +126,18 @@ class Metrics:
             child = self._ttfb_children[model] = self._ttfb.labels(model)
         child.observe(seconds)
 
+    def routed(self, policy: str, outcome: str, engine: str) -> None:
+        """Count one routing decision."""
+        key = (policy, outcome, engine)
+        child = self._decisions.get(key)
+        if child is None:
+            child = self._decisions[key] = self._routed.labels(*key)
+        child.inc()
+
+    def tokens(self, model: str, prompt: int, completion: int) -> None:
+        self._tokens.labels(model, "prompt").inc(prompt)
+        self._tokens.labels(model, "completion").inc(completion)
+
     def engine_unreachable(self, engine: str) -> None:
         self._unreachable.labels(engine).inc()
 
@@ -121,6 +158,11 @@ class Metrics:
             del self._children[key]
             model, engine, status = key
             self._requests.remove(model, engine, str(status))
+        with contextlib.suppress(KeyError):
+            self._unreachable.remove(name)
+        for decision in [k for k in self._decisions if k[2] == name]:
+            del self._decisions[decision]
+            self._routed.remove(*decision)
 
     def render(self) -> bytes:
         """The exposition text of every metric, for GET /metrics."""
@@ -144,15 +186,37 @@ class _TableCollector:
         models = GaugeMetricFamily(
             "trio_router_routable_models", "Distinct models (base models and adapters) "
             "served by routable engines.")
+        latency = GaugeMetricFamily(
+            "trio_router_engine_latency_seconds", "Moving average of this router's request "
+            "latency (received to last byte) per engine.", labels=["engine"])
+        ttfb = GaugeMetricFamily(
+            "trio_router_engine_time_to_first_byte_seconds", "Moving average of this router's "
+            "time to first byte per engine.", labels=["engine"])
+        load = {key: GaugeMetricFamily(
+            f"trio_router_engine_{name}", f"The engine's own {what} (scraped from its "
+            "/metrics; absent when stale).", labels=["engine"])
+            for key, name, what in (
+                ("running", "running_requests", "running requests"),
+                ("waiting", "waiting_requests", "waiting requests"),
+                ("kv_cache_usage", "kv_cache_usage_ratio", "KV-cache usage (0..1)"))}
         counts = dict.fromkeys(EngineState, 0)
         for engine in self._table:
             counts[engine.state] += 1
-            in_flight.add_metric([engine.name], engine.in_flight)
+            name = engine.name
+            in_flight.add_metric([name], engine.in_flight)
+            figures = engine.requests
+            if figures.latency is not None:
+                latency.add_metric([name], figures.latency)
+            if figures.ttfb is not None:
+                ttfb.add_metric([name], figures.ttfb)
+            for key, family in load.items():
+                if (value := engine.stats.get(key)) is not None:
+                    family.add_metric([name], value)
         for state, count in counts.items():
             states.add_metric([state.value], count)
         routable.add_metric([], counts[EngineState.ROUTABLE])
         models.add_metric([], len(self._table.models()))
-        return [in_flight, states, routable, models]
+        return [in_flight, states, routable, models, latency, ttfb, *load.values()]
 
 
 class _RelayCollector:
@@ -197,10 +261,14 @@ class _DiscoveryCollector:
         out: list[Metric] = []
         for key, value in sorted(self._snapshot().items()):
             if isinstance(value, bool | int | float) and value is not None:
-                gauge = GaugeMetricFamily(f"trio_router_discovery_{_metric_name(key)}",
-                                          f"Discovery status: {key}.")
-                gauge.add_metric([], float(value))
-                out.append(gauge)
+                name = f"trio_router_discovery_{_metric_name(key)}"
+                if name.endswith("_total"):  # a count since start: a counter
+                    out.append(CounterMetricFamily(name.removesuffix("_total"),
+                                                   f"Discovery: {key}.", value=float(value)))
+                else:
+                    gauge = GaugeMetricFamily(name, f"Discovery status: {key}.")
+                    gauge.add_metric([], float(value))
+                    out.append(gauge)
         return out
 
 

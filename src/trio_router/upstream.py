@@ -662,13 +662,13 @@ class Relay:
         return len(self._streams)
 
     async def relay(self, response: UpstreamResponse, client: RelayTarget,
-                    client_gone: Callable[[], bool] | None = None) -> float | None:
+                    client_gone: Callable[[], bool] | None = None) -> bytes:
         """Move the rest of `response`'s body (`response.relayable`) to `client`. Returns
         when the engine's last chunk has been read and everything before it written (the
-        caller then ends its response, which writes the last chunk): the trio time of the
-        first byte written, or None if there was no body. Raises ClientGoneError,
-        UpstreamTimeoutError or UpstreamError (then the client's response cannot be ended
-        cleanly). Cancellation takes the stream out of the relay at once."""
+        caller then ends its response, which writes the last chunk), with the end of what
+        was relayed (up to 8 KiB: where the engine's usage summary would be). Raises
+        ClientGoneError, UpstreamTimeoutError or UpstreamError (then the client's response
+        cannot be ended cleanly). Cancellation takes the stream out of the relay at once."""
         stream = _Relayed(self, response, client, client_gone)
         self._streams.add(stream)
         self.relayed += 1
@@ -680,7 +680,7 @@ class Relay:
             stream.detach()
         if stream.error is not None:
             raise stream.error
-        return stream.first_byte_at
+        return stream.before_last[-4096:] + stream.last[-4096:]
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                   ) -> None:
@@ -734,9 +734,24 @@ class _Relayed:
     """One stream in a `Relay`: the engine's side (socket, parser), the client's socket, and
     the bytes read but not yet written."""
 
-    __slots__ = ("_client", "_client_fd", "_client_gone", "_conn", "_engine_fd", "_parser",
-                 "_pending", "_read_timeout", "_relay", "_url", "deadline", "error",
-                 "finished", "first_byte_at", "write_deadline")
+    __slots__ = (
+        "_client",
+        "_client_fd",
+        "_client_gone",
+        "_conn",
+        "_engine_fd",
+        "_parser",
+        "_pending",
+        "_read_timeout",
+        "_relay",
+        "_url",
+        "before_last",
+        "deadline",
+        "error",
+        "finished",
+        "last",
+        "write_deadline",
+    )
 
     def __init__(self, relay: Relay, response: UpstreamResponse, client: RelayTarget,
                  client_gone: Callable[[], bool] | None) -> None:
@@ -754,7 +769,7 @@ class _Relayed:
         self.write_deadline = math.inf  # the client's, while a write waits
         self.error: Exception | None = None
         self.finished = trio.Event()
-        self.first_byte_at: float | None = None
+        self.before_last = self.last = b""  # the last two pieces: where a usage summary is
 
     def start(self, now: float) -> None:
         """Watch the engine's socket, and relay what was already received."""
@@ -805,6 +820,7 @@ class _Relayed:
             self._finish(UpstreamError(f"engine {self._url} broke off the response body: {exc}"))
             return
         if out:
+            self.before_last, self.last = self.last, out
             self._pending = out
             self._flush(now)
         elif self._parser.done:
@@ -820,8 +836,6 @@ class _Relayed:
         except OSError:  # reset, broken pipe, or closed by the server (fileno() is -1)
             self._finish(ClientGoneError())
             return
-        if self.first_byte_at is None and written:
-            self.first_byte_at = now
         epoll = self._relay._epoll
         if written < len(data):
             self._pending = data[written:]

@@ -1,0 +1,77 @@
+"""The metrics an operator scrapes: names promtool accepts, every series of an engine dropped
+when it leaves, the process and build series, per-engine figures, routing decisions, tokens."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import trio
+from prometheus_client.parser import text_string_to_metric_families
+
+from test_app import CHAT, LIMIT, chat, open_router, sample
+from trio_router import __version__
+from trio_router.testing import FakeEngine
+
+
+async def scrape_after_traffic() -> tuple[str, str]:
+    """A router with two engines after a few requests (one streamed with a usage summary,
+    one to an engine that then stopped answering): its /metrics text, and an engine name."""
+    engines = [FakeEngine(name="a", tokens=3), FakeEngine(name="b", tokens=3)]
+    with trio.fail_after(LIMIT):
+        async with open_router(engines, probe={"interval_s": 60.0}) as router:
+            for _ in range(2):
+                await router.client.post(CHAT, json=chat())
+            await router.client.post(CHAT, json=chat(
+                stream=True, stream_options={"include_usage": True}))
+            name = router.engine_urls[0].removeprefix("http://")
+            return (await router.client.get("/metrics")).text, name
+
+
+async def test_metrics_pass_promtool_and_name_their_kinds() -> None:
+    text, _ = await scrape_after_traffic()
+    for family in text_string_to_metric_families(text):
+        if family.type == "counter":
+            assert all(s.name.endswith(("_total", "_created")) for s in family.samples)
+        else:
+            assert not family.name.endswith("_total"), family.name
+    if (promtool := shutil.which("promtool")) is None:
+        pytest.skip("promtool is not installed: the names were checked without it")
+    result = await trio.run_process([promtool, "check", "metrics"], stdin=text.encode(),
+                                    capture_stdout=True, capture_stderr=True, check=False)
+    assert result.returncode == 0, (result.stdout + result.stderr).decode()
+
+
+async def test_build_process_engine_and_token_series() -> None:
+    text, name = await scrape_after_traffic()
+    assert sample(text, "trio_router_build_info", version=__version__) == 1.0
+    assert sample(text, "process_cpu_seconds_total") > 0
+    assert sample(text, "trio_router_engine_latency_seconds", engine=name) > 0
+    assert sample(text, "trio_router_engine_time_to_first_byte_seconds", engine=name) > 0
+    assert sample(text, "trio_router_engine_running_requests", engine=name) == 0
+    decisions = sum(sample(text, "trio_router_routing_decisions_total", policy="round_robin",
+                           outcome="first", engine=e) for e in (name, _other(text, name)))
+    assert decisions == 3
+    # FakeEngine's usage: prompt tokens = words of the prompt ("hi": 1), completion = 3.
+    assert sample(text, "trio_router_tokens_total", model="fake-model", kind="completion") == 9
+    assert sample(text, "trio_router_tokens_total", model="fake-model", kind="prompt") == 3
+
+
+def _other(text: str, name: str) -> str:
+    for line in text.splitlines():
+        if line.startswith("trio_router_in_flight_requests{") and name not in line:
+            return line.split('engine="', 1)[1].split('"', 1)[0]
+    raise AssertionError("no second engine")
+
+
+async def test_every_series_of_an_engine_leaves_with_it() -> None:
+    engines = [FakeEngine(name="a"), FakeEngine(name="b")]
+    with trio.fail_after(LIMIT):
+        async with open_router(engines) as router:
+            name = router.engine_urls[0].removeprefix("http://")
+            for _ in range(2):
+                await router.client.post(CHAT, json=chat())
+            engine = next(e for e in router.table if e.name == name)
+            router.table.remove(engine.uid)
+            text = (await router.client.get("/metrics")).text
+    assert f'engine="{name}"' not in text
