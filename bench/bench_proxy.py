@@ -326,6 +326,7 @@ def load(url: str, body: str, *, connections: int, duration: float
     return run_python_load(url, body, connections=connections, duration=duration)
 
 
+ACCESS_LOG = True  # the router's access record per request (--no-access-log: off)
 TTFT_S = 0.020  # paced streams: the first event this long after the request
 REPEAT = 1  # runs per scenario (--repeat); the median run by CPU per request is reported
 
@@ -352,6 +353,7 @@ policy = "{policy}"
 [server]
 bind = "127.0.0.1:0"
 drain_s = 5.0
+access_log = {"true" if ACCESS_LOG else "false"}
 [discovery]
 mode = "static"
 [discovery.static]
@@ -469,9 +471,13 @@ def main() -> None:
                         help="only the non-streamed scenario, once per policy, one row each")
     parser.add_argument("--profile", action="store_true",
                         help="also profile the router with cProfile and print the hot spots")
+    parser.add_argument("--no-access-log", action="store_true",
+                        help="run the router with server.access_log = false")
     parser.add_argument("--serve-engines", type=float, metavar="GAP_S", help=argparse.SUPPRESS)
     parser.add_argument("--serve-baseline", choices=BASELINES, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    global ACCESS_LOG
+    ACCESS_LOG = not args.no_access_log
     if args.serve_engines is not None:
         trio.run(_serve_engines, 2, args.serve_engines)  # until SIGTERM kills it
         return

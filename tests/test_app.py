@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import email.utils
 import json
+import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -217,6 +218,32 @@ async def test_client_request_id_is_passed_on_and_returned() -> None:
                                                 headers={"x-request-id": "req-42"})
     assert response.headers["x-request-id"] == "req-42"
     assert engine.requests_to(CHAT)[-1].header("x-request-id") == "req-42"
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+async def test_access_record_per_request_unless_turned_off(
+        enabled: bool, caplog: pytest.LogCaptureFixture) -> None:
+    """`server.access_log`: one `trio_router.access` record per proxied request, errors the
+    router answers itself included; none at all when it is off."""
+    caplog.set_level(logging.INFO, logger="trio_router.access")
+    engine = FakeEngine(tokens=2)
+    with trio.fail_after(LIMIT):
+        async with open_router([engine], server={"access_log": enabled}) as router:
+            ok = await router.client.post(CHAT, json=chat(), headers={"x-request-id": "ok-1"})
+            missing = await router.client.post(CHAT, json=chat("no-such-model"),
+                                               headers={"x-request-id": "missing-1"})
+    assert (ok.status_code, missing.status_code) == (200, 404)
+    records = {r.fields["request_id"]: r.fields  # type: ignore[attr-defined]
+               for r in caplog.records if r.name == "trio_router.access"}
+    if not enabled:
+        assert records == {}
+        return
+    assert records.keys() == {"ok-1", "missing-1"}
+    assert records["ok-1"]["status"] == 200 and records["ok-1"]["bytes"] == len(ok.content)
+    assert records["ok-1"]["engine"] == router.engine_urls[0].split("//")[1]
+    assert records["ok-1"]["retries"] == 0 and records["ok-1"]["ttfb_ms"] is not None
+    assert records["missing-1"]["status"] == 404 and records["missing-1"]["engine"] == ""
+    assert records["missing-1"]["model"] == "no-such-model"
 
 
 async def test_stream_is_forwarded_event_by_event() -> None:

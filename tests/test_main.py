@@ -16,6 +16,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Final
 
+import httpx
 import pytest
 import trio
 
@@ -149,11 +150,12 @@ async def open_process(*args: str) -> AsyncIterator[tuple[trio.Process, Output, 
             process.kill()
 
 
-def write_config(path: Path, engine_url: str, *, drain_s: float) -> Path:
+def write_config(path: Path, engine_url: str, *, drain_s: float, extra: str = "") -> Path:
     path.write_text(f"""
 [server]
 bind = "127.0.0.1:0"
 drain_s = {drain_s}
+{extra}
 [discovery]
 mode = "static"
 [discovery.static]
@@ -287,3 +289,33 @@ async def test_demo_prints_commands_that_work() -> None:
             process.send_signal(signal.SIGINT)
             code = await process.wait()
     assert code == 0, stderr.text
+
+
+async def test_json_logs_carry_one_access_record_per_request(tmp_path: Path) -> None:
+    """With `server.log_format = "json"` every line on stderr is a JSON object, and a
+    proxied request gives one access record with its request id, status and engine."""
+    engine = FakeEngine(tokens=2)
+    with trio.fail_after(LIMIT):
+        async with open_fake_engines([engine]) as (engine_url,):
+            config = write_config(tmp_path / "r.toml", engine_url, drain_s=1.0,
+                                  extra='log_format = "json"')
+            async with open_process("--config", str(config)) as (process, _, stderr):
+                url = (await stderr.wait_for(r'Running on (http://[^ "]+)')).group(1)
+                await stderr.wait_for(r"is routable")
+                async with httpx.AsyncClient(base_url=url) as client:
+                    response = await client.post("/v1/chat/completions", headers={
+                        "x-request-id": "req-42"}, json={"model": "fake-model",
+                                                         "messages": []})
+                assert response.status_code == 200
+                await stderr.wait_for(r"req-42")
+                process.send_signal(signal.SIGTERM)
+                await process.wait()
+    records = [json.loads(line) for line in stderr.text.splitlines() if line.strip()]
+    access = [r for r in records if r["logger"] == "trio_router.access"]
+    assert len(access) == 1
+    (record,) = access
+    assert record["request_id"] == "req-42" and record["status"] == 200
+    assert record["engine"] == engine_url.removeprefix("http://")
+    assert record["model"] == "fake-model" and record["bytes"] > 0
+    assert record["method"] == "POST" and record["path"] == "/v1/chat/completions"
+    assert {"time", "level", "message", "duration_ms", "ttfb_ms", "client"} <= record.keys()

@@ -201,8 +201,9 @@ async def test_relay_moves_a_stream_and_ends_it(autojump_clock: trio.testing.Moc
     events = [b"data: %d\n\n" % i for i in range(20)]
     client = Client.make()
     async with relayed_exchange(EngineScript(events, gap=0.005)) as (relay, response, _):
-        last = await relay.relay(response, client)
+        last, sent = await relay.relay(response, client)
         assert last.endswith(b"data: 19\n\n\r\n")  # the last event, as it was written
+        assert sent == len(client.drain())
         assert response.complete and len(relay) == 0 and relay.relayed == 1
     assert decode_chunked(client.drain() + b"0\r\n\r\n") == b"".join(events)
     client.close()

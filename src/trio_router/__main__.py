@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import datetime
 import gc
+import json
 import logging
 import resource
 import sys
@@ -71,14 +73,36 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(), stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # httpx logs every probe and scrape at INFO: only their failures are worth a line, and
-    # trio_router logs those itself.
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time (UTC, ISO 8601), level, logger, message, and the
+    record's structured `fields` (the access record's request id, model, engine, ...)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, object] = {
+            "time": datetime.datetime.fromtimestamp(record.created, datetime.UTC).isoformat(
+                timespec="milliseconds"),
+            "level": record.levelname.lower(), "logger": record.name,
+            "message": record.getMessage()}
+        fields = getattr(record, "fields", None)
+        if isinstance(fields, dict):
+            out.update(fields)
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def _configure_logging(level: str, log_format: str = "text") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if log_format == "json" else logging.Formatter(
+        "%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(level.upper())
+    # httpx (the demo's fake engines) logs every request at INFO: only failures are worth a line.
     for name in ("httpx", "httpcore"):
-        logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger().level))
+        logging.getLogger(name).setLevel(max(logging.WARNING, root.level))
 
 
 def load_with_overrides(path: str, *, bind: str | None = None) -> Config:
@@ -115,6 +139,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         logger.error("%s", exc)
         return 2
+    if config.server.log_format != "text":
+        _configure_logging(args.log_level, config.server.log_format)
     tune_gc()
     raise_open_files_limit()
     return _run_reporting_errors(partial(server.run, config, load=load))

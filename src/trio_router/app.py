@@ -59,6 +59,7 @@ from .upstream import (
 )
 
 logger = logging.getLogger(__name__)
+access_logger = logging.getLogger("trio_router.access")  # one record per proxied request
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -102,6 +103,7 @@ class Settings:
     body_timeout: float  # seconds a request body may stop arriving
     max_buffered_body_bytes: int  # request bodies held at once, in all
     eject_on_5xx: bool  # an engine's 5xx answer counts as a failed request
+    access_log: bool  # an access record per proxied request (logger trio_router.access)
 
 
 def env_key(env_var: str, where: str) -> str:
@@ -135,6 +137,7 @@ def make_settings(config: Config, table: RoutingTable, pool: UpstreamPool, *,
         body_timeout=config.server.request_body_timeout_s,
         max_buffered_body_bytes=config.server.max_buffered_body_bytes,
         eject_on_5xx=config.proxy.eject_on_5xx,
+        access_log=config.server.access_log,
     )
 
 
@@ -273,7 +276,8 @@ class RouterApp:
         if upstream_authorization is not None:
             headers.append((b"authorization", upstream_authorization))
 
-        model = NO_LABEL
+        model = requested = NO_LABEL  # the metrics' label; the name the client asked for
+        tenant_name = ""
         body: bytes | bytearray | None = None
         self._bodies.limit = settings.max_buffered_body_bytes
         held = _Held(self._bodies)
@@ -286,6 +290,7 @@ class RouterApp:
                 raise BadRequestError(f"header {bad_header.decode('latin-1')!r} has control "
                                       "characters in its value")
             tenant = self._authenticate(settings, authorization)
+            tenant_name = tenant.name
             body = await _read_body(receive, content_length, settings.max_body_bytes,
                                     stall_s=settings.body_timeout, held=held)
             if body is None:
@@ -296,7 +301,7 @@ class RouterApp:
                     limiter=self._parse_limiter)
             else:
                 payload = _parse(body)
-            model = payload["model"]
+            model = requested = payload["model"]
             candidates = self._table.routable(model)
             if not candidates:
                 error = self._missing_model(model)
@@ -310,29 +315,37 @@ class RouterApp:
             held.release()
             # Answered before the body was read: the connection cannot carry another request.
             await self._send_error(send, exc, request_id, close=body is None)
-            self._metrics.observe_request(model, NO_LABEL, exc.status,
-                                          trio.current_time() - started)
+            duration = trio.current_time() - started
+            self._metrics.observe_request(model, NO_LABEL, exc.status, duration)
+            if settings.access_log and access_logger.isEnabledFor(logging.INFO):
+                _log_access(scope, request_id, tenant_name, requested, NO_LABEL,
+                            settings.policy.name, exc.status, duration, _Note())
             return
 
         target = scope["raw_path"]
         if query := scope["query_string"]:
             target += b"?" + query
+        note = _Note()
         try:
             status, engine_name = await self._forward(
                 settings, send, client_gone_check(receive), scope["http_version"] == "1.1",
-                tenant, model, candidates, info, target, headers, body, request_id, started)
+                tenant, model, candidates, info, target, headers, body, request_id, started,
+                note)
         finally:
             held.release()
             self._admission.leave(tenant)
-        self._metrics.observe_request(model, engine_name, status, trio.current_time() - started)
+        duration = trio.current_time() - started
+        self._metrics.observe_request(model, engine_name, status, duration)
+        if settings.access_log and access_logger.isEnabledFor(logging.INFO):
+            _log_access(scope, request_id, tenant.name, model, engine_name,
+                        settings.policy.name, status, duration, note)
 
     async def _forward(self, settings: Settings, send: Send,
                        client_gone: Callable[[], bool] | None, relay_ok: bool, tenant: Tenant,
                        model: str, candidates: Sequence[Engine], info: RequestInfo,
                        target: bytes,
                        headers: list[tuple[bytes, bytes]], body: bytes | bytearray,
-                       request_id: bytes,
-                       started: float) -> tuple[int, str]:
+                       request_id: bytes, started: float, note: _Note) -> tuple[int, str]:
         """Try engines until one answers (at most `retries` more after the first unreachable
         one) and stream its response. Returns the status and engine for metrics (status 499
         when the client left: the engine's connection is closed then). An error after the
@@ -368,6 +381,7 @@ class RouterApp:
                              request_id.decode(errors="replace"), model, tenant.name,
                              policy.name, engine.name, len(candidates), tried, why)
             self._metrics.routed(policy.name, "failover" if tried else "first", engine.name)
+            note.attempts = len(tried) + 1
             generation = engine.generation
             responded = False
             ttfb: float | None = None
@@ -400,6 +414,7 @@ class RouterApp:
                         ended = response.complete  # the last chunk ends the response
                         await send({"type": "http.response.body", "body": chunk,
                                     "more_body": not ended})
+                        note.sent += len(chunk)
                         previous = chunk
                         if relay is not None and not ended:
                             # The head and the first chunk went out through the server,
@@ -407,7 +422,9 @@ class RouterApp:
                             client = self._client_socket()
                             if (client is not None and response.relayable
                                     and not client.writes_pending()):
-                                chunk = await relay.relay(response, client, client_gone)
+                                chunk, relayed = await relay.relay(response, client,
+                                                                   client_gone)
+                                note.sent += relayed
                                 ended = True
                                 await send(_END_BODY)
                                 break
@@ -416,6 +433,7 @@ class RouterApp:
                         await send(_END_BODY)
                     if status == 200 and (usage := _usage(previous[-4096:] + chunk[-4096:])):
                         self._metrics.tokens(model, *usage)
+                note.ttfb = ttfb
                 engine.requests.record(ttfb, trio.current_time() - started, ok=status < 500)
                 if status >= 500 and settings.eject_on_5xx:
                     self._supervisors.request_failed(engine, generation, f"answered {status}")
@@ -629,6 +647,37 @@ def _check_key(expected: bytes, authorization: bytes | None) -> None:
     scheme, _, token = authorization.partition(b" ")
     if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), expected):
         raise AuthError("invalid API key")
+
+
+class _Note:
+    """What the access record says of a proxied request beyond its status."""
+
+    __slots__ = ("attempts", "sent", "ttfb")
+
+    def __init__(self) -> None:
+        self.attempts = 0  # engines tried
+        self.sent = 0  # response body bytes handed on
+        self.ttfb: float | None = None
+
+
+def _log_access(scope: Scope, request_id: bytes, tenant: str, model: str, engine: str,
+                policy: str, status: int, duration: float, note: _Note) -> None:
+    """One access record: a line of text, or with `server.log_format = "json"` these fields
+    in a JSON object."""
+    client = scope.get("client")
+    fields = {
+        "request_id": request_id.decode(errors="replace"), "method": scope["method"],
+        "path": scope["path"], "tenant": tenant, "model": model,
+        "engine": engine, "policy": policy, "status": status,
+        "duration_ms": round(duration * 1000, 2),
+        "ttfb_ms": None if note.ttfb is None else round(note.ttfb * 1000, 2),
+        "bytes": note.sent, "retries": max(0, note.attempts - 1),
+        "client": f"{client[0]}:{client[1]}" if client else "",
+    }
+    access_logger.info("%s %s %s %s %s -> %s %d in %.1f ms", fields["client"],
+                       fields["request_id"], scope["method"], scope["path"], model or "-",
+                       engine or "-", status, duration * 1000,
+                       extra={"fields": fields})
 
 
 class _BodyBudget:

@@ -49,6 +49,8 @@ class ServerConfig:
     write_timeout_s: float = 60.0  # a client taking no response bytes this long: dropped
     backlog: int = 2048  # listen backlog
     max_connections: int = 10000  # client connections at once; beyond, accepting waits
+    log_format: str = "text"  # "text" or "json" (one object per line)
+    access_log: bool = True  # a record per proxied request, at info
 
     def __post_init__(self) -> None:
         parse_bind(self.bind)
@@ -57,6 +59,9 @@ class ServerConfig:
                   request_body_timeout_s=self.request_body_timeout_s,
                   write_timeout_s=self.write_timeout_s, backlog=self.backlog,
                   max_connections=self.max_connections)
+        if self.log_format not in ("text", "json"):
+            raise ConfigError(f'server.log_format must be "text" or "json", got '
+                              f"{self.log_format!r}")
         if self.max_buffered_body_bytes < self.max_body_bytes:
             raise ConfigError(
                 f"server.max_buffered_body_bytes ({self.max_buffered_body_bytes}) must be at "

@@ -662,11 +662,12 @@ class Relay:
         return len(self._streams)
 
     async def relay(self, response: UpstreamResponse, client: RelayTarget,
-                    client_gone: Callable[[], bool] | None = None) -> bytes:
+                    client_gone: Callable[[], bool] | None = None) -> tuple[bytes, int]:
         """Move the rest of `response`'s body (`response.relayable`) to `client`. Returns
         when the engine's last chunk has been read and everything before it written (the
         caller then ends its response, which writes the last chunk), with the end of what
-        was relayed (up to 8 KiB: where the engine's usage summary would be). Raises
+        was relayed (up to 8 KiB: where the engine's usage summary would be) and how many
+        bytes were relayed. Raises
         ClientGoneError, UpstreamTimeoutError or UpstreamError (then the client's response
         cannot be ended cleanly). Cancellation takes the stream out of the relay at once."""
         stream = _Relayed(self, response, client, client_gone)
@@ -680,7 +681,7 @@ class Relay:
             stream.detach()
         if stream.error is not None:
             raise stream.error
-        return stream.before_last[-4096:] + stream.last[-4096:]
+        return stream.before_last[-4096:] + stream.last[-4096:], stream.sent
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                   ) -> None:
@@ -750,6 +751,7 @@ class _Relayed:
         "error",
         "finished",
         "last",
+        "sent",
         "write_deadline",
     )
 
@@ -770,6 +772,7 @@ class _Relayed:
         self.error: Exception | None = None
         self.finished = trio.Event()
         self.before_last = self.last = b""  # the last two pieces: where a usage summary is
+        self.sent = 0  # bytes handed to the client's socket
 
     def start(self, now: float) -> None:
         """Watch the engine's socket, and relay what was already received."""
@@ -821,6 +824,7 @@ class _Relayed:
             return
         if out:
             self.before_last, self.last = self.last, out
+            self.sent += len(out)
             self._pending = out
             self._flush(now)
         elif self._parser.done:
