@@ -126,13 +126,16 @@ class Output:
 
 
 @asynccontextmanager
-async def open_process(*args: str) -> AsyncIterator[tuple[trio.Process, Output, Output]]:
-    """Run `python -m trio_router *args`; yields the process and its stdout and stderr.
-    The process is killed if it is still running when the block ends."""
+async def open_process(*args: str, env: dict[str, str] | None = None
+                       ) -> AsyncIterator[tuple[trio.Process, Output, Output]]:
+    """Run `python -m trio_router *args` (with `env` added to the environment); yields the
+    process and its stdout and stderr. The process is killed if it is still running when the
+    block ends."""
     stdout, stderr = Output(), Output()
     process = await trio.lowlevel.open_process(
         [sys.executable, "-m", "trio_router", *args], stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        stderr=subprocess.PIPE, cwd=REPO,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     try:
         async with trio.open_nursery() as nursery:
             assert process.stdout is not None and process.stderr is not None

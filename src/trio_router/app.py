@@ -24,7 +24,7 @@ import time
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import msgspec
 import trio
@@ -50,6 +50,7 @@ from .health import Supervisors
 from .http11 import FIELD_VALUE_CHARS
 from .metrics import CONTENT_TYPE, NO_LABEL, Metrics
 from .policy import Policy, RequestInfo, make_policy, request_info
+from .tracing import Tracing
 from .upstream import (
     ClientGoneError,
     EngineUnreachableError,
@@ -57,6 +58,9 @@ from .upstream import (
     RelayTarget,
     UpstreamPool,
 )
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
 
 logger = logging.getLogger(__name__)
 access_logger = logging.getLogger("trio_router.access")  # one record per proxied request
@@ -187,8 +191,9 @@ class RouterApp:
                  metrics: Metrics, health: Callable[[], tuple[bool, str, str]],
                  relay: Relay | None = None,
                  client_socket: Callable[[], ClientConnection | None] = lambda: None,
-                 admission: Admission | None = None) -> None:
+                 admission: Admission | None = None, tracing: Tracing | None = None) -> None:
         self.settings = settings
+        self._tracing = tracing
         self._admission = admission if admission is not None else Admission(
             table, settings.config.admission,
             max_per_engine=settings.config.proxy.max_connections_per_engine)
@@ -207,7 +212,10 @@ class RouterApp:
         kind = scope["type"]
         if kind == "http":
             if scope["method"] == "POST" and scope["path"] in PROXIED_PATHS:
-                await self._proxy(scope, receive, send)
+                if self._tracing is None:
+                    await self._proxy(scope, receive, send, _Note())
+                else:
+                    await self._proxy_traced(self._tracing, scope, receive, send)
             else:
                 await self._admin(scope, send)
         elif kind == "lifespan":
@@ -244,9 +252,22 @@ class RouterApp:
                 return
 
     # -- the proxy -----------------------------------------------------------------------
-    async def _proxy(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Route one request and stream the engine's answer back. The client leaving (seen by
-        polling `client_gone_check` while the engine is awaited) or a cancellation (the drain
+    async def _proxy_traced(self, tracing: Tracing, scope: Scope, receive: Receive,
+                            send: Send) -> None:
+        """`_proxy` within a server span (ended however the request ends)."""
+        note = _Note()
+        note.span = tracing.start_request(scope["method"], scope["path"], scope["headers"])
+        try:
+            await self._proxy(scope, receive, send, note)
+        finally:
+            tracing.end_request(note.span, status=note.status, request_id=note.request_id,
+                                model=note.model, tenant=note.tenant, engine=note.engine,
+                                retries=max(0, note.attempts - 1))
+
+    async def _proxy(self, scope: Scope, receive: Receive, send: Send, note: _Note) -> None:
+        """Route one request and stream the engine's answer back; `note` gathers what the
+        access record and the trace say of it. The client leaving (seen by polling
+        `client_gone_check` while the engine is awaited) or a cancellation (the drain
         deadline) closes the engine connection."""
         started = trio.current_time()
         settings = self.settings
@@ -272,12 +293,12 @@ class RouterApp:
         if request_id is None:
             request_id = b"%s-%d" % (self._id_prefix, next(self._ids))
             headers.append((REQUEST_ID_HEADER, request_id))
+        note.request_id = request_id.decode(errors="replace")
         upstream_authorization = settings.upstream_authorization or authorization
         if upstream_authorization is not None:
             headers.append((b"authorization", upstream_authorization))
 
-        model = requested = NO_LABEL  # the metrics' label; the name the client asked for
-        tenant_name = ""
+        model = NO_LABEL  # the metrics' label: client-chosen unknown names are not one
         body: bytes | bytearray | None = None
         self._bodies.limit = settings.max_buffered_body_bytes
         held = _Held(self._bodies)
@@ -290,7 +311,7 @@ class RouterApp:
                 raise BadRequestError(f"header {bad_header.decode('latin-1')!r} has control "
                                       "characters in its value")
             tenant = self._authenticate(settings, authorization)
-            tenant_name = tenant.name
+            note.tenant = tenant.name
             body = await _read_body(receive, content_length, settings.max_body_bytes,
                                     stall_s=settings.body_timeout, held=held)
             if body is None:
@@ -301,7 +322,7 @@ class RouterApp:
                     limiter=self._parse_limiter)
             else:
                 payload = _parse(body)
-            model = requested = payload["model"]
+            model = note.model = payload["model"]
             candidates = self._table.routable(model)
             if not candidates:
                 error = self._missing_model(model)
@@ -317,15 +338,14 @@ class RouterApp:
             await self._send_error(send, exc, request_id, close=body is None)
             duration = trio.current_time() - started
             self._metrics.observe_request(model, NO_LABEL, exc.status, duration)
+            note.status = exc.status
             if settings.access_log and access_logger.isEnabledFor(logging.INFO):
-                _log_access(scope, request_id, tenant_name, requested, NO_LABEL,
-                            settings.policy.name, exc.status, duration, _Note())
+                _log_access(scope, settings.policy.name, duration, note)
             return
 
         target = scope["raw_path"]
         if query := scope["query_string"]:
             target += b"?" + query
-        note = _Note()
         try:
             status, engine_name = await self._forward(
                 settings, send, client_gone_check(receive), scope["http_version"] == "1.1",
@@ -336,9 +356,9 @@ class RouterApp:
             self._admission.leave(tenant)
         duration = trio.current_time() - started
         self._metrics.observe_request(model, engine_name, status, duration)
+        note.status, note.engine = status, engine_name
         if settings.access_log and access_logger.isEnabledFor(logging.INFO):
-            _log_access(scope, request_id, tenant.name, model, engine_name,
-                        settings.policy.name, status, duration, note)
+            _log_access(scope, settings.policy.name, duration, note)
 
     async def _forward(self, settings: Settings, send: Send,
                        client_gone: Callable[[], bool] | None, relay_ok: bool, tenant: Tenant,
@@ -386,8 +406,14 @@ class RouterApp:
             responded = False
             ttfb: float | None = None
             chunk = b""
+            attempt: Span | None = None  # its client span, with tracing on
+            failure: str | None = None
+            sent_headers = headers
+            if note.span is not None and self._tracing is not None:
+                attempt, sent_headers = self._tracing.start_attempt(
+                    note.span, engine.name, note.attempts, target, headers)
             try:
-                async with pool.request(engine.url, b"POST", target, headers, body,
+                async with pool.request(engine.url, b"POST", target, sent_headers, body,
                                         client_gone=client_gone) as response:
                     responded = True
                     ended = False  # the end of the response was sent
@@ -441,12 +467,14 @@ class RouterApp:
                     self._supervisors.request_succeeded(engine)
                 return status, engine.name
             except ClientGoneError:
+                failure = "the client left"
                 if logger.isEnabledFor(logging.DEBUG):
                     logger.debug("request %s for %s on engine %s: the client left; engine "
                                  "connection closed", request_id.decode(errors="replace"),
                                  model, engine.name)
                 return CLIENT_CLOSED, engine.name
             except EngineUnreachableError as exc:
+                failure = str(exc)
                 if responded:  # cannot happen by the pool's contract; never resend then
                     raise
                 self._supervisors.report_unreachable(engine, generation, str(exc),
@@ -460,8 +488,10 @@ class RouterApp:
                         f"({len(tried)} attempt(s)): {exc}"), model, engine.name)
                 candidates = table.routable(model)
             except OverloadedError as exc:  # the router's own limits: not the engine's fault
+                failure = str(exc)
                 return await self._fail(send, request_id, exc, model, engine.name)
             except RouterError as exc:
+                failure = str(exc)
                 engine.requests.record(ttfb, trio.current_time() - started, ok=False)
                 self._supervisors.request_failed(engine, generation, str(exc))
                 if not responded:
@@ -471,6 +501,9 @@ class RouterApp:
                 return exc.status, engine.name
             finally:
                 admission.release(engine)
+                if attempt is not None and self._tracing is not None:
+                    self._tracing.end_attempt(attempt, status=response.status if responded
+                                              else None, error=failure)
 
     @property
     def admission(self) -> Admission:
@@ -650,24 +683,31 @@ def _check_key(expected: bytes, authorization: bytes | None) -> None:
 
 
 class _Note:
-    """What the access record says of a proxied request beyond its status."""
+    """What the access record and the trace say of a proxied request."""
 
-    __slots__ = ("attempts", "sent", "ttfb")
+    __slots__ = ("attempts", "engine", "model", "request_id", "sent", "span", "status",
+                 "tenant", "ttfb")
 
     def __init__(self) -> None:
+        self.request_id = ""
+        self.tenant = ""
+        self.model = ""  # as the client asked for it
+        self.engine = ""  # the engine that answered (or was tried last)
+        self.status = 0  # 0: no answer (cancelled)
         self.attempts = 0  # engines tried
         self.sent = 0  # response body bytes handed on
         self.ttfb: float | None = None
+        self.span: Span | None = None  # the server span, with tracing on
 
 
-def _log_access(scope: Scope, request_id: bytes, tenant: str, model: str, engine: str,
-                policy: str, status: int, duration: float, note: _Note) -> None:
+def _log_access(scope: Scope, policy: str, duration: float, note: _Note) -> None:
     """One access record: a line of text, or with `server.log_format = "json"` these fields
     in a JSON object."""
     client = scope.get("client")
+    model, engine, status = note.model, note.engine, note.status
     fields = {
-        "request_id": request_id.decode(errors="replace"), "method": scope["method"],
-        "path": scope["path"], "tenant": tenant, "model": model,
+        "request_id": note.request_id, "method": scope["method"],
+        "path": scope["path"], "tenant": note.tenant, "model": model,
         "engine": engine, "policy": policy, "status": status,
         "duration_ms": round(duration * 1000, 2),
         "ttfb_ms": None if note.ttfb is None else round(note.ttfb * 1000, 2),

@@ -269,6 +269,11 @@ class TenantConfig:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class TracingConfig:
+    enabled: bool = False  # OpenTelemetry spans of proxied requests; OTEL_* configure the SDK
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
@@ -277,6 +282,7 @@ class Config:
     proxy: ProxyConfig = field(default_factory=ProxyConfig)
     stats: StatsConfig = field(default_factory=StatsConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
     tenants: tuple[TenantConfig, ...] = ()
 
     def __post_init__(self) -> None:

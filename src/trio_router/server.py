@@ -38,6 +38,7 @@ from .health import EngineWorker, Prober, Supervisors, open_supervisors
 from .metrics import Metrics
 from .reconcile import Reconciler, add_static_engines
 from .stats import run_stats_scraper
+from .tracing import FLUSH_S, check_environment, open_tracing
 from .upstream import UpstreamPool, open_relay
 
 logger = logging.getLogger(__name__)
@@ -45,9 +46,10 @@ logger = logging.getLogger(__name__)
 THREAD_EXIT_S: Final = 10.0  # bound on waiting for an abandoned Kubernetes thread at exit
 KEEP_ALIVE_S: Final = 75.0  # idle client connections are kept longer than common LB timeouts
 LIVE_SECTIONS: Final = ("server", "routing", "proxy", "probe", "stats", "admission", "tenants")
-RESTART_SECTIONS: Final = ("discovery",)
+RESTART_SECTIONS: Final = ("discovery", "tracing")
 # Keys of [server] that shape the listening server itself: they need a restart.
-SERVER_RESTART_KEYS: Final = ("bind", "backlog", "max_connections", "write_timeout_s")
+SERVER_RESTART_KEYS: Final = ("bind", "backlog", "max_connections", "write_timeout_s",
+                                "log_format")
 POOL_SWEEP_S: Final = 2.0  # how often idle engine connections the engine closed are dropped
 
 
@@ -70,6 +72,7 @@ def check_keys(config: Config) -> None:
     env_key(config.server.api_key_env, "server.api_key_env")
     env_key(config.proxy.api_key_env, "proxy.api_key_env")
     tenant_keys(config)
+    check_environment(config.tracing)
 
 
 def tenant_keys(config: Config) -> dict[str, str]:
@@ -272,6 +275,7 @@ async def run(config: Config, *, load: Callable[[], Config] | None = None,
             engine, table, pool, interval=stats.interval_s, timeout=stats.timeout_s,
             generation=generation, headers=prober.headers, on_change=admission.load_changed)]
 
+    tracing = open_tracing(config.tracing)  # last: nothing after it raises before `try`
     try:
         async with (open_relay(write_timeout=config.server.write_timeout_s) as relay,
                     open_supervisors(table, prober, config.probe,
@@ -301,7 +305,7 @@ async def run(config: Config, *, load: Callable[[], Config] | None = None,
                             metrics=metrics,
                             health=lambda: readiness.check(trio.current_time()),
                             relay=relay, client_socket=connection.current_client,
-                            admission=admission)
+                            admission=admission, tracing=tracing)
             stop = trio.Event()
             if handle_signals:
                 reloader = None
@@ -333,3 +337,6 @@ async def run(config: Config, *, load: Callable[[], Config] | None = None,
                 if waited.cancelled_caught:
                     logger.warning("a Kubernetes client thread is still running after %g s",
                                    THREAD_EXIT_S)
+            if tracing is not None:  # the last spans are exported, within FLUSH_S
+                with trio.move_on_after(FLUSH_S + 1):
+                    await trio.to_thread.run_sync(tracing.shutdown, abandon_on_cancel=True)
