@@ -22,6 +22,9 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
 
 from trio_router import __version__
 from trio_router.config import Config, config_as_dict, load_config, parse_bind, parse_config
@@ -515,6 +518,63 @@ def test_containerfile_final_stage_is_the_venv_only() -> None:
     assert "PATH=/opt/venv/bin:" in env
     assert containerfile_uid() != 0
     assert [rest for kw, rest in final if kw == "STOPSIGNAL"] == ["SIGTERM"]
+
+
+LOCK = REPO / "requirements.lock"
+
+
+def lock_pins() -> dict[str, tuple[Version, list[str], set[str]]]:
+    """requirements.lock: each package's pinned version, hashes and what needs it."""
+    pins: dict[str, tuple[Version, list[str], set[str]]] = {}
+    current = ""
+    via_block = False
+    for line in LOCK.read_text(encoding="utf-8").splitlines():
+        if match := re.match(r"^([A-Za-z0-9_.-]+)==([^ ;\\]+)", line):
+            current = canonicalize_name(match[1])
+            pins[current] = (Version(match[2]), [], set())
+            via_block = False
+        elif match := re.match(r"^\s+--hash=(sha256:[0-9a-f]{64})", line):
+            pins[current][1].append(match[1])
+        elif match := re.match(r"^\s+# via ?(.*)$", line):
+            via_block = not match[1]
+            if match[1]:
+                pins[current][2].add(match[1])
+        elif via_block and (match := re.match(r"^\s+#\s+(.+)$", line)):
+            pins[current][2].add(match[1])
+    return pins
+
+
+def test_lock_file_pins_exactly_the_declared_dependencies() -> None:
+    """Every dependency of pyproject.toml is pinned, with hashes, at a version its specifier
+    allows; every package the lock says pyproject.toml needs is still declared."""
+    pins = lock_pins()
+    declared = {canonicalize_name(Requirement(d).name): Requirement(d)
+                for d in pyproject()["project"]["dependencies"]}
+    for name, requirement in declared.items():
+        assert name in pins, f"{name} is a dependency but not in requirements.lock"
+        version, _, _ = pins[name]
+        assert requirement.specifier.contains(version, prereleases=True), (
+            f"requirements.lock pins {name}=={version}, outside {requirement.specifier}")
+    direct = {name for name, (_, _, via) in pins.items()
+              if any(v.startswith("trio-router") for v in via)}
+    assert direct == set(declared), f"lock and pyproject differ: {direct ^ set(declared)}"
+    unhashed = [name for name, (_, hashes, _) in pins.items() if not hashes]
+    assert not unhashed, f"pinned without hashes: {unhashed}"
+
+
+def test_image_installs_from_the_lock_with_hashes_and_is_labelled() -> None:
+    builder, *_, final = stages()
+    runs = " ".join(rest for kw, rest in builder if kw == "RUN")
+    assert "--require-hashes --no-deps -r requirements.lock" in runs
+    assert re.search(r"pip install --no-deps /tmp/wheels/", runs)  # nothing resolved again
+    assert "pip check" in runs
+    args = dict(rest.split("=", 1) for kw, rest in final if kw == "ARG" and "=" in rest)
+    assert args["VERSION"] == __version__, "ARG VERSION's default is not the package version"
+    labels = " ".join(rest for kw, rest in final if kw == "LABEL")
+    for key in ("title", "version", "revision", "licenses", "source"):
+        assert f"org.opencontainers.image.{key}=" in labels, key
+    assert 'org.opencontainers.image.licenses="{}"'.format(pyproject()["project"]["license"]) \
+        in labels
 
 
 def test_builder_leaves_no_build_tools_in_the_venv() -> None:
