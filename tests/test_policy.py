@@ -4,7 +4,6 @@ affinity, bounded memory, forgetting removed engines, and `exclude` for every po
 from __future__ import annotations
 
 import gc
-import itertools
 import random
 import weakref
 from collections import Counter
@@ -21,7 +20,6 @@ from trio_router.errors import BadRequestError, ConfigError, NoEngineError
 from trio_router.policy import (
     EXACT_SCAN_MAX,
     Policy,
-    PrefixAwarePolicy,
     RequestInfo,
     make_policy,
     render_prompt,
@@ -60,11 +58,12 @@ def make(name: str, table: RoutingTable, clock: Clock | None = None, seed: int =
                        rng=random.Random(seed))
 
 
-def chat(*turns: str) -> RequestInfo:
-    messages = [{"role": "system", "content": "You are a helpful assistant."}]
+def chat(*turns: str, system: str = "You are a helpful assistant.") -> RequestInfo:
+    messages = [{"role": "system", "content": system}]
     messages += [{"role": "user" if i % 2 == 0 else "assistant", "content": t}
                  for i, t in enumerate(turns)]
-    return request_info({"model": MODEL, "messages": messages}, {}, RoutingConfig())
+    return request_info({"model": MODEL, "messages": messages}, {},
+                        RoutingConfig(policy="prefix_aware"))
 
 
 def text(seed: int, size: int) -> str:
@@ -84,16 +83,29 @@ def test_request_info_takes_the_session_key_from_header_then_user() -> None:
     assert request_info(body, asgi, config).session_key == "s2"
     assert request_info(body, {}, config).session_key == "alice"
     info = request_info({"model": MODEL, "user": 7}, [], config)
-    assert info == RequestInfo(model=MODEL, session_key=None, prompt=None)
+    assert info == RequestInfo(model=MODEL, session_key=None, opening=None)
     with pytest.raises(BadRequestError):
         request_info({"messages": []}, {}, config)
 
 
-def test_rendered_conversation_grows_by_extension() -> None:
+def test_every_turn_of_a_conversation_has_the_same_opening() -> None:
     turns = [text(i, 300) for i in range(6)]
-    rendered = [chat(*turns[:n]).prompt or "" for n in range(1, 7)]
-    for shorter, longer in itertools.pairwise(rendered):
-        assert longer.startswith(shorter) and len(longer) > len(shorter)
+    openings = {chat(*turns[:n]).opening for n in range(1, 7)}
+    assert openings == {f"system\x1fYou are a helpful assistant.\x1euser\x1f{turns[0]}\x1e"}
+    assert chat(text(99, 300)).opening not in openings  # same system prompt, another chat
+    config = RoutingConfig(policy="prefix_aware", prefix_text_chars=8, prefix_max_chunks=1,
+                           prefix_chunk_chars=40)
+    developer = {"model": MODEL, "messages": [
+        {"role": "developer", "content": "rules"}, {"role": "system", "content": "more"},
+        {"role": "user", "content": "q" * 100}, {"role": "assistant", "content": "a"}]}
+    opening = request_info(developer, {}, config).opening
+    assert opening == "developer\x1frules\x1esystem\x1fmore\x1euser\x1f" + "q" * 7  # 40 chars
+    text_prompt = request_info({"model": MODEL, "prompt": "0123456789"}, {}, config)
+    assert text_prompt.opening == "01234567"
+    embeddings = request_info({"model": MODEL, "input": "x"}, {}, config)
+    assert embeddings.opening is None
+    session = request_info({"model": MODEL, "prompt": "x"}, {}, RoutingConfig(policy="session"))
+    assert session.opening is None  # read only for prefix_aware
     parts = [{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": "u"}}]
     body = {"model": MODEL, "messages": [{"role": "user", "content": parts}]}
     assert render_prompt(body, limit=1000) == "user\x1flook<image_url:u>\x1e"
@@ -200,7 +212,7 @@ def test_no_engine_error_when_nothing_is_left() -> None:
     table = make_table([make_engine(i) for i in range(2)])
     for name in POLICIES:
         policy = make(name, table)
-        info = RequestInfo(MODEL, session_key="k", prompt="p" * 1000)
+        info = RequestInfo(MODEL, session_key="k", opening="p" * 1000)
         with pytest.raises(NoEngineError):
             policy.choose((), info)
         with pytest.raises(NoEngineError):
@@ -328,111 +340,136 @@ def test_session_without_key_is_least_loaded() -> None:
 
 # -- prefix aware ------------------------------------------------------------------------------
 
+def conversation_set(seed: int, count: int, *, shared_system: bool) -> list[list[str]]:
+    """`count` conversations of 6 turns: their own long system prompts, or one shared."""
+    rng = random.Random(seed)
+    shared = text(rng.randrange(1 << 30), 2000)
+    return [[shared if shared_system else text(rng.randrange(1 << 30), 2000)]
+            + [text(rng.randrange(1 << 30), rng.randrange(20, 400)) for _ in range(6)]
+            for _ in range(count)]
+
+
+def turn(conversation: list[str], n: int) -> RequestInfo:
+    """The nth turn (0-based) of `conversation`: its system prompt, then n + 1 user messages
+    with the answers between them."""
+    system, *users = conversation
+    turns = [x for user in users[:n + 1] for x in (user, "answer to " + user[:30])][:-1]
+    return chat(*turns, system=system)
+
+
 def test_prefix_growing_conversations_keep_their_engine() -> None:
     engines = [make_engine(i) for i in range(8)]
     table = make_table(engines)
     policy = make("prefix_aware", table)
-    conversations: list[list[str]] = [[] for _ in range(20)]
+    conversations = conversation_set(1, 40, shared_system=True)
     home: dict[int, str] = {}
     holding: dict[int, Engine] = {}  # each conversation's last request stays in flight
-    for turn in range(15):
-        for c, turns in enumerate(conversations):
-            turns.append(text(c * 1000 + turn, 200))
-            engine, why = policy.choose(table.routable(MODEL), chat(*turns))
+    for n in range(6):
+        for c, conversation in enumerate(conversations):
+            engine, why = policy.choose(table.routable(MODEL), turn(conversation, n))
             if c in holding:
                 holding[c].in_flight -= 1
             holding[c] = engine
             engine.in_flight += 1
-            if turn > 0:
-                assert engine.uid == home.setdefault(c, engine.uid), (c, turn, why)
-                if turn > 1:
-                    assert "chunks held" in why
-    assert len(set(home.values())) >= 6  # and the conversations are spread over the engines
+            assert engine.uid == home.setdefault(c, engine.uid), (c, n, why)
+            assert "ring owner" in why
+    # One system prompt for all, yet the conversations spread over the engines.
+    assert len(set(home.values())) >= 6
 
 
-def test_prefix_new_conversations_spread_by_load() -> None:
-    engines = [make_engine(i) for i in range(4)]
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 1 << 30), n=st.integers(1, 12), shared=st.booleans(),
+       loads=st.lists(st.integers(0, 12), min_size=12, max_size=12))
+def test_prefix_independent_replicas_agree_on_every_decision(
+        seed: int, n: int, shared: bool, loads: list[int]) -> None:
+    """Two policies built apart, as two replicas are (other random seeds, engines seen in
+    another order), make the same choice for every request, given the same load figures; so
+    does a third built fresh halfway (a restarted replica)."""
+    engines = [make_engine(i) for i in range(n)]
+    for engine, load in zip(engines, loads, strict=False):
+        engine.in_flight = load
+    first, second = make_table(engines), make_table(list(reversed(engines)))
+    a, b = make("prefix_aware", first, seed=1), make("prefix_aware", second, seed=2)
+    conversations = conversation_set(seed, 12, shared_system=shared)
+    restarted: Policy | None = None
+    for step in range(6):
+        if step == 3:
+            restarted = make("prefix_aware", make_table(engines), seed=3)
+        for conversation in conversations:
+            info = turn(conversation, step)
+            choice = a.choose(first.routable(MODEL), info)[0].uid
+            assert b.choose(second.routable(MODEL), info)[0].uid == choice
+            if restarted is not None:
+                assert restarted.choose(first.routable(MODEL), info)[0].uid == choice
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(2, 40), lost=st.integers(0, 39), seed=st.integers(0, 1 << 30))
+def test_prefix_losing_one_of_n_engines_moves_only_its_conversations(
+        n: int, lost: int, seed: int) -> None:
+    engines = [make_engine(i) for i in range(n)]
     table = make_table(engines)
     policy = make("prefix_aware", table)
-    for c in range(100):
-        engine, why = policy.choose(table.routable(MODEL), chat(text(c, 2000)))
-        assert "no match" in why
+    rng = random.Random(seed)
+    openings = [RequestInfo(MODEL, opening=text(rng.randrange(1 << 30), 300))
+                for _ in range(400)]
+    before = [policy.choose(table.routable(MODEL), o)[0].uid for o in openings]
+    gone = engines[lost % n].uid
+    table.remove(gone)
+    after = [policy.choose(table.routable(MODEL), o)[0].uid for o in openings]
+    moved = [i for i, (x, y) in enumerate(zip(before, after, strict=True)) if x != y]
+    assert all(before[i] == gone for i in moved)  # only the lost engine's conversations move
+    assert gone not in after
+    # ...and that is about 1/n of them (100 vnodes per engine: within a few times 1/n).
+    assert len(moved) <= 400 * 3 / n + 10
+
+
+def test_prefix_hot_opening_spreads_under_load_and_returns() -> None:
+    engines = [make_engine(i) for i in range(10)]
+    table = make_table(engines)
+    policy = make("prefix_aware", table)
+    hot = RequestInfo(MODEL, opening="one system prompt and the same question for everyone")
+    owner, _ = policy.choose(table.routable(MODEL), hot)
+    spread = []
+    for _ in range(200):  # 200 concurrent requests with one opening, none finishing
+        average = sum(e.in_flight for e in engines) / len(engines)
+        engine, why = policy.choose(table.routable(MODEL), hot)
+        assert engine.in_flight <= 1.5 * average + 8, why
         engine.in_flight += 1
-    assert [e.in_flight for e in engines] == [25] * 4
+        spread.append(engine.uid)
+    assert spread[:9] == [owner.uid] * 9  # the owner first, up to the bound
+    assert owner.in_flight == max(e.in_flight for e in engines)
+    assert sum(e.in_flight > 0 for e in engines) >= 5
+    # A second replica, with the same load figures, spills the same way.
+    twin = make("prefix_aware", make_table(engines), seed=7)
+    assert twin.choose(table.routable(MODEL), hot)[0] is policy.choose(
+        table.routable(MODEL), hot)[0]
+    for engine in engines:  # once load drains, the opening is back on its owner
+        engine.in_flight = 0
+    assert policy.choose(table.routable(MODEL), hot)[0] is owner
 
 
-def test_prefix_overloaded_holder_gives_way_and_the_new_engine_keeps_it() -> None:
-    engines = [make_engine(i) for i in range(3)]
-    table = make_table(engines)
-    policy = make("prefix_aware", table)
-    turns = [text(1, 1000)]
-    first, _ = policy.choose(table.routable(MODEL), chat(*turns))
-    first.in_flight = 9  # above 8 (abs) and above 1.5 x 0 (rel)
-    turns.append(text(2, 600))
-    second, why = policy.choose(table.routable(MODEL), chat(*turns))
-    assert second is not first and "overloaded" in why
-    first.in_flight = 8  # no longer above least + 8
-    turns.append(text(3, 600))
-    third, why = policy.choose(table.routable(MODEL), chat(*turns))
-    assert third is second and "held" in why
-
-
-def test_prefix_memory_stays_within_its_bound() -> None:
-    table = make_table([make_engine(i) for i in range(4)])
-    policy = make("prefix_aware", table, prefix_cache_entries=50, prefix_chunk_chars=64)
-    assert isinstance(policy, PrefixAwarePolicy)
-    for c in range(500):
-        turns = [text(c, 500)]
-        for t in range(3):
-            turns.append(text(c * 10 + t, 300))
-            policy.choose(table.routable(MODEL), chat(*turns))
-            assert len(policy) <= 50
-    engine, _ = policy.choose(table.routable(MODEL), chat(*turns, "and one more question"))
-    recent, why = policy.choose(table.routable(MODEL), chat(*turns, "and one more question"))
-    assert recent is engine and "held" in why
-
-
-def test_prefix_prompts_shorter_than_a_chunk_go_to_the_least_loaded() -> None:
+def test_prefix_without_a_prompt_goes_to_the_least_loaded() -> None:
     engines = [make_engine(i) for i in range(2)]
     table = make_table(engines)
     policy = make("prefix_aware", table)
     engines[0].in_flight = 1
-    engine, why = policy.choose(table.routable(MODEL), RequestInfo(MODEL, prompt="short"))
-    assert engine is engines[1] and "no match in 0 chunks" in why
+    engine, why = policy.choose(table.routable(MODEL), RequestInfo(MODEL, opening=None))
+    assert engine is engines[1] and "no key" in why
 
 
-def test_prefix_removed_engine_is_forgotten_at_once() -> None:
+def test_prefix_removed_engine_gets_nothing_and_a_returning_one_its_share_back() -> None:
     engines = [make_engine(i) for i in range(3)]
     table = make_table(engines)
     policy = make("prefix_aware", table)
-    assert isinstance(policy, PrefixAwarePolicy)
-    turns = [text(5, 3000)]
-    holder, _ = policy.choose(table.routable(MODEL), chat(*turns))
-    assert policy.owners() == {holder.uid}
+    info = chat(text(5, 3000))
+    holder, _ = policy.choose(table.routable(MODEL), info)
     table.remove(holder.uid)
-    assert policy.owners() == set() and len(policy) == 0
-    turns.append(text(6, 400))
-    second, why = policy.choose(table.routable(MODEL), chat(*turns))
-    assert second is not holder and "no match" in why
-
-
-def test_prefix_forgotten_engine_that_returns_gets_no_old_conversations() -> None:
-    engines = [make_engine(i) for i in range(12)]  # enough engines to defer the sweep
-    table = make_table(engines)
-    policy = make("prefix_aware", table)
-    assert isinstance(policy, PrefixAwarePolicy)
-    turns = [text(9, 3000)]
-    holder, _ = policy.choose(table.routable(MODEL), chat(*turns))
-    table.remove(holder.uid)
-    assert holder.uid not in policy.owners()
+    second, _ = policy.choose(table.routable(MODEL), info)
+    assert second is not holder
     back = make_engine(int(holder.uid[4:]))  # same uid, e.g. a static engine re-added
     table.put(back)
-    for engine in engines:
-        engine.in_flight = 2
-    back.in_flight = 1  # the least loaded, and within the prefix balance: it would win a match
-    turns.append(text(10, 400))
-    engine, why = policy.choose(table.routable(MODEL), chat(*turns))
-    assert engine is back and "no match" in why
+    assert policy.choose(table.routable(MODEL), info)[0] is back  # the ring is the ring
 
 
 # -- every policy ------------------------------------------------------------------------------
@@ -453,15 +490,15 @@ def test_a_dropped_policy_is_not_kept_alive_by_the_table() -> None:
 @given(name=st.sampled_from(POLICIES), n=st.integers(1, 40),
        loads=st.lists(st.integers(0, 30), min_size=40, max_size=40),
        excluded=st.sets(st.integers(0, 39)), key=st.none() | st.text(max_size=8),
-       prompt=st.none() | st.text(max_size=3000), warm=st.booleans())
+       opening=st.none() | st.text(max_size=3000), warm=st.booleans())
 def test_every_policy_honours_exclude(name: str, n: int, loads: list[int], excluded: set[int],
-                                      key: str | None, prompt: str | None, warm: bool) -> None:
+                                      key: str | None, opening: str | None, warm: bool) -> None:
     engines = [make_engine(i) for i in range(n)]
     for engine, load in zip(engines, loads, strict=False):
         engine.in_flight = load
     table = make_table(engines)
     policy = make(name, table, prefix_chunk_chars=64)
-    info = RequestInfo(MODEL, session_key=key, prompt=prompt)
+    info = RequestInfo(MODEL, session_key=key, opening=opening)
     if warm:  # let affinity point at engines that will then be excluded
         for _ in range(3):
             policy.choose(table.routable(MODEL), info)
@@ -480,7 +517,7 @@ def test_every_policy_honours_exclude(name: str, n: int, loads: list[int], exclu
 
 def test_policy_knobs_are_validated_and_read_from_toml() -> None:
     for bad in ({"session_load_factor": 0.9}, {"session_vnodes": 0}, {"load_kv_weight": -1.0},
-                {"prefix_chunk_chars": 0}, {"prefix_balance_rel": 0.5},
+                {"prefix_chunk_chars": 0}, {"prefix_balance_rel": 0.5}, {"prefix_text_chars": 0},
                 {"prefix_cache_entries": 0}, {"session_header": ""}):
         with pytest.raises(ConfigError):
             RoutingConfig(**bad)
@@ -493,3 +530,12 @@ def test_policy_knobs_are_validated_and_read_from_toml() -> None:
         parse_config({"routing": {"prefix_chunk_size": 1}})
     with pytest.raises(ConfigError, match=r"stats\.timeout_s"):
         parse_config({"stats": {"timeout_s": 0}})
+
+
+def test_the_unused_prefix_memory_bound_is_accepted_with_a_warning(
+        caplog: pytest.LogCaptureFixture) -> None:
+    table = make_table([make_engine(0)])
+    make("prefix_aware", table)
+    assert not caplog.records
+    make("prefix_aware", table, prefix_cache_entries=5)
+    assert "routing.prefix_cache_entries is no longer used" in caplog.text

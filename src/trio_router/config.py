@@ -161,11 +161,14 @@ class RoutingConfig:
     load_kv_weight: float = 4.0
     session_load_factor: float = 1.25  # session: skip an engine above factor * average + 1
     session_vnodes: int = 100  # session: hash-ring points per engine (balance vs memory)
-    prefix_chunk_chars: int = 256  # prefix_aware: prompt characters per hashed chunk
-    prefix_max_chunks: int = 256  # prefix_aware: chunks hashed per request (a prefix window)
-    prefix_cache_entries: int = 131072  # prefix_aware: LRU bound on remembered chunk chains
-    prefix_balance_abs: float = 8.0  # prefix_aware: the matched engine is overloaded when
-    prefix_balance_rel: float = 1.5  # load > least + abs and load > rel * least (least loaded)
+    # prefix_aware: a chat's opening is read up to prefix_chunk_chars * prefix_max_chunks
+    # characters (a window); a text prompt's, up to prefix_text_chars.
+    prefix_chunk_chars: int = 256
+    prefix_max_chunks: int = 256
+    prefix_text_chars: int = 1024
+    prefix_cache_entries: int = 131072  # no longer used (accepted: older files still load)
+    prefix_balance_abs: float = 8.0  # prefix_aware: skip an engine whose load is above
+    prefix_balance_rel: float = 1.5  # rel * average + abs, for the next on the ring
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -180,6 +183,7 @@ class RoutingConfig:
             if not getattr(self, key) >= 1:
                 raise ConfigError(f"routing.{key} must be >= 1, got {getattr(self, key)!r}")
         for key, top in (("session_vnodes", 1000), ("prefix_chunk_chars", 1 << 20),
+                         ("prefix_text_chars", 1 << 20),
                          ("prefix_max_chunks", 1 << 16), ("prefix_cache_entries", 1 << 26)):
             if not 1 <= getattr(self, key) <= top:
                 raise ConfigError(f"routing.{key} must be 1..{top}, got {getattr(self, key)!r}")

@@ -8,21 +8,24 @@ checkpoints, so it sees one consistent table. The only clock read is `trio.curre
 with the number of engines, except where noted (docs/routing.md has the measured figures).
 
 Policies: `round_robin`, `least_loaded` (power of two choices), `session` (consistent hashing
-with bounded load) and `prefix_aware` (approximate prefix-cache affinity). `make_policy` builds
-one from the config and subscribes it to engine removals: from the moment an engine leaves the
-table, nothing the policy remembers can route to it, and its memory is freed at once (or, in a
-mass removal, in one batched pass).
+of a session key with bounded load) and `prefix_aware` (the same, keyed by the opening of the
+conversation, for prefix-cache affinity). Both hashing policies are deterministic functions of
+the request, the engine set and the load figures: every router replica, a fresh one included,
+makes the same choice from the same inputs, with no shared state. `make_policy` builds a
+policy from the config and subscribes it to engine removals: from the moment an engine leaves
+the table, nothing the policy holds can route to it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import itertools
+import logging
 import random
 import struct
 import weakref
+import zlib
 from bisect import bisect_left, bisect_right
-from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
@@ -33,6 +36,8 @@ from .config import RoutingConfig
 from .endpoints import Engine, RoutingTable
 from .errors import BadRequestError, NoEngineError
 
+logger = logging.getLogger(__name__)
+
 EXACT_SCAN_MAX: Final = 16  # least_loaded compares every candidate up to this many, else p2c
 LOAD_SAMPLE: Final = 16  # session bound: average over all candidates up to this many, else
 AVERAGE_SAMPLE: Final = 32  # over this many random ones,
@@ -42,6 +47,8 @@ RING_REBUILD_MIN: Final = 16  # new engines at once from which the ring is rebui
 _POINTS_PER_DIGEST: Final = 8  # 64-bit ring points per 64-byte BLAKE2b digest
 _POINTS: Final = struct.Struct(">8Q")
 _ROLE_SEP, _MESSAGE_SEP = "\x1f", "\x1e"  # separators that do not occur in ordinary text
+_UNUSED_DEFAULT: Final = RoutingConfig.__dataclass_fields__["prefix_cache_entries"].default
+_HEADER_ROLES: Final = frozenset({"system", "developer"})  # a conversation's shared header
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +57,7 @@ class RequestInfo:
 
     model: str
     session_key: str | None = None  # routing.session_header, else body["user"], else None
-    prompt: str | None = None  # chat messages rendered in order, or body["prompt"]; bounded
+    opening: str | None = None  # prefix_aware: the conversation's opening (`render_opening`)
 
 
 class Policy(Protocol):
@@ -75,9 +82,9 @@ def request_info(body: dict[str, Any],
                  headers: Mapping[str, str] | Iterable[tuple[bytes, bytes]],
                  config: RoutingConfig) -> RequestInfo:
     """The routing facts of a parsed request body. `headers` is a mapping with lower-case
-    names, or ASGI's list of (name, value) byte pairs. The prompt is cut to the prefix window
-    (`prefix_chunk_chars * prefix_max_chunks` characters), so its cost is bounded.
-    Raises BadRequestError when the body has no "model" string."""
+    names, or ASGI's list of (name, value) byte pairs. The opening is read for `prefix_aware`
+    only, and is bounded (`render_opening`). Raises BadRequestError when the body has no
+    "model" string."""
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequestError('the request body needs a "model" string')
@@ -85,8 +92,11 @@ def request_info(body: dict[str, Any],
     if not key:
         user = body.get("user")
         key = user if isinstance(user, str) and user else None
-    limit = config.prefix_chunk_chars * config.prefix_max_chunks
-    return RequestInfo(model=model, session_key=key, prompt=render_prompt(body, limit=limit))
+    opening = None
+    if config.policy == "prefix_aware":
+        opening = render_opening(body, limit=config.prefix_chunk_chars * config.prefix_max_chunks,
+                                 text_limit=config.prefix_text_chars)
+    return RequestInfo(model=model, session_key=key, opening=opening)
 
 
 def _header(headers: Mapping[str, str] | Iterable[tuple[bytes, bytes]], name: str) -> str | None:
@@ -98,6 +108,27 @@ def _header(headers: Mapping[str, str] | Iterable[tuple[bytes, bytes]], name: st
         if key.lower() == wanted:
             return raw.decode("latin-1")
     return None
+
+
+def render_opening(body: Mapping[str, Any], *, limit: int, text_limit: int) -> str | None:
+    """What stands for a conversation in every one of its turns: for chat, its leading
+    system (or developer) messages and the first message after them, rendered, at most `limit`
+    characters; for a text prompt, its first `text_limit` characters. Later turns only append
+    messages, so every turn has the same opening; conversations that share a system prompt
+    differ in their first user message. None when the body has neither."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return render_prompt(body, limit=text_limit)
+    parts: list[str] = []
+    size = 0
+    for message in messages:
+        if isinstance(message, dict):
+            text = _render_message(message)
+            parts.append(text)
+            size += len(text)
+            if size >= limit or message.get("role") not in _HEADER_ROLES:
+                break
+    return "".join(parts)[:limit] if parts else None
 
 
 def render_prompt(body: Mapping[str, Any], *, limit: int) -> str | None:
@@ -375,33 +406,53 @@ def key_hash(key: str) -> int:
     return int.from_bytes(digest, "big")
 
 
+def opening_hash(key: str) -> int:
+    """A 64-bit hash of a conversation's opening, the same in every process. Openings run to
+    tens of KiB: CRC-32 reads the whole of it (several times faster than a cryptographic
+    hash), BLAKE2b mixes that with its length and first 256 bytes into a uniform ring
+    position. Two openings share a position only if all three agree: they then share an
+    engine, which is harmless."""
+    raw = key.encode("utf-8", "surrogatepass")
+    digest = hashlib.blake2b(b"%d:%d:" % (zlib.crc32(raw), len(raw)) + raw[:256],
+                             digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
 class SessionPolicy:
     """Session affinity: consistent hashing of the session key onto a ring of the model's
     engines, so every replica with the same engines picks the same one for a key, and losing
     one of N engines moves only its ~1/N of the keys. Bounded load: an engine whose load is
-    above `load_factor` * average + 1 is passed over for the next one clockwise (at most
+    above `load_factor` * average + `slack` is passed over for the next one clockwise (at most
     WALK_MAX of them, then least_loaded). Without a key: least_loaded."""
 
     name = "session"
 
     def __init__(self, gauge: LoadGauge, fallback: LeastLoadedPolicy, rng: random.Random, *,
-                 load_factor: float, vnodes: int) -> None:
+                 load_factor: float, vnodes: int, slack: float = 1.0) -> None:
         self._gauge, self._fallback, self._random = gauge, fallback, rng.random
-        self._load_factor = load_factor
+        self._load_factor, self._slack = load_factor, slack
         self._ring = _HashRing(vnodes)
         self._views: dict[str, _View] = {}
+
+    @staticmethod
+    def key(request: RequestInfo) -> str | None:
+        """What the request is placed by."""
+        return request.session_key
+
+    hash = staticmethod(key_hash)  # the key's place on the ring
 
     def choose(self, candidates: Sequence[Engine], request: RequestInfo,
                exclude: Collection[str] = ()) -> tuple[Engine, str]:
         now = self._gauge.now()
-        if request.session_key is None or not candidates:
+        key = self.key(request)
+        if key is None or not candidates:
             engine, load, how = self._fallback.pick(candidates, exclude, now, request.model)
-            return engine, f"session: no key; least loaded ({how}): load {load:.3g}"
+            return engine, f"{self.name}: no key; least loaded ({how}): load {load:.3g}"
         view = self._view(request.model, candidates)
         by_uid, n = view.by_uid, len(view.by_uid)
         points, owners = view.ring or (self._ring.points, self._ring.owners)
         size = len(points)
-        i = bisect_right(points, key_hash(request.session_key))
+        i = bisect_right(points, self.hash(key))
         load_of = self._gauge.of
         bound: float | None = None
         passed = 0
@@ -417,10 +468,10 @@ class SessionPolicy:
             visited.add(uid)
             if uid not in exclude:
                 load = load_of(candidate, now)
-                if load <= 1.0:  # the bound is at least 1: no need for the average
+                if load <= self._slack:  # the bound is at least the slack: no average needed
                     return candidate, self._why(passed, load, bound)
                 if bound is None:
-                    bound = self._load_factor * self._average(view, now) + 1.0
+                    bound = self._load_factor * self._average(view, now) + self._slack
                 if load <= bound:
                     return candidate, self._why(passed, load, bound)
                 passed += 1
@@ -429,14 +480,13 @@ class SessionPolicy:
             if len(visited) == n:
                 break
         engine, load, how = self._fallback.pick(candidates, exclude, now, request.model)
-        return engine, (f"session: {passed} ring engine(s) over the load bound "
+        return engine, (f"{self.name}: {passed} ring engine(s) over the load bound "
                         f"{bound or 0:.3g}; least loaded ({how}): load {load:.3g}")
 
-    @staticmethod
-    def _why(passed: int, load: float, bound: float | None) -> str:
+    def _why(self, passed: int, load: float, bound: float | None) -> str:
         if not passed:
-            return f"session: ring owner, load {load:.3g}"
-        return (f"session: next on the ring after {passed} over the load bound "
+            return f"{self.name}: ring owner, load {load:.3g}"
+        return (f"{self.name}: next on the ring after {passed} over the load bound "
                 f"{bound or 0:.3g}, load {load:.3g}")
 
     def _average(self, view: _View, now: float) -> float:
@@ -478,129 +528,25 @@ class SessionPolicy:
         self._views = {m: v for m, v in self._views.items() if uid not in v.by_uid}
 
 
-class PrefixAwarePolicy:
-    """Approximate prefix-cache affinity. The prompt is cut into `chunk_chars`-character
-    chunks (at most `max_chunks`), each chunk's key hashing the model and the whole prefix up
-    to it (a chain). An LRU of at most `capacity` keys remembers which engine last served each
-    prefix; a request goes to the engine holding its longest remembered prefix unless that
-    engine is overloaded compared with the least loaded (load above least + `balance_abs` and
-    above `balance_rel` * least), else to the least loaded. The choice is then recorded for
-    every chunk of the prompt. Keys use Python's keyed `hash()`: the memory is per process and
-    never shared, so it need not be stable across processes."""
+class PrefixAwarePolicy(SessionPolicy):
+    """Prefix-cache affinity without shared state: the session policy's consistent hashing
+    with bounded load, keyed by the conversation's opening (`render_opening`: its system
+    prompt and first user message, or a text prompt's first characters). Every turn of a
+    conversation has the same opening, so all its turns go to one engine, the one whose
+    prefix cache holds the conversation so far, and every replica, a restarted one included,
+    picks that same engine. Conversations that share a long system prompt but not their first
+    message spread over the engines (each engine caches the shared part once). Requests with
+    the same opening, a hot one, fill their owner up to the load bound and spill to the next
+    engines on the ring, the same ones on every replica; they return as load falls. Without
+    a prompt: least_loaded."""
 
     name = "prefix_aware"
 
-    def __init__(self, gauge: LoadGauge, fallback: LeastLoadedPolicy, *, chunk_chars: int,
-                 max_chunks: int, capacity: int, balance_abs: float,
-                 balance_rel: float) -> None:
-        self._gauge, self._fallback = gauge, fallback
-        self._chunk_chars, self._capacity = chunk_chars, capacity
-        self._slices = [slice(i * chunk_chars, (i + 1) * chunk_chars) for i in range(max_chunks)]
-        self._balance_abs, self._balance_rel = balance_abs, balance_rel
-        self._entries: OrderedDict[int, str] = OrderedDict()  # chain key -> engine uid
-        self._views: dict[str, _View] = {}
-        self._known: set[str] = set()  # uids seen among candidates and not forgotten
-        self._dead: set[str] = set()  # forgotten uids that may still own entries
+    @staticmethod
+    def key(request: RequestInfo) -> str | None:
+        return request.opening
 
-    def __len__(self) -> int:
-        """Remembered chunk chains (at most `capacity`)."""
-        return len(self._entries)
-
-    def owners(self) -> set[str]:
-        """The uids that own at least one remembered chain (O(entries): for tests and debug)."""
-        return set(self._entries.values()) - self._dead
-
-    def chunk_keys(self, model: str, prompt: str | None) -> list[int]:
-        """The chain keys of the full chunks of `prompt`, shortest prefix first."""
-        if not prompt:
-            return []
-        key, keys = hash(model), []
-        for part in itertools.islice(self._slices, len(prompt) // self._chunk_chars):
-            key = hash((key, prompt[part]))
-            keys.append(key)
-        return keys
-
-    def choose(self, candidates: Sequence[Engine], request: RequestInfo,
-               exclude: Collection[str] = ()) -> tuple[Engine, str]:
-        now = self._gauge.now()
-        if not candidates:
-            raise _no_engine(request.model, candidates)
-        by_uid = self._view(request.model, candidates).by_uid
-        keys = self.chunk_keys(request.model, request.prompt)
-        matched, depth = self._longest_match(keys, by_uid, exclude)
-        if matched is not None:
-            load = self._gauge.of(matched, now)
-            if load <= self._balance_abs:  # cannot exceed least + abs: no need to look
-                self._record(keys, matched.uid)
-                return matched, f"prefix: {depth}/{len(keys)} chunks held, load {load:.3g}"
-            least, least_load, how = self._fallback.pick(candidates, exclude, now,
-                                                         request.model)
-            if not (load > least_load + self._balance_abs
-                    and load > least_load * self._balance_rel):
-                self._record(keys, matched.uid)
-                return matched, (f"prefix: {depth}/{len(keys)} chunks held, load {load:.3g} "
-                                 f"(least {least_load:.3g})")
-            self._record(keys, least.uid)
-            return least, (f"prefix: holder of {depth}/{len(keys)} chunks overloaded "
-                           f"({load:.3g}); least loaded ({how}): load {least_load:.3g}")
-        least, least_load, how = self._fallback.pick(candidates, exclude, now, request.model)
-        self._record(keys, least.uid)
-        return least, f"prefix: no match in {len(keys)} chunks; least loaded ({how}): " \
-                      f"load {least_load:.3g}"
-
-    def _longest_match(self, keys: list[int], by_uid: dict[str, Engine],
-                       exclude: Collection[str]) -> tuple[Engine | None, int]:
-        """Binary search for the longest remembered prefix, then walk down to one whose
-        engine may take the request. `_record` stores a prompt's keys longest first, so a
-        shorter prefix is never older than a longer one and eviction keeps the remembered
-        prefixes of a prompt contiguous from the start: "chunk i is remembered" is monotone."""
-        entries = self._entries
-        lo, hi = 0, len(keys)  # keys[:lo] known remembered; keys[hi:] known not remembered
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if keys[mid - 1] in entries:
-                lo = mid
-            else:
-                hi = mid - 1
-        for depth in range(lo, 0, -1):
-            uid = entries.get(keys[depth - 1])
-            if uid is not None and uid not in exclude and (engine := by_uid.get(uid)):
-                return engine, depth
-        return None, 0
-
-    def _record(self, keys: list[int], uid: str) -> None:
-        entries = self._entries
-        move = entries.move_to_end
-        for key in reversed(keys):  # longest first: shorter prefixes end up more recent
-            entries[key] = uid
-            move(key)
-        while len(entries) > self._capacity:
-            entries.popitem(last=False)
-
-    def _view(self, model: str, candidates: Sequence[Engine]) -> _View:
-        view = self._views.get(model)
-        if view is None or view.source is not candidates:
-            view = self._views[model] = _View(candidates, {e.uid: e for e in candidates})
-            if not self._dead.isdisjoint(view.by_uid):
-                self._sweep()  # a forgotten uid is back: its old entries must not return
-            self._known.update(view.by_uid)
-        return view
-
-    def forget(self, uid: str) -> None:
-        """Never match `uid` again from now on; its entries are swept at once when few engines
-        are known, else once an eighth of the known engines are forgotten (one pass over the
-        LRU for many removals). Meanwhile they cannot match: lookups only accept candidates."""
-        self._views = {m: v for m, v in self._views.items() if uid not in v.by_uid}
-        self._known.discard(uid)
-        self._dead.add(uid)
-        if len(self._dead) * 8 > len(self._known):
-            self._sweep()
-
-    def _sweep(self) -> None:
-        dead, entries = self._dead, self._entries
-        for key in [k for k, uid in entries.items() if uid in dead]:
-            del entries[key]
-        dead.clear()
+    hash = staticmethod(opening_hash)
 
 
 def make_policy(config: RoutingConfig, table: RoutingTable, *,
@@ -624,10 +570,12 @@ def make_policy(config: RoutingConfig, table: RoutingTable, *,
         policy = SessionPolicy(gauge, least, rng, load_factor=config.session_load_factor,
                                vnodes=config.session_vnodes)
     elif config.policy == "prefix_aware":
-        policy = PrefixAwarePolicy(
-            gauge, least, chunk_chars=config.prefix_chunk_chars,
-            max_chunks=config.prefix_max_chunks, capacity=config.prefix_cache_entries,
-            balance_abs=config.prefix_balance_abs, balance_rel=config.prefix_balance_rel)
+        if config.prefix_cache_entries != _UNUSED_DEFAULT:
+            logger.warning("routing.prefix_cache_entries is no longer used: prefix_aware keeps "
+                           "no memory (its choice depends on the request, the engines and "
+                           "their load only)")
+        policy = PrefixAwarePolicy(gauge, least, rng, load_factor=config.prefix_balance_rel,
+                                   slack=config.prefix_balance_abs, vnodes=config.session_vnodes)
     else:  # RoutingConfig validates the name
         raise ValueError(f"unknown routing policy {config.policy!r}")
     # A weak reference: a policy replaced on a config reload must not be kept alive (with its
