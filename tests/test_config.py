@@ -1,4 +1,4 @@
-"""The TOML loader: defaults, the contract's keys, and errors that name the key and the file."""
+"""The TOML loader: defaults, the documented keys, and errors that name the key and the file."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from trio_router.config import Config, dump_toml, load_config, parse_bind, parse_config
 from trio_router.errors import ConfigError
 
-CONTRACT_EXAMPLE = """
+DOCUMENTED_EXAMPLE = """
 [server]
 bind = "127.0.0.1:8080"
 drain_s = 30.0
@@ -52,8 +52,8 @@ def write(tmp_path: Path, text: str) -> Path:
     return path
 
 
-def test_contract_example_loads(tmp_path: Path) -> None:
-    config = load_config(write(tmp_path, CONTRACT_EXAMPLE))
+def test_documented_example_loads(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, DOCUMENTED_EXAMPLE))
     assert config.discovery.static.urls == ("http://127.0.0.1:8001", "http://127.0.0.1:8002")
     assert config.probe.timeout_s == 5.0
     assert config.proxy.retries == 2
@@ -104,7 +104,7 @@ def test_missing_file(tmp_path: Path) -> None:
 
 
 def test_dump_round_trips() -> None:
-    config = parse_config(tomllib.loads(CONTRACT_EXAMPLE))
+    config = parse_config(tomllib.loads(DOCUMENTED_EXAMPLE))
     assert parse_config(tomllib.loads(dump_toml(config))) == config
 
 

@@ -1,6 +1,6 @@
 """The discovery core on virtual time: reconciler + per-engine supervisors + routing table.
 
-Each test is named after the DISCOVERY.md §1 property it proves.
+Each test is named after the discovery guarantee it proves.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from trio_router.upstream import UpstreamPool
 
 async def test_deleted_is_never_stuck_behind_probes(autojump_clock: trio.testing.MockClock
                                                     ) -> None:
-    """§1.1: nine engines hang in /v1/models; the tenth is deleted (and, separately, a pod is
+    """Nine engines hang in /v1/models; the tenth is deleted (and, separately, a pod is
     marked terminating): it leaves routing in the same synchronous step, at the same instant."""
     engines = FakeEngines(mode={f"127.0.1.{n}": "hang" for n in range(1, 10)})
     async with open_core(engines) as core:
@@ -46,7 +46,7 @@ async def test_deleted_is_never_stuck_behind_probes(autojump_clock: trio.testing
 
 async def test_scale_up_bursts_probe_concurrently(autojump_clock: trio.testing.MockClock
                                                   ) -> None:
-    """§1.2: 50 pods become Ready within 1 s and every probe takes 2 s: all are routable about
+    """50 pods become Ready within 1 s and every probe takes 2 s: all are routable about
     2 s after the last one arrived, and events are applied without waiting on probes."""
     engines = FakeEngines(mode={f"127.0.1.{n}": "slow:2" for n in range(1, 51)})
     async with open_core(engines) as core:
@@ -61,7 +61,7 @@ async def test_scale_up_bursts_probe_concurrently(autojump_clock: trio.testing.M
 
 
 async def test_no_resurrection(autojump_clock: trio.testing.MockClock) -> None:
-    """§1.3: a probe that completes just after its pod was deleted (or replaced by a newer
+    """A probe that completes just after its pod was deleted (or replaced by a newer
     generation) does not re-add it."""
     engines = FakeEngines(mode={"127.0.1.1": "slow:1"})
     async with open_core(engines) as core:
@@ -89,7 +89,7 @@ async def test_no_resurrection(autojump_clock: trio.testing.MockClock) -> None:
 
 async def test_terminating_means_gone_for_routing(autojump_clock: trio.testing.MockClock
                                                   ) -> None:
-    """§1.4: deletionTimestamp set -> out of routing at once, probes stop; requests already in
+    """DeletionTimestamp set -> out of routing at once, probes stop; requests already in
     flight to it are not touched by discovery."""
     async with open_core() as core:
         core.reconciler.apply(added(make_pod(1)))
@@ -115,7 +115,7 @@ async def test_terminating_means_gone_for_routing(autojump_clock: trio.testing.M
 ])
 async def test_evicted_pods(autojump_clock: trio.testing.MockClock,
                             change: dict[str, str], reason: str) -> None:
-    """§1.5: an empty podIP or phase Failed/Succeeded removes the pod even with Ready True."""
+    """An empty podIP or phase Failed/Succeeded removes the pod even with Ready True."""
     async with open_core() as core:
         core.reconciler.apply(added(make_pod(1)))
         await core.wait_until("routable", "uid-1")
@@ -126,7 +126,7 @@ async def test_evicted_pods(autojump_clock: trio.testing.MockClock,
 
 
 async def test_pods_without_an_ip(autojump_clock: trio.testing.MockClock) -> None:
-    """§1.6: a pod with no IP is tolerated; it becomes routable only after Ready + a probe."""
+    """A pod with no IP is tolerated; it becomes routable only after Ready + a probe."""
     engines = FakeEngines(mode={"127.0.1.1": "slow:1"})
     async with open_core(engines) as core:
         core.reconciler.apply(added(make_pod(1, ready=False, ip="", phase="Pending")))
@@ -144,7 +144,7 @@ async def test_pods_without_an_ip(autojump_clock: trio.testing.MockClock) -> Non
 
 
 async def test_one_probe_failure_then_recovery(autojump_clock: trio.testing.MockClock) -> None:
-    """§1.16: after a failure and then recovery, with no Kubernetes event, the engine is
+    """After a failure and then recovery, with no Kubernetes event, the engine is
     routable again within interval_s + timeout_s; and no pod is ever dropped for good."""
     probe = ProbeConfig(timeout_s=5.0, interval_s=10.0, backoff_max_s=30.0)
     engines = FakeEngines()
@@ -194,7 +194,7 @@ async def test_single_probe_failure_does_not_eject(autojump_clock: trio.testing.
 @pytest.mark.parametrize("mode", ["hang", "drip"])
 async def test_hung_or_slow_drip_probes(autojump_clock: trio.testing.MockClock,
                                         mode: str) -> None:
-    """§1.17: a hung or slow-drip probe is abandoned at timeout_s of wall time (a deadline, not
+    """A hung or slow-drip probe is abandoned at timeout_s of wall time (a deadline, not
     a per-read timeout), affects no other engine, and uses no thread."""
     threads = threading.active_count()
     engines = FakeEngines(mode={"127.0.1.1": mode})
@@ -218,7 +218,7 @@ async def test_hung_or_slow_drip_probes(autojump_clock: trio.testing.MockClock,
 
 
 async def test_unreachable_on_the_wire(autojump_clock: trio.testing.MockClock) -> None:
-    """§1.18 (discovery side): a pod that Kubernetes calls Ready but that refuses connections
+    """A pod that Kubernetes calls Ready but that refuses connections
     is ejected by its first failed probe; a failed request reported by the proxy ejects it at
     once and triggers an immediate re-probe."""
     engines = FakeEngines(mode={"127.0.1.1": "refuse"})
@@ -244,7 +244,7 @@ async def test_unreachable_on_the_wire(autojump_clock: trio.testing.MockClock) -
 
 
 async def test_container_restart(autojump_clock: trio.testing.MockClock) -> None:
-    """§1.19: out at Ready=False; back after Ready=True plus a probe that refreshes models."""
+    """Out at Ready=False; back after Ready=True plus a probe that refreshes models."""
     engines = FakeEngines(models={"127.0.1.1": ["base"]})
     async with open_core(engines) as core:
         core.reconciler.apply(added(make_pod(1)))
@@ -267,7 +267,7 @@ async def test_container_restart(autojump_clock: trio.testing.MockClock) -> None
 
 async def test_unchanged_modified_triggers_no_probe(autojump_clock: trio.testing.MockClock
                                                     ) -> None:
-    """§1.7 (core side): a MODIFIED or a relist that changes nothing routing depends on keeps the
+    """A MODIFIED or a relist that changes nothing routing depends on keeps the
     engine routable and starts no probe."""
     async with open_core() as core:
         core.reconciler.apply(added(make_pod(1)))
@@ -282,7 +282,7 @@ async def test_unchanged_modified_triggers_no_probe(autojump_clock: trio.testing
 
 
 async def test_relist_reconciles_by_difference(autojump_clock: trio.testing.MockClock) -> None:
-    """§1.8/§1.9 (core side): pods missing from a new LIST are removed, new ones probed and
+    """Pods missing from a new LIST are removed, new ones probed and
     added, unchanged ones never leave the table; a name whose UID changed is a delete + add."""
     async with open_core() as core:
         for n in (1, 2, 3):
@@ -299,7 +299,7 @@ async def test_relist_reconciles_by_difference(autojump_clock: trio.testing.Mock
 
 
 async def test_one_address_routes_to_one_entry(autojump_clock: trio.testing.MockClock) -> None:
-    """§4.1: an IP may map to several UIDs; only one routable entry per address is used."""
+    """An IP may map to several UIDs; only one routable entry per address is used."""
     async with open_core() as core:
         core.reconciler.apply(added(make_pod(1)))
         other = type(make_pod(1))(uid="uid-x", name="engine-x", ip="127.0.1.1", ready=True)

@@ -1,4 +1,4 @@
-"""§1.22: randomized event sequences against an oracle (hypothesis).
+"""Randomized event sequences against an oracle (hypothesis).
 
 Random pod events (add, readiness flips, new IPs, restarts, terminating, eviction, delete),
 stream cuts that lose events and end in a relist, and engine probe outcomes that change over

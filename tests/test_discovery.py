@@ -1,5 +1,5 @@
 """The discovery algorithm on Trio's virtual clock (`autojump_clock`), against the Trio-native
-`FakePodSource`: no threads, no sockets. Test names cite the DISCOVERY.md §1 item they prove;
+`FakePodSource`: no threads, no sockets. Each test is named after the guarantee it proves;
 the official client and the thread bridge are tested over real HTTP in
 test_discovery_wire.py."""
 

@@ -1,6 +1,6 @@
 """Discovery over real HTTP: the official Kubernetes client, the watch thread and its bridge to
 Trio, against `FakeApiServer` on 127.0.0.1. Real clock, short real timeouts, `fail_after`.
-Test names cite the DISCOVERY.md §1 item they prove."""
+Each test is named after the guarantee it proves."""
 
 from __future__ import annotations
 

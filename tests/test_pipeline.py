@@ -27,7 +27,7 @@ def engine_pod(n: int, **fields: object) -> dict[str, object]:
 
 
 async def test_1_14_long_api_outage(autojump_clock: trio.testing.MockClock) -> None:
-    """§1.14: through a long API outage the router keeps its last table, keeps probing, ejects
+    """Through a long API outage the router keeps its last table, keeps probing, ejects
     an engine that stops answering and takes it back when it answers again; /health says the
     watch is failing; when the API returns, what changed meanwhile is applied."""
     source, status = FakePodSource(), DiscoveryStatus()
@@ -66,7 +66,7 @@ async def test_1_14_long_api_outage(autojump_clock: trio.testing.MockClock) -> N
 
 async def test_deleted_during_a_probe_storm_is_applied_at_once(
         autojump_clock: trio.testing.MockClock) -> None:
-    """§1.1 through the whole pipeline: the watch applies a DELETED at the virtual instant it
+    """Through the whole pipeline: the watch applies a DELETED at the virtual instant it
     arrives, while nine other engines' probes hang."""
     source, status = FakePodSource(), DiscoveryStatus()
     engines = FakeEngines(mode={f"127.0.1.{n}": "hang" for n in range(1, 10)})

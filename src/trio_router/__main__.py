@@ -157,10 +157,9 @@ def raise_open_files_limit() -> None:
 
 def tune_gc() -> None:
     """Cyclic garbage collection for a long-running server. What is loaded at start-up (the
-    modules and the Kubernetes client: ~56,000 objects) is moved out of the collector's view,
-    and the youngest generation is collected every GC_YOUNG_THRESHOLD allocations instead of
-    700. Without this a full collection paused the router for ~30 ms about twice a second
-    under load, which set its p99 latency (bench/bench_proxy.py, docs/performance.md)."""
+    modules and the Kubernetes client) is moved out of the collector's view, and the youngest
+    generation is collected every GC_YOUNG_THRESHOLD allocations instead of 700, so that full
+    collections, which pause the whole process, stay rare under load."""
     gc.collect()
     gc.freeze()
     gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])

@@ -43,7 +43,7 @@ class ServerConfig:
     drain_s: float = 30.0  # graceful shutdown budget
     max_body_bytes: int = 33554432  # larger request bodies get 413
     api_key_env: str = ""  # env var holding the key clients must send as Bearer
-    # Beyond the contract: bounds against hostile or broken clients.
+    # Bounds against hostile or broken clients.
     max_buffered_body_bytes: int = 201326592  # request bodies held at once, in all (192 MiB)
     request_body_timeout_s: float = 60.0  # a body that stops arriving this long: 408
     write_timeout_s: float = 60.0  # a client taking no response bytes this long: dropped
@@ -103,7 +103,7 @@ class KubernetesConfig:
     label_selector: str = "app=vllm"
     port: int = 8000  # engine port on every pod
     kubeconfig: str = ""  # optional path
-    # Beyond the contract: the watch's tuning knobs (DISCOVERY.md §2).
+    # The watch's tuning knobs.
     read_timeout_s: float = 45.0  # longest silence tolerated on a watch stream before resuming
     relist_interval_s: float = 600.0  # safety-net LIST-and-diff period (jittered ±10%)
     stale_after_s: float = 180.0  # the watch is reported stale after this long without progress
@@ -139,7 +139,7 @@ class ProbeConfig:
     timeout_s: float = 5.0  # hard deadline of one GET /v1/models probe
     interval_s: float = 10.0  # re-probe period of a routable engine
     backoff_max_s: float = 30.0  # failing engines are re-probed with backoff up to this
-    # Beyond the contract:
+    # Tuning:
     failures_to_eject: int = 2  # consecutive failures before a routable engine is ejected
     max_concurrent: int = 1024  # probes in flight at once across all engines
 
@@ -153,7 +153,7 @@ class ProbeConfig:
 class RoutingConfig:
     policy: str = "round_robin"
     session_header: str = "x-session-id"
-    # Beyond the contract: policy knobs (docs/routing.md).
+    # Policy knobs (docs/routing.md).
     # Load of an engine = in-flight requests from this router
     #   + load_queue_weight * (running + waiting, as the engine reports them)
     #   + load_kv_weight * KV-cache usage (0..1); scraped figures count only while fresh.
@@ -195,7 +195,7 @@ class ProxyConfig:
     read_timeout_s: float = 600.0  # longest silence tolerated from an engine mid-response
     retries: int = 2  # other engines tried when one cannot be reached, before any byte is sent
     api_key_env: str = ""  # env var whose value is sent to engines as Bearer (probes too)
-    # Beyond the contract: connection bounds and outlier detection.
+    # Connection bounds and outlier detection.
     max_connections_per_engine: int = 512  # requests wait for a connection beyond this
     eject_after_failures: int = 5  # consecutive failed requests that eject an engine; 0: never
     eject_on_5xx: bool = False  # engine 5xx answers count as failed requests too

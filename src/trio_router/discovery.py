@@ -470,7 +470,7 @@ async def run_kubernetes_discovery(
     tuning: WatchTuning | None = None, rng: random.Random | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Mirror the pods of `source` into `sink` until cancelled (DISCOVERY.md §2).
+    """Mirror the pods of `source` into `sink` until cancelled .
 
     Ready (`task_status.started()`) once the first LIST attempt is over: after a success the
     sink holds every pod; after a failure `status.synced` stays False, so `/health` answers

@@ -19,7 +19,7 @@ NOT_ROUTABLE_PHASES: Final = frozenset({"Failed", "Succeeded", "Unknown"})
 
 @dataclass(frozen=True, slots=True)
 class Pod:
-    """What discovery knows of one pod: the fields the readiness rules read (DISCOVERY.md §4)."""
+    """What discovery knows of one pod: the fields the readiness rules read."""
 
     uid: str
     name: str
@@ -302,7 +302,7 @@ class RoutingTable:
         by_url: dict[str, Engine] = {}
         for engine in self._engines.values():  # insertion order: later entries are newer
             if engine.routable:
-                by_url[engine.url] = engine  # one routable entry per address (§4.1)
+                by_url[engine.url] = engine  # one routable entry per address
         index: dict[str, list[Engine]] = {}
         for engine in by_url.values():
             for model_id in engine.model_ids:

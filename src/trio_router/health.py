@@ -258,7 +258,7 @@ class Supervisors:
                     error = None
                 except ProbeFailed as exc:
                     error = exc
-            # Back from an await: write only if the entry is still the one we probed (§1.3).
+            # Back from an await: write only if the entry is still the one we probed.
             config = self._config
             current = table.current(engine.uid, generation)
             if current is None:

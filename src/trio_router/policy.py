@@ -5,7 +5,7 @@ counts, their scraped stats (ignored once stale), and the policy's own bounded m
 here awaits, does I/O or takes a lock: a decision runs on the Trio thread between two
 checkpoints, so it sees one consistent table. The only clock read is `trio.current_time()`
 (injectable), used to judge whether scraped stats are fresh. Cost per decision does not grow
-with the number of engines, except where noted (docs/routing.md has the measured figures).
+with the number of engines, except where noted.
 
 Policies: `round_robin`, `least_loaded` (power of two choices), `session` (consistent hashing
 of a session key with bounded load) and `prefix_aware` (the same, keyed by the opening of the

@@ -75,7 +75,7 @@ class Reconciler:
             engine.pod = pod  # nothing that routing depends on changed: no new probe
             return
         else:
-            # Back to Ready, a new IP, or a restart: probe afresh before routing (§4.5).
+            # Back to Ready, a new IP, or a restart: probe afresh before routing.
             engine.generation += 1
             engine.url, engine.pod = url, pod
             engine.state, engine.reason = EngineState.PROBING, "waiting for first probe"
