@@ -48,6 +48,7 @@ from typing import Any, Final
 
 import trio
 
+from trio_router.asgi import answer_lifespan
 from trio_router.config import POLICIES
 
 CLOCK_TICKS: Final = os.sysconf("SC_CLK_TCK")
@@ -150,13 +151,8 @@ async def _serve_engines(count: int, gap_s: float) -> None:
 # -- child process: the baseline ------------------------------------------------------------
 async def _baseline_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     if scope["type"] == "lifespan":
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                await send({"type": "lifespan.shutdown.complete"})
-                return
+        await answer_lifespan(receive, send)
+        return
     while (await receive()).get("more_body"):
         pass
     await send({"type": "http.response.start", "status": 200, "headers": [

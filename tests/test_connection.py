@@ -29,6 +29,7 @@ from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 
 from trio_router import connection
+from trio_router.asgi import answer_lifespan
 
 KEEP_ALIVE: Final = 5.0
 BIG: Final = 16 * 1024 * 1024  # more than the kernel takes in one write on loopback
@@ -44,9 +45,7 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     message. /stream/N: N messages of 64 KiB. /paced/N: N messages 1 s apart, noting in
     DISCONNECTS when the client leaves."""
     if scope["type"] == "lifespan":
-        while (await receive())["type"] != "lifespan.shutdown":
-            await send({"type": "lifespan.startup.complete"})
-        await send({"type": "lifespan.shutdown.complete"})
+        await answer_lifespan(receive, send)
         return
     while (await receive()).get("more_body"):
         pass

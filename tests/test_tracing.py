@@ -23,6 +23,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from test_app import CHAT, LIMIT, chat, open_router
 from test_main import open_process, write_config
+from trio_router.asgi import answer_lifespan
 from trio_router.config import Config, TracingConfig
 from trio_router.errors import ConfigError
 from trio_router.server import check_keys
@@ -88,9 +89,7 @@ async def open_collector() -> AsyncIterator[Collector]:
 
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
-            while (await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
+            await answer_lifespan(receive, send)
             return
         body = b""
         while True:

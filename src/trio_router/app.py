@@ -21,7 +21,7 @@ import os
 import re
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, Final, Protocol
@@ -30,6 +30,7 @@ import msgspec
 import trio
 
 from .admission import Admission, Tenant
+from .asgi import Message, Receive, Scope, Send, answer_lifespan
 from .config import Config
 from .endpoints import Engine, RoutingTable
 from .errors import (
@@ -65,10 +66,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 access_logger = logging.getLogger("trio_router.access")  # one record per proxied request
 
-Scope = dict[str, Any]
-Message = dict[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 
 PROXIED_PATHS: Final = frozenset({
     "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/tokenize",
@@ -219,7 +216,7 @@ class RouterApp:
             else:
                 await self._admin(scope, send)
         elif kind == "lifespan":
-            await self._lifespan(receive, send)
+            await answer_lifespan(receive, send)
         elif kind == "websocket":
             await self._refuse_websocket(scope, receive, send)
 
@@ -239,17 +236,6 @@ class RouterApp:
             await send({"type": "websocket.http.response.body", "body": body})
         else:
             await send({"type": "websocket.close", "code": 1003})
-
-    @staticmethod
-    async def _lifespan(receive: Receive, send: Send) -> None:
-        """Answer startup and shutdown; the server's own nursery owns everything else."""
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                await send({"type": "lifespan.shutdown.complete"})
-                return
 
     # -- the proxy -----------------------------------------------------------------------
     async def _proxy_traced(self, tracing: Tracing, scope: Scope, receive: Receive,

@@ -34,6 +34,7 @@ import trio
 import urllib3
 from kubernetes.client.exceptions import ApiException
 
+from .asgi import jittered
 from .config import KubernetesConfig
 from .endpoints import EngineState, EventType, Pod, PodEvent, RoutingTable
 from .errors import DiscoveryError
@@ -526,9 +527,8 @@ class _DiscoveryLoop:
         self._status.record_list(now, listing.resource_version)
         self._rv = listing.resource_version
         self._fresh_list = True
-        jitter = self._tuning.relist_jitter
-        self._relist_at = now + self._config.relist_interval_s * self._rng.uniform(
-            1 - jitter, 1 + jitter)
+        self._relist_at = now + jittered(self._config.relist_interval_s,
+                                         self._tuning.relist_jitter, self._rng)
         logger.log(logging.INFO if first else logging.DEBUG,
                    "listed %d pod(s) in %s matching %r at resourceVersion %s",
                    len(listing.pods), self._config.namespace or "(the router's own namespace)",
@@ -839,7 +839,7 @@ class _WatchStream:
         False, quietly, when the stream was stopped or the Trio run has finished."""
         try:
             return bool(trio.from_thread.run_sync(self._apply, batch, trio_token=self._token))
-        except (trio.RunFinishedError, trio.Cancelled):
+        except trio.RunFinishedError:
             return False
 
     def _stream(self, config: KubernetesConfig) -> None:

@@ -20,6 +20,7 @@ from typing import Any, Final
 
 import trio
 
+from .asgi import jittered
 from .config import ProbeConfig, ProxyConfig
 from .endpoints import Engine, EngineState, Model, RoutingTable
 from .errors import UpstreamError, UpstreamTimeoutError
@@ -290,7 +291,7 @@ class Supervisors:
                 table.mark_failed(engine.uid, generation, str(error), eject=eject)
                 delay = min(config.backoff_max_s,
                             min(BACKOFF_START_S, config.interval_s) * 2 ** (failures - 1))
-            delay *= self._random.uniform(1 - JITTER, 1 + JITTER)
+            delay = jittered(delay, JITTER, self._random)
             if (wake := self._wake.get(engine.uid)) is None:
                 return  # stopped while the probe was finishing
             with trio.move_on_after(delay):

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import logging
 import math
-import random
 import re
 from collections.abc import Callable
 from typing import Final
 
 import trio
 
+from .asgi import jittered
 from .endpoints import Engine, RequestStats, RoutingTable
 from .errors import UpstreamError, UpstreamTimeoutError
 from .upstream import UpstreamPool, fetch
@@ -142,7 +142,7 @@ async def run_stats_scraper(engine: Engine, table: RoutingTable, pool: UpstreamP
         now = trio.current_time()
         if engine.stats and not now - engine.stats.get("scraped_at", -math.inf) <= stale_after:
             engine.stats = {}
-        await trio.sleep_until(started + interval * random.uniform(1 - JITTER, 1 + JITTER))
+        await trio.sleep_until(started + jittered(interval, JITTER))
 
 
 async def _fetch(pool: UpstreamPool, url: str,

@@ -20,7 +20,7 @@ import logging
 import time
 import zlib
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
 from functools import partial
@@ -31,6 +31,8 @@ import httpx
 import hypercorn.config
 import hypercorn.trio
 import trio
+
+from .asgi import Message, Receive, Scope, Send, answer_lifespan
 
 __all__ = [
     "FakeEngine",
@@ -45,10 +47,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-ASGIScope = dict[str, Any]
-ASGIMessage = dict[str, Any]
-ASGIReceive = Callable[[], Awaitable[ASGIMessage]]
-ASGISend = Callable[[ASGIMessage], Awaitable[None]]
 
 REPLY_WORDS: Final = (
     "Hello", " from", " a", " fake", " OpenAI-compatible", " engine", " behind", " trio_router",
@@ -269,9 +267,9 @@ class FakeEngineApp:
         self.engine = engine
         self._counter = 0
 
-    async def __call__(self, scope: ASGIScope, receive: ASGIReceive, send: ASGISend) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            await self._lifespan(receive, send)
+            await answer_lifespan(receive, send)
             return
         if scope["type"] != "http":
             return
@@ -295,7 +293,7 @@ class FakeEngineApp:
         inference = scope["path"] in _POST_HANDLERS
         finished = False  # the last body message was handed to the server
 
-        async def tracked_send(message: ASGIMessage) -> None:
+        async def tracked_send(message: Message) -> None:
             nonlocal finished
             if message["type"] == "http.response.body" and not message.get("more_body"):
                 finished = True
@@ -333,17 +331,8 @@ class FakeEngineApp:
         if aborted:
             raise FakeEngineAbort(f"{engine.name}: stream broken off on purpose")
 
-    async def _lifespan(self, receive: ASGIReceive, send: ASGISend) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                await send({"type": "lifespan.shutdown.complete"})
-                return
-
     # -- dispatch ----------------------------------------------------------------------------
-    async def _answer(self, scope: ASGIScope, body: bytes, send: ASGISend) -> bool:
+    async def _answer(self, scope: Scope, body: bytes, send: Send) -> bool:
         """Send the whole reply; True if a stream was broken off on purpose."""
         engine = self.engine
         method, path = scope["method"], scope["path"]
@@ -408,7 +397,7 @@ class FakeEngineApp:
         if engine.gate is not None:
             await engine.gate.wait()
 
-    async def _stream(self, send: ASGISend, events: list[bytes]) -> bool:
+    async def _stream(self, send: Send, events: list[bytes]) -> bool:
         engine = self.engine
         await send({"type": "http.response.start", "status": 200,
                     "headers": [*_SSE_HEADERS, *self._common_headers()]})
@@ -433,11 +422,11 @@ class FakeEngineApp:
             headers.append((b"date", email.utils.formatdate(usegmt=True).encode()))
         return headers
 
-    async def _send_json(self, send: ASGISend, status: int, payload: Any) -> None:
+    async def _send_json(self, send: Send, status: int, payload: Any) -> None:
         body = json.dumps(payload, separators=(",", ":")).encode()
         await self._send_bytes(send, status, body, b"application/json")
 
-    async def _send_bytes(self, send: ASGISend, status: int, body: bytes,
+    async def _send_bytes(self, send: Send, status: int, body: bytes,
                           content_type: bytes | None) -> None:
         headers = [(b"content-length", b"%d" % len(body)), *self._common_headers()]
         if content_type is not None:
