@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from core_fakes import FakeEngines, added, deleted, make_pod, modified, open_core
 from trio_router.config import ProbeConfig
-from trio_router.endpoints import Pod, PodEvent
+from trio_router.table import Pod, PodEvent
 
 
 def ip_of(n: int) -> str:

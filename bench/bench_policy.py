@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from trio_router.config import POLICIES, RoutingConfig
-from trio_router.endpoints import Engine, EngineState, Model, RoutingTable
 from trio_router.policy import Policy, RequestInfo, make_policy, request_info
 from trio_router.stats import parse_vllm_metrics
+from trio_router.table import Engine, EngineState, Model, RoutingTable
 
 MODEL = "llama"
 SIZES = (4, 10, 100, 1000)  # engines

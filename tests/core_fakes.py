@@ -14,9 +14,9 @@ import trio
 
 from fake_network import CloseConnection, FakeNetwork, FakeReply, FakeRequest
 from trio_router.config import ProbeConfig
-from trio_router.endpoints import EventType, Pod, PodEvent, RoutingTable
 from trio_router.health import Prober, Supervisors, open_supervisors
 from trio_router.reconcile import Reconciler
+from trio_router.table import EventType, Pod, PodEvent, RoutingTable
 
 PORT = 8000
 

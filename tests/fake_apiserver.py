@@ -27,14 +27,10 @@ from urllib.parse import parse_qsl, urlsplit
 import h11
 import trio
 
-from trio_router.discovery import (
-    PodListing,
-    WatchObserver,
-    pod_from_dict,
-    watch_event_from_dict,
-)
-from trio_router.endpoints import EventType, Pod, PodEvent
+from trio_router.discovery import PodListing, WatchObserver
 from trio_router.errors import DiscoveryError
+from trio_router.kubernetes_source import pod_from_dict, watch_event_from_dict
+from trio_router.table import EventType, Pod, PodEvent
 
 RawObject = dict[str, Any]
 TRUE: Final = ("true", "True", "1")

@@ -17,9 +17,9 @@ import trio.testing
 from test_app import CHAT, LIMIT, chat, open_router
 from trio_router.admission import Admission, Tenant
 from trio_router.config import AdmissionConfig, RoutingConfig, TenantConfig
-from trio_router.endpoints import Engine, EngineState, Model, RoutingTable
 from trio_router.errors import NoEngineError, QueueTimeoutError, RateLimitedError
 from trio_router.policy import RequestInfo, make_policy
+from trio_router.table import Engine, EngineState, Model, RoutingTable
 from trio_router.testing import FakeEngine
 from trio_router.upstream import CLIENT_CHECK_S, ClientGoneError
 

@@ -32,8 +32,8 @@ from trio_router.config import (
     StaticConfig,
     StatsConfig,
 )
-from trio_router.endpoints import RoutingTable
 from trio_router.errors import ConfigError
+from trio_router.table import RoutingTable
 from trio_router.testing import FakeEngine, serve_fake_engine
 
 LIMIT: Final = 10.0  # seconds; every test is far quicker, this only bounds a hang

@@ -14,8 +14,8 @@ import trio.testing
 
 from core_fakes import FakeEngines, added, deleted, make_pod, modified, open_core
 from trio_router.config import ProbeConfig
-from trio_router.endpoints import EngineState, Model, RoutingTable
 from trio_router.health import ProbeFailed, Prober, parse_models
+from trio_router.table import EngineState, Model, RoutingTable
 from trio_router.upstream import UpstreamPool
 
 

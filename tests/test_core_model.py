@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from core_fakes import FakeEngines, added, deleted, modified, open_core
 from trio_router.config import ProbeConfig
-from trio_router.endpoints import Pod
+from trio_router.table import Pod
 
 PODS = 6
 SETTLE_S = 120.0  # > the longest path to routable: capped backoff + deadline + interval
@@ -119,7 +119,7 @@ async def run_scenario(steps: list[tuple[Any, ...]]) -> None:
 
 
 def check_invariants(table: object, oracle: Oracle) -> None:
-    from trio_router.endpoints import RoutingTable
+    from trio_router.table import RoutingTable
 
     assert isinstance(table, RoutingTable)
     uids = {e.uid for e in table}

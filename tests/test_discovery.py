@@ -31,12 +31,10 @@ from trio_router.discovery import (
     Readiness,
     StaticDiscoveryStatus,
     WatchTuning,
-    _decode_event,
-    pod_from_dict,
     run_kubernetes_discovery,
-    watch_event_from_dict,
 )
-from trio_router.endpoints import Engine, EventType, RoutingTable
+from trio_router.kubernetes_source import _decode_event, pod_from_dict, watch_event_from_dict
+from trio_router.table import Engine, EventType, RoutingTable
 
 CONFIG = KubernetesConfig(relist_interval_s=3600.0, stale_after_s=180.0)
 REFUSED = KubernetesConnectionError("Kubernetes API unreachable: connection refused")

@@ -18,16 +18,14 @@ from core_fakes import open_core
 from fake_apiserver import FakeApiServer, RecordingSink, WatchPlan
 from trio_router.config import KubernetesConfig
 from trio_router.discovery import (
-    WATCH_THREAD_NAME,
     DiscoveryStatus,
-    KubernetesPodSource,
     PodSink,
     WatchEvent,
     WatchTuning,
-    _WatchStream,
     run_kubernetes_discovery,
 )
-from trio_router.endpoints import EventType
+from trio_router.kubernetes_source import WATCH_THREAD_NAME, KubernetesPodSource, _WatchStream
+from trio_router.table import EventType
 
 FAST = WatchTuning(backoff_initial_s=0.05, backoff_max_s=0.4)
 LIMIT_S = 10  # every test ends well within this many real seconds

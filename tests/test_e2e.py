@@ -33,8 +33,8 @@ from trio_router.config import (
     ServerConfig,
     StatsConfig,
 )
-from trio_router.discovery import LIST_THREAD_NAME, WATCH_THREAD_NAME
-from trio_router.endpoints import RoutingTable
+from trio_router.kubernetes_source import LIST_THREAD_NAME, WATCH_THREAD_NAME
+from trio_router.table import RoutingTable
 from trio_router.testing import FakeEngine, serve_fake_engine
 
 
@@ -144,7 +144,7 @@ import trio
 from trio_router import server
 from trio_router.config import (Config, DiscoveryConfig, ProbeConfig, RoutingConfig,
                                 ServerConfig, StaticConfig, StatsConfig)
-from trio_router.endpoints import RoutingTable
+from trio_router.table import RoutingTable
 from trio_router.testing import FakeEngine, serve_fake_engine
 
 async def main():

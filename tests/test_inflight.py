@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 from test_app import CHAT, open_raw, open_router, receive_until, send_request
 from trio_router.config import POLICIES
-from trio_router.endpoints import RoutingTable
+from trio_router.table import RoutingTable
 from trio_router.testing import FakeEngine
 
 LIMIT: Final = 10.0  # seconds; bounds one example (it takes well under one)

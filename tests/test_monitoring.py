@@ -41,8 +41,8 @@ from trio_router.config import (
     ServerConfig,
     StatsConfig,
 )
-from trio_router.endpoints import RoutingTable
 from trio_router.server import ReloadOutcome
+from trio_router.table import RoutingTable
 from trio_router.testing import FakeEngine, serve_fake_engine
 
 REPO: Final = Path(__file__).resolve().parents[1]

@@ -15,7 +15,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from trio_router.config import POLICIES, RoutingConfig, parse_config
-from trio_router.endpoints import Engine, EngineState, Model, RoutingTable
 from trio_router.errors import BadRequestError, ConfigError, NoEngineError
 from trio_router.policy import (
     EXACT_SCAN_MAX,
@@ -25,6 +24,7 @@ from trio_router.policy import (
     render_prompt,
     request_info,
 )
+from trio_router.table import Engine, EngineState, Model, RoutingTable
 
 MODEL = "llama"
 

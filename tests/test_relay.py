@@ -24,9 +24,9 @@ from hypothesis import strategies as st
 from fake_network import FakeNetwork, FakeReply, FakeRequest
 from test_app import router_config, sample
 from trio_router import server
-from trio_router.endpoints import RoutingTable
 from trio_router.errors import UpstreamTimeoutError
 from trio_router.http11 import ResponseParser
+from trio_router.table import RoutingTable
 from trio_router.upstream import CLIENT_CHECK_S, ClientGoneError, UpstreamPool, open_relay
 
 LIMIT: Final = 10.0

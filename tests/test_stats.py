@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 from fake_network import FakeNetwork, FakeReply, FakeRequest, Handler
 from trio_router import stats as stats_module
 from trio_router.config import RoutingConfig
-from trio_router.endpoints import Engine, EngineState, Model, RoutingTable
 from trio_router.policy import RequestInfo, make_policy
-from trio_router.stats import RequestStats, parse_vllm_metrics, run_stats_scraper
+from trio_router.stats import parse_vllm_metrics, run_stats_scraper
+from trio_router.table import Engine, EngineState, Model, RequestStats, RoutingTable
 from trio_router.upstream import UpstreamPool
 
 FIXTURE = (Path(__file__).parent / "fixtures" / "vllm_metrics.txt").read_text()

@@ -35,8 +35,8 @@ from .config import (
     dump_toml,
     load_config,
 )
-from .endpoints import RoutingTable
 from .errors import ConfigError, RouterError
+from .table import RoutingTable
 
 logger = logging.getLogger("trio_router")
 

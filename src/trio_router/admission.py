@@ -37,8 +37,8 @@ from typing import Final
 import trio
 
 from .config import AdmissionConfig, TenantConfig
-from .endpoints import Engine, RoutingTable
 from .errors import NoEngineError, QueueTimeoutError, RateLimitedError
+from .table import Engine, RoutingTable
 from .upstream import CLIENT_CHECK_S, ClientGoneError
 
 __all__ = ["Admission", "Tenant"]

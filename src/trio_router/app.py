@@ -32,7 +32,6 @@ import trio
 from .admission import Admission, Tenant
 from .asgi import Message, Receive, Scope, Send, answer_lifespan
 from .config import Config
-from .endpoints import Engine, RoutingTable
 from .errors import (
     AuthError,
     BadRequestError,
@@ -51,6 +50,7 @@ from .health import Supervisors
 from .http11 import FIELD_VALUE_CHARS
 from .metrics import CONTENT_TYPE, NO_LABEL, Metrics
 from .policy import Policy, RequestInfo, make_policy, request_info
+from .table import Engine, RoutingTable
 from .tracing import Tracing
 from .upstream import (
     ClientGoneError,

@@ -22,8 +22,8 @@ import trio
 
 from .asgi import jittered
 from .config import ProbeConfig, ProxyConfig
-from .endpoints import Engine, EngineState, Model, RoutingTable
 from .errors import UpstreamError, UpstreamTimeoutError
+from .table import Engine, EngineState, Model, RoutingTable
 from .upstream import Connector, EngineUnreachableError, UpstreamPool, fetch, open_tcp_socket
 
 logger = logging.getLogger(__name__)

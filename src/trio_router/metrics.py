@@ -26,7 +26,7 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
 from ._version import __version__
-from .endpoints import EngineState, RoutingTable
+from .table import EngineState, RoutingTable
 
 CONTENT_TYPE: Final = CONTENT_TYPE_LATEST.encode("ascii")
 

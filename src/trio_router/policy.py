@@ -33,8 +33,8 @@ from typing import Any, Final, Protocol
 import trio
 
 from .config import RoutingConfig
-from .endpoints import Engine, RoutingTable
 from .errors import BadRequestError, NoEngineError
+from .table import Engine, RoutingTable
 
 logger = logging.getLogger(__name__)
 

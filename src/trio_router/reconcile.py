@@ -11,8 +11,8 @@ import logging
 from collections.abc import Iterable
 from urllib.parse import urlsplit
 
-from .endpoints import Engine, EngineState, EventType, Pod, PodEvent, RoutingTable
 from .health import Supervisors
+from .table import Engine, EngineState, EventType, Pod, PodEvent, RoutingTable
 
 logger = logging.getLogger(__name__)
 

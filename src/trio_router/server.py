@@ -26,18 +26,14 @@ from . import connection
 from .admission import Admission
 from .app import RouterApp, env_key, make_settings
 from .config import Config, StatsConfig, parse_bind
-from .discovery import (
-    DiscoveryStatus,
-    KubernetesPodSource,
-    Readiness,
-    run_kubernetes_discovery,
-)
-from .endpoints import RoutingTable
+from .discovery import DiscoveryStatus, Readiness, run_kubernetes_discovery
 from .errors import ConfigError
 from .health import EngineWorker, Prober, Supervisors, open_supervisors
+from .kubernetes_source import KubernetesPodSource
 from .metrics import Metrics
 from .reconcile import Reconciler, add_static_engines
 from .stats import run_stats_scraper
+from .table import RoutingTable
 from .tracing import FLUSH_S, check_environment, open_tracing
 from .upstream import UpstreamPool, open_relay
 

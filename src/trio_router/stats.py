@@ -17,8 +17,8 @@ from typing import Final
 import trio
 
 from .asgi import jittered
-from .endpoints import Engine, RequestStats, RoutingTable
 from .errors import UpstreamError, UpstreamTimeoutError
+from .table import Engine, RoutingTable
 from .upstream import UpstreamPool, fetch
 
 logger = logging.getLogger(__name__)
@@ -159,4 +159,4 @@ async def _fetch(pool: UpstreamPool, url: str,
     return body, ""
 
 
-__all__ = ["RequestStats", "parse_vllm_metrics", "run_stats_scraper"]
+__all__ = ["parse_vllm_metrics", "run_stats_scraper"]
