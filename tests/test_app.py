@@ -23,7 +23,6 @@ import pytest
 import trio
 
 from trio_router import server
-from trio_router.app import client_gone_check
 from trio_router.config import (
     Config,
     DiscoveryConfig,
@@ -511,28 +510,6 @@ async def test_client_disconnect_while_waiting_for_a_non_streamed_reply() -> Non
             with trio.fail_after(1.0):
                 await engine.wait_until(lambda: engine.disconnects == 1)
             assert all(e.in_flight == 0 for e in router.table)
-
-
-async def test_client_gone_check_reads_the_disconnect_from_hypercorns_channel() -> None:
-    """The check the exchange polls: Hypercorn's `receive` is a memory channel's receive
-    method; anything else gets no check (the exchange then runs to its end)."""
-    send_channel, receive_channel = trio.open_memory_channel[dict[str, Any]](10)
-    gone = client_gone_check(receive_channel.receive)
-    assert gone is not None
-    assert not gone()  # nothing queued
-    await send_channel.send({"type": "http.disconnect"})
-    assert gone()
-    assert gone()  # and stays so, though the message was taken
-    send_channel, receive_channel = trio.open_memory_channel[dict[str, Any]](10)
-    gone = client_gone_check(receive_channel.receive)
-    assert gone is not None
-    await send_channel.aclose()
-    assert gone()  # the sending side is gone: so is the client
-
-    async def other_receive() -> dict[str, Any]:
-        raise AssertionError("never called")
-
-    assert client_gone_check(other_receive) is None
 
 
 # -- auth -------------------------------------------------------------------------------------

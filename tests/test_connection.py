@@ -422,3 +422,25 @@ async def test_installed_for_this_server_only(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.delattr(TCPServer, "_initiate_server_close")
     assert not connection._checked()
     assert "serving with Hypercorn's own" in caplog.text
+
+
+async def test_disconnect_check_reads_the_disconnect_from_hypercorns_channel() -> None:
+    """The check the app's exchange polls: Hypercorn's `receive` is a memory channel's receive
+    method; anything else gets no check (the exchange then runs to its end)."""
+    send_channel, receive_channel = trio.open_memory_channel[dict[str, Any]](10)
+    gone = connection.disconnect_check(receive_channel.receive)
+    assert gone is not None
+    assert not gone()  # nothing queued
+    await send_channel.send({"type": "http.disconnect"})
+    assert gone()
+    assert gone()  # and stays so, though the message was taken
+    send_channel, receive_channel = trio.open_memory_channel[dict[str, Any]](10)
+    gone = connection.disconnect_check(receive_channel.receive)
+    assert gone is not None
+    await send_channel.aclose()
+    assert gone()  # the sending side is gone: so is the client
+
+    async def other_receive() -> dict[str, Any]:
+        raise AssertionError("never called")
+
+    assert connection.disconnect_check(other_receive) is None

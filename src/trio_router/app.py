@@ -147,30 +147,13 @@ def error_body(message: str, *, type: str, code: str) -> bytes:
     return json.dumps({"error": {"message": message, "type": type, "code": code}}).encode()
 
 
-def client_gone_check(receive: Receive) -> Callable[[], bool] | None:
-    """A synchronous check that the client has disconnected, for the exchange to poll while
-    it waits for the engine (no watcher task per request). Hypercorn's `receive` is the
-    receive method of a Trio memory channel, where it queues `http.disconnect` when the
-    connection closes; once the body is read nothing else arrives there. None if `receive`
-    is something else (another server): the exchange then runs to its end."""
-    channel = getattr(receive, "__self__", None)
-    if not isinstance(channel, trio.MemoryReceiveChannel):
-        return None
+DisconnectCheck = Callable[[Receive], Callable[[], bool] | None]
 
-    left = False
 
-    def gone() -> bool:
-        nonlocal left
-        if not left:
-            try:
-                left = channel.receive_nowait()["type"] == "http.disconnect"
-            except trio.WouldBlock:
-                pass
-            except (trio.EndOfChannel, trio.ClosedResourceError):
-                left = True
-        return left
-
-    return gone
+def no_disconnect_check(receive: Receive) -> None:
+    """For a server that gives no way to see a client leave while the app waits: the exchange
+    then runs to its end."""
+    return None
 
 
 class ClientConnection(RelayTarget, Protocol):
@@ -188,6 +171,7 @@ class RouterApp:
                  metrics: Metrics, health: Callable[[], tuple[bool, str, str]],
                  relay: Relay | None = None,
                  client_socket: Callable[[], ClientConnection | None] = lambda: None,
+                 disconnect_check: DisconnectCheck = no_disconnect_check,
                  admission: Admission | None = None, tracing: Tracing | None = None) -> None:
         self.settings = settings
         self._tracing = tracing
@@ -195,6 +179,7 @@ class RouterApp:
             table, settings.config.admission,
             max_per_engine=settings.config.proxy.max_connections_per_engine)
         self._relay, self._client_socket = relay, client_socket
+        self._disconnect_check = disconnect_check
         self._bodies = _BodyBudget(settings.max_buffered_body_bytes)
         self._parse_limiter = trio.CapacityLimiter(LARGE_PARSES)
         self._table, self._supervisors = table, supervisors
@@ -252,9 +237,9 @@ class RouterApp:
 
     async def _proxy(self, scope: Scope, receive: Receive, send: Send, note: _Note) -> None:
         """Route one request and stream the engine's answer back; `note` gathers what the
-        access record and the trace say of it. The client leaving (seen by polling
-        `client_gone_check` while the engine is awaited) or a cancellation (the drain
-        deadline) closes the engine connection."""
+        access record and the trace say of it. The client leaving (seen by polling the server's
+        disconnect check while the engine is awaited) or a cancellation (the drain deadline)
+        closes the engine connection."""
         started = trio.current_time()
         settings = self.settings
         request_id: bytes | None = None
@@ -334,7 +319,7 @@ class RouterApp:
             target += b"?" + query
         try:
             status, engine_name = await self._forward(
-                settings, send, client_gone_check(receive), scope["http_version"] == "1.1",
+                settings, send, self._disconnect_check(receive), scope["http_version"] == "1.1",
                 tenant, model, candidates, info, target, headers, body, request_id, started,
                 note)
         finally:

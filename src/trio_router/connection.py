@@ -14,6 +14,8 @@ cost.
 - `current_client()`: for the request being handled, its client connection's socket as a
   `ClientSocket` (plain TCP only), so that the app can write a relayed body to it without
   knowing how Hypercorn is built.
+- `disconnect_check(receive)`: a synchronous check that the client of a request has left,
+  for the app to poll while it waits for an engine, without a watcher task per request.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ from hypercorn.utils import ShutdownError, raise_shutdown, repr_socket_addr
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ClientSocket", "KeepAliveConnection", "current_client", "serve"]
+__all__ = ["ClientSocket", "KeepAliveConnection", "current_client", "disconnect_check",
+           "serve"]
 
 
 class ClientSocket:
@@ -74,6 +77,33 @@ def current_client() -> ClientSocket | None:
     """The client socket of the request being handled (its task inherits the connection's
     context), or None: TLS, or a server that is not `serve`'s."""
     return _client.get()
+
+
+def disconnect_check(receive: Callable[[], Awaitable[dict[str, Any]]]
+                     ) -> Callable[[], bool] | None:
+    """A synchronous check that the client of a request has disconnected, or None when
+    `receive` is not Hypercorn's. Hypercorn's `receive` is the receive method of a Trio memory
+    channel where it queues `http.disconnect` when the connection (or, over HTTP/2, the
+    stream) closes; once the request body is read nothing else arrives there, so a
+    non-blocking receive tells whether the client left."""
+    channel = getattr(receive, "__self__", None)
+    if not isinstance(channel, trio.MemoryReceiveChannel):
+        return None
+
+    left = False
+
+    def gone() -> bool:
+        nonlocal left
+        if not left:
+            try:
+                left = channel.receive_nowait()["type"] == "http.disconnect"
+            except trio.WouldBlock:
+                pass
+            except (trio.EndOfChannel, trio.ClosedResourceError):
+                left = True
+        return left
+
+    return gone
 
 
 class KeepAliveTimer(TrioSingleTask):

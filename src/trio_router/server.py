@@ -301,6 +301,7 @@ async def run(config: Config, *, load: Callable[[], Config] | None = None,
                             metrics=metrics,
                             health=lambda: readiness.check(trio.current_time()),
                             relay=relay, client_socket=connection.current_client,
+                            disconnect_check=connection.disconnect_check,
                             admission=admission, tracing=tracing)
             stop = trio.Event()
             if handle_signals:
