@@ -142,8 +142,10 @@ def run(policy: Policy, table: RoutingTable, model: str, infos: Sequence[Request
 
 
 def build(name: str, table: RoutingTable, seed: int, **knobs: Any) -> Policy:
-    return make_policy(RoutingConfig(policy=name, **knobs), table, clock=lambda: NOW,
-                       rng=random.Random(seed))
+    policy = make_policy(RoutingConfig(policy=name, **knobs), clock=lambda: NOW,
+                         rng=random.Random(seed))
+    table.add_remove_listener(lambda engine: policy.forget(engine.uid))
+    return policy
 
 
 def once_ms(fn: Callable[[], object]) -> float:

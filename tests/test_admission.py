@@ -37,8 +37,7 @@ class Bench:
         self.table = RoutingTable()
         for n in range(engines):
             self.table.put(routable(f"e{n}"))
-        self.policy = make_policy(RoutingConfig(policy="round_robin"), self.table,
-                                  rng=random.Random(1))
+        self.policy = make_policy(RoutingConfig(policy="round_robin"), rng=random.Random(1))
         self.waits: list[float] = []
         self.rejects: list[tuple[str, str]] = []
         self.admission = Admission(

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from trio_router.config import POLICIES, RoutingConfig, parse_config
+from trio_router.config import POLICIES, Config, RoutingConfig, parse_config
 from trio_router.errors import BadRequestError, ConfigError, NoEngineError
 from trio_router.policy import (
     EXACT_SCAN_MAX,
@@ -24,6 +24,7 @@ from trio_router.policy import (
     render_prompt,
     request_info,
 )
+from trio_router.runtime import build_runtime
 from trio_router.table import Engine, EngineState, Model, RoutingTable
 
 MODEL = "llama"
@@ -54,8 +55,11 @@ def make_table(engines: Sequence[Engine]) -> RoutingTable:
 
 def make(name: str, table: RoutingTable, clock: Clock | None = None, seed: int = 1,
          **knobs: Any) -> Policy:
-    return make_policy(RoutingConfig(policy=name, **knobs), table, clock=clock or Clock(),
-                       rng=random.Random(seed))
+    """The policy `name`, subscribed to `table`'s removals as the router subscribes it."""
+    policy = make_policy(RoutingConfig(policy=name, **knobs), clock=clock or Clock(),
+                         rng=random.Random(seed))
+    table.add_remove_listener(lambda engine: policy.forget(engine.uid))
+    return policy
 
 
 def chat(*turns: str, system: str = "You are a helpful assistant.") -> RequestInfo:
@@ -202,8 +206,8 @@ def test_stats_ttl_given_to_the_policy_wins_over_the_recorded_one() -> None:
     engines = [make_engine(i) for i in range(2)]
     engines[0].stats = {"waiting": 50.0, "scraped_at": clock.now - 5, "stale_after": 15.0}
     table = make_table(engines)
-    policy = make_policy(RoutingConfig(policy="least_loaded"), table, clock=clock,
-                         stats_ttl=4.0, rng=random.Random(3))
+    policy = make_policy(RoutingConfig(policy="least_loaded"), clock=clock, stats_ttl=4.0,
+                         rng=random.Random(3))
     chosen = {policy.choose(table.routable(MODEL), RequestInfo(MODEL))[0].uid for _ in range(40)}
     assert chosen == {"uid-0000", "uid-0001"}  # 5 s old > 4 s: ignored
 
@@ -474,16 +478,29 @@ def test_prefix_removed_engine_gets_nothing_and_a_returning_one_its_share_back()
 
 # -- every policy ------------------------------------------------------------------------------
 
-def test_a_dropped_policy_is_not_kept_alive_by_the_table() -> None:
+def test_a_replaced_policy_is_unsubscribed_and_freed() -> None:
+    """What a reload does with a policy it replaces: `build_runtime` subscribes the new one,
+    `Runtime.retired` hands back the old subscription, and ending it frees the old policy."""
     table = make_table([make_engine(i) for i in range(3)])
-    policy = make("prefix_aware", table)
-    policy.choose(table.routable(MODEL), chat(text(1, 1000)))
-    ref = weakref.ref(policy)
-    del policy
+    first = build_runtime(Config(routing=RoutingConfig(policy="session")), table)
+    same = build_runtime(Config(routing=RoutingConfig(policy="session")), table, first)
+    assert same.settings.policy is first.settings.policy  # [routing] unchanged: kept
+    assert same.retired(first) == (None, None)
+    second = build_runtime(Config(routing=RoutingConfig(policy="prefix_aware")), table, same)
+    pool, unsubscribe = second.retired(same)
+    assert pool is None and unsubscribe is not None  # proxy timeouts unchanged: same pool
+    ref = weakref.ref(first.settings.policy)
+    del first, same
+    gc.collect()
+    assert ref() is not None  # the table's listener still holds it
+    unsubscribe()
+    del unsubscribe  # it refers to the listener, which refers to the policy
     gc.collect()
     assert ref() is None
-    table.remove("uid-0001")  # the stale subscription is harmless
-    assert "uid-0001" not in table
+    current = weakref.ref(second.settings.policy)
+    del second
+    gc.collect()
+    assert current() is not None  # the new policy is the one subscribed now
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -298,7 +298,7 @@ async def test_least_loaded_follows_scraped_queues(autojump_clock: trio.testing.
     table = RoutingTable()
     for engine in engines:
         table.put(engine)
-    policy = make_policy(RoutingConfig(policy="least_loaded"), table, rng=random.Random(1))
+    policy = make_policy(RoutingConfig(policy="least_loaded"), rng=random.Random(1))
 
     async def handler(request: FakeRequest) -> FakeReply:
         return await (busy if request.host == "10.0.0.1" else idle)(request)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import hmac
 import math
 from collections import deque
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -184,7 +184,7 @@ class Admission:
 
     def __init__(self, table: RoutingTable, config: AdmissionConfig, *,
                  max_per_engine: int, tenants: Sequence[TenantConfig] = (),
-                 keys: dict[str, str] | None = None,
+                 keys: Mapping[str, str] | None = None,
                  on_wait: Callable[[str, float], None] | None = None,
                  on_reject: Callable[[str, str], None] | None = None) -> None:
         self._table = table
@@ -200,7 +200,7 @@ class Admission:
 
     # -- configuration -------------------------------------------------------------------
     def configure(self, config: AdmissionConfig, *, max_per_engine: int,
-                  tenants: Sequence[TenantConfig] = (), keys: dict[str, str] | None = None
+                  tenants: Sequence[TenantConfig] = (), keys: Mapping[str, str] | None = None
                   ) -> None:
         """Apply settings (at start and on reload): requests queued or in flight keep going;
         tenants that remain keep their state (a changed rate starts full)."""

@@ -17,7 +17,6 @@ import hmac
 import itertools
 import json
 import logging
-import os
 import re
 import secrets
 import time
@@ -36,7 +35,6 @@ from .errors import (
     AuthError,
     BadRequestError,
     BodyTooLargeError,
-    ConfigError,
     NoEngineError,
     OverloadedError,
     QueueTimeoutError,
@@ -49,7 +47,7 @@ from .errors import (
 from .health import Supervisors
 from .http11 import FIELD_VALUE_CHARS
 from .metrics import CONTENT_TYPE, NO_LABEL, Metrics
-from .policy import Policy, RequestInfo, make_policy, request_info
+from .policy import Policy, RequestInfo, request_info
 from .table import Engine, RoutingTable
 from .tracing import Tracing
 from .upstream import (
@@ -105,41 +103,6 @@ class Settings:
     max_buffered_body_bytes: int  # request bodies held at once, in all
     eject_on_5xx: bool  # an engine's 5xx answer counts as a failed request
     access_log: bool  # an access record per proxied request (logger trio_router.access)
-
-
-def env_key(env_var: str, where: str) -> str:
-    """The secret held in `env_var` ("" if the setting is off); ConfigError if it is unset."""
-    if not env_var:
-        return ""
-    value = os.environ.get(env_var, "")
-    if not value:
-        raise ConfigError(f"{where} names the environment variable {env_var!r}, "
-                          "which is unset or empty; export it or clear the setting")
-    return value
-
-
-def make_settings(config: Config, table: RoutingTable, pool: UpstreamPool, *,
-                  policy: Policy | None = None) -> Settings:
-    """Build the request settings of `config`; `policy` is reused when given (its state, such as
-    session affinity, survives a reload that does not touch [routing]). Raises ConfigError if an
-    API key environment variable is missing."""
-    client_key = env_key(config.server.api_key_env, "server.api_key_env")
-    upstream_key = env_key(config.proxy.api_key_env, "proxy.api_key_env")
-    policy = policy if policy is not None else make_policy(config.routing, table)
-    return Settings(
-        config=config,
-        policy=policy,
-        pool=pool,
-        retries=config.proxy.retries,
-        max_body_bytes=config.server.max_body_bytes,
-        client_key=client_key.encode() if client_key else None,
-        upstream_authorization=b"Bearer " + upstream_key.encode() if upstream_key else None,
-        needs_request_info=policy.name not in MODEL_ONLY_POLICIES,
-        body_timeout=config.server.request_body_timeout_s,
-        max_buffered_body_bytes=config.server.max_buffered_body_bytes,
-        eject_on_5xx=config.proxy.eject_on_5xx,
-        access_log=config.server.access_log,
-    )
 
 
 def error_body(message: str, *, type: str, code: str) -> bytes:

@@ -7,6 +7,7 @@ Durations are float seconds. No Trio here.
 from __future__ import annotations
 
 import dataclasses
+import os
 import tomllib
 import types
 import typing
@@ -296,6 +297,18 @@ class Config:
         envs = [t.key_env for t in self.tenants]
         if len(set(envs)) != len(envs):
             raise ConfigError(f"tenants: each tenant needs its own key_env, got {envs}")
+
+
+def env_key(env_var: str, where: str) -> str:
+    """The secret held in the environment variable `env_var` ("" if the setting `where` is
+    off); ConfigError if it is unset or empty."""
+    if not env_var:
+        return ""
+    value = os.environ.get(env_var, "")
+    if not value:
+        raise ConfigError(f"{where} names the environment variable {env_var!r}, "
+                          "which is unset or empty; export it or clear the setting")
+    return value
 
 
 def _type_name(tp: Any) -> str:

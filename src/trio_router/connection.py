@@ -307,10 +307,12 @@ class _BoundedListener(trio.abc.Listener[trio.SocketStream]):
 async def serve(app: Any, config: hypercorn.config.Config, *,
                 shutdown_trigger: Callable[[], Awaitable[None]],
                 max_connections: int = 0, write_timeout: float = math.inf,
+                drain_s: Callable[[], float] | None = None,
                 task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
     """Serve the ASGI `app` as `hypercorn.trio.serve(app, config, ...)` does (lifespan,
     Hypercorn's HTTP/1.1 and HTTP/2 protocols, its graceful shutdown: `shutdown_trigger`
-    returning starts it, and in-flight requests get `config.graceful_timeout`), each connection
+    returning starts it, and in-flight requests get `drain_s()` seconds, read then, or
+    `config.graceful_timeout`), each connection
     driven by `KeepAliveConnection`, with at most `max_connections` open at once (0: no bound;
     beyond it, new connections wait in the listen backlog of `config.backlog`), and client
     writes bounded by `write_timeout`. Plain TCP only. Started (with the bound URLs) once it
@@ -355,7 +357,7 @@ async def serve(app: Any, config: hypercorn.config.Config, *,
                     raise other_errors from None
             finally:
                 await context.terminated.set()
-                server_nursery.cancel_scope.deadline = (trio.current_time()
-                                                        + config.graceful_timeout)
+                drain = drain_s() if drain_s is not None else config.graceful_timeout
+                server_nursery.cancel_scope.deadline = trio.current_time() + drain
         await lifespan.wait_for_shutdown()
         lifespan_nursery.cancel_scope.cancel()

@@ -12,8 +12,8 @@ of a session key with bounded load) and `prefix_aware` (the same, keyed by the o
 conversation, for prefix-cache affinity). Both hashing policies are deterministic functions of
 the request, the engine set and the load figures: every router replica, a fresh one included,
 makes the same choice from the same inputs, with no shared state. `make_policy` builds a
-policy from the config and subscribes it to engine removals: from the moment an engine leaves
-the table, nothing the policy holds can route to it.
+policy from the config; subscribed to the table's removals, it lets go of an engine the
+moment it leaves the table.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import itertools
 import logging
 import random
 import struct
-import weakref
 import zlib
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -34,7 +33,7 @@ import trio
 
 from .config import RoutingConfig
 from .errors import BadRequestError, NoEngineError
-from .table import Engine, RoutingTable
+from .table import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -549,42 +548,30 @@ class PrefixAwarePolicy(SessionPolicy):
     hash = staticmethod(opening_hash)
 
 
-def make_policy(config: RoutingConfig, table: RoutingTable, *,
-                stats_ttl: float | None = None, clock: Callable[[], float] | None = None,
+def make_policy(config: RoutingConfig, *, stats_ttl: float | None = None,
+                clock: Callable[[], float] | None = None,
                 rng: random.Random | None = None) -> Policy:
-    """Build the policy `config.policy` names and subscribe its `forget` to `table`'s engine
-    removals (weakly: dropping the policy ends its subscription). `stats_ttl`: seconds after
-    which scraped stats are ignored (None: the `stale_after` the scraper stores with them,
-    3 * stats.interval_s). `clock` defaults to `trio.current_time` (so `choose` must then run
-    inside Trio); `rng` to a fresh Random."""
+    """Build the policy `config.policy` names. Its `forget` must hear of every engine that
+    leaves the table (`RoutingTable.add_remove_listener`, which returns the way to stop).
+    `stats_ttl`: seconds after which scraped stats are ignored (None: the `stale_after` the
+    scraper stores with them, 3 * stats.interval_s). `clock` defaults to `trio.current_time`
+    (so `choose` must then run inside Trio); `rng` to a fresh Random."""
     rng = rng if rng is not None else random.Random()
     gauge = LoadGauge(queue_weight=config.load_queue_weight, kv_weight=config.load_kv_weight,
                       stats_ttl=stats_ttl, clock=clock if clock is not None else trio.current_time)
     least = LeastLoadedPolicy(gauge, rng)
-    policy: Policy
     if config.policy == "round_robin":
-        policy = RoundRobinPolicy()
-    elif config.policy == "least_loaded":
-        policy = least
-    elif config.policy == "session":
-        policy = SessionPolicy(gauge, least, rng, load_factor=config.session_load_factor,
-                               vnodes=config.session_vnodes)
-    elif config.policy == "prefix_aware":
+        return RoundRobinPolicy()
+    if config.policy == "least_loaded":
+        return least
+    if config.policy == "session":
+        return SessionPolicy(gauge, least, rng, load_factor=config.session_load_factor,
+                             vnodes=config.session_vnodes)
+    if config.policy == "prefix_aware":
         if config.prefix_cache_entries != _UNUSED_DEFAULT:
             logger.warning("routing.prefix_cache_entries is no longer used: prefix_aware keeps "
                            "no memory (its choice depends on the request, the engines and "
                            "their load only)")
-        policy = PrefixAwarePolicy(gauge, least, rng, load_factor=config.prefix_balance_rel,
-                                   slack=config.prefix_balance_abs, vnodes=config.session_vnodes)
-    else:  # RoutingConfig validates the name
-        raise ValueError(f"unknown routing policy {config.policy!r}")
-    # A weak reference: a policy replaced on a config reload must not be kept alive (with its
-    # memory) by the table, which has no way to unsubscribe.
-    forget = weakref.WeakMethod(policy.forget)
-
-    def forget_removed(engine: Engine) -> None:
-        if (method := forget()) is not None:
-            method(engine.uid)
-
-    table.add_remove_listener(forget_removed)
-    return policy
+        return PrefixAwarePolicy(gauge, least, rng, load_factor=config.prefix_balance_rel,
+                                 slack=config.prefix_balance_abs, vnodes=config.session_vnodes)
+    raise ValueError(f"unknown routing policy {config.policy!r}")  # RoutingConfig validates

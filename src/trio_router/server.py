@@ -24,14 +24,15 @@ import trio
 
 from . import connection
 from .admission import Admission
-from .app import RouterApp, env_key, make_settings
-from .config import Config, StatsConfig, parse_bind
+from .app import RouterApp
+from .config import Config, StatsConfig, env_key, parse_bind
 from .discovery import DiscoveryStatus, Readiness, run_kubernetes_discovery
 from .errors import ConfigError
 from .health import EngineWorker, Prober, Supervisors, open_supervisors
 from .kubernetes_source import KubernetesPodSource
 from .metrics import Metrics
 from .reconcile import Reconciler, add_static_engines
+from .runtime import Runtime, build_runtime, tenant_keys
 from .stats import run_stats_scraper
 from .table import RoutingTable
 from .tracing import FLUSH_S, check_environment, open_tracing
@@ -71,29 +72,12 @@ def check_keys(config: Config) -> None:
     check_environment(config.tracing)
 
 
-def tenant_keys(config: Config) -> dict[str, str]:
-    """Each tenant's key (from its `key_env`) and name; ConfigError if one is unset."""
-    keys: dict[str, str] = {}
-    for tenant in config.tenants:
-        key = env_key(tenant.key_env, f"tenants[{tenant.name!r}].key_env")
-        if key in keys:
-            raise ConfigError(f"tenants {keys[key]!r} and {tenant.name!r} have the same key")
-        keys[key] = tenant.name
-    return keys
-
-
-def new_pool(config: Config) -> UpstreamPool:
-    """The upstream pool of requests to engines, as `config.proxy` says."""
-    return UpstreamPool(connect_timeout=config.proxy.connect_timeout_s,
-                        read_timeout=config.proxy.read_timeout_s)
-
-
-async def _sweep_pools(pools: list[UpstreamPool]) -> None:
-    """Drop idle engine connections the engines have closed, every POOL_SWEEP_S."""
+async def _sweep_pool(pool: Callable[[], UpstreamPool]) -> None:
+    """Drop idle engine connections the engines have closed, every POOL_SWEEP_S, from the
+    current upstream pool (`pool()`: a reload may replace it)."""
     while True:
         await trio.sleep(POOL_SWEEP_S)
-        for pool in pools:
-            pool.sweep()
+        pool().sweep()
 
 
 def hypercorn_config(config: Config) -> hypercorn.config.Config:
@@ -124,16 +108,20 @@ class Reloader:
     variable, changes nothing.
     """
 
-    def __init__(self, load: Callable[[], Config], config: Config, *, app: RouterApp,
-                 table: RoutingTable, hconfig: hypercorn.config.Config, metrics: Metrics,
-                 pools: list[UpstreamPool], prober: Prober, supervisors: Supervisors,
+    def __init__(self, load: Callable[[], Config], runtime: Runtime, *, app: RouterApp,
+                 table: RoutingTable, metrics: Metrics, prober: Prober,
+                 supervisors: Supervisors,
                  stats_workers: Callable[[StatsConfig], list[EngineWorker]],
                  on_reload: Callable[[ReloadOutcome], None] | None = None) -> None:
-        self._load, self.config = load, config
+        self._load, self.runtime = load, runtime
         self._prober = prober
         self._supervisors, self._stats_workers = supervisors, stats_workers
-        self._app, self._table, self._hconfig = app, table, hconfig
-        self._metrics, self._pools, self._on_reload = metrics, pools, on_reload
+        self._app, self._table = app, table
+        self._metrics, self._on_reload = metrics, on_reload
+
+    @property
+    def config(self) -> Config:
+        return self.runtime.config
 
     async def reload(self) -> ReloadOutcome:
         """Re-read and apply the config file. The file is read in a worker thread; the swap
@@ -149,14 +137,15 @@ class Reloader:
         if self._on_reload is not None:
             self._on_reload(outcome)
         if retired is not None:
-            self._pools.remove(retired)
             await retired.aclose()  # idle connections only; busy ones close when done
         return outcome
 
     def _apply(self, new: Config) -> tuple[ReloadOutcome, UpstreamPool | None]:
-        """Swap in `new` (no await: a request sees all old or all new settings). Returns the
-        outcome and the upstream pool to retire, if one was replaced. Raises ConfigError."""
-        old = self.config
+        """Build the runtime of `new` and swap it in (no await: a request sees all old or all
+        new settings). Returns the outcome and the upstream pool to retire, if one was
+        replaced. Raises ConfigError, having changed nothing."""
+        previous = self.runtime
+        old = previous.config
         restart = [f"server.{key} ({getattr(old.server, key)} -> {getattr(new.server, key)})"
                    for key in SERVER_RESTART_KEYS
                    if getattr(new.server, key) != getattr(old.server, key)]
@@ -171,41 +160,25 @@ class Reloader:
         if restart:
             logger.warning("config reload: %s changed, which needs a restart; ignored until "
                            "then", ", ".join(restart))
-        current = self._app.settings
-        pool = current.pool
-        if (effective.proxy.connect_timeout_s, effective.proxy.read_timeout_s) != (
-                old.proxy.connect_timeout_s, old.proxy.read_timeout_s):
-            pool = new_pool(effective)
-        policy = current.policy if effective.routing == old.routing else None
-        try:
-            settings = make_settings(effective, self._table, pool, policy=policy)
-        except ConfigError:
-            if pool is not current.pool:
-                self._pools.append(pool)  # closed with the others; it holds no connection
-            raise
-        engine_key = env_key(effective.proxy.api_key_env, "proxy.api_key_env")
-        keys = tenant_keys(effective)
-        self._app.settings = settings
-        self._prober.api_key = engine_key
+        runtime = build_runtime(effective, self._table, previous)
+        self._app.settings, self.runtime = runtime.settings, runtime
+        self._prober.api_key = runtime.engine_key
         self._supervisors.update_ejection(effective.proxy)
         self._app.admission.configure(
             effective.admission, max_per_engine=effective.proxy.max_connections_per_engine,
-            tenants=effective.tenants, keys=keys)
+            tenants=effective.tenants, keys=runtime.tenant_keys)
         if effective.probe != old.probe or effective.stats != old.stats:
             self._supervisors.update_config(
                 effective.probe, workers=None if effective.stats == old.stats
                 else self._stats_workers(effective.stats))
-        self._hconfig.graceful_timeout = effective.server.drain_s
-        self.config = effective
+        retired_pool, unsubscribe = runtime.retired(previous)
+        if unsubscribe is not None:
+            unsubscribe()
         if applied:
             logger.warning("config reload applied: %s", ", ".join(applied))
         elif not restart:
             logger.warning("config reload: nothing changed")
-        retired = None
-        if pool is not current.pool:
-            self._pools.append(pool)
-            retired = current.pool
-        return ReloadOutcome(applied=applied, needs_restart=tuple(restart)), retired
+        return ReloadOutcome(applied=applied, needs_restart=tuple(restart)), retired_pool
 
 
 async def _handle_signals(stop: trio.Event, reloader: Reloader | None, config: Config,
@@ -253,16 +226,15 @@ async def run(config: Config, *, load: Callable[[], Config] | None = None,
     THREAD_EXIT_S) when this returns.
     """
     table = table if table is not None else RoutingTable()
-    prober = Prober(timeout=config.probe.timeout_s,
-                    api_key=env_key(config.proxy.api_key_env, "proxy.api_key_env"))
     hconfig = hypercorn_config(config)
-    pools = [new_pool(config)]
-    settings = make_settings(config, table, pools[0])
+    runtime = build_runtime(config, table)
+    app: RouterApp | None = None
+    prober = Prober(timeout=config.probe.timeout_s, api_key=runtime.engine_key)
     source: KubernetesPodSource | None = None
 
     admission = Admission(table, config.admission,
                           max_per_engine=config.proxy.max_connections_per_engine,
-                          tenants=config.tenants, keys=tenant_keys(config))
+                          tenants=config.tenants, keys=runtime.tenant_keys)
 
     def stats_workers(stats: StatsConfig) -> list[EngineWorker]:
         if stats.interval_s <= 0:
@@ -297,7 +269,7 @@ async def run(config: Config, *, load: Callable[[], Config] | None = None,
                 admission=lambda: (admission.queued(), len(admission.saturated)))
             admission.observe(on_wait=metrics.queue_wait, on_reject=metrics.rejected)
             table.add_remove_listener(lambda engine: metrics.forget_engine(engine.name))
-            app = RouterApp(settings=settings, table=table, supervisors=supervisors,
+            app = RouterApp(settings=runtime.settings, table=table, supervisors=supervisors,
                             metrics=metrics,
                             health=lambda: readiness.check(trio.current_time()),
                             relay=relay, client_socket=connection.current_client,
@@ -307,25 +279,25 @@ async def run(config: Config, *, load: Callable[[], Config] | None = None,
             if handle_signals:
                 reloader = None
                 if load is not None:
-                    reloader = Reloader(load, config, app=app, table=table,
-                                        hconfig=hconfig, metrics=metrics, pools=pools,
+                    reloader = Reloader(load, runtime, app=app, table=table, metrics=metrics,
                                         prober=prober, supervisors=supervisors,
                                         stats_workers=stats_workers, on_reload=on_reload)
                 await nursery.start(_handle_signals, stop, reloader, config,
                                     nursery.cancel_scope)
             asgi: Any = app  # plain-dict ASGI typing, not hypercorn's TypedDicts
-            nursery.start_soon(_sweep_pools, pools)
+            served = app
+            nursery.start_soon(_sweep_pool, lambda: served.settings.pool)
             await nursery.start(admission.run)
             await connection.serve(asgi, hconfig, shutdown_trigger=stop.wait,
                                    max_connections=config.server.max_connections,
                                    write_timeout=config.server.write_timeout_s,
+                                   drain_s=lambda: served.settings.config.server.drain_s,
                                    task_status=task_status)
             logger.info("server stopped; stopping discovery and probes")
             nursery.cancel_scope.cancel(reason="server stopped")
     finally:
         with trio.CancelScope(shield=True):
-            for pool in pools:
-                await pool.aclose()
+            await (app.settings.pool if app is not None else runtime.pool).aclose()
             if source is not None:
                 # An abandoned watch thread holds the source's limiter until it has ended.
                 with trio.move_on_after(THREAD_EXIT_S) as waited:

@@ -6,6 +6,7 @@ mutation), read by the request path, and watched through `wait_changed()`.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import math
 from collections.abc import Callable, Iterator, Sequence
@@ -250,9 +251,16 @@ class RoutingTable:
                 listener(engine)
         return engine
 
-    def add_remove_listener(self, listener: Callable[[Engine], None]) -> None:
-        """Call `listener(engine)` synchronously whenever an engine leaves the table."""
+    def add_remove_listener(self, listener: Callable[[Engine], None]) -> Callable[[], None]:
+        """Call `listener(engine)` synchronously whenever an engine leaves the table, until the
+        returned function is called."""
         self._remove_listeners.append(listener)
+
+        def unsubscribe() -> None:
+            with contextlib.suppress(ValueError):
+                self._remove_listeners.remove(listener)
+
+        return unsubscribe
 
     def set_pending(self, uid: str, reason: str) -> None:
         """Take `uid` out of routing because Kubernetes says so (no probing needed)."""

@@ -1,0 +1,102 @@
+"""What a config makes of the serving path: built by one function at start and on every
+reload, and swapped in whole.
+
+`build_runtime(config, table, previous)` reads the keys the config names, keeps what an
+unchanged section allows (the policy and its state when `[routing]` is unchanged, the upstream
+pool when the proxy timeouts are), builds the rest, and only then subscribes a new policy to
+the table's removals. It raises ConfigError before anything has changed. The caller swaps the
+returned `Runtime` in with one assignment and ends what the previous one held and the new one
+does not (`Runtime.retired`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from .app import MODEL_ONLY_POLICIES, Settings
+from .config import Config, env_key
+from .errors import ConfigError
+from .policy import make_policy
+from .table import RoutingTable
+from .upstream import UpstreamPool
+
+
+@dataclass(frozen=True, slots=True)
+class Runtime:
+    """The serving path's settings for one config. Immutable: a reload builds another."""
+
+    config: Config
+    settings: Settings  # what every new request reads (policy, upstream pool, keys, bounds)
+    engine_key: str  # Bearer key of the requests the router itself sends engines ("": none)
+    tenant_keys: Mapping[str, str]  # client key -> tenant name
+    unsubscribe: Callable[[], None]  # ends the policy's subscription to table removals
+
+    @property
+    def pool(self) -> UpstreamPool:
+        return self.settings.pool
+
+    def retired(self, previous: Runtime) -> tuple[UpstreamPool | None, Callable[[], None] | None]:
+        """What `previous` held that this runtime no longer uses: its upstream pool (to close
+        once its exchanges are done) and its policy's subscription (to end), each or None."""
+        pool = previous.pool if previous.pool is not self.pool else None
+        unsubscribe = previous.unsubscribe if previous.unsubscribe is not self.unsubscribe \
+            else None
+        return pool, unsubscribe
+
+
+def tenant_keys(config: Config) -> dict[str, str]:
+    """Each tenant's key (from its `key_env`) and name; ConfigError if one is unset or two
+    tenants share a key."""
+    keys: dict[str, str] = {}
+    for tenant in config.tenants:
+        key = env_key(tenant.key_env, f"tenants[{tenant.name!r}].key_env")
+        if key in keys:
+            raise ConfigError(f"tenants {keys[key]!r} and {tenant.name!r} have the same key")
+        keys[key] = tenant.name
+    return keys
+
+
+def new_pool(config: Config) -> UpstreamPool:
+    """The upstream pool of requests to engines, as `config.proxy` says."""
+    return UpstreamPool(connect_timeout=config.proxy.connect_timeout_s,
+                        read_timeout=config.proxy.read_timeout_s)
+
+
+def build_runtime(config: Config, table: RoutingTable,
+                  previous: Runtime | None = None) -> Runtime:
+    """The runtime of `config`. With `previous` (a reload), its policy is kept when
+    `[routing]` is unchanged and its pool when the proxy timeouts are. Raises ConfigError (a
+    key variable unset) before anything is built or subscribed."""
+    client_key = env_key(config.server.api_key_env, "server.api_key_env")
+    engine_key = env_key(config.proxy.api_key_env, "proxy.api_key_env")
+    keys = tenant_keys(config)
+    old = previous.config if previous is not None else None
+    if old is not None and previous is not None and (
+            config.proxy.connect_timeout_s, config.proxy.read_timeout_s) == (
+            old.proxy.connect_timeout_s, old.proxy.read_timeout_s):
+        pool = previous.pool
+    else:
+        pool = new_pool(config)
+    if previous is not None and old is not None and config.routing == old.routing:
+        policy, unsubscribe = previous.settings.policy, previous.unsubscribe
+    else:
+        policy = make_policy(config.routing)
+        forget = policy.forget
+        unsubscribe = table.add_remove_listener(lambda engine: forget(engine.uid))
+    settings = Settings(
+        config=config,
+        policy=policy,
+        pool=pool,
+        retries=config.proxy.retries,
+        max_body_bytes=config.server.max_body_bytes,
+        client_key=client_key.encode() if client_key else None,
+        upstream_authorization=b"Bearer " + engine_key.encode() if engine_key else None,
+        needs_request_info=policy.name not in MODEL_ONLY_POLICIES,
+        body_timeout=config.server.request_body_timeout_s,
+        max_buffered_body_bytes=config.server.max_buffered_body_bytes,
+        eject_on_5xx=config.proxy.eject_on_5xx,
+        access_log=config.server.access_log,
+    )
+    return Runtime(config=config, settings=settings, engine_key=engine_key, tenant_keys=keys,
+                   unsubscribe=unsubscribe)
