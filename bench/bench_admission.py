@@ -34,16 +34,17 @@ from bench_scale import free_port, router_command
 from trio_router.testing import FakeEngine, serve_fake_engine
 
 KEYS = {"a": "key-a", "b": "key-b", "c": "key-c"}
-STREAM = {"model": "fake-model", "stream": True,
-          "messages": [{"role": "user", "content": "hi"}]}
+STREAM = {"model": "fake-model", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
 
 
 async def main_async() -> dict[str, Any]:
     engines = [FakeEngine(name=f"e{i}", tokens=10, inter_token_s=0.1) for i in range(2)]
     with tempfile.TemporaryDirectory() as tmp:
         async with trio.open_nursery() as nursery:
-            urls = [await nursery.start(serve_fake_engine, engine, f"127.0.7.{i + 1}")
-                    for i, engine in enumerate(engines)]
+            urls = [
+                await nursery.start(serve_fake_engine, engine, f"127.0.7.{i + 1}")
+                for i, engine in enumerate(engines)
+            ]
             port = free_port()
             config = Path(tmp) / "router.toml"
             config.write_text(f"""
@@ -77,8 +78,11 @@ requests_per_minute = 6
 """)
             env = {**os.environ, **{f"BENCH_KEY_{t.upper()}": k for t, k in KEYS.items()}}
             router = await trio.lowlevel.open_process(
-                [*router_command(), "--config", str(config)], env=env,
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                [*router_command(), "--config", str(config)],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
             url = f"http://127.0.0.1:{port}"
             try:
                 return await run(url, engines)
@@ -105,8 +109,11 @@ async def run(url: str, engines: list[FakeEngine]) -> dict[str, Any]:
 
         async def post(tenant: str) -> float:
             start = time.perf_counter()
-            response = await client.post("/v1/chat/completions", json=STREAM,
-                                         headers={"authorization": f"Bearer {KEYS[tenant]}"})
+            response = await client.post(
+                "/v1/chat/completions",
+                json=STREAM,
+                headers={"authorization": f"Bearer {KEYS[tenant]}"},
+            )
             statuses[tenant][response.status_code] += 1
             return time.perf_counter() - start
 

@@ -57,10 +57,43 @@ REPLICAS: Final = 2
 MODEL: Final = "fake-model"
 ENGINE_HEADER: Final = "x-trio-router-engine"
 CONCURRENCY: Final = 8  # requests in flight at once (every one to the same replica)
-WORDS: Final = ("the", "router", "sends", "each", "request", "to", "an", "engine", "that",
-                "already", "holds", "prefix", "of", "its", "conversation", "in", "kv", "cache",
-                "so", "time", "first", "token", "drops", "policy", "replica", "answer", "with",
-                "care", "and", "cite", "sources", "when", "asked", "about", "tools")
+WORDS: Final = (
+    "the",
+    "router",
+    "sends",
+    "each",
+    "request",
+    "to",
+    "an",
+    "engine",
+    "that",
+    "already",
+    "holds",
+    "prefix",
+    "of",
+    "its",
+    "conversation",
+    "in",
+    "kv",
+    "cache",
+    "so",
+    "time",
+    "first",
+    "token",
+    "drops",
+    "policy",
+    "replica",
+    "answer",
+    "with",
+    "care",
+    "and",
+    "cite",
+    "sources",
+    "when",
+    "asked",
+    "about",
+    "tools",
+)
 
 
 class Output:
@@ -97,8 +130,9 @@ class Replica:
 
 
 @asynccontextmanager
-async def open_replicas(config: Path, env: dict[str, str]
-                        ) -> AsyncIterator[Callable[[], Awaitable[Replica]]]:
+async def open_replicas(
+    config: Path, env: dict[str, str]
+) -> AsyncIterator[Callable[[], Awaitable[Replica]]]:
     """`start()`, which runs one more router process on `config` and returns it once it
     listens and every engine is routable. Every process still running at the end of the block
     is killed."""
@@ -106,10 +140,25 @@ async def open_replicas(config: Path, env: dict[str, str]
     async with trio.open_nursery() as nursery:
 
         async def start() -> Replica:
-            replica = Replica(await trio.lowlevel.open_process(
-                [sys.executable, "-m", "trio_router", "--config", str(config),
-                 "--log-level", "info"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE, cwd=REPO, env=env), Output())
+            replica = Replica(
+                await trio.lowlevel.open_process(
+                    [
+                        sys.executable,
+                        "-m",
+                        "trio_router",
+                        "--config",
+                        str(config),
+                        "--log-level",
+                        "info",
+                    ],
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE,
+                    cwd=REPO,
+                    env=env,
+                ),
+                Output(),
+            )
             processes.append(replica.process)
             assert replica.process.stderr is not None
             nursery.start_soon(replica.stderr.pump, replica.process.stderr)
@@ -132,8 +181,10 @@ async def open_replicas(config: Path, env: dict[str, str]
 async def open_engines(engines: list[FakeEngine], port: int) -> AsyncIterator[list[str]]:
     """`engines` served on 127.0.1.1, 127.0.1.2, ..., each on `port`; their URLs."""
     async with trio.open_nursery() as nursery:
-        urls = [await nursery.start(serve_fake_engine, engine, f"127.0.1.{i + 1}", port)
-                for i, engine in enumerate(engines)]
+        urls = [
+            await nursery.start(serve_fake_engine, engine, f"127.0.1.{i + 1}", port)
+            for i, engine in enumerate(engines)
+        ]
         yield urls
         nursery.cancel_scope.cancel()
 
@@ -175,26 +226,35 @@ class Conversation:
         return Counter(self.engines).most_common(1)[0][0]
 
 
-async def turn(client: httpx.AsyncClient, replica: Replica, conversation: Conversation,
-               limiter: trio.CapacityLimiter) -> str:
+async def turn(
+    client: httpx.AsyncClient,
+    replica: Replica,
+    conversation: Conversation,
+    limiter: trio.CapacityLimiter,
+) -> str:
     """One more user message, the whole chat sent to `replica`; the engine that served it
     (the assistant's answer joins the chat)."""
     conversation.messages.append(
-        {"role": "user", "content": text(conversation.rng, conversation.rng.randrange(80, 400))})
+        {"role": "user", "content": text(conversation.rng, conversation.rng.randrange(80, 400))}
+    )
     async with limiter:
-        response = await client.post(f"{replica.url}/v1/chat/completions", json={
-            "model": MODEL, "messages": conversation.messages, "max_tokens": 16})
+        response = await client.post(
+            f"{replica.url}/v1/chat/completions",
+            json={"model": MODEL, "messages": conversation.messages, "max_tokens": 16},
+        )
     if response.status_code != 200:
         raise RuntimeError(f"HTTP {response.status_code} from {replica.url}: {response.text}")
     conversation.messages.append(
-        {"role": "assistant", "content": response.json()["choices"][0]["message"]["content"]})
+        {"role": "assistant", "content": response.json()["choices"][0]["message"]["content"]}
+    )
     engine = response.headers[ENGINE_HEADER]
     conversation.engines.append(engine)
     return engine
 
 
-async def run_turn(client: httpx.AsyncClient, replica: Replica,
-                   conversations: list[Conversation]) -> list[str]:
+async def run_turn(
+    client: httpx.AsyncClient, replica: Replica, conversations: list[Conversation]
+) -> list[str]:
     """The next turn of every conversation, `CONCURRENCY` at a time; the engines, in order."""
     limiter = trio.CapacityLimiter(CONCURRENCY)
     engines = [""] * len(conversations)
@@ -212,7 +272,8 @@ def router_env(router_src: Path | None) -> dict[str, str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if router_src is not None:
         env["PYTHONPATH"] = os.pathsep.join(
-            [str(router_src), *filter(None, [os.environ.get("PYTHONPATH")])])
+            [str(router_src), *filter(None, [os.environ.get("PYTHONPATH")])]
+        )
     return env
 
 
@@ -241,17 +302,27 @@ async def bench(args: argparse.Namespace, env: dict[str, str]) -> Run:
     rng = random.Random(args.seed)
     shared = text(rng, rng.randrange(2048, 4096))
     conversations = [
-        Conversation([{"role": "system",
-                       "content": shared if args.shared_system
-                       else text(rng, rng.randrange(2048, 4096))}],
-                     random.Random(rng.getrandbits(64)))
-        for _ in range(args.conversations)]
+        Conversation(
+            [
+                {
+                    "role": "system",
+                    "content": shared
+                    if args.shared_system
+                    else text(rng, rng.randrange(2048, 4096)),
+                }
+            ],
+            random.Random(rng.getrandbits(64)),
+        )
+        for _ in range(args.conversations)
+    ]
     engines = [FakeEngine(name=f"engine-{i}", tokens=12) for i in range(ENGINES)]
     began = trio.current_time()
     with tempfile.TemporaryDirectory() as tmp, trio.fail_after(args.limit):
-        async with open_engines(engines, args.engine_port) as urls, \
-                open_replicas(write_config(Path(tmp) / "router.toml", urls), env) as start, \
-                httpx.AsyncClient(timeout=10.0) as client:
+        async with (
+            open_engines(engines, args.engine_port) as urls,
+            open_replicas(write_config(Path(tmp) / "router.toml", urls), env) as start,
+            httpx.AsyncClient(timeout=10.0) as client,
+        ):
             started: dict[int, Replica] = {}
 
             async def start_at(i: int) -> None:
@@ -269,16 +340,23 @@ async def bench(args: argparse.Namespace, env: dict[str, str]) -> Run:
                 exit_code = await replicas[0].process.wait()
             replicas[0] = await start()
             after = await run_turn(client, replicas[0], conversations)
-    return Run([u.removeprefix("http://") for u in urls], turns, after, exit_code,
-               trio.current_time() - began)
+    return Run(
+        [u.removeprefix("http://") for u in urls],
+        turns,
+        after,
+        exit_code,
+        trio.current_time() - began,
+    )
 
 
 def report(args: argparse.Namespace, run: Run, source: str) -> None:
     n = len(run.turns)
-    print(f"prefix_aware: {REPLICAS} replicas, {ENGINES} engines, {n} conversations x "
-          f"{args.turns} turns (turn k to replica k % {REPLICAS}), "
-          f"{'one shared system prompt' if args.shared_system else 'own system prompts'} "
-          f"(2-4 KiB), seed {args.seed}")
+    print(
+        f"prefix_aware: {REPLICAS} replicas, {ENGINES} engines, {n} conversations x "
+        f"{args.turns} turns (turn k to replica k % {REPLICAS}), "
+        f"{'one shared system prompt' if args.shared_system else 'own system prompts'} "
+        f"(2-4 KiB), seed {args.seed}"
+    )
     print(f"router code: {source}\n")
 
     def row(label: str, value: str, target: str = "", ok: bool | None = None) -> None:
@@ -292,52 +370,88 @@ def report(args: argparse.Namespace, run: Run, source: str) -> None:
     modal = Counter(c[0][0] for c in counts)  # a tie: the engine of the earliest turn
     per_turn = Counter(engine for engines in run.turns for engine in engines)
     row("figure", "value", "target")
-    row("turns on their conversation's modal engine", f"{100 * on_modal / total:.1f} %",
-        ">= 95 %", on_modal >= 0.95 * total)
+    row(
+        "turns on their conversation's modal engine",
+        f"{100 * on_modal / total:.1f} %",
+        ">= 95 %",
+        on_modal >= 0.95 * total,
+    )
     row("conversations on one engine throughout", f"{sum(len(c) == 1 for c in counts)}/{n}")
     if ties:
         row("conversations with no single modal engine (a tie)", f"{ties}/{n}")
     low = min(modal.get(engine, 0) for engine in run.engines) / n
-    row("engine share of conversations (by modal engine), lowest", f"{100 * low:.1f} %",
-        ">= 10 %", low >= 0.10)
+    row(
+        "engine share of conversations (by modal engine), lowest",
+        f"{100 * low:.1f} %",
+        ">= 10 %",
+        low >= 0.10,
+    )
     for engine in run.engines:
-        row(f"  {engine}: conversations, turns", f"{100 * modal.get(engine, 0) / n:3.0f} %, "
-            f"{100 * per_turn.get(engine, 0) / total:3.0f} %")
+        row(
+            f"  {engine}: conversations, turns",
+            f"{100 * modal.get(engine, 0) / n:3.0f} %, "
+            f"{100 * per_turn.get(engine, 0) / total:3.0f} %",
+        )
     own = [engines[(len(engines) - 1) // REPLICAS * REPLICAS] for engines in run.turns]
     same_own = sum(a == b for a, b in zip(run.after, own, strict=True))
-    row("after the restart: turn on the engine replica 0 chose", f"{same_own}/{n}", f"{n}",
-        same_own == n)
+    row(
+        "after the restart: turn on the engine replica 0 chose",
+        f"{same_own}/{n}",
+        f"{n}",
+        same_own == n,
+    )
     same_last = sum(a == b[-1] for a, b in zip(run.after, run.turns, strict=True))
     row("  ... on the engine of the previous turn", f"{same_last}/{n}")
-    print(f"\nreplica 0 (turns 0, 2, ...) restarted: SIGTERM, exit code {run.exit_code}, "
-          f"then a fresh process; {run.seconds:.1f} s in all")
+    print(
+        f"\nreplica 0 (turns 0, 2, ...) restarted: SIGTERM, exit code {run.exit_code}, "
+        f"then a fresh process; {run.seconds:.1f} s in all"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shared-system", action="store_true",
-                        help="one system prompt for all conversations (they differ from "
-                        "their first user message on)")
+    parser.add_argument(
+        "--shared-system",
+        action="store_true",
+        help="one system prompt for all conversations (they differ from "
+        "their first user message on)",
+    )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--conversations", type=int, default=24, help="(default 24, max 200)")
     parser.add_argument("--turns", type=int, default=6, help="(default 6, max 20)")
-    parser.add_argument("--engine-port", type=int, default=18400,
-                        help="port of every fake engine, each on its own 127.0.1.N "
-                        "(default 18400; 0: ephemeral, a different ring every run)")
-    parser.add_argument("--router-src", metavar="PATH",
-                        help="run the routers from this source tree (PATH or PATH/src)")
-    parser.add_argument("--limit", type=float, default=60.0,
-                        help="seconds after which the run is abandoned (default 60)")
+    parser.add_argument(
+        "--engine-port",
+        type=int,
+        default=18400,
+        help="port of every fake engine, each on its own 127.0.1.N "
+        "(default 18400; 0: ephemeral, a different ring every run)",
+    )
+    parser.add_argument(
+        "--router-src",
+        metavar="PATH",
+        help="run the routers from this source tree (PATH or PATH/src)",
+    )
+    parser.add_argument(
+        "--limit",
+        type=float,
+        default=60.0,
+        help="seconds after which the run is abandoned (default 60)",
+    )
     args = parser.parse_args()
     args.conversations = max(1, min(args.conversations, 200))
     args.turns = max(1, min(args.turns, 20))
     env = router_env(source_dir(args.router_src))
     where = subprocess.run(  # the package the routers will import
-        [sys.executable, "-c", "import trio_router; print(trio_router.__file__)"], env=env,
-        cwd=REPO, capture_output=True, text=True, check=True, timeout=30).stdout.strip()
+        [sys.executable, "-c", "import trio_router; print(trio_router.__file__)"],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    ).stdout.strip()
     report(args, trio.run(bench, args, env), str(Path(where).parent))
 
 
 if __name__ == "__main__":
     main()
-

@@ -44,8 +44,9 @@ async def per_op(count: int, op: Callable[[], Awaitable[object]]) -> float:
 
 
 def pool() -> UpstreamPool:
-    return UpstreamPool(connect_timeout=math.inf, read_timeout=math.inf,
-                        max_idle_per_origin=2, max_idle_s=300.0)
+    return UpstreamPool(
+        connect_timeout=math.inf, read_timeout=math.inf, max_idle_per_origin=2, max_idle_s=300.0
+    )
 
 
 async def main_async(count: int) -> None:
@@ -86,8 +87,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         spec = Path(tmp) / "fleet.json"
         spec.write_text(json.dumps({"port": PORT, "engines": {ADDRESS: "ok"}}))
-        fleet = subprocess.Popen([sys.executable, str(ROOT / "bench" / "fleet.py"), str(spec)],
-                                 stdout=subprocess.PIPE)
+        fleet = subprocess.Popen(
+            [sys.executable, str(ROOT / "bench" / "fleet.py"), str(spec)], stdout=subprocess.PIPE
+        )
         try:
             assert fleet.stdout is not None
             fleet.stdout.readline()  # "ready 1"

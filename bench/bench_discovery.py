@@ -98,11 +98,11 @@ async def bench_events_per_second(pods: int = 1000, rounds: int = 20) -> dict[st
         for _ in range(rounds // 2):
             for event in flips:
                 core.reconciler.apply(event)
-        out["MODIFIED (Ready flip, re-probe)"] = len(flips) * (rounds // 2) / (
-            time.perf_counter() - start)
+        out["MODIFIED (Ready flip, re-probe)"] = (
+            len(flips) * (rounds // 2) / (time.perf_counter() - start)
+        )
 
-        churn = [e for n in range(pods + 1, 2 * pods + 1) for e in (added(pod(n)),
-                                                                   deleted(pod(n)))]
+        churn = [e for n in range(pods + 1, 2 * pods + 1) for e in (added(pod(n)), deleted(pod(n)))]
         start = time.perf_counter()
         for event in churn:
             core.reconciler.apply(event)
@@ -127,9 +127,11 @@ async def main() -> None:
     for hanging in (0, 100, 1000):
         samples = await bench_delete_latency(hanging)
         samples.sort()
-        print(f"   {hanging:5d} hanging probes: median {statistics.median(samples) * 1e6:7.1f} µs"
-              f", p99 {samples[int(len(samples) * 0.99) - 1] * 1e6:7.1f} µs,"
-              f" max {samples[-1] * 1e6:7.1f} µs ({len(samples)} deletes)")
+        print(
+            f"   {hanging:5d} hanging probes: median {statistics.median(samples) * 1e6:7.1f} µs"
+            f", p99 {samples[int(len(samples) * 0.99) - 1] * 1e6:7.1f} µs,"
+            f" max {samples[-1] * 1e6:7.1f} µs ({len(samples)} deletes)"
+        )
     print("2. 1000 pods Ready at once, 1 s probe latency, probe.max_concurrent = 1024")
     print(f"   all routable after {await bench_burst(1000, 1.0):.2f} s")
     print("3. events applied per second (1000 pods)")

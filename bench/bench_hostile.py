@@ -59,7 +59,8 @@ async def router(workdir: Path, *, drain_s: float = 5.0) -> AsyncIterator[Router
     spec = workdir / "fleet.json"
     spec.write_text(json.dumps({"port": ENGINE_PORT, "engines": dict.fromkeys(ENGINES, "ok")}))
     fleet = await trio.lowlevel.open_process(
-        [sys.executable, str(ROOT / "bench" / "fleet.py"), str(spec)], stdout=subprocess.PIPE)
+        [sys.executable, str(ROOT / "bench" / "fleet.py"), str(spec)], stdout=subprocess.PIPE
+    )
     assert fleet.stdout is not None
     await fleet.stdout.receive_some()  # "ready 2"
     port = free_port()
@@ -79,8 +80,8 @@ urls = [{urls}]
     log = workdir / "router.log"
     with log.open("wb") as log_file:
         process = await trio.lowlevel.open_process(
-            [*router_command(), "--config", str(config)], stdout=log_file,
-            stderr=subprocess.STDOUT)
+            [*router_command(), "--config", str(config)], stdout=log_file, stderr=subprocess.STDOUT
+        )
     handle = Router(process, f"http://127.0.0.1:{port}", log)
     try:
         async with httpx.AsyncClient() as client:
@@ -107,8 +108,11 @@ def ejections(log: Path) -> int:
 
 def p99(latencies: list[float]) -> float:
     ordered = sorted(latencies)
-    return round(1000 * ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))], 1) \
-        if ordered else math.nan
+    return (
+        round(1000 * ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))], 1)
+        if ordered
+        else math.nan
+    )
 
 
 async def slow_reader(workdir: Path) -> dict[str, Any]:
@@ -119,8 +123,11 @@ async def slow_reader(workdir: Path) -> dict[str, Any]:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         sock.connect((host, int(port)))
         body = json.dumps({"model": "fake-model", "stream": True, "messages": []}).encode()
-        sock.sendall(b"POST %s HTTP/1.1\r\nhost: r\r\ncontent-length: %d\r\n\r\n"
-                     % (CHAT.encode(), len(body)) + body)
+        sock.sendall(
+            b"POST %s HTTP/1.1\r\nhost: r\r\ncontent-length: %d\r\n\r\n"
+            % (CHAT.encode(), len(body))
+            + body
+        )
         await trio.sleep(1.0)  # the router has filled the client's buffers by now
         start = time.perf_counter()
         r.process.send_signal(signal.SIGTERM)
@@ -128,14 +135,18 @@ async def slow_reader(workdir: Path) -> dict[str, Any]:
             await r.process.wait()
         exited = time.perf_counter() - start if r.process.returncode is not None else None
         sock.close()
-        return {"scenario": "slow-reader", "drain_s": drain_s,
-                "exit_after_sigterm_s": None if exited is None else round(exited, 2),
-                "exit_code": r.process.returncode}
+        return {
+            "scenario": "slow-reader",
+            "drain_s": drain_s,
+            "exit_after_sigterm_s": None if exited is None else round(exited, 2),
+            "exit_code": r.process.returncode,
+        }
 
 
 async def big_bodies(workdir: Path) -> dict[str, Any]:
-    big = json.dumps({"model": "fake-model", "messages": [
-        {"role": "user", "content": "x" * (30 * 1000 * 1000)}]}).encode()
+    big = json.dumps(
+        {"model": "fake-model", "messages": [{"role": "user", "content": "x" * (30 * 1000 * 1000)}]}
+    ).encode()
     async with router(workdir) as r:
         peak, small, outcomes = 0.0, [], Counter[str]()
         limits = httpx.Limits(max_connections=20)
@@ -143,8 +154,9 @@ async def big_bodies(workdir: Path) -> dict[str, Any]:
             done = trio.Event()
 
             async def post_big() -> None:
-                response = await client.post(CHAT, content=big,
-                                             headers={"content-type": "application/json"})
+                response = await client.post(
+                    CHAT, content=big, headers={"content-type": "application/json"}
+                )
                 outcomes[str(response.status_code)] += 1
 
             async def post_small() -> None:
@@ -167,17 +179,24 @@ async def big_bodies(workdir: Path) -> dict[str, Any]:
                     for _ in range(6):
                         bigs.start_soon(post_big)
                 done.set()
-        return {"scenario": "big-bodies", "body_mb": round(len(big) / 1e6, 1),
-                "big_outcomes": dict(outcomes), "router_peak_rss_mib": round(peak, 1),
-                "small_requests": len(small), "small_p99_ms": p99(small)}
+        return {
+            "scenario": "big-bodies",
+            "body_mb": round(len(big) / 1e6, 1),
+            "big_outcomes": dict(outcomes),
+            "router_peak_rss_mib": round(peak, 1),
+            "small_requests": len(small),
+            "small_p99_ms": p99(small),
+        }
 
 
 async def burst(workdir: Path, *, clients: int = 600, seconds: float = 8.0) -> dict[str, Any]:
     """Each client is its own keep-alive connection on raw sockets (a Python HTTP client
     with hundreds of connections would be the bottleneck, not the router)."""
     body = json.dumps({"model": "fake-model", "messages": []}).encode()
-    request = (b"POST %s HTTP/1.1\r\nhost: r\r\ncontent-type: application/json\r\n"
-               b"content-length: %d\r\n\r\n" % (CHAT.encode(), len(body)) + body)
+    request = (
+        b"POST %s HTTP/1.1\r\nhost: r\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n" % (CHAT.encode(), len(body)) + body
+    )
     async with router(workdir) as r:
         outcomes, latencies = Counter[str](), []
         host, port = r.url.removeprefix("http://").rsplit(":", 1)
@@ -220,9 +239,15 @@ async def burst(workdir: Path, *, clients: int = 600, seconds: float = 8.0) -> d
             for _ in range(clients):
                 nursery.start_soon(one_client)
         total = sum(outcomes.values())
-        return {"scenario": "burst", "clients": clients, "seconds": seconds,
-                "outcomes": dict(outcomes), "requests_per_s": round(total / seconds),
-                "p99_ms": p99(latencies), "ejections": ejections(r.log)}
+        return {
+            "scenario": "burst",
+            "clients": clients,
+            "seconds": seconds,
+            "outcomes": dict(outcomes),
+            "requests_per_s": round(total / seconds),
+            "p99_ms": p99(latencies),
+            "ejections": ejections(r.log),
+        }
 
 
 async def main_async(args: argparse.Namespace) -> None:

@@ -31,23 +31,53 @@ MODEL = "llama"
 SIZES = (4, 10, 100, 1000)  # engines
 FIXTURE = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "vllm_metrics.txt"
 NOW = 100.0
-WORDS = ("the", "router", "sends", "each", "request", "to", "an", "engine", "that", "already",
-         "holds", "prefix", "of", "its", "conversation", "in", "kv", "cache", "so", "time",
-         "first", "token", "drops")
+WORDS = (
+    "the",
+    "router",
+    "sends",
+    "each",
+    "request",
+    "to",
+    "an",
+    "engine",
+    "that",
+    "already",
+    "holds",
+    "prefix",
+    "of",
+    "its",
+    "conversation",
+    "in",
+    "kv",
+    "cache",
+    "so",
+    "time",
+    "first",
+    "token",
+    "drops",
+)
 
 
 def make_table(n: int, rng: random.Random, *, adapter_every: int = 0) -> RoutingTable:
     table = RoutingTable()
     for i in range(n):
         models = [MODEL] + (["adapter"] if adapter_every and i % adapter_every == 0 else [])
-        engine = Engine(uid=f"{rng.getrandbits(64):016x}-pod-{i}", name=f"vllm-{i}",
-                        url=f"http://10.{i // 65536}.{i // 256 % 256}.{i % 256}:8000",
-                        state=EngineState.ROUTABLE, models=tuple(Model(m) for m in models),
-                        model_ids=frozenset(models))
+        engine = Engine(
+            uid=f"{rng.getrandbits(64):016x}-pod-{i}",
+            name=f"vllm-{i}",
+            url=f"http://10.{i // 65536}.{i // 256 % 256}.{i % 256}:8000",
+            state=EngineState.ROUTABLE,
+            models=tuple(Model(m) for m in models),
+            model_ids=frozenset(models),
+        )
         engine.in_flight = rng.randrange(4)
-        engine.stats = {"running": float(rng.randrange(16)), "waiting": float(rng.randrange(3)),
-                        "kv_cache_usage": rng.random(), "scraped_at": NOW - 1,
-                        "stale_after": 15.0}
+        engine.stats = {
+            "running": float(rng.randrange(16)),
+            "waiting": float(rng.randrange(3)),
+            "kv_cache_usage": rng.random(),
+            "scraped_at": NOW - 1,
+            "stale_after": 15.0,
+        }
         table.put(engine)
     return table
 
@@ -68,7 +98,8 @@ def conversation_bodies(rng: random.Random, count: int, chars: int) -> list[dict
     """`count` request bodies, each a turn of one of count/8 conversations of about `chars`."""
     bodies = []
     conversations: list[list[dict[str, str]]] = [
-        [{"role": "system", "content": sentence(rng, 400)}] for _ in range(max(1, count // 8))]
+        [{"role": "system", "content": sentence(rng, 400)}] for _ in range(max(1, count // 8))
+    ]
     for _ in range(count):
         messages = rng.choice(conversations)
         while sum(len(m["content"]) for m in messages) < chars:
@@ -85,8 +116,13 @@ def conversation_prompts(rng: random.Random, count: int, chars: int) -> list[Req
     return [request_info(body, {}, PREFIX) for body in conversation_bodies(rng, count, chars)]
 
 
-def run_with_request_info(policy: Policy, table: RoutingTable, bodies: Sequence[dict[str, Any]],
-                          decisions: int, overhead: float) -> tuple[float, float]:
+def run_with_request_info(
+    policy: Policy,
+    table: RoutingTable,
+    bodies: Sequence[dict[str, Any]],
+    decisions: int,
+    overhead: float,
+) -> tuple[float, float]:
     """Mean and p99 µs of `request_info` + `choose` (best of three rounds)."""
     rounds = []
     for _ in range(3):
@@ -114,8 +150,15 @@ def timer_overhead() -> float:
     return float(statistics.median(samples))
 
 
-def run(policy: Policy, table: RoutingTable, model: str, infos: Sequence[RequestInfo],
-        decisions: int, rng: random.Random, overhead: float) -> tuple[float, float]:
+def run(
+    policy: Policy,
+    table: RoutingTable,
+    model: str,
+    infos: Sequence[RequestInfo],
+    decisions: int,
+    rng: random.Random,
+    overhead: float,
+) -> tuple[float, float]:
     """Mean and p99 µs per decision, with in-flight counts moving as decisions are made; the
     best of three rounds, as other processes on the machine add noise."""
     engines = list(table)
@@ -142,8 +185,9 @@ def run(policy: Policy, table: RoutingTable, model: str, infos: Sequence[Request
 
 
 def build(name: str, table: RoutingTable, seed: int, **knobs: Any) -> Policy:
-    policy = make_policy(RoutingConfig(policy=name, **knobs), clock=lambda: NOW,
-                         rng=random.Random(seed))
+    policy = make_policy(
+        RoutingConfig(policy=name, **knobs), clock=lambda: NOW, rng=random.Random(seed)
+    )
     table.add_remove_listener(lambda engine: policy.forget(engine.uid))
     return policy
 
@@ -164,10 +208,11 @@ def main() -> None:
     users = [RequestInfo(MODEL, session_key=f"user-{rng.randrange(10**9)}") for _ in range(10000)]
     chats = conversation_prompts(rng, 4000, 2048)
     plain = [RequestInfo(MODEL)]
-    inputs = {"round_robin": plain, "least_loaded": plain, "session": users,
-              "prefix_aware": chats}
-    print(f"decision cost, µs (mean / p99), {args.decisions} decisions each; "
-          f"timer overhead {overhead:.0f} ns subtracted")
+    inputs = {"round_robin": plain, "least_loaded": plain, "session": users, "prefix_aware": chats}
+    print(
+        f"decision cost, µs (mean / p99), {args.decisions} decisions each; "
+        f"timer overhead {overhead:.0f} ns subtracted"
+    )
     print(f"{'policy':<28}" + "".join(f"{n:>20}" for n in SIZES))
     for name in POLICIES:
         row = []
@@ -197,64 +242,89 @@ def main() -> None:
         for n in SIZES:
             table = make_table(n, random.Random(args.seed + n))
             policy = build("prefix_aware", table, args.seed)
-            mean, p99 = run_with_request_info(policy, table, bodies, args.decisions // 4,
-                                              overhead)
+            mean, p99 = run_with_request_info(policy, table, bodies, args.decisions // 4, overhead)
             row.append(f"{mean:8.2f} / {p99:7.2f}")
         print(f"{f'{chars // 1024} KiB prompts':<28}" + "".join(f"{cell:>20}" for cell in row))
     for chars in (2048, 32768):  # the worst case: the whole prompt is the opening
-        bodies = [{"model": MODEL, "messages": [
-            {"role": "system", "content": sentence(rng, 400)},
-            {"role": "user", "content": sentence(rng, chars - 400)}]} for _ in range(200)]
+        bodies = [
+            {
+                "model": MODEL,
+                "messages": [
+                    {"role": "system", "content": sentence(rng, 400)},
+                    {"role": "user", "content": sentence(rng, chars - 400)},
+                ],
+            }
+            for _ in range(200)
+        ]
         row = []
         for n in SIZES:
             table = make_table(n, random.Random(args.seed + n))
             policy = build("prefix_aware", table, args.seed)
-            mean, p99 = run_with_request_info(policy, table, bodies, args.decisions // 4,
-                                              overhead)
+            mean, p99 = run_with_request_info(policy, table, bodies, args.decisions // 4, overhead)
             row.append(f"{mean:8.2f} / {p99:7.2f}")
-        print(f"{f'{chars // 1024} KiB, one user message':<28}"
-              + "".join(f"{cell:>20}" for cell in row))
+        print(
+            f"{f'{chars // 1024} KiB, one user message':<28}"
+            + "".join(f"{cell:>20}" for cell in row)
+        )
 
     print("\none-off costs at 1,000 engines, ms")
     table = make_table(1000, random.Random(args.seed))
     session = build("session", table, args.seed)
-    print(f"  session: first decision (builds the ring, 100 points/engine) "
-          f"{once_ms(lambda: session.choose(table.routable(MODEL), users[0])):.1f}")
+    print(
+        f"  session: first decision (builds the ring, 100 points/engine) "
+        f"{once_ms(lambda: session.choose(table.routable(MODEL), users[0])):.1f}"
+    )
     uids = [e.uid for e in table]
-    print(f"  session: remove one engine (listener) "
-          f"{once_ms(lambda: table.remove(uids[0])):.3f}; next decision "
-          f"{once_ms(lambda: session.choose(table.routable(MODEL), users[1])):.3f}")
+    print(
+        f"  session: remove one engine (listener) "
+        f"{once_ms(lambda: table.remove(uids[0])):.3f}; next decision "
+        f"{once_ms(lambda: session.choose(table.routable(MODEL), users[1])):.3f}"
+    )
     removal = [once_ms(lambda u=u: table.remove(u)) for u in uids[1:200]]  # type: ignore[misc]
-    print(f"  session: 199 more removals: max {max(removal):.2f} (ring compaction), "
-          f"median {statistics.median(removal):.3f}")
+    print(
+        f"  session: 199 more removals: max {max(removal):.2f} (ring compaction), "
+        f"median {statistics.median(removal):.3f}"
+    )
     table = make_table(1000, random.Random(args.seed))
     extra = make_table(1, random.Random(args.seed + 99))
     session = build("session", table, args.seed)
     session.choose(table.routable(MODEL), users[0])
     for engine in extra:
         table.put(engine)
-    print(f"  session: decision after one engine joined (ring patch) "
-          f"{once_ms(lambda: session.choose(table.routable(MODEL), users[1])):.2f}")
+    print(
+        f"  session: decision after one engine joined (ring patch) "
+        f"{once_ms(lambda: session.choose(table.routable(MODEL), users[1])):.2f}"
+    )
     table.put(next(iter(table)))  # any table change: the next decision re-indexes
-    print(f"  session: decision after any table change (re-index {len(table)} candidates) "
-          f"{once_ms(lambda: session.choose(table.routable(MODEL), users[2])):.3f}")
+    print(
+        f"  session: decision after any table change (re-index {len(table)} candidates) "
+        f"{once_ms(lambda: session.choose(table.routable(MODEL), users[2])):.3f}"
+    )
     prefix = build("prefix_aware", table, args.seed)
     prefix.choose(table.routable(MODEL), chats[0])
     table.put(next(iter(table)))
-    print(f"  prefix_aware: decision after any table change (re-index) "
-          f"{once_ms(lambda: prefix.choose(table.routable(MODEL), chats[1])):.3f}")
+    print(
+        f"  prefix_aware: decision after any table change (re-index) "
+        f"{once_ms(lambda: prefix.choose(table.routable(MODEL), chats[1])):.3f}"
+    )
 
     print("\nper-request costs outside the policy, µs")
     for chars in (2048, 32768):
-        body = {"model": MODEL, "messages": [{"role": "user", "content": sentence(rng, 500)}
-                                             for _ in range(chars // 500)]}
+        body = {
+            "model": MODEL,
+            "messages": [
+                {"role": "user", "content": sentence(rng, 500)} for _ in range(chars // 500)
+            ],
+        }
         reps = 2000
         for config in (RoutingConfig(policy="session"), PREFIX):
             t0 = time.perf_counter()
             for _ in range(reps):
                 request_info(body, [(b"x-session-id", b"abc")], config)
-            print(f"  request_info for {config.policy}, {chars // 1024} KiB chat: "
-                  f"{(time.perf_counter() - t0) / reps * 1e6:.1f}")
+            print(
+                f"  request_info for {config.policy}, {chars // 1024} KiB chat: "
+                f"{(time.perf_counter() - t0) / reps * 1e6:.1f}"
+            )
     text = FIXTURE.read_text()
     big = text + "".join(f'# TYPE other_{i} gauge\nother_{i}{{a="b"}} {i}\n' for i in range(2000))
     for label, body_text in (("fixture", text), ("fixture + 2,000 other metrics", big)):
@@ -262,8 +332,10 @@ def main() -> None:
         t0 = time.perf_counter()
         for _ in range(reps):
             parse_vllm_metrics(body_text)
-        print(f"  parse_vllm_metrics, {label} ({len(body_text) // 1024} KiB): "
-              f"{(time.perf_counter() - t0) / reps * 1e6:.0f}")
+        print(
+            f"  parse_vllm_metrics, {label} ({len(body_text) // 1024} KiB): "
+            f"{(time.perf_counter() - t0) / reps * 1e6:.0f}"
+        )
 
 
 if __name__ == "__main__":

@@ -53,44 +53,61 @@ from trio_router.config import POLICIES
 
 CLOCK_TICKS: Final = os.sysconf("SC_CLK_TCK")
 MODEL: Final = "bench-model"
-CHAT_BODY: Final = ('{"model":"bench-model","messages":[{"role":"user","content":'
-                    '"Say hello to the benchmark."}],"max_tokens":64}')
+CHAT_BODY: Final = (
+    '{"model":"bench-model","messages":[{"role":"user","content":'
+    '"Say hello to the benchmark."}],"max_tokens":64}'
+)
 STREAM_BODY: Final = CHAT_BODY[:-1] + ',"stream":true}'
 # --all-policies: the non-streamed chat with a session key and a system prompt of two full
 # prefix chunks (routing.prefix_chunk_chars = 256), so every policy takes its full path.
-POLICY_BODY: Final = ('{"model":"bench-model","user":"bench-user","messages":[{"role":"system",'
-                      '"content":"' + "You are a helpful assistant for the benchmark. " * 12
-                      + '"},{"role":"user","content":"Say hello to the benchmark."}],'
-                      '"max_tokens":64}')
+POLICY_BODY: Final = (
+    '{"model":"bench-model","user":"bench-user","messages":[{"role":"system",'
+    '"content":"'
+    + "You are a helpful assistant for the benchmark. "
+    * 12
+    + '"},{"role":"user","content":"Say hello to the benchmark."}],'
+    '"max_tokens":64}'
+)
 EVENTS: Final = 64
 
-_REPLY = (b'{"id":"chatcmpl-bench","object":"chat.completion","created":1700000000,'
-          b'"model":"bench-model","choices":[{"index":0,"message":{"role":"assistant",'
-          b'"content":"Hello, benchmark! This is a canned reply from a fake engine that '
-          b'answers at once.","tool_calls":[]},"logprobs":null,"finish_reason":"stop"}],'
-          b'"usage":{"prompt_tokens":12,"completion_tokens":20,"total_tokens":32}}')
-REPLY: Final = (b"HTTP/1.1 200 OK\r\ndate: Mon, 01 Jan 2024 00:00:00 GMT\r\nserver: uvicorn\r\n"
-                b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
-                % (len(_REPLY), _REPLY))
-STREAM_HEAD: Final = (b"HTTP/1.1 200 OK\r\ndate: Mon, 01 Jan 2024 00:00:00 GMT\r\n"
-                      b"server: uvicorn\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
-                      b"transfer-encoding: chunked\r\n\r\n")
+_REPLY = (
+    b'{"id":"chatcmpl-bench","object":"chat.completion","created":1700000000,'
+    b'"model":"bench-model","choices":[{"index":0,"message":{"role":"assistant",'
+    b'"content":"Hello, benchmark! This is a canned reply from a fake engine that '
+    b'answers at once.","tool_calls":[]},"logprobs":null,"finish_reason":"stop"}],'
+    b'"usage":{"prompt_tokens":12,"completion_tokens":20,"total_tokens":32}}'
+)
+REPLY: Final = (
+    b"HTTP/1.1 200 OK\r\ndate: Mon, 01 Jan 2024 00:00:00 GMT\r\nserver: uvicorn\r\n"
+    b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(_REPLY), _REPLY)
+)
+STREAM_HEAD: Final = (
+    b"HTTP/1.1 200 OK\r\ndate: Mon, 01 Jan 2024 00:00:00 GMT\r\n"
+    b"server: uvicorn\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
+    b"transfer-encoding: chunked\r\n\r\n"
+)
 
 
 def _chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
 
-_EVENT = (b'data: {"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1700000000,'
-          b'"model":"bench-model","choices":[{"index":0,"delta":{"content":" token"},'
-          b'"logprobs":null,"finish_reason":null}]}\n\n')
+_EVENT = (
+    b'data: {"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1700000000,'
+    b'"model":"bench-model","choices":[{"index":0,"delta":{"content":" token"},'
+    b'"logprobs":null,"finish_reason":null}]}\n\n'
+)
 EVENT_CHUNK: Final = _chunk(_EVENT)
 DONE_CHUNK: Final = _chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n"
 STREAM_AT_ONCE: Final = STREAM_HEAD + EVENT_CHUNK * EVENTS + DONE_CHUNK
-_MODELS = (b'{"object":"list","data":[{"id":"bench-model","object":"model","created":0,'
-           b'"owned_by":"vllm","root":"bench-model","parent":null,"max_model_len":4096}]}')
-MODELS: Final = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d"
-                 b"\r\n\r\n%s" % (len(_MODELS), _MODELS))
+_MODELS = (
+    b'{"object":"list","data":[{"id":"bench-model","object":"model","created":0,'
+    b'"owned_by":"vllm","root":"bench-model","parent":null,"max_model_len":4096}]}'
+)
+MODELS: Final = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d"
+    b"\r\n\r\n%s" % (len(_MODELS), _MODELS)
+)
 NOT_FOUND: Final = b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n"
 _LENGTH = re.compile(rb"(?i)\r\ncontent-length:\s*(\d+)")
 
@@ -142,8 +159,9 @@ async def _serve_engines(count: int, gap_s: float) -> None:
     async with trio.open_nursery() as nursery:
         ports = []
         for _ in range(count):
-            listeners = await nursery.start(partial(
-                trio.serve_tcp, partial(_engine_connection, gap_s), 0, host="127.0.0.1"))
+            listeners = await nursery.start(
+                partial(trio.serve_tcp, partial(_engine_connection, gap_s), 0, host="127.0.0.1")
+            )
             ports.append(listeners[0].socket.getsockname()[1])
         print(" ".join(map(str, ports)), flush=True)
 
@@ -155,8 +173,16 @@ async def _baseline_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         return
     while (await receive()).get("more_body"):
         pass
-    await send({"type": "http.response.start", "status": 200, "headers": [
-        (b"content-type", b"application/json"), (b"content-length", b"%d" % len(_REPLY))]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", b"%d" % len(_REPLY)),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": _REPLY})
 
 
@@ -246,18 +272,32 @@ def wait_for_line(path: Path, pattern: str, *, timeout: float, count: int = 1) -
         time.sleep(0.05)
 
 
-def run_wrk(url: str, body: str, *, connections: int, duration: float) -> tuple[int, int,
-                                                                                  float, float,
-                                                                                  float]:
+def run_wrk(
+    url: str, body: str, *, connections: int, duration: float
+) -> tuple[int, int, float, float, float]:
     """(requests, errors, seconds, p50 ms, p99 ms) of one wrk run."""
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
-        script.write('wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
-                     f"wrk.body = '{body}'\n")
+        script.write(
+            'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
+            f"wrk.body = '{body}'\n"
+        )
     try:
         out = subprocess.run(
-            ["wrk", "-t1", f"-c{connections}", f"-d{duration:g}s", "--latency",
-             "-s", script.name, url], capture_output=True, text=True, check=True,
-            timeout=duration + 30).stdout
+            [
+                "wrk",
+                "-t1",
+                f"-c{connections}",
+                f"-d{duration:g}s",
+                "--latency",
+                "-s",
+                script.name,
+                url,
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=duration + 30,
+        ).stdout
     finally:
         os.unlink(script.name)
     requests = int(re.search(r"(\d+) requests in ([\d.]+)(m?s)", out).group(1))  # type: ignore[union-attr]
@@ -280,8 +320,9 @@ def _percentile(out: str, which: str) -> float:
     return value / 1000 if unit == "us" else value * 1000 if unit == "s" else value
 
 
-def run_python_load(url: str, body: str, *, connections: int, duration: float
-                    ) -> tuple[int, int, float, float, float]:
+def run_python_load(
+    url: str, body: str, *, connections: int, duration: float
+) -> tuple[int, int, float, float, float]:
     """The fallback load generator (no wrk): httpx in a child process."""
     code = f"""
 import json, sys, time, trio, httpx
@@ -309,14 +350,20 @@ async def main():
                       lat[int(len(lat) * 0.99)] * 1000]))
 trio.run(main)
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, timeout=duration + 60).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=duration + 60,
+    ).stdout
     n, errors, span, p50, p99 = json.loads(out)
     return n, errors, span, p50, p99
 
 
-def load(url: str, body: str, *, connections: int, duration: float
-         ) -> tuple[int, int, float, float, float]:
+def load(
+    url: str, body: str, *, connections: int, duration: float
+) -> tuple[int, int, float, float, float]:
     if shutil.which("wrk"):
         return run_wrk(url, body, connections=connections, duration=duration)
     return run_python_load(url, body, connections=connections, duration=duration)
@@ -327,16 +374,21 @@ TTFT_S = 0.020  # paced streams: the first event this long after the request
 REPEAT = 1  # runs per scenario (--repeat); the median run by CPU per request is reported
 
 
-def measure(name: str, pid: int, url: str, body: str, *, connections: int,
-            duration: float) -> Result:
+def measure(
+    name: str, pid: int, url: str, body: str, *, connections: int, duration: float
+) -> Result:
     load(url, body, connections=connections, duration=min(2.0, duration))  # warm-up
     runs = []
     for _ in range(REPEAT):
         before = cpu_seconds(pid)
-        requests, errors, seconds, p50, p99 = load(url, body, connections=connections,
-                                                   duration=duration)
-        runs.append(Result(name, requests, errors, seconds, cpu_seconds(pid) - before, p50,
-                           p99, rss_mb(pid)))
+        requests, errors, seconds, p50, p99 = load(
+            url, body, connections=connections, duration=duration
+        )
+        runs.append(
+            Result(
+                name, requests, errors, seconds, cpu_seconds(pid) - before, p50, p99, rss_mb(pid)
+            )
+        )
     runs.sort(key=lambda r: r.cpu_ms_per_request)
     return runs[len(runs) // 2]
 
@@ -362,9 +414,16 @@ interval_s = 0.0
     return path
 
 
-def bench_router(tmp: Path, *, gap_s: float, scenarios: list[tuple[str, str]],
-                 connections: int, duration: float, profile: Path | None,
-                 policy: str = "round_robin") -> list[Result]:
+def bench_router(
+    tmp: Path,
+    *,
+    gap_s: float,
+    scenarios: list[tuple[str, str]],
+    connections: int,
+    duration: float,
+    profile: Path | None,
+    policy: str = "round_robin",
+) -> list[Result]:
     """Engines + router with `policy` (optionally under cProfile); run `scenarios` against
     the router."""
     me = [sys.executable, __file__]
@@ -376,14 +435,18 @@ def bench_router(tmp: Path, *, gap_s: float, scenarios: list[tuple[str, str]],
         prefix = [sys.executable]
         if profile is not None:
             prefix += ["-m", "cProfile", "-o", str(profile)]
-        with child([*prefix, "-m", "trio_router", "--config", str(config),
-                    "--log-level", "info"], stderr_path=log) as router:
+        with child(
+            [*prefix, "-m", "trio_router", "--config", str(config), "--log-level", "info"],
+            stderr_path=log,
+        ) as router:
             wait_for_line(log, r"is routable", timeout=30, count=len(ports))
             url_match = re.search(r"Running on (http://\S+)", log.read_text())
             assert url_match is not None
             url = url_match.group(1) + "/v1/chat/completions"
-            return [measure(name, router.pid, url, body, connections=connections,
-                            duration=duration) for name, body in scenarios]
+            return [
+                measure(name, router.pid, url, body, connections=connections, duration=duration)
+                for name, body in scenarios
+            ]
 
 
 def soak(tmp: Path, *, connections: int, seconds: float, policy: str) -> None:
@@ -392,37 +455,64 @@ def soak(tmp: Path, *, connections: int, seconds: float, policy: str) -> None:
     REPEAT = 1
     windows = max(1, round(seconds / 15))
     scenarios = [(f"chat, window {i + 1} of {windows}", CHAT_BODY) for i in range(windows)]
-    results = bench_router(tmp, gap_s=0.0, scenarios=scenarios, connections=connections,
-                           duration=seconds / windows, profile=None, policy=policy)
-    print(f"\n{'window':34} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'CPU ms/req':>11} "
-          f"{'RSS MiB':>8}")
+    results = bench_router(
+        tmp,
+        gap_s=0.0,
+        scenarios=scenarios,
+        connections=connections,
+        duration=seconds / windows,
+        profile=None,
+        policy=policy,
+    )
+    print(
+        f"\n{'window':34} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'CPU ms/req':>11} "
+        f"{'RSS MiB':>8}"
+    )
     for r in results:
-        print(f"{r.name:34} {r.rps:8.0f} {r.p50_ms:8.1f} {r.p99_ms:8.1f} "
-              f"{r.cpu_ms_per_request:11.3f} {r.rss_mb:8.1f}")
+        print(
+            f"{r.name:34} {r.rps:8.0f} {r.p50_ms:8.1f} {r.p99_ms:8.1f} "
+            f"{r.cpu_ms_per_request:11.3f} {r.rss_mb:8.1f}"
+        )
 
 
 def bench_policies(tmp: Path, *, connections: int, duration: float) -> None:
     """The non-streamed scenario once per routing policy, each on a fresh router process."""
-    results = [bench_router(tmp, gap_s=0.0, scenarios=[(policy, POLICY_BODY)],
-                            connections=connections, duration=duration, profile=None,
-                            policy=policy)[0] for policy in POLICIES]
-    print(f"\n{'policy (non-streamed chat)':34} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
-          f"{'CPU ms/req':>11} {'errors':>7}")
+    results = [
+        bench_router(
+            tmp,
+            gap_s=0.0,
+            scenarios=[(policy, POLICY_BODY)],
+            connections=connections,
+            duration=duration,
+            profile=None,
+            policy=policy,
+        )[0]
+        for policy in POLICIES
+    ]
+    print(
+        f"\n{'policy (non-streamed chat)':34} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
+        f"{'CPU ms/req':>11} {'errors':>7}"
+    )
     for r in results:
-        print(f"{r.name:34} {r.rps:8.0f} {r.p50_ms:8.1f} {r.p99_ms:8.1f} "
-              f"{r.cpu_ms_per_request:11.3f} {r.errors:7d}")
+        print(
+            f"{r.name:34} {r.rps:8.0f} {r.p50_ms:8.1f} {r.p99_ms:8.1f} "
+            f"{r.cpu_ms_per_request:11.3f} {r.errors:7d}"
+        )
 
 
-BASELINES: Final = {"stock": "baseline (hypercorn, fixed answer)",
-                    "lean": "  the same, trio_router's connection"}
+BASELINES: Final = {
+    "stock": "baseline (hypercorn, fixed answer)",
+    "lean": "  the same, trio_router's connection",
+}
 
 
 def bench_baseline(kind: str, *, connections: int, duration: float) -> Result:
     with child([sys.executable, __file__, "--serve-baseline", kind]) as server:
         assert server.stdout is not None
         url = server.stdout.readline().strip() + "/v1/chat/completions"
-        return measure(BASELINES[kind], server.pid, url, CHAT_BODY,
-                       connections=connections, duration=duration)
+        return measure(
+            BASELINES[kind], server.pid, url, CHAT_BODY, connections=connections, duration=duration
+        )
 
 
 def print_profile(path: Path, *, top: int = 25) -> None:
@@ -453,22 +543,46 @@ def _module_of(filename: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--duration", type=float, default=15.0,
-                        help="seconds per scenario (default 15; capped at 120)")
+    parser.add_argument(
+        "--duration",
+        type=float,
+        default=15.0,
+        help="seconds per scenario (default 15; capped at 120)",
+    )
     parser.add_argument("--connections", type=int, default=64)
-    parser.add_argument("--repeat", type=int, default=1,
-                        help="runs per scenario; the median by CPU per request is reported")
-    parser.add_argument("--soak", type=float, default=0.0, metavar="SECONDS",
-                        help="only a long non-streamed run (at most 300 s), reported per "
-                        "15 s window, to show whether the router slows down over time")
-    parser.add_argument("--policy", choices=POLICIES, default="round_robin",
-                        help="routing.policy of the router (default round_robin)")
-    parser.add_argument("--all-policies", action="store_true",
-                        help="only the non-streamed scenario, once per policy, one row each")
-    parser.add_argument("--profile", action="store_true",
-                        help="also profile the router with cProfile and print the hot spots")
-    parser.add_argument("--no-access-log", action="store_true",
-                        help="run the router with server.access_log = false")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="runs per scenario; the median by CPU per request is reported",
+    )
+    parser.add_argument(
+        "--soak",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="only a long non-streamed run (at most 300 s), reported per "
+        "15 s window, to show whether the router slows down over time",
+    )
+    parser.add_argument(
+        "--policy",
+        choices=POLICIES,
+        default="round_robin",
+        help="routing.policy of the router (default round_robin)",
+    )
+    parser.add_argument(
+        "--all-policies",
+        action="store_true",
+        help="only the non-streamed scenario, once per policy, one row each",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also profile the router with cProfile and print the hot spots",
+    )
+    parser.add_argument(
+        "--no-access-log", action="store_true", help="run the router with server.access_log = false"
+    )
     parser.add_argument("--serve-engines", type=float, metavar="GAP_S", help=argparse.SUPPRESS)
     parser.add_argument("--serve-baseline", choices=BASELINES, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -484,14 +598,20 @@ def main() -> None:
     global REPEAT
     REPEAT = max(1, min(args.repeat, 5))
     generator = "wrk -t1" if shutil.which("wrk") else "python/httpx"
-    print(f"load: {generator}, {args.connections} connections, {duration:g} s per run, "
-          f"{REPEAT} run(s) per scenario; {os.cpu_count()} CPUs; policy "
-          f"{'each in turn' if args.all_policies else args.policy}")
+    print(
+        f"load: {generator}, {args.connections} connections, {duration:g} s per run, "
+        f"{REPEAT} run(s) per scenario; {os.cpu_count()} CPUs; policy "
+        f"{'each in turn' if args.all_policies else args.policy}"
+    )
     results: list[Result] = []
     if args.soak > 0:
         with tempfile.TemporaryDirectory() as tmp_name:
-            soak(Path(tmp_name), connections=args.connections, seconds=min(args.soak, 300.0),
-                 policy=args.policy)
+            soak(
+                Path(tmp_name),
+                connections=args.connections,
+                seconds=min(args.soak, 300.0),
+                policy=args.policy,
+            )
         return
     if args.all_policies:
         with tempfile.TemporaryDirectory() as tmp_name:
@@ -499,25 +619,51 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        results += bench_router(tmp, gap_s=0.0, scenarios=[
-            ("chat (non-streamed)", CHAT_BODY), ("stream64 (answered at once)", STREAM_BODY)],
-            connections=args.connections, duration=duration, profile=None, policy=args.policy)
-        results += bench_router(tmp, gap_s=0.005, scenarios=[
-            ("stream64-paced (5 ms apart)", STREAM_BODY)],
-            connections=args.connections, duration=duration, profile=None, policy=args.policy)
-        results += [bench_baseline(kind, connections=args.connections, duration=duration)
-                    for kind in BASELINES]
-        print(f"\n{'scenario':34} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
-              f"{'CPU ms/req':>11} {'errors':>7}")
+        results += bench_router(
+            tmp,
+            gap_s=0.0,
+            scenarios=[
+                ("chat (non-streamed)", CHAT_BODY),
+                ("stream64 (answered at once)", STREAM_BODY),
+            ],
+            connections=args.connections,
+            duration=duration,
+            profile=None,
+            policy=args.policy,
+        )
+        results += bench_router(
+            tmp,
+            gap_s=0.005,
+            scenarios=[("stream64-paced (5 ms apart)", STREAM_BODY)],
+            connections=args.connections,
+            duration=duration,
+            profile=None,
+            policy=args.policy,
+        )
+        results += [
+            bench_baseline(kind, connections=args.connections, duration=duration)
+            for kind in BASELINES
+        ]
+        print(
+            f"\n{'scenario':34} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
+            f"{'CPU ms/req':>11} {'errors':>7}"
+        )
         for r in results:
-            print(f"{r.name:34} {r.rps:8.0f} {r.p50_ms:8.1f} {r.p99_ms:8.1f} "
-                  f"{r.cpu_ms_per_request:11.3f} {r.errors:7d}")
+            print(
+                f"{r.name:34} {r.rps:8.0f} {r.p50_ms:8.1f} {r.p99_ms:8.1f} "
+                f"{r.cpu_ms_per_request:11.3f} {r.errors:7d}"
+            )
         if args.profile:
             profile = tmp / "router.prof"
-            bench_router(tmp, gap_s=0.0, scenarios=[("chat", CHAT_BODY),
-                                                    ("stream64", STREAM_BODY)],
-                         connections=args.connections, duration=min(duration, 10.0),
-                         profile=profile, policy=args.policy)
+            bench_router(
+                tmp,
+                gap_s=0.0,
+                scenarios=[("chat", CHAT_BODY), ("stream64", STREAM_BODY)],
+                connections=args.connections,
+                duration=min(duration, 10.0),
+                profile=profile,
+                policy=args.policy,
+            )
             print_profile(profile)
 
 

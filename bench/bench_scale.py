@@ -91,8 +91,9 @@ async def apiserver_child() -> None:
             op = command["op"]
             if op == "add":
                 for pod in command["pods"]:
-                    server.add_pod(pod["name"], ip=pod["ip"], ready=pod.get("ready", True),
-                                   realistic=True)
+                    server.add_pod(
+                        pod["name"], ip=pod["ip"], ready=pod.get("ready", True), realistic=True
+                    )
             elif op == "delete":
                 for name in command["names"]:
                     server.delete_pod(name)
@@ -208,20 +209,21 @@ class Router:
 
 
 @asynccontextmanager
-async def cluster(engines: dict[str, str], workdir: Path) -> AsyncIterator[tuple[ApiServer,
-                                                                              Router]]:
+async def cluster(
+    engines: dict[str, str], workdir: Path
+) -> AsyncIterator[tuple[ApiServer, Router]]:
     """The API server, the engine fleet and the router, running; all killed on exit."""
     spec = workdir / "fleet.json"
     spec.write_text(json.dumps({"port": ENGINE_PORT, "engines": engines}))
     processes: list[trio.Process] = []
     try:
         fleet = await trio.lowlevel.open_process(
-            [sys.executable, str(ROOT / "bench" / "fleet.py"), str(spec)],
-            stdout=subprocess.PIPE)
+            [sys.executable, str(ROOT / "bench" / "fleet.py"), str(spec)], stdout=subprocess.PIPE
+        )
         processes.append(fleet)
         api = await trio.lowlevel.open_process(
-            [sys.executable, __file__, "--apiserver"], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE)
+            [sys.executable, __file__, "--apiserver"], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        )
         processes.append(api)
         apiserver = ApiServer(api)
         url = (await apiserver.read_line())["url"]
@@ -232,12 +234,20 @@ async def cluster(engines: dict[str, str], workdir: Path) -> AsyncIterator[tuple
                 raise RuntimeError("the engine fleet exited")
             ready += data
         kubeconfig = workdir / "kubeconfig"
-        kubeconfig.write_text(json.dumps({
-            "apiVersion": "v1", "kind": "Config", "current-context": "bench",
-            "clusters": [{"name": "bench", "cluster": {"server": url}}],
-            "users": [{"name": "bench", "user": {"token": "t"}}],
-            "contexts": [{"name": "bench", "context": {"cluster": "bench", "user": "bench"}}],
-        }))
+        kubeconfig.write_text(
+            json.dumps(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "current-context": "bench",
+                    "clusters": [{"name": "bench", "cluster": {"server": url}}],
+                    "users": [{"name": "bench", "user": {"token": "t"}}],
+                    "contexts": [
+                        {"name": "bench", "context": {"cluster": "bench", "user": "bench"}}
+                    ],
+                }
+            )
+        )
         port = free_port()
         config = workdir / "router.toml"
         config.write_text(f"""
@@ -258,7 +268,9 @@ kubeconfig = "{kubeconfig}"
         with log.open("wb") as log_file:
             router = await trio.lowlevel.open_process(
                 [*router_command(), "--config", str(config), "--log-level", "info"],
-                stdout=log_file, stderr=subprocess.STDOUT)
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+            )
         processes.append(router)
         limits = httpx.Limits(max_connections=400, max_keepalive_connections=100)
         async with httpx.AsyncClient(timeout=30.0, limits=limits) as client:
@@ -296,21 +308,26 @@ class Load:
         def pct(q: float) -> float:
             return round(1000 * ok[min(len(ok) - 1, int(q * len(ok)))], 1) if ok else math.nan
 
-        return {"requests": sum(self.statuses.values()), "outcomes": dict(self.statuses),
-                "p50_ms": pct(0.50), "p99_ms": pct(0.99), "max_ms": pct(1.0)}
+        return {
+            "requests": sum(self.statuses.values()),
+            "outcomes": dict(self.statuses),
+            "p50_ms": pct(0.50),
+            "p99_ms": pct(0.99),
+            "max_ms": pct(1.0),
+        }
 
 
 async def run_load(router: Router, rate: float, duration: float) -> Load:
     """`rate` chat requests per second for `duration` seconds, each with a 10 s budget."""
     load = Load()
-    body = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}],
-            "max_tokens": 4}
+    body = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
     async def one() -> None:
         start = time.perf_counter()
         try:
-            response = await router.client.post(f"{router.url}/v1/chat/completions",
-                                                json=body, timeout=10.0)
+            response = await router.client.post(
+                f"{router.url}/v1/chat/completions", json=body, timeout=10.0
+            )
             load.statuses[str(response.status_code)] += 1
             if response.status_code == 200:
                 load.latencies.append(time.perf_counter() - start)
@@ -383,8 +400,12 @@ async def scenario_hang(args: argparse.Namespace, workdir: Path) -> dict[str, An
             cancel.cancel()
         cpu = (router.cpu() - cpu0) / (time.perf_counter() - wall0)
         return {
-            "scenario": "hang", "healthy": args.healthy, "hanging": args.hanging,
-            "rate": args.rate, "duration_s": args.duration, "load": load.summary(),
+            "scenario": "hang",
+            "healthy": args.healthy,
+            "hanging": args.hanging,
+            "rate": args.rate,
+            "duration_s": args.duration,
+            "load": load.summary(),
             "healthy_ejections": router.ejections({n for n, _ in healthy}),
             "healthy_seen_unroutable": sorted(lost_healthy),
             "cpu_cores_mean": round(cpu, 3),
@@ -417,8 +438,11 @@ async def scenario_slow(args: argparse.Namespace, workdir: Path) -> dict[str, An
                 await trio.sleep(0.1)
         elapsed = time.perf_counter() - start
         return {
-            "scenario": "slow", "pods": args.slow, "probe_delay_s": args.probe_delay,
-            "routable_after_s": marks, "all_routable": "100%" in marks,
+            "scenario": "slow",
+            "pods": args.slow,
+            "probe_delay_s": args.probe_delay,
+            "routable_after_s": marks,
+            "all_routable": "100%" in marks,
             "ejections": router.ejections(),
             "cpu_cores_mean": round((router.cpu() - cpu0) / elapsed, 3),
         }
@@ -434,8 +458,11 @@ async def scenario_idle(args: argparse.Namespace, workdir: Path, size: int) -> d
         engines = [await timed_get(router, "/engines") for _ in range(5)]
         metrics = [await timed_get(router, "/metrics") for _ in range(5)]
         return {
-            "scenario": "idle", "engines": size, "routable_after_s": round(routable_s, 2),
-            "cpu_cores": round(cpu, 4), "rss_mib": round(rss_mib(router.pid), 1),
+            "scenario": "idle",
+            "engines": size,
+            "routable_after_s": round(routable_s, 2),
+            "cpu_cores": round(cpu, 4),
+            "rss_mib": round(rss_mib(router.pid), 1),
             "open_fds": open_fds(router.pid),
             "engines_ms": round(1000 * statistics.median(t for t, _ in engines), 1),
             "engines_kib": round(engines[0][1] / 1024, 1),
@@ -458,38 +485,49 @@ async def scenario_watch(args: argparse.Namespace, workdir: Path) -> dict[str, A
         await router.wait_routable({n for n, _ in pods}, 60)
         await trio.sleep(args.settle)
         idle = await cpu_over(router, 5.0)
-        result: dict[str, Any] = {"scenario": "watch", "pods": args.watch_pods,
-                                  "idle_cpu_cores": round(idle, 4)}
+        result: dict[str, Any] = {
+            "scenario": "watch",
+            "pods": args.watch_pods,
+            "idle_cpu_cores": round(idle, 4),
+        }
         # A burst as fast as the API server sends, then a steady trickle (each event alone).
-        for label, count, rate in (("burst", args.events, 0.0),
-                                   ("paced", int(args.paced_rate * 10), args.paced_rate)):
+        for label, count, rate in (
+            ("burst", args.events, 0.0),
+            ("paced", int(args.paced_rate * 10), args.paced_rate),
+        ):
             before = await events_applied(router)
             cpu0, start = router.cpu(), time.perf_counter()
-            await api.command(op="heartbeats", names=[n for n, _ in pods], count=count,
-                              rate=rate)
+            await api.command(op="heartbeats", names=[n for n, _ in pods], count=count, rate=rate)
             with trio.fail_after(120):
                 while await events_applied(router) < before + count:  # noqa: ASYNC110
                     await trio.sleep(0.25)
             elapsed = time.perf_counter() - start
             cpu = router.cpu() - cpu0 - idle * elapsed
-            result[label] = {"events": count, "seconds": round(elapsed, 2),
-                             "events_per_s": round(count / elapsed),
-                             "router_cpu_us_per_event": round(1e6 * cpu / count, 1)}
+            result[label] = {
+                "events": count,
+                "seconds": round(elapsed, 2),
+                "events_per_s": round(count / elapsed),
+                "router_cpu_us_per_event": round(1e6 * cpu / count, 1),
+            }
         return result
 
 
 def markdown(results: list[dict[str, Any]]) -> str:
     lines = []
     for r in results:
-        lines.append(f"- {r['scenario']}: " + ", ".join(
-            f"{k}={v}" for k, v in r.items() if k != "scenario"))
+        lines.append(
+            f"- {r['scenario']}: " + ", ".join(f"{k}={v}" for k, v in r.items() if k != "scenario")
+        )
     return "\n".join(lines)
 
 
 async def main_async(args: argparse.Namespace) -> None:
     results: list[dict[str, Any]] = []
     runners: dict[str, Callable[..., Any]] = {
-        "hang": scenario_hang, "slow": scenario_slow, "watch": scenario_watch}
+        "hang": scenario_hang,
+        "slow": scenario_slow,
+        "watch": scenario_watch,
+    }
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.scenario.split(","):
             workdir = Path(tmp) / name
@@ -519,16 +557,28 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of load (hang)")
     parser.add_argument("--slow", type=int, default=500)
     parser.add_argument("--probe-delay", type=float, default=1.0)
-    parser.add_argument("--slow-limit", type=float, default=30.0,
-                        help="give up waiting for the slow pods after this many seconds")
+    parser.add_argument(
+        "--slow-limit",
+        type=float,
+        default=30.0,
+        help="give up waiting for the slow pods after this many seconds",
+    )
     parser.add_argument("--idle-sizes", default="100,500,1000")
     parser.add_argument("--idle-window", type=float, default=30.0)
-    parser.add_argument("--settle", type=float, default=15.0,
-                        help="seconds between all routable and the idle measurement")
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=15.0,
+        help="seconds between all routable and the idle measurement",
+    )
     parser.add_argument("--watch-pods", type=int, default=100)
     parser.add_argument("--events", type=int, default=20000, help="events of the burst (watch)")
-    parser.add_argument("--paced-rate", type=float, default=200.0,
-                        help="events/s of the steady trickle, for 10 s (watch)")
+    parser.add_argument(
+        "--paced-rate",
+        type=float,
+        default=200.0,
+        help="events/s of the steady trickle, for 10 s (watch)",
+    )
     parser.add_argument("--json-out", default="")
     parser.add_argument("--apiserver", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -33,34 +33,61 @@ from trio_router.testing import FakeEngine, serve_fake_engine
 from trio_router.upstream import UpstreamPool
 
 CHAT = "/v1/chat/completions"
-HEADERS = [(b"content-type", b"application/json"), (b"accept", b"*/*"),
-           (b"user-agent", b"bench/1.0"), (b"x-request-id", b"0123456789abcdef")]
+HEADERS = [
+    (b"content-type", b"application/json"),
+    (b"accept", b"*/*"),
+    (b"user-agent", b"bench/1.0"),
+    (b"x-request-id", b"0123456789abcdef"),
+]
 
 Send = Callable[[str, bool], Awaitable[int]]  # (url, streamed) -> body chunks received
 
 
 def request_body(stream: bool) -> bytes:
-    return json.dumps({"model": "fake-model", "stream": stream,
-                       "messages": [{"role": "user", "content": "Say hello."}]}).encode()
+    return json.dumps(
+        {
+            "model": "fake-model",
+            "stream": stream,
+            "messages": [{"role": "user", "content": "Say hello."}],
+        }
+    ).encode()
 
 
 # -- engines (child process) ---------------------------------------------------------------
 def canned_replies(tokens: int) -> tuple[bytes, bytes]:
     """A non-streamed reply with Content-Length and a chunked SSE reply of `tokens` events."""
-    body = json.dumps({"id": "chatcmpl-1", "object": "chat.completion", "created": 1,
-                       "model": "fake-model", "choices": [{
-                           "index": 0, "finish_reason": "stop", "logprobs": None,
-                           "message": {"role": "assistant", "content": "Hello from a fake"}}],
-                       "usage": {"prompt_tokens": 3, "completion_tokens": 4,
-                                 "total_tokens": 7}}).encode()
-    plain = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-             b"server: canned\r\n\r\n%s" % (len(body), body))
-    event = b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,' \
-            b'"model":"fake-model","choices":[{"index":0,"delta":{"content":" tok"}}]}\n\n'
-    chunks = b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in [event] * tokens
-                      + [b"data: [DONE]\n\n"])
-    stream = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-              b"transfer-encoding: chunked\r\n\r\n" + chunks + b"0\r\n\r\n")
+    body = json.dumps(
+        {
+            "id": "chatcmpl-1",
+            "object": "chat.completion",
+            "created": 1,
+            "model": "fake-model",
+            "choices": [
+                {
+                    "index": 0,
+                    "finish_reason": "stop",
+                    "logprobs": None,
+                    "message": {"role": "assistant", "content": "Hello from a fake"},
+                }
+            ],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7},
+        }
+    ).encode()
+    plain = (
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+        b"server: canned\r\n\r\n%s" % (len(body), body)
+    )
+    event = (
+        b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,'
+        b'"model":"fake-model","choices":[{"index":0,"delta":{"content":" tok"}}]}\n\n'
+    )
+    chunks = b"".join(
+        b"%x\r\n%s\r\n" % (len(e), e) for e in [event] * tokens + [b"data: [DONE]\n\n"]
+    )
+    stream = (
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+        b"transfer-encoding: chunked\r\n\r\n" + chunks + b"0\r\n\r\n"
+    )
     return plain, stream
 
 
@@ -75,10 +102,10 @@ async def serve_canned(tokens: int, *, task_status: trio.TaskStatus[str]) -> Non
                 while (end := buf.find(b"\r\n\r\n")) >= 0:
                     head = buf[:end].lower()
                     at = head.find(b"content-length:")
-                    length = int(head[at + 15:].split(b"\r\n")[0]) if at >= 0 else 0
+                    length = int(head[at + 15 :].split(b"\r\n")[0]) if at >= 0 else 0
                     if len(buf) < end + 4 + length:
                         break
-                    body, buf = buf[end + 4:end + 4 + length], buf[end + 4 + length:]
+                    body, buf = buf[end + 4 : end + 4 + length], buf[end + 4 + length :]
                     await conn.send_all(stream if b'"stream": true' in body else plain)
         except trio.BrokenResourceError:
             pass
@@ -93,16 +120,20 @@ async def serve(kind: str, tokens: int) -> None:
         if kind == "canned":
             urls = [await nursery.start(serve_canned, tokens)]
         else:
-            urls = [await nursery.start(serve_fake_engine, FakeEngine(
-                        tokens=tokens, keep_requests=1)),
-                    await nursery.start(serve_fake_engine, FakeEngine(
-                        tokens=tokens, inter_token_s=0.001, keep_requests=1))]
+            urls = [
+                await nursery.start(serve_fake_engine, FakeEngine(tokens=tokens, keep_requests=1)),
+                await nursery.start(
+                    serve_fake_engine,
+                    FakeEngine(tokens=tokens, inter_token_s=0.001, keep_requests=1),
+                ),
+            ]
         print(" ".join(urls), flush=True)
 
 
 # -- the client (this process) ------------------------------------------------------------
-async def run(send: Send, url: str, *, n: int, concurrency: int, stream: bool,
-              max_seconds: float) -> tuple[int, int, int, float, float]:
+async def run(
+    send: Send, url: str, *, n: int, concurrency: int, stream: bool, max_seconds: float
+) -> tuple[int, int, int, float, float]:
     """n requests over `concurrency` tasks; returns (requests, chunks, errors, cpu s, wall s).
     A failed request is counted and the run goes on (e.g. a stale keep-alive connection
     that a client does not retry)."""
@@ -129,22 +160,25 @@ async def run(send: Send, url: str, *, n: int, concurrency: int, stream: bool,
 
 async def bench(kind: str, urls: list[str], args: argparse.Namespace) -> None:
     bodies = {False: request_body(False), True: request_body(True)}
-    async with UpstreamPool(connect_timeout=2, read_timeout=30) as pool, httpx.AsyncClient(
-            timeout=30, limits=httpx.Limits(max_connections=None,
-                                            max_keepalive_connections=None)) as client:
+    async with (
+        UpstreamPool(connect_timeout=2, read_timeout=30) as pool,
+        httpx.AsyncClient(
+            timeout=30, limits=httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        ) as client,
+    ):
 
         async def via_pool(url: str, stream: bool) -> int:
             n = 0
-            async with pool.request(url, b"POST", CHAT.encode(), HEADERS,
-                                    bodies[stream]) as resp:
+            async with pool.request(url, b"POST", CHAT.encode(), HEADERS, bodies[stream]) as resp:
                 async for _ in resp:
                     n += 1
             return n
 
         async def via_httpx(url: str, stream: bool) -> int:
             n = 0
-            request = client.build_request("POST", url + CHAT, content=bodies[stream],
-                                           headers=HEADERS)
+            request = client.build_request(
+                "POST", url + CHAT, content=bodies[stream], headers=HEADERS
+            )
             response = await client.send(request, stream=True)
             try:
                 async for _ in response.aiter_raw():
@@ -154,26 +188,39 @@ async def bench(kind: str, urls: list[str], args: argparse.Namespace) -> None:
             return n
 
         c = args.concurrency
-        workloads = [("non-streamed, sequential", urls[0], 1, False, args.requests),
-                     (f"non-streamed, {c} tasks", urls[0], c, False, args.requests),
-                     ("streamed, sequential", urls[0], 1, True, args.requests // 4),
-                     (f"streamed, {c} tasks", urls[0], c, True, args.requests // 4)]
+        workloads = [
+            ("non-streamed, sequential", urls[0], 1, False, args.requests),
+            (f"non-streamed, {c} tasks", urls[0], c, False, args.requests),
+            ("streamed, sequential", urls[0], 1, True, args.requests // 4),
+            (f"streamed, {c} tasks", urls[0], c, True, args.requests // 4),
+        ]
         if len(urls) > 1:
-            workloads.append((f"streamed 1 ms/token, {c} tasks", urls[1], c, True,
-                              args.requests // 4))
+            workloads.append(
+                (f"streamed 1 ms/token, {c} tasks", urls[1], c, True, args.requests // 4)
+            )
         print(f"\nengine: {kind} ({args.tokens} events per stream); client CPU only")
-        print(f"{'client':<6} {'workload':<30} {'requests':>8} {'errors':>6} {'req/s':>7} "
-              f"{'CPU us/req':>10} {'chunks/req':>10} {'us/chunk':>8}")
+        print(
+            f"{'client':<6} {'workload':<30} {'requests':>8} {'errors':>6} {'req/s':>7} "
+            f"{'CPU us/req':>10} {'chunks/req':>10} {'us/chunk':>8}"
+        )
         for name, send in (("pool", via_pool), ("httpx", via_httpx)):
             for label, url, conc, stream, n in workloads:
-                await run(send, url, n=min(200, n), concurrency=conc, stream=stream,
-                          max_seconds=args.max_seconds)  # warm-up: connections, caches
+                await run(
+                    send,
+                    url,
+                    n=min(200, n),
+                    concurrency=conc,
+                    stream=stream,
+                    max_seconds=args.max_seconds,
+                )  # warm-up: connections, caches
                 done, chunks, errors, cpu, wall = await run(
-                    send, url, n=n, concurrency=conc, stream=stream,
-                    max_seconds=args.max_seconds)
-                print(f"{name:<6} {label:<30} {done:>8} {errors:>6} {done / wall:>7.0f} "
-                      f"{cpu / done * 1e6:>10.1f} {chunks / done:>10.1f} "
-                      f"{cpu / max(chunks, 1) * 1e6:>8.1f}")
+                    send, url, n=n, concurrency=conc, stream=stream, max_seconds=args.max_seconds
+                )
+                print(
+                    f"{name:<6} {label:<30} {done:>8} {errors:>6} {done / wall:>7.0f} "
+                    f"{cpu / done * 1e6:>10.1f} {chunks / done:>10.1f} "
+                    f"{cpu / max(chunks, 1) * 1e6:>8.1f}"
+                )
         print(f"pool connections opened: {pool.connections_opened}")
 
 
@@ -189,10 +236,12 @@ def main() -> None:
     if args.serve:
         trio.run(serve, args.serve, args.tokens)
         return
-    for kind in (["canned", "fake"] if args.engine == "both" else [args.engine]):
+    for kind in ["canned", "fake"] if args.engine == "both" else [args.engine]:
         child = subprocess.Popen(
             [sys.executable, __file__, "--serve", kind, "--tokens", str(args.tokens)],
-            stdout=subprocess.PIPE, text=True)
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         try:
             assert child.stdout is not None
             urls = child.stdout.readline().split()

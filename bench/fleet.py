@@ -33,31 +33,64 @@ from pathlib import Path
 from typing import Final
 
 KEEP_ALIVE_S: Final = 5.0  # uvicorn's default timeout_keep_alive, which vLLM keeps
-METRICS: Final = (Path(__file__).resolve().parent.parent / "tests" / "fixtures"
-                  / "vllm_metrics.txt").read_bytes()
-MODELS: Final = json.dumps({"object": "list", "data": [{
-    "id": "fake-model", "object": "model", "created": 0, "owned_by": "vllm",
-    "root": "fake-model", "parent": None, "max_model_len": 4096}]}).encode()
+METRICS: Final = (
+    Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "vllm_metrics.txt"
+).read_bytes()
+MODELS: Final = json.dumps(
+    {
+        "object": "list",
+        "data": [
+            {
+                "id": "fake-model",
+                "object": "model",
+                "created": 0,
+                "owned_by": "vllm",
+                "root": "fake-model",
+                "parent": None,
+                "max_model_len": 4096,
+            }
+        ],
+    }
+).encode()
 
 
 _EVENT: Final = b"data: " + json.dumps({"choices": [{"delta": {"content": "x" * 1000}}]}).encode()
-STREAM: Final = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                 b"transfer-encoding: chunked\r\n\r\n"
-                 + b"".join(b"%x\r\n%s\n\n\r\n" % (len(_EVENT) + 2, _EVENT) for _ in range(2000))
-                 + b"0\r\n\r\n")
+STREAM: Final = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+    b"transfer-encoding: chunked\r\n\r\n"
+    + b"".join(b"%x\r\n%s\n\n\r\n" % (len(_EVENT) + 2, _EVENT) for _ in range(2000))
+    + b"0\r\n\r\n"
+)
 
 
 def _response(status: bytes, content_type: bytes, body: bytes) -> bytes:
-    return (b"HTTP/1.1 " + status + b"\r\ncontent-type: " + content_type
-            + b"\r\ncontent-length: %d\r\nserver: fleet\r\n\r\n" % len(body) + body)
+    return (
+        b"HTTP/1.1 "
+        + status
+        + b"\r\ncontent-type: "
+        + content_type
+        + b"\r\ncontent-length: %d\r\nserver: fleet\r\n\r\n" % len(body)
+        + body
+    )
 
 
 def _chat(address: str) -> bytes:
-    return json.dumps({
-        "id": "chatcmpl-fleet", "object": "chat.completion", "created": 0,
-        "model": "fake-model", "choices": [{"index": 0, "finish_reason": "stop", "message": {
-            "role": "assistant", "content": f"hello from {address}"}}],
-        "usage": {"prompt_tokens": 8, "completion_tokens": 4, "total_tokens": 12}}).encode()
+    return json.dumps(
+        {
+            "id": "chatcmpl-fleet",
+            "object": "chat.completion",
+            "created": 0,
+            "model": "fake-model",
+            "choices": [
+                {
+                    "index": 0,
+                    "finish_reason": "stop",
+                    "message": {"role": "assistant", "content": f"hello from {address}"},
+                }
+            ],
+            "usage": {"prompt_tokens": 8, "completion_tokens": 4, "total_tokens": 12},
+        }
+    ).encode()
 
 
 class Engine(asyncio.Protocol):
@@ -85,8 +118,7 @@ class Engine(asyncio.Protocol):
         if self._idle is not None:
             self._idle.cancel()
         if self._transport is not None:
-            self._idle = asyncio.get_running_loop().call_later(KEEP_ALIVE_S,
-                                                               self._transport.close)
+            self._idle = asyncio.get_running_loop().call_later(KEEP_ALIVE_S, self._transport.close)
 
     def data_received(self, data: bytes) -> None:
         self._buffer += data
@@ -99,8 +131,8 @@ class Engine(asyncio.Protocol):
                     length = int(value)
             if len(self._buffer) < end + 4 + length:
                 return
-            body = self._buffer[end + 4:end + 4 + length]
-            self._buffer = self._buffer[end + 4 + length:]
+            body = self._buffer[end + 4 : end + 4 + length]
+            self._buffer = self._buffer[end + 4 + length :]
             if self._idle is not None:
                 self._idle.cancel()
                 self._idle = None
@@ -138,8 +170,11 @@ async def serve(spec: dict[str, object]) -> None:
     assert isinstance(engines, dict)
     servers = []
     for address, kind in engines.items():
-        servers.append(await loop.create_server(
-            partial(Engine, address, kind), address, port, backlog=1024, reuse_address=True))
+        servers.append(
+            await loop.create_server(
+                partial(Engine, address, kind), address, port, backlog=1024, reuse_address=True
+            )
+        )
     print(f"ready {len(servers)}", flush=True)
     await asyncio.Event().wait()
 

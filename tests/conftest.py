@@ -19,8 +19,7 @@ async def apiserver(nursery: trio.Nursery) -> FakeApiServer:
 
 
 @pytest.fixture
-def kubeconfig(apiserver: FakeApiServer, tmp_path: Path,
-               monkeypatch: pytest.MonkeyPatch) -> Path:
+def kubeconfig(apiserver: FakeApiServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A kubeconfig file for `apiserver`; in-cluster credentials are masked."""
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     return apiserver.write_kubeconfig(tmp_path / "kubeconfig")

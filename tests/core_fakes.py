@@ -50,9 +50,19 @@ class FakeEngines:
         if mode == "500":
             return FakeReply(500, b"engine error")
         ids = [] if mode == "empty" else self.models.get(ip, [self.default_model])
-        return FakeReply(200, json.dumps({"object": "list", "data": [
-            {"id": i, "object": "model", "owned_by": "vllm", "root": i, "parent": None}
-            for i in ids]}).encode(), [("content-type", "application/json")])
+        return FakeReply(
+            200,
+            json.dumps(
+                {
+                    "object": "list",
+                    "data": [
+                        {"id": i, "object": "model", "owned_by": "vllm", "root": i, "parent": None}
+                        for i in ids
+                    ],
+                }
+            ).encode(),
+            [("content-type", "application/json")],
+        )
 
 
 async def _drip() -> AsyncIterator[bytes]:
@@ -61,11 +71,25 @@ async def _drip() -> AsyncIterator[bytes]:
         await trio.sleep(1)
 
 
-def make_pod(n: int, *, ready: bool = True, ip: str | None = None, phase: str = "Running",
-             terminating: bool = False, restarts: int = 0) -> Pod:
+def make_pod(
+    n: int,
+    *,
+    ready: bool = True,
+    ip: str | None = None,
+    phase: str = "Running",
+    terminating: bool = False,
+    restarts: int = 0,
+) -> Pod:
     """Pod number `n`: uid "uid-n", name "engine-n", IP 127.0.1.n unless given."""
-    return Pod(uid=f"uid-{n}", name=f"engine-{n}", ip=f"127.0.1.{n}" if ip is None else ip,
-               phase=phase, ready=ready, terminating=terminating, restart_count=restarts)
+    return Pod(
+        uid=f"uid-{n}",
+        name=f"engine-{n}",
+        ip=f"127.0.1.{n}" if ip is None else ip,
+        phase=phase,
+        ready=ready,
+        terminating=terminating,
+        restart_count=restarts,
+    )
 
 
 def added(pod: Pod) -> PodEvent:
@@ -90,6 +114,7 @@ class Core:
 
     async def wait_until(self, predicate: str, *uids: str) -> None:
         """Wait (on table changes, no polling) until every uid is routable / gone / not routable."""
+
         def done() -> bool:
             for uid in uids:
                 engine = self.table.get(uid)
@@ -104,15 +129,16 @@ class Core:
 
 
 @asynccontextmanager
-async def open_core(engines: FakeEngines | None = None, *,
-                    probe: ProbeConfig | None = None) -> AsyncIterator[Core]:
+async def open_core(
+    engines: FakeEngines | None = None, *, probe: ProbeConfig | None = None
+) -> AsyncIterator[Core]:
     probe = probe or ProbeConfig(timeout_s=5.0, interval_s=10.0, backoff_max_s=30.0)
     engines = engines or FakeEngines()
     table = RoutingTable()
     network = engines.network()
     async with network.open():
         prober = Prober(timeout=probe.timeout_s)
-        async with open_supervisors(table, prober, probe,
-                                    connect=network.connect) as supervisors:
-            yield Core(table, supervisors, Reconciler(table, supervisors, port=PORT), engines,
-                       network)
+        async with open_supervisors(table, prober, probe, connect=network.connect) as supervisors:
+            yield Core(
+                table, supervisors, Reconciler(table, supervisors, port=PORT), engines, network
+            )

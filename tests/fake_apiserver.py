@@ -38,16 +38,30 @@ CHUNK_BYTES: Final = 64 * 1024
 COMPACT: Final = (",", ":")  # JSON separators, as the API server writes it
 
 
-def pod_json(name: str, *, uid: str | None = None, ip: str = "10.0.0.1", ready: bool = True,
-             phase: str = "Running", labels: dict[str, str] | None = None,
-             namespace: str = "default", restarts: int = 0, terminating: bool = False,
-             resource_version: str = "", realistic: bool = False,
-             heartbeat: int = 0) -> RawObject:
+def pod_json(
+    name: str,
+    *,
+    uid: str | None = None,
+    ip: str = "10.0.0.1",
+    ready: bool = True,
+    phase: str = "Running",
+    labels: dict[str, str] | None = None,
+    namespace: str = "default",
+    restarts: int = 0,
+    terminating: bool = False,
+    resource_version: str = "",
+    realistic: bool = False,
+    heartbeat: int = 0,
+) -> RawObject:
     """The raw JSON of a v1 Pod with the fields discovery reads. `realistic` adds what a real
     vLLM pod object carries besides them (spec, owner, managed fields, container details:
     about 2.2 KB as a watch event); `heartbeat` changes a timestamp that routing does not read."""
-    meta: RawObject = {"name": name, "namespace": namespace, "uid": uid or f"uid-{name}",
-                       "labels": dict(labels if labels is not None else {"app": "vllm"})}
+    meta: RawObject = {
+        "name": name,
+        "namespace": namespace,
+        "uid": uid or f"uid-{name}",
+        "labels": dict(labels if labels is not None else {"app": "vllm"}),
+    }
     if resource_version:
         meta["resourceVersion"] = resource_version
     if terminating:
@@ -69,56 +83,103 @@ def _add_realistic_fields(pod: RawObject, heartbeat: int) -> None:
     """The rest of a vLLM pod as the API server sends it, trimmed to typical sizes."""
     meta, status = pod["metadata"], pod["status"]
     name, stamp = meta["name"], f"2026-11-30T10:{heartbeat // 60 % 60:02d}:{heartbeat % 60:02d}Z"
-    meta.update({
-        "generateName": name.rsplit("-", 1)[0] + "-",
-        "creationTimestamp": "2026-11-30T09:00:00Z",
-        "labels": {**meta["labels"], "pod-template-hash": "7d9f8b6c5d",
-                   "app.kubernetes.io/name": "vllm", "model": "llama-3-8b-instruct"},
-        "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": "8000",
-                        "kubectl.kubernetes.io/restartedAt": "2026-11-29T18:00:00Z"},
-        "ownerReferences": [{"apiVersion": "apps/v1", "kind": "ReplicaSet",
-                             "name": "vllm-7d9f8b6c5d", "uid": "3f1e0c2a-rs",
-                             "controller": True, "blockOwnerDeletion": True}],
-        "managedFields": [
-            {"manager": "kubelet", "operation": "Update", "apiVersion": "v1", "time": stamp,
-             "fieldsType": "FieldsV1", "subresource": "status",
-             "fieldsV1": {"f:status": {"f:conditions": {}, "f:podIP": {}}}},
-        ],
-    })
+    meta.update(
+        {
+            "generateName": name.rsplit("-", 1)[0] + "-",
+            "creationTimestamp": "2026-11-30T09:00:00Z",
+            "labels": {
+                **meta["labels"],
+                "pod-template-hash": "7d9f8b6c5d",
+                "app.kubernetes.io/name": "vllm",
+                "model": "llama-3-8b-instruct",
+            },
+            "annotations": {
+                "prometheus.io/scrape": "true",
+                "prometheus.io/port": "8000",
+                "kubectl.kubernetes.io/restartedAt": "2026-11-29T18:00:00Z",
+            },
+            "ownerReferences": [
+                {
+                    "apiVersion": "apps/v1",
+                    "kind": "ReplicaSet",
+                    "name": "vllm-7d9f8b6c5d",
+                    "uid": "3f1e0c2a-rs",
+                    "controller": True,
+                    "blockOwnerDeletion": True,
+                }
+            ],
+            "managedFields": [
+                {
+                    "manager": "kubelet",
+                    "operation": "Update",
+                    "apiVersion": "v1",
+                    "time": stamp,
+                    "fieldsType": "FieldsV1",
+                    "subresource": "status",
+                    "fieldsV1": {"f:status": {"f:conditions": {}, "f:podIP": {}}},
+                },
+            ],
+        }
+    )
     pod["spec"] = {
-        "containers": [{
-            "name": "vllm", "image": "vllm/vllm-openai:v0.11.0",
-            "args": ["--model", "meta-llama/Meta-Llama-3-8B-Instruct", "--port", "8000"],
-            "ports": [{"containerPort": 8000, "name": "http", "protocol": "TCP"}],
-            "resources": {"limits": {"nvidia.com/gpu": "1"}},
-            "readinessProbe": {"httpGet": {"path": "/health", "port": 8000},
-                               "periodSeconds": 5, "failureThreshold": 3},
-            "volumeMounts": [{"name": "cache", "mountPath": "/root/.cache/huggingface"}],
-        }],
+        "containers": [
+            {
+                "name": "vllm",
+                "image": "vllm/vllm-openai:v0.11.0",
+                "args": ["--model", "meta-llama/Meta-Llama-3-8B-Instruct", "--port", "8000"],
+                "ports": [{"containerPort": 8000, "name": "http", "protocol": "TCP"}],
+                "resources": {"limits": {"nvidia.com/gpu": "1"}},
+                "readinessProbe": {
+                    "httpGet": {"path": "/health", "port": 8000},
+                    "periodSeconds": 5,
+                    "failureThreshold": 3,
+                },
+                "volumeMounts": [{"name": "cache", "mountPath": "/root/.cache/huggingface"}],
+            }
+        ],
         "volumes": [{"name": "cache", "persistentVolumeClaim": {"claimName": "hf-cache"}}],
-        "nodeName": "gpu-node-17", "restartPolicy": "Always",
+        "nodeName": "gpu-node-17",
+        "restartPolicy": "Always",
     }
     ready = status["conditions"][0]["status"]
     status["conditions"] = [
-        {"type": kind, "status": ready if kind in ("Ready", "ContainersReady") else "True",
-         "lastProbeTime": None, "lastTransitionTime": stamp}
-        for kind in ("Initialized", "Ready", "ContainersReady", "PodScheduled")]
-    status.update({"hostIP": "10.20.0.17", "startTime": "2026-11-30T09:00:00Z",
-                   "qosClass": "Burstable"})
+        {
+            "type": kind,
+            "status": ready if kind in ("Ready", "ContainersReady") else "True",
+            "lastProbeTime": None,
+            "lastTransitionTime": stamp,
+        }
+        for kind in ("Initialized", "Ready", "ContainersReady", "PodScheduled")
+    ]
+    status.update(
+        {"hostIP": "10.20.0.17", "startTime": "2026-11-30T09:00:00Z", "qosClass": "Burstable"}
+    )
     if "podIP" in status:
         status["podIPs"] = [{"ip": status["podIP"]}]
     for container in status["containerStatuses"]:
-        container.update({
-            "image": "docker.io/vllm/vllm-openai:v0.11.0",
-            "imageID": "docker.io/vllm/vllm-openai@sha256:" + "0f" * 32,
-            "containerID": "containerd://" + "ab" * 32, "started": True,
-            "state": {"running": {"startedAt": "2026-11-30T09:01:00Z"}}})
+        container.update(
+            {
+                "image": "docker.io/vllm/vllm-openai:v0.11.0",
+                "imageID": "docker.io/vllm/vllm-openai@sha256:" + "0f" * 32,
+                "containerID": "containerd://" + "ab" * 32,
+                "started": True,
+                "state": {"running": {"startedAt": "2026-11-30T09:01:00Z"}},
+            }
+        )
 
 
 def status_json(code: int, reason: str, message: str, **extra: Any) -> RawObject:
     """A v1 Status (the body of an API error, and the object of a watch ERROR event)."""
-    return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-            "message": message, "reason": reason, "code": code, **extra}
+    return {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Failure",
+        "message": message,
+        "reason": reason,
+        "code": code,
+        **extra,
+    }
 
 
 def _selector(text: str) -> Callable[[dict[str, str]], bool]:
@@ -226,26 +287,44 @@ class FakeApiServer(_Changes):
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    async def serve(self, port: int = 0, *,
-                    task_status: trio.TaskStatus[FakeApiServer] = trio.TASK_STATUS_IGNORED
-                    ) -> None:
+    async def serve(
+        self,
+        port: int = 0,
+        *,
+        task_status: trio.TaskStatus[FakeApiServer] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
         """Listen on 127.0.0.1:`port` until cancelled; started() once accepting."""
         async with trio.open_nursery() as nursery:
             listeners: list[trio.SocketListener] = await nursery.start(
-                partial(trio.serve_tcp, self._serve_connection, port, host="127.0.0.1"))
+                partial(trio.serve_tcp, self._serve_connection, port, host="127.0.0.1")
+            )
             self.port = listeners[0].socket.getsockname()[1]
             task_status.started(self)
 
     def write_kubeconfig(self, path: Path, *, token: str | None = None) -> Path:
         """A kubeconfig whose current context points at this server (JSON is valid YAML)."""
         user: RawObject = {"token": token or self.token or "test-token"}
-        path.write_text(json.dumps({
-            "apiVersion": "v1", "kind": "Config", "current-context": "fake",
-            "clusters": [{"name": "fake", "cluster": {"server": self.url}}],
-            "users": [{"name": "fake", "user": user}],
-            "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake",
-                                                      "namespace": self.namespace}}],
-        }))
+        path.write_text(
+            json.dumps(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "current-context": "fake",
+                    "clusters": [{"name": "fake", "cluster": {"server": self.url}}],
+                    "users": [{"name": "fake", "user": user}],
+                    "contexts": [
+                        {
+                            "name": "fake",
+                            "context": {
+                                "cluster": "fake",
+                                "user": "fake",
+                                "namespace": self.namespace,
+                            },
+                        }
+                    ],
+                }
+            )
+        )
         return path
 
     # -- pods ------------------------------------------------------------------------------
@@ -258,8 +337,7 @@ class FakeApiServer(_Changes):
 
     def add_pod(self, name: str, *, silent: bool = False, **fields: Any) -> RawObject:
         """Create a pod (ADDED). `silent`: watches never see it (only a LIST does)."""
-        return self._record("ADDED", pod_json(name, namespace=self.namespace, **fields),
-                            silent)
+        return self._record("ADDED", pod_json(name, namespace=self.namespace, **fields), silent)
 
     def modify_pod(self, name: str, *, silent: bool = False, **fields: Any) -> RawObject:
         """Rebuild the pod with `fields` changed (MODIFIED); the UID and labels stay."""
@@ -268,8 +346,7 @@ class FakeApiServer(_Changes):
         fields.setdefault("labels", old["metadata"]["labels"])
         fields.setdefault("ip", old["status"].get("podIP", ""))
         fields.setdefault("realistic", "spec" in old)
-        return self._record("MODIFIED", pod_json(name, namespace=self.namespace, **fields),
-                            silent)
+        return self._record("MODIFIED", pod_json(name, namespace=self.namespace, **fields), silent)
 
     def delete_pod(self, name: str, *, silent: bool = False) -> RawObject:
         return self._record("DELETED", self._pods[name], silent)
@@ -338,8 +415,7 @@ class FakeApiServer(_Changes):
             await stream.aclose()
 
     @staticmethod
-    async def _next_request(stream: trio.SocketStream,
-                            conn: h11.Connection) -> h11.Request | None:
+    async def _next_request(stream: trio.SocketStream, conn: h11.Connection) -> h11.Request | None:
         request: h11.Request | None = None
         while True:
             event = conn.next_event()
@@ -352,19 +428,25 @@ class FakeApiServer(_Changes):
             elif isinstance(event, h11.ConnectionClosed):
                 return None
 
-    async def _dispatch(self, stream: trio.SocketStream, conn: h11.Connection,
-                        request: h11.Request) -> bool:
+    async def _dispatch(
+        self, stream: trio.SocketStream, conn: h11.Connection, request: h11.Request
+    ) -> bool:
         """Answer one request; False if the connection must be dropped."""
         url = urlsplit(request.target.decode())
         query = dict(parse_qsl(url.query))
         headers = {k.decode().lower(): v.decode() for k, v in request.headers}
         if self.unavailable:  # an outage: every request fails, and the connection ends
-            await self._send_json(stream, conn, 503, status_json(
-                503, "ServiceUnavailable", "the API server is unavailable"))
+            await self._send_json(
+                stream,
+                conn,
+                503,
+                status_json(503, "ServiceUnavailable", "the API server is unavailable"),
+            )
             return False
         if self.token is not None and headers.get("authorization") != f"Bearer {self.token}":
-            await self._send_json(stream, conn, 401,
-                                  status_json(401, "Unauthorized", "Unauthorized"))
+            await self._send_json(
+                stream, conn, 401, status_json(401, "Unauthorized", "Unauthorized")
+            )
             return True
         if url.path != f"/api/v1/namespaces/{self.namespace}/pods":
             await self._send_json(stream, conn, 404, status_json(404, "NotFound", url.path))
@@ -375,60 +457,124 @@ class FakeApiServer(_Changes):
         self._notify()
         if self.list_plans:
             plan = self.list_plans.popleft()
-            await self._send_json(stream, conn, plan.status,
-                                  status_json(plan.status, plan.reason, plan.message),
-                                  plan.headers)
+            await self._send_json(
+                stream,
+                conn,
+                plan.status,
+                status_json(plan.status, plan.reason, plan.message),
+                plan.headers,
+            )
             return True
         match = _selector(query.get("labelSelector", ""))
         items = [p for p in self._pods.values() if match(p["metadata"]["labels"])]
-        await self._send_json(stream, conn, 200, {
-            "apiVersion": "v1", "kind": "PodList",
-            "metadata": {"resourceVersion": str(self._rv)}, "items": items})
+        await self._send_json(
+            stream,
+            conn,
+            200,
+            {
+                "apiVersion": "v1",
+                "kind": "PodList",
+                "metadata": {"resourceVersion": str(self._rv)},
+                "items": items,
+            },
+        )
         return True
 
     @staticmethod
-    async def _send_json(stream: trio.SocketStream, conn: h11.Connection, status: int,
-                         body: RawObject, headers: Iterable[tuple[str, str]] = ()) -> None:
+    async def _send_json(
+        stream: trio.SocketStream,
+        conn: h11.Connection,
+        status: int,
+        body: RawObject,
+        headers: Iterable[tuple[str, str]] = (),
+    ) -> None:
         data = json.dumps(body, separators=COMPACT).encode()
-        await stream.send_all(conn.send(h11.Response(status_code=status, headers=[
-            ("content-type", "application/json"), ("content-length", str(len(data))),
-            *headers])) + conn.send(h11.Data(data=data)) + conn.send(h11.EndOfMessage()))
+        await stream.send_all(
+            conn.send(
+                h11.Response(
+                    status_code=status,
+                    headers=[
+                        ("content-type", "application/json"),
+                        ("content-length", str(len(data))),
+                        *headers,
+                    ],
+                )
+            )
+            + conn.send(h11.Data(data=data))
+            + conn.send(h11.EndOfMessage())
+        )
 
-    async def _watch(self, stream: trio.SocketStream, conn: h11.Connection,
-                     query: dict[str, str]) -> bool:
+    async def _watch(
+        self, stream: trio.SocketStream, conn: h11.Connection, query: dict[str, str]
+    ) -> bool:
         self.requests.watches.append(Seen(trio.current_time(), query))
         self._notify()
         plan = self.watch_plans.popleft() if self.watch_plans else WatchPlan()
         if plan.kind == "status":
-            await self._send_json(stream, conn, plan.status,
-                                  status_json(plan.status, plan.reason, plan.message),
-                                  plan.headers)
+            await self._send_json(
+                stream,
+                conn,
+                plan.status,
+                status_json(plan.status, plan.reason, plan.message),
+                plan.headers,
+            )
             return True
         rv_text = query.get("resourceVersion", "")
         start = int(rv_text) if rv_text.isdigit() and rv_text != "0" else None
         if start is not None and start > self._rv:
-            await self._send_json(stream, conn, 504, status_json(
-                504, "Timeout", f"Too large resource version: {start}, current: {self._rv}",
-                details={"causes": [{"reason": "ResourceVersionTooLarge",
-                                     "message": "Too large resource version"}],
-                         "retryAfterSeconds": 1}))
+            await self._send_json(
+                stream,
+                conn,
+                504,
+                status_json(
+                    504,
+                    "Timeout",
+                    f"Too large resource version: {start}, current: {self._rv}",
+                    details={
+                        "causes": [
+                            {
+                                "reason": "ResourceVersionTooLarge",
+                                "message": "Too large resource version",
+                            }
+                        ],
+                        "retryAfterSeconds": 1,
+                    },
+                ),
+            )
             return True
         expired = start is not None and start < self._compacted_rv
         if expired and not self.expired_as_event:
-            await self._send_json(stream, conn, 410, status_json(
-                410, "Expired", f"too old resource version: {start} ({self._compacted_rv})"))
+            await self._send_json(
+                stream,
+                conn,
+                410,
+                status_json(
+                    410, "Expired", f"too old resource version: {start} ({self._compacted_rv})"
+                ),
+            )
             return True
-        await stream.send_all(conn.send(h11.Response(status_code=200, headers=[
-            ("content-type", "application/json"), ("transfer-encoding", "chunked")])))
+        await stream.send_all(
+            conn.send(
+                h11.Response(
+                    status_code=200,
+                    headers=[
+                        ("content-type", "application/json"),
+                        ("transfer-encoding", "chunked"),
+                    ],
+                )
+            )
+        )
         self.open_watches += 1
         self._notify()
         try:
             if expired:
-                return await self._end_with_error(stream, conn, 410, "Expired",
-                                                  f"too old resource version: {start}")
+                return await self._end_with_error(
+                    stream, conn, 410, "Expired", f"too old resource version: {start}"
+                )
             if plan.kind == "error_event":
-                return await self._end_with_error(stream, conn, plan.status, plan.reason,
-                                                  plan.message)
+                return await self._end_with_error(
+                    stream, conn, plan.status, plan.reason, plan.message
+                )
             if plan.kind == "stall":
                 await trio.sleep_forever()
             return await self._stream_events(stream, conn, query, plan, start)
@@ -436,16 +582,25 @@ class FakeApiServer(_Changes):
             self.open_watches -= 1
             self._notify()
 
-    async def _end_with_error(self, stream: trio.SocketStream, conn: h11.Connection,
-                              code: int, reason: str, message: str) -> bool:
-        line = json.dumps({"type": "ERROR", "object": status_json(code, reason, message)},
-                          separators=COMPACT)
-        await stream.send_all(conn.send(h11.Data(data=line.encode() + b"\n"))
-                              + conn.send(h11.EndOfMessage()))
+    async def _end_with_error(
+        self, stream: trio.SocketStream, conn: h11.Connection, code: int, reason: str, message: str
+    ) -> bool:
+        line = json.dumps(
+            {"type": "ERROR", "object": status_json(code, reason, message)}, separators=COMPACT
+        )
+        await stream.send_all(
+            conn.send(h11.Data(data=line.encode() + b"\n")) + conn.send(h11.EndOfMessage())
+        )
         return True
 
-    async def _stream_events(self, stream: trio.SocketStream, conn: h11.Connection,
-                             query: dict[str, str], plan: WatchPlan, start: int | None) -> bool:
+    async def _stream_events(
+        self,
+        stream: trio.SocketStream,
+        conn: h11.Connection,
+        query: dict[str, str],
+        plan: WatchPlan,
+        start: int | None,
+    ) -> bool:
         match = _selector(query.get("labelSelector", ""))
         bookmarks = query.get("allowWatchBookmarks") in TRUE
         timeout = float(query.get("timeoutSeconds") or 1800)
@@ -456,8 +611,11 @@ class FakeApiServer(_Changes):
         next_bookmark = trio.current_time() + interval if interval else math.inf
         epoch, sent = self._epoch, 0
         if start is None:  # no resourceVersion: synthetic ADDED for the current pods
-            lines = [json.dumps({"type": "ADDED", "object": p}, separators=COMPACT).encode() + b"\n"
-                     for p in self._pods.values() if match(p["metadata"]["labels"])]
+            lines = [
+                json.dumps({"type": "ADDED", "object": p}, separators=COMPACT).encode() + b"\n"
+                for p in self._pods.values()
+                if match(p["metadata"]["labels"])
+            ]
             await stream.send_all(b"".join(self._chunk(conn, line) for line in lines))
             cursor = self._rv
         else:
@@ -469,13 +627,15 @@ class FakeApiServer(_Changes):
                     await stream.send_all(conn.send(h11.EndOfMessage()))
                     return False  # and close the connection
                 if self._epoch_action == "rst":
-                    stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
-                                             struct.pack("ii", 1, 0))
+                    stream.socket.setsockopt(
+                        socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+                    )
                     return False
                 if self._epoch_action == "reset" or not self.expired_as_event:
                     return False
-                return await self._end_with_error(stream, conn, 410, "Expired",
-                                                  "too old resource version")
+                return await self._end_with_error(
+                    stream, conn, 410, "Expired", "too old resource version"
+                )
             batch: list[bytes] = []
             index = bisect.bisect_right(self._history_rvs, cursor)
             for entry in self._history[index:]:
@@ -485,8 +645,9 @@ class FakeApiServer(_Changes):
                 if match(entry.labels):
                     batch.append(entry.line)
             for i in range(0, len(batch), 256):  # one chunk per event, as the API server
-                await stream.send_all(b"".join(self._chunk(conn, line)
-                                               for line in batch[i:i + 256]))
+                await stream.send_all(
+                    b"".join(self._chunk(conn, line) for line in batch[i : i + 256])
+                )
             sent += len(batch)
             self.events_sent += len(batch)
             if batch:
@@ -507,16 +668,27 @@ class FakeApiServer(_Changes):
                 await changed.wait()
 
     def _bookmark(self) -> bytes:
-        return json.dumps({"type": "BOOKMARK", "object": {
-            "kind": "Pod", "apiVersion": "v1",
-            "metadata": {"resourceVersion": str(self._rv)}}}).encode() + b"\n"
+        return (
+            json.dumps(
+                {
+                    "type": "BOOKMARK",
+                    "object": {
+                        "kind": "Pod",
+                        "apiVersion": "v1",
+                        "metadata": {"resourceVersion": str(self._rv)},
+                    },
+                }
+            ).encode()
+            + b"\n"
+        )
 
     @staticmethod
     def _chunk(conn: h11.Connection, data: bytes) -> bytes:
         return conn.send(h11.Data(data=data)) if data else b""
 
-    async def _send_chunk(self, stream: trio.SocketStream, conn: h11.Connection,
-                          data: bytes) -> None:
+    async def _send_chunk(
+        self, stream: trio.SocketStream, conn: h11.Connection, data: bytes
+    ) -> None:
         if data:
             await stream.send_all(self._chunk(conn, data))
 
@@ -561,8 +733,15 @@ class FakePodSource(_Changes):
     def bookmark(self) -> None:
         """A BOOKMARK at a new resourceVersion (no pod changes)."""
         self._rv += 1
-        self._history.append((self._rv, {"type": "BOOKMARK", "object": {
-            "kind": "Pod", "metadata": {"resourceVersion": str(self._rv)}}}))
+        self._history.append(
+            (
+                self._rv,
+                {
+                    "type": "BOOKMARK",
+                    "object": {"kind": "Pod", "metadata": {"resourceVersion": str(self._rv)}},
+                },
+            )
+        )
         self._notify()
 
     async def list_pods(self) -> PodListing:
@@ -573,8 +752,9 @@ class FakePodSource(_Changes):
             raise self.list_failures.popleft()
         return PodListing(tuple(pod_from_dict(p) for p in self._pods.values()), str(self._rv))
 
-    async def watch(self, resource_version: str, observer: WatchObserver, *,
-                    timeout_seconds: int) -> None:
+    async def watch(
+        self, resource_version: str, observer: WatchObserver, *, timeout_seconds: int
+    ) -> None:
         await trio.lowlevel.checkpoint()
         self.watch_calls.append((trio.current_time(), resource_version, timeout_seconds))
         self._notify()

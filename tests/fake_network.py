@@ -54,8 +54,9 @@ class FakeNetwork:
     open connections end too). Use inside `async with network.open():`, which owns the
     serving tasks."""
 
-    def __init__(self, handler: Handler, *,
-                 refuses: Callable[[str], bool] = lambda host: False) -> None:
+    def __init__(
+        self, handler: Handler, *, refuses: Callable[[str], bool] = lambda host: False
+    ) -> None:
         self._handler, self._refuses = handler, refuses
         self._nursery: trio.Nursery | None = None
         self.connections: Counter[str] = Counter()  # connections opened, by host
@@ -111,9 +112,14 @@ class FakeNetwork:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(_cancel_on_close, stream, conn, nursery.cancel_scope)
                     with suppress(CloseConnection):
-                        reply = await self._handler(FakeRequest(
-                            host, request.method.decode(), request.target.decode(),
-                            {k.decode(): v.decode() for k, v in request.headers}))
+                        reply = await self._handler(
+                            FakeRequest(
+                                host,
+                                request.method.decode(),
+                                request.target.decode(),
+                                {k.decode(): v.decode() for k, v in request.headers},
+                            )
+                        )
                     nursery.cancel_scope.cancel()
                 if reply is None:  # closed by the client while it waited, or by the handler
                     return
@@ -125,8 +131,9 @@ class FakeNetwork:
             return
 
 
-async def _cancel_on_close(stream: trio.SocketStream, conn: h11.Connection,
-                           scope: trio.CancelScope) -> None:
+async def _cancel_on_close(
+    stream: trio.SocketStream, conn: h11.Connection, scope: trio.CancelScope
+) -> None:
     """While an answer is prepared: cancel it if the client closes the connection (as an
     engine aborts the request). Bytes that come meanwhile are kept for the next request."""
     with suppress(trio.BrokenResourceError):
@@ -150,14 +157,16 @@ async def _next_request(stream: trio.SocketStream, conn: h11.Connection) -> h11.
             return None
 
 
-async def _send_reply(stream: trio.SocketStream, conn: h11.Connection,
-                      reply: FakeReply) -> None:
+async def _send_reply(stream: trio.SocketStream, conn: h11.Connection, reply: FakeReply) -> None:
     headers = list(reply.headers)
     body = reply.body
     if isinstance(body, bytes):
         headers.append(("content-length", str(len(body))))
-        await stream.send_all(conn.send(h11.Response(status_code=reply.status, headers=headers))
-                              + conn.send(h11.Data(data=body)) + conn.send(h11.EndOfMessage()))
+        await stream.send_all(
+            conn.send(h11.Response(status_code=reply.status, headers=headers))
+            + conn.send(h11.Data(data=body))
+            + conn.send(h11.EndOfMessage())
+        )
         return
     headers.append(("transfer-encoding", "chunked"))
     await stream.send_all(conn.send(h11.Response(status_code=reply.status, headers=headers)))

@@ -25,15 +25,22 @@ from trio_router.upstream import CLIENT_CHECK_S, ClientGoneError
 
 
 def routable(uid: str) -> Engine:
-    return Engine(uid=uid, name=uid, url=f"http://{uid}:8000", state=EngineState.ROUTABLE,
-                  models=(Model("m"),), model_ids=frozenset({"m"}))
+    return Engine(
+        uid=uid,
+        name=uid,
+        url=f"http://{uid}:8000",
+        state=EngineState.ROUTABLE,
+        models=(Model("m"),),
+        model_ids=frozenset({"m"}),
+    )
 
 
 class Bench:
     """Two engines, a round-robin policy and an admission object, as the app wires them."""
 
-    def __init__(self, config: AdmissionConfig, *, tenants: tuple[TenantConfig, ...] = (),
-                 engines: int = 2) -> None:
+    def __init__(
+        self, config: AdmissionConfig, *, tenants: tuple[TenantConfig, ...] = (), engines: int = 2
+    ) -> None:
         self.table = RoutingTable()
         for n in range(engines):
             self.table.put(routable(f"e{n}"))
@@ -41,10 +48,14 @@ class Bench:
         self.waits: list[float] = []
         self.rejects: list[tuple[str, str]] = []
         self.admission = Admission(
-            self.table, config, max_per_engine=512, tenants=tenants,
+            self.table,
+            config,
+            max_per_engine=512,
+            tenants=tenants,
             keys={f"key-{t.name}": t.name for t in tenants},
             on_wait=lambda model, s: self.waits.append(s),
-            on_reject=lambda reason, tenant: self.rejects.append((reason, tenant)))
+            on_reject=lambda reason, tenant: self.rejects.append((reason, tenant)),
+        )
 
     def pick(self, exclude: Collection[str]) -> Engine:
         return self.policy.choose(self.table.routable("m"), RequestInfo("m"), exclude)[0]
@@ -55,20 +66,24 @@ class Bench:
         return tenant
 
     async def acquire(self, tenant: Tenant | None = None, **kwargs: Any) -> Engine:
-        return await self.admission.acquire(tenant or self.admission.anonymous, "m",
-                                            self.pick, **kwargs)
+        return await self.admission.acquire(
+            tenant or self.admission.anonymous, "m", self.pick, **kwargs
+        )
 
 
 async def test_saturated_engines_are_skipped_and_a_freed_slot_dispatches_at_once(
-        autojump_clock: trio.testing.MockClock) -> None:
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     bench = Bench(AdmissionConfig(max_in_flight_per_engine=2))
     held = [await bench.acquire() for _ in range(4)]
     assert sorted(e.uid for e in held) == ["e0", "e0", "e1", "e1"]
     assert bench.admission.saturated == {"e0", "e1"}
     got: list[Engine] = []
     async with trio.open_nursery() as nursery:
+
         async def wait() -> None:
             got.append(await bench.acquire())
+
         nursery.start_soon(wait)
         await trio.sleep(5)
         assert got == [] and bench.admission.queued() == {"m": 1}
@@ -80,9 +95,9 @@ async def test_saturated_engines_are_skipped_and_a_freed_slot_dispatches_at_once
 
 
 async def test_queue_full_is_429_and_waiting_too_long_is_503(
-        autojump_clock: trio.testing.MockClock) -> None:
-    bench = Bench(AdmissionConfig(max_in_flight_per_engine=1, queue_size=2,
-                                  queue_timeout_s=7.0))
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    bench = Bench(AdmissionConfig(max_in_flight_per_engine=1, queue_size=2, queue_timeout_s=7.0))
     for _ in range(2):
         await bench.acquire()
     async with trio.open_nursery() as nursery:
@@ -107,14 +122,15 @@ async def test_queue_full_is_429_and_waiting_too_long_is_503(
 
 
 async def test_a_flooding_tenant_delays_another_by_about_one_slot(
-        autojump_clock: trio.testing.MockClock) -> None:
-    tenants = (TenantConfig(name="a", key_env="A"), TenantConfig(name="b", key_env="B",
-                                                                 weight=1))
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    tenants = (TenantConfig(name="a", key_env="A"), TenantConfig(name="b", key_env="B", weight=1))
     bench = Bench(AdmissionConfig(max_in_flight_per_engine=1), tenants=tenants)
     a, b = bench.tenant("a"), bench.tenant("b")
     slots = [await bench.acquire(a) for _ in range(2)]
     order: list[str] = []
     async with trio.open_nursery() as nursery:
+
         async def request(tenant: Tenant) -> None:
             engine = await bench.acquire(tenant)
             order.append(tenant.name)
@@ -133,13 +149,16 @@ async def test_a_flooding_tenant_delays_another_by_about_one_slot(
 
 
 async def test_weights_share_the_dispatches(autojump_clock: trio.testing.MockClock) -> None:
-    tenants = (TenantConfig(name="heavy", key_env="H", weight=3),
-               TenantConfig(name="light", key_env="L", weight=1))
+    tenants = (
+        TenantConfig(name="heavy", key_env="H", weight=3),
+        TenantConfig(name="light", key_env="L", weight=1),
+    )
     bench = Bench(AdmissionConfig(max_in_flight_per_engine=1), tenants=tenants, engines=1)
     heavy, light = bench.tenant("heavy"), bench.tenant("light")
     slot = [await bench.acquire(heavy)]
     order: list[str] = []
     async with trio.open_nursery() as nursery:
+
         async def request(tenant: Tenant) -> None:
             slot.append(await bench.acquire(tenant))
             order.append(tenant.name)
@@ -157,12 +176,14 @@ async def test_weights_share_the_dispatches(autojump_clock: trio.testing.MockClo
 
 async def test_fifo_without_fairness(autojump_clock: trio.testing.MockClock) -> None:
     tenants = (TenantConfig(name="a", key_env="A"), TenantConfig(name="b", key_env="B"))
-    bench = Bench(AdmissionConfig(max_in_flight_per_engine=1, fairness="none"),
-                  tenants=tenants, engines=1)
+    bench = Bench(
+        AdmissionConfig(max_in_flight_per_engine=1, fairness="none"), tenants=tenants, engines=1
+    )
     a, b = bench.tenant("a"), bench.tenant("b")
     slot = [await bench.acquire(a)]
     order: list[str] = []
     async with trio.open_nursery() as nursery:
+
         async def request(tenant: Tenant, tag: str) -> None:
             slot.append(await bench.acquire(tenant))
             order.append(tag)
@@ -176,10 +197,11 @@ async def test_fifo_without_fairness(autojump_clock: trio.testing.MockClock) -> 
     assert order == ["a0", "a1", "a2", "b3"]
 
 
-async def test_token_bucket_and_concurrency_limits(autojump_clock: trio.testing.MockClock
-                                                  ) -> None:
-    tenants = (TenantConfig(name="c", key_env="C", requests_per_minute=6),
-               TenantConfig(name="d", key_env="D", max_concurrent=2))
+async def test_token_bucket_and_concurrency_limits(autojump_clock: trio.testing.MockClock) -> None:
+    tenants = (
+        TenantConfig(name="c", key_env="C", requests_per_minute=6),
+        TenantConfig(name="d", key_env="D", max_concurrent=2),
+    )
     bench = Bench(AdmissionConfig(), tenants=tenants)
     c, d = bench.tenant("c"), bench.tenant("d")
     for _ in range(6):
@@ -202,11 +224,13 @@ async def test_token_bucket_and_concurrency_limits(autojump_clock: trio.testing.
 
 
 async def test_a_queued_client_that_leaves_leaves_the_queue(
-        autojump_clock: trio.testing.MockClock) -> None:
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     bench = Bench(AdmissionConfig(max_in_flight_per_engine=1), engines=1)
     held = await bench.acquire()
     gone = False
     async with trio.open_nursery() as nursery:
+
         async def wait() -> None:
             with pytest.raises(ClientGoneError):
                 await bench.acquire(client_gone=lambda: gone)
@@ -223,13 +247,15 @@ async def test_a_queued_client_that_leaves_leaves_the_queue(
     assert held.in_flight == 0
 
 
-async def test_reload_with_a_full_queue_drops_nothing(autojump_clock: trio.testing.MockClock
-                                                     ) -> None:
+async def test_reload_with_a_full_queue_drops_nothing(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     bench = Bench(AdmissionConfig(max_in_flight_per_engine=1))
     for _ in range(2):
         await bench.acquire()
     got: list[str] = []
     async with trio.open_nursery() as nursery:
+
         async def wait() -> None:
             got.append((await bench.acquire()).uid)
 
@@ -237,13 +263,13 @@ async def test_reload_with_a_full_queue_drops_nothing(autojump_clock: trio.testi
             nursery.start_soon(wait)
         await trio.testing.wait_all_tasks_blocked()
         assert bench.admission.queued() == {"m": 4}
-        bench.admission.configure(AdmissionConfig(max_in_flight_per_engine=3),
-                                  max_per_engine=512)
+        bench.admission.configure(AdmissionConfig(max_in_flight_per_engine=3), max_per_engine=512)
     assert sorted(got) == ["e0", "e0", "e1", "e1"]  # the new cap let all four go at once
 
 
-async def test_an_engine_removed_while_requests_wait(autojump_clock: trio.testing.MockClock
-                                                    ) -> None:
+async def test_an_engine_removed_while_requests_wait(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     """Requests wait for the model, not for an engine: when one engine is removed they go
     to whatever frees up or comes, and a new engine dispatches them at once."""
     bench = Bench(AdmissionConfig(max_in_flight_per_engine=1))
@@ -272,7 +298,8 @@ async def test_an_engine_removed_while_requests_wait(autojump_clock: trio.testin
 
 
 async def test_an_engine_whose_own_queue_is_long_is_saturated(
-        autojump_clock: trio.testing.MockClock) -> None:
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     bench = Bench(AdmissionConfig(max_waiting_per_engine=4), engines=1)
     (engine,) = bench.table
     engine.stats = {"waiting": 6.0, "scraped_at": trio.current_time(), "stale_after": 15.0}
@@ -280,6 +307,7 @@ async def test_an_engine_whose_own_queue_is_long_is_saturated(
     assert bench.admission.saturated == {"e0"}
     got: list[Engine] = []
     async with trio.open_nursery() as nursery:
+
         async def wait() -> None:
             got.append(await bench.acquire())
 
@@ -292,7 +320,8 @@ async def test_an_engine_whose_own_queue_is_long_is_saturated(
 
 
 async def test_failover_gives_up_when_every_engine_was_tried(
-        autojump_clock: trio.testing.MockClock) -> None:
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     bench = Bench(AdmissionConfig(max_in_flight_per_engine=1))
     with pytest.raises(NoEngineError):
         await bench.acquire(tried=["e0", "e1"])
@@ -300,13 +329,17 @@ async def test_failover_gives_up_when_every_engine_was_tried(
 
 
 # -- end to end -------------------------------------------------------------------------------
-TENANTS = ({"name": "a", "key_env": "TENANT_A_KEY"}, {"name": "b", "key_env": "TENANT_B_KEY"},
-           {"name": "c", "key_env": "TENANT_C_KEY", "requests_per_minute": 6})
+TENANTS = (
+    {"name": "a", "key_env": "TENANT_A_KEY"},
+    {"name": "b", "key_env": "TENANT_B_KEY"},
+    {"name": "c", "key_env": "TENANT_C_KEY", "requests_per_minute": 6},
+)
 KEYS = {"TENANT_A_KEY": "key-a", "TENANT_B_KEY": "key-b", "TENANT_C_KEY": "key-c"}
 
 
 async def test_a_flooding_tenant_cannot_starve_another_end_to_end(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Two engines capped at 2 requests each; tenant a floods 30 streams; b's requests get
     the next free slot; a's excess over the queue gets 429; nothing gets a 5xx; c's 7th
     request in a minute gets 429; an unknown key gets 401."""
@@ -314,23 +347,27 @@ async def test_a_flooding_tenant_cannot_starve_another_end_to_end(
         monkeypatch.setenv(name, value)
     engines = [FakeEngine(name=f"e{i}", tokens=4, inter_token_s=0.1) for i in range(2)]
     with trio.fail_after(LIMIT + 20):
-        async with open_router(engines, admission={
-                "max_in_flight_per_engine": 2, "queue_size": 20},
-                tenants=tuple(TenantConfig(**t) for t in TENANTS)) as router:
+        async with open_router(
+            engines,
+            admission={"max_in_flight_per_engine": 2, "queue_size": 20},
+            tenants=tuple(TenantConfig(**t) for t in TENANTS),
+        ) as router:
             statuses: dict[str, list[int]] = {"a": [], "b": [], "c": []}
 
             async def post(tenant: str, client: httpx.AsyncClient) -> float:
                 start = trio.current_time()
-                response = await client.post(CHAT, json=chat(stream=True), headers={
-                    "authorization": f"Bearer key-{tenant}"})
+                response = await client.post(
+                    CHAT, json=chat(stream=True), headers={"authorization": f"Bearer key-{tenant}"}
+                )
                 statuses[tenant].append(response.status_code)
                 if response.status_code == 429:
                     assert "retry-after" in response.headers
                 return trio.current_time() - start
 
             limits = httpx.Limits(max_connections=100)
-            async with httpx.AsyncClient(base_url=router.url, timeout=LIMIT + 20,
-                                         limits=limits) as client:
+            async with httpx.AsyncClient(
+                base_url=router.url, timeout=LIMIT + 20, limits=limits
+            ) as client:
                 b_times: list[float] = []
                 async with trio.open_nursery() as nursery:
                     for _ in range(30):
@@ -340,8 +377,7 @@ async def test_a_flooding_tenant_cannot_starve_another_end_to_end(
                         b_times.append(await post("b", client))
                 for _ in range(8):
                     await post("c", client)
-                unknown = await client.get("/v1/models",
-                                           headers={"authorization": "Bearer nope"})
+                unknown = await client.get("/v1/models", headers={"authorization": "Bearer nope"})
             assert unknown.status_code == 401
             assert max(e.max_in_flight for e in engines) <= 2
             assert all(s < 500 for s in statuses["a"] + statuses["b"] + statuses["c"])

@@ -40,8 +40,12 @@ CHAT: Final = "/v1/chat/completions"
 
 
 def chat(model: str = "fake-model", *, stream: bool = False, **extra: Any) -> dict[str, Any]:
-    return {"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": stream,
-            **extra}
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": stream,
+        **extra,
+    }
 
 
 def router_config(urls: Sequence[str], **sections: Any) -> Config:
@@ -113,12 +117,21 @@ async def open_raw(url: str) -> trio.SocketStream:
     return await trio.open_tcp_stream(host, int(port))
 
 
-async def send_request(stream: trio.SocketStream, path: str, body: dict[str, Any],
-                       headers: dict[str, str] | None = None) -> None:
+async def send_request(
+    stream: trio.SocketStream,
+    path: str,
+    body: dict[str, Any],
+    headers: dict[str, str] | None = None,
+) -> None:
     """Write one POST with a JSON body (and extra `headers`) on a raw connection."""
     data = json.dumps(body).encode()
-    lines = [f"POST {path} HTTP/1.1", "host: router", "content-type: application/json",
-             f"content-length: {len(data)}", *(f"{k}: {v}" for k, v in (headers or {}).items())]
+    lines = [
+        f"POST {path} HTTP/1.1",
+        "host: router",
+        "content-type: application/json",
+        f"content-length: {len(data)}",
+        *(f"{k}: {v}" for k, v in (headers or {}).items()),
+    ]
     await stream.send_all("\r\n".join(lines).encode() + b"\r\n\r\n" + data)
 
 
@@ -132,33 +145,44 @@ async def receive_until(stream: trio.SocketStream, marker: bytes) -> bytes:
     return received
 
 
-async def send_raw(stream: trio.SocketStream, path: str, body: dict[str, Any], *,
-                   until: bytes) -> bytes:
+async def send_raw(
+    stream: trio.SocketStream, path: str, body: dict[str, Any], *, until: bytes
+) -> bytes:
     """Send one POST with a JSON body; return what was received once `until` appears."""
     await send_request(stream, path, body)
     return await receive_until(stream, until)
 
 
-async def _serve_engine(engine: FakeEngine, host: str, scope: trio.CancelScope, *,
-                        task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
+async def _serve_engine(
+    engine: FakeEngine,
+    host: str,
+    scope: trio.CancelScope,
+    *,
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> None:
     with scope:
         await serve_fake_engine(engine, host, 0, task_status=task_status)
 
 
 @asynccontextmanager
-async def open_router(engines: Sequence[FakeEngine], *, env: dict[str, str] | None = None,
-                      wait_models: Sequence[str] = ("fake-model",), **sections: Any
-                      ) -> AsyncIterator[Router]:
+async def open_router(
+    engines: Sequence[FakeEngine],
+    *,
+    env: dict[str, str] | None = None,
+    wait_models: Sequence[str] = ("fake-model",),
+    **sections: Any,
+) -> AsyncIterator[Router]:
     """Serve `engines` on 127.0.1.1, 127.0.1.2, ... and the router in front of them; yield
     once every engine is routable. Leaving the block stops everything (no drain)."""
     async with trio.open_nursery() as nursery:
         scopes = [trio.CancelScope() for _ in engines]
-        urls = [await nursery.start(_serve_engine, engine, f"127.0.1.{i + 1}", scope)
-                for i, (engine, scope) in enumerate(zip(engines, scopes, strict=True))]
+        urls = [
+            await nursery.start(_serve_engine, engine, f"127.0.1.{i + 1}", scope)
+            for i, (engine, scope) in enumerate(zip(engines, scopes, strict=True))
+        ]
         config = router_config(urls, **sections)
         table = RoutingTable()
-        bound = await nursery.start(partial(server.run, config, table=table,
-                                            handle_signals=False))
+        bound = await nursery.start(partial(server.run, config, table=table, handle_signals=False))
         async with httpx.AsyncClient(base_url=bound[0], timeout=LIMIT) as client:
             router = Router(bound[0], table, list(engines), urls, client, scopes)
             for model in wait_models:
@@ -170,15 +194,24 @@ async def open_router(engines: Sequence[FakeEngine], *, env: dict[str, str] | No
 
 # -- proxying ---------------------------------------------------------------------------------
 async def test_non_streamed_request_is_forwarded_unchanged_both_ways() -> None:
-    engine = FakeEngine(name="e1", tokens=3, extra_headers=[
-        (b"x-engine-extra", b"kept"), (b"date", b"Mon, 01 Jan 2024 00:00:00 GMT")])
+    engine = FakeEngine(
+        name="e1",
+        tokens=3,
+        extra_headers=[(b"x-engine-extra", b"kept"), (b"date", b"Mon, 01 Jan 2024 00:00:00 GMT")],
+    )
     with trio.fail_after(LIMIT):
         async with open_router([engine]) as router:
             body = json.dumps(chat(max_tokens=2, user="u")).encode() + b"  "
             response = await router.client.post(
-                CHAT + "?trace=1", content=body,
-                headers={"content-type": "application/json", "x-custom": "abc",
-                         "connection": "keep-alive, x-hop", "x-hop": "dropped"})
+                CHAT + "?trace=1",
+                content=body,
+                headers={
+                    "content-type": "application/json",
+                    "x-custom": "abc",
+                    "connection": "keep-alive, x-hop",
+                    "x-hop": "dropped",
+                },
+            )
     assert response.status_code == 200
     seen = engine.requests_to(CHAT)[-1]
     assert seen.body == body  # byte for byte, trailing spaces included
@@ -199,9 +232,12 @@ async def test_answers_carry_one_date_the_engines_or_the_routers() -> None:
     undated = FakeEngine(send_date=False)
     with trio.fail_after(LIMIT):
         async with open_router([undated]) as router:
-            answers = [await router.client.post(CHAT, json=chat()),
-                       await router.client.post(CHAT, json=chat("no-such-model")),
-                       await router.client.get("/health"), await router.client.get("/metrics")]
+            answers = [
+                await router.client.post(CHAT, json=chat()),
+                await router.client.post(CHAT, json=chat("no-such-model")),
+                await router.client.get("/health"),
+                await router.client.get("/metrics"),
+            ]
     assert [a.status_code for a in answers] == [200, 404, 200, 200]
     for answer in answers:
         (date,) = answer.headers.get_list("date")
@@ -213,15 +249,17 @@ async def test_client_request_id_is_passed_on_and_returned() -> None:
     engine = FakeEngine()
     with trio.fail_after(LIMIT):
         async with open_router([engine]) as router:
-            response = await router.client.post(CHAT, json=chat(),
-                                                headers={"x-request-id": "req-42"})
+            response = await router.client.post(
+                CHAT, json=chat(), headers={"x-request-id": "req-42"}
+            )
     assert response.headers["x-request-id"] == "req-42"
     assert engine.requests_to(CHAT)[-1].header("x-request-id") == "req-42"
 
 
 @pytest.mark.parametrize("enabled", [True, False])
 async def test_access_record_per_request_unless_turned_off(
-        enabled: bool, caplog: pytest.LogCaptureFixture) -> None:
+    enabled: bool, caplog: pytest.LogCaptureFixture
+) -> None:
     """`server.access_log`: one `trio_router.access` record per proxied request, errors the
     router answers itself included; none at all when it is off."""
     caplog.set_level(logging.INFO, logger="trio_router.access")
@@ -229,11 +267,15 @@ async def test_access_record_per_request_unless_turned_off(
     with trio.fail_after(LIMIT):
         async with open_router([engine], server={"access_log": enabled}) as router:
             ok = await router.client.post(CHAT, json=chat(), headers={"x-request-id": "ok-1"})
-            missing = await router.client.post(CHAT, json=chat("no-such-model"),
-                                               headers={"x-request-id": "missing-1"})
+            missing = await router.client.post(
+                CHAT, json=chat("no-such-model"), headers={"x-request-id": "missing-1"}
+            )
     assert (ok.status_code, missing.status_code) == (200, 404)
-    records = {r.fields["request_id"]: r.fields  # type: ignore[attr-defined]
-               for r in caplog.records if r.name == "trio_router.access"}
+    records = {
+        r.fields["request_id"]: r.fields  # type: ignore[attr-defined]
+        for r in caplog.records
+        if r.name == "trio_router.access"
+    }
     if not enabled:
         assert records == {}
         return
@@ -249,8 +291,10 @@ async def test_stream_is_forwarded_event_by_event() -> None:
     gate = trio.Event()
     engine = FakeEngine(tokens=4, gate=gate)  # holds after the first event until the gate
     with trio.fail_after(LIMIT):
-        async with (open_router([engine]) as router,
-                    router.client.stream("POST", CHAT, json=chat(stream=True)) as response):
+        async with (
+            open_router([engine]) as router,
+            router.client.stream("POST", CHAT, json=chat(stream=True)) as response,
+        ):
             assert response.headers["content-type"].startswith("text/event-stream")
             chunks = response.aiter_raw()
             first = await chunks.__anext__()
@@ -271,10 +315,10 @@ async def test_backpressure_a_slow_client_slows_the_engine_read() -> None:
     big = "x" * (24 * 1024 * 1024)
     engine = FakeEngine()
     with trio.fail_after(LIMIT):
-        async with open_router([engine], server={"max_body_bytes": 64 * 1024 * 1024}
-                               ) as router:
-            async with router.client.stream("POST", "/v1/rerank", json={
-                    "model": "fake-model", "query": "q", "documents": [big]}) as response:
+        async with open_router([engine], server={"max_body_bytes": 64 * 1024 * 1024}) as router:
+            async with router.client.stream(
+                "POST", "/v1/rerank", json={"model": "fake-model", "query": "q", "documents": [big]}
+            ) as response:
                 assert response.status_code == 200
                 chunks = response.aiter_raw()
                 size = len(await chunks.__anext__())
@@ -291,8 +335,12 @@ async def test_model_routing_including_lora_adapters() -> None:
     mistral = FakeEngine(name="mistral", models=["mistral"])
     with trio.fail_after(LIMIT):
         async with open_router([llama, mistral], wait_models=["llama", "mistral"]) as router:
-            for model, engine in [("sql-lora", llama), ("mistral", mistral), ("llama", llama),
-                                  ("sql-lora", llama)]:
+            for model, engine in [
+                ("sql-lora", llama),
+                ("mistral", mistral),
+                ("llama", llama),
+                ("sql-lora", llama),
+            ]:
                 response = await router.client.post(CHAT, json=chat(model))
                 assert response.status_code == 200
                 assert router.engine_named(response.headers["x-trio-router-engine"]) is engine
@@ -314,12 +362,31 @@ async def test_round_robin_spreads_requests_over_engines() -> None:
     assert [len(e.requests_to(CHAT)) for e in engines] == [2, 2, 2]
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/embeddings", "/v1/responses",
-                                  "/tokenize", "/detokenize", "/v1/rerank", "/rerank",
-                                  "/v1/score", "/score"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/v1/completions",
+        "/v1/embeddings",
+        "/v1/responses",
+        "/tokenize",
+        "/detokenize",
+        "/v1/rerank",
+        "/rerank",
+        "/v1/score",
+        "/score",
+    ],
+)
 async def test_every_proxied_endpoint(path: str) -> None:
-    body = {"model": "fake-model", "prompt": "a b", "input": "a", "tokens": [1, 2],
-            "query": "q", "documents": ["d"], "text_1": "a", "text_2": ["b"]}
+    body = {
+        "model": "fake-model",
+        "prompt": "a b",
+        "input": "a",
+        "tokens": [1, 2],
+        "query": "q",
+        "documents": ["d"],
+        "text_1": "a",
+        "text_2": ["b"],
+    }
     engine = FakeEngine()
     with trio.fail_after(LIMIT):
         async with open_router([engine]) as router:
@@ -336,16 +403,19 @@ def assert_openai_error(response: httpx.Response, status: int, code: str) -> Non
     assert error["code"] == code and isinstance(error["message"], str) and error["type"]
 
 
-@pytest.mark.parametrize(("body", "code"), [
-    (b"{not json", "bad_request"),
-    (b"", "bad_request"),
-    (b"[1, 2]", "bad_request"),
-    (b'{"messages": []}', "bad_request"),
-    (b'{"model": 7}', "bad_request"),
-    (b'{"model": ""}', "bad_request"),
-    (b"\xff\xfe", "bad_request"),
-    (b"[" * 100_000, "bad_request"),
-])
+@pytest.mark.parametrize(
+    ("body", "code"),
+    [
+        (b"{not json", "bad_request"),
+        (b"", "bad_request"),
+        (b"[1, 2]", "bad_request"),
+        (b'{"messages": []}', "bad_request"),
+        (b'{"model": 7}', "bad_request"),
+        (b'{"model": ""}', "bad_request"),
+        (b"\xff\xfe", "bad_request"),
+        (b"[" * 100_000, "bad_request"),
+    ],
+)
 async def test_malformed_requests_get_400(body: bytes, code: str) -> None:
     engine = FakeEngine()
     with trio.fail_after(LIMIT):
@@ -358,14 +428,17 @@ async def test_malformed_requests_get_400(body: bytes, code: str) -> None:
 async def test_unknown_model_is_404_and_known_model_without_engine_is_503() -> None:
     engine = FakeEngine(name="e1")
     with trio.fail_after(LIMIT):
-        async with open_router([engine], probe={"interval_s": 0.2, "failures_to_eject": 1}
-                               ) as router:
-            assert_openai_error(await router.client.post(CHAT, json=chat("nope")), 404,
-                                "model_not_found")
+        async with open_router(
+            [engine], probe={"interval_s": 0.2, "failures_to_eject": 1}
+        ) as router:
+            assert_openai_error(
+                await router.client.post(CHAT, json=chat("nope")), 404, "model_not_found"
+            )
             engine.fail_status = 500  # its probes fail: it leaves routing
             await router.wait_routable("fake-model", 0)
-            assert_openai_error(await router.client.post(CHAT, json=chat()), 503,
-                                "no_routable_engine")
+            assert_openai_error(
+                await router.client.post(CHAT, json=chat()), 503, "no_routable_engine"
+            )
             engine.fail_status = None  # and comes back without any discovery event
             await router.wait_routable("fake-model", 1)
             assert (await router.client.post(CHAT, json=chat())).status_code == 200
@@ -378,15 +451,15 @@ async def test_body_over_the_limit_is_413() -> None:
             small = json.dumps(chat(pad="x" * 500)).encode()
             assert (await router.client.post(CHAT, content=small)).status_code == 200
             big = json.dumps(chat(pad="x" * 2000)).encode()
-            assert_openai_error(await router.client.post(CHAT, content=big), 413,
-                                "body_too_large")
+            assert_openai_error(await router.client.post(CHAT, content=big), 413, "body_too_large")
 
             async def chunked() -> AsyncIterator[bytes]:  # no Content-Length: counted
                 for _ in range(4):
                     yield b" " * 400
 
-            assert_openai_error(await router.client.post(CHAT, content=chunked()), 413,
-                                "body_too_large")
+            assert_openai_error(
+                await router.client.post(CHAT, content=chunked()), 413, "body_too_large"
+            )
     assert len(engine.requests_to(CHAT)) == 1
 
 
@@ -421,8 +494,7 @@ async def test_unknown_paths_and_methods() -> None:
             response = await router.client.get(CHAT)
             assert_openai_error(response, 405, "method_not_allowed")
             assert response.headers["allow"] == "POST"
-            assert_openai_error(await router.client.post("/engines"), 405,
-                                "method_not_allowed")
+            assert_openai_error(await router.client.post("/engines"), 405, "method_not_allowed")
 
 
 # -- failover ---------------------------------------------------------------------------------
@@ -434,12 +506,14 @@ async def test_failover_to_another_engine_before_the_first_byte() -> None:
             responses = [await router.client.post(CHAT, json=chat()) for _ in range(4)]
             assert all(r.status_code == 200 for r in responses)
             assert {r.headers["x-trio-router-engine"] for r in responses} == {
-                router.engine_urls[1].split("//")[1]}
+                router.engine_urls[1].split("//")[1]
+            }
             # Passive health: the failed engine was ejected at once, not at its next probe.
             down = router.table.get(router.engine_urls[0])
             assert down is not None and not down.routable
-            assert await router.metric("trio_router_engine_unreachable_total",
-                                       engine=down.name) == 1.0
+            assert (
+                await router.metric("trio_router_engine_unreachable_total", engine=down.name) == 1.0
+            )
     assert len(engines[1].requests_to(CHAT)) == 4
 
 
@@ -455,10 +529,12 @@ async def test_all_engines_unreachable_is_502_after_retries() -> None:
             assert response.headers["x-trio-router-engine"] in {e.name for e in unroutable}
             assert len(unroutable) == 3  # the first try and two retries, then it gave up
             # The fourth engine is tried by the next request; then none is left: 503.
-            assert_openai_error(await router.client.post(CHAT, json=chat()), 502,
-                                "engine_unreachable")
-            assert_openai_error(await router.client.post(CHAT, json=chat()), 503,
-                                "no_routable_engine")
+            assert_openai_error(
+                await router.client.post(CHAT, json=chat()), 502, "engine_unreachable"
+            )
+            assert_openai_error(
+                await router.client.post(CHAT, json=chat()), 503, "no_routable_engine"
+            )
 
 
 async def test_no_failover_after_the_first_byte() -> None:
@@ -467,8 +543,7 @@ async def test_no_failover_after_the_first_byte() -> None:
         async with open_router(engines) as router:
             received = b""
             with pytest.raises(httpx.RemoteProtocolError):
-                async with router.client.stream("POST", CHAT,
-                                                json=chat(stream=True)) as response:
+                async with router.client.stream("POST", CHAT, json=chat(stream=True)) as response:
                     assert response.status_code == 200
                     async for chunk in response.aiter_raw():
                         received += chunk
@@ -494,8 +569,15 @@ async def test_client_disconnect_mid_stream_closes_the_upstream() -> None:
             engine_entry = next(iter(router.table))
             await engine.wait_until(lambda: engine.in_flight == 0)
             assert engine_entry.in_flight == 0
-            assert await router.metric("trio_router_requests_total", model="fake-model",
-                                       engine=engine_entry.name, status="499") == 1.0
+            assert (
+                await router.metric(
+                    "trio_router_requests_total",
+                    model="fake-model",
+                    engine=engine_entry.name,
+                    status="499",
+                )
+                == 1.0
+            )
 
 
 async def test_client_disconnect_while_waiting_for_a_non_streamed_reply() -> None:
@@ -514,21 +596,28 @@ async def test_client_disconnect_while_waiting_for_a_non_streamed_reply() -> Non
 
 # -- auth -------------------------------------------------------------------------------------
 async def test_client_api_key_is_required_except_for_health_and_metrics(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setenv("ROUTER_KEY", "s3cret")
     engine = FakeEngine()
     with trio.fail_after(LIMIT):
         async with open_router([engine], server={"api_key_env": "ROUTER_KEY"}) as router:
             client = router.client
-            for headers in [{}, {"authorization": "Bearer wrong"}, {"authorization": "s3cret"},
-                            {"authorization": "Basic s3cret"}]:
+            for headers in [
+                {},
+                {"authorization": "Bearer wrong"},
+                {"authorization": "s3cret"},
+                {"authorization": "Basic s3cret"},
+            ]:
                 response = await client.post(CHAT, json=chat(), headers=headers)
                 assert_openai_error(response, 401, "invalid_api_key")
                 assert response.headers["www-authenticate"] == "Bearer"
-                assert_openai_error(await client.get("/v1/models", headers=headers), 401,
-                                    "invalid_api_key")
-                assert_openai_error(await client.get("/engines", headers=headers), 401,
-                                    "invalid_api_key")
+                assert_openai_error(
+                    await client.get("/v1/models", headers=headers), 401, "invalid_api_key"
+                )
+                assert_openai_error(
+                    await client.get("/engines", headers=headers), 401, "invalid_api_key"
+                )
             good = {"authorization": "Bearer s3cret"}
             assert (await client.post(CHAT, json=chat(), headers=good)).status_code == 200
             assert (await client.get("/v1/models", headers=good)).status_code == 200
@@ -540,17 +629,18 @@ async def test_client_api_key_is_required_except_for_health_and_metrics(
 
 
 async def test_an_error_answered_before_the_body_was_read_ends_the_connection(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """401 and a declared 413 are answered without reading the request body, so the
     connection cannot carry another request: the answer says Connection: close and the
     router closes it. An error found after reading the body keeps the connection."""
     monkeypatch.setenv("ROUTER_KEY", "s3cret")
     good = {"authorization": "Bearer s3cret"}
     with trio.fail_after(LIMIT):
-        async with open_router([FakeEngine()], server={"api_key_env": "ROUTER_KEY",
-                                                       "max_body_bytes": 1000}) as router:
-            for body, headers, status in [(chat(), {}, 401),
-                                          (chat(pad="x" * 2000), good, 413)]:
+        async with open_router(
+            [FakeEngine()], server={"api_key_env": "ROUTER_KEY", "max_body_bytes": 1000}
+        ) as router:
+            for body, headers, status in [(chat(), {}, 401), (chat(pad="x" * 2000), good, 413)]:
                 stream = await open_raw(router.url)
                 async with stream:
                     await send_request(stream, CHAT, body, headers)
@@ -569,7 +659,8 @@ async def test_an_error_answered_before_the_body_was_read_ends_the_connection(
 
 
 async def test_engine_api_key_replaces_the_clients_and_is_used_by_probes(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setenv("ENGINE_KEY", "engine-key")
     engine = FakeEngine()
     with trio.fail_after(LIMIT):
@@ -577,7 +668,8 @@ async def test_engine_api_key_replaces_the_clients_and_is_used_by_probes(
             await router.client.post(CHAT, json=chat(), headers={"authorization": "Bearer c"})
             await router.client.post(CHAT, json=chat())
     assert [r.header("authorization") for r in engine.requests_to(CHAT)] == [
-        "Bearer engine-key"] * 2
+        "Bearer engine-key"
+    ] * 2
     assert engine.requests_to("/v1/models")[0].header("authorization") == "Bearer engine-key"
 
 
@@ -607,14 +699,15 @@ async def test_engines_health_and_metrics() -> None:
     assert served["requests_per_s"] > 0
     assert health.status_code == 200 and health.json()["status"] == "ok"
     name = router.engine_urls[0].split("//")[1]
-    assert sample(text, "trio_router_requests_total", model="fake-model", engine=name,
-                  status="200") == 1.0
+    assert (
+        sample(text, "trio_router_requests_total", model="fake-model", engine=name, status="200")
+        == 1.0
+    )
     assert sample(text, "trio_router_requests_total", model="", engine="", status="404") == 1.0
     assert sample(text, "trio_router_routable_engines") == 2.0
     assert sample(text, "trio_router_in_flight_requests", engine=name) == 0.0
     assert sample(text, "trio_router_request_duration_seconds_count", model="fake-model") == 1.0
-    assert sample(text, "trio_router_time_to_first_byte_seconds_count",
-                  model="fake-model") == 1.0
+    assert sample(text, "trio_router_time_to_first_byte_seconds_count", model="fake-model") == 1.0
     assert sample(text, "trio_router_discovery_healthy") == 1.0
     assert "missing" not in text  # unknown model names never become label values
 
@@ -627,10 +720,8 @@ async def test_in_flight_is_exact_while_streaming() -> None:
             name = router.engine_urls[0].split("//")[1]
             async with trio.open_nursery() as nursery:
                 for _ in range(3):
-                    nursery.start_soon(partial(router.client.post, CHAT,
-                                               json=chat(stream=True)))
+                    nursery.start_soon(partial(router.client.post, CHAT, json=chat(stream=True)))
                 await engine.wait_until(lambda: engine.in_flight == 3)
-                assert await router.metric("trio_router_in_flight_requests",
-                                           engine=name) == 3.0
+                assert await router.metric("trio_router_in_flight_requests", engine=name) == 3.0
                 gate.set()
             assert await router.metric("trio_router_in_flight_requests", engine=name) == 0.0

@@ -68,28 +68,34 @@ def test_int_accepted_for_float_durations(tmp_path: Path) -> None:
     assert config.probe.timeout_s == 3.0 and isinstance(config.probe.timeout_s, float)
 
 
-@pytest.mark.parametrize(("text", "message"), [
-    ("[probe]\ntimout_s = 3\n", "unknown key(s) ['probe.timout_s']"),
-    ("[discovery.kubernetes]\nnamspace = 'x'\n", "['discovery.kubernetes.namspace']"),
-    ("[extra]\nx = 1\n", "unknown key(s) ['extra']"),
-    ("[probe]\ntimeout_s = 'fast'\n", "probe.timeout_s must be float, got str 'fast'"),
-    ("[proxy]\nretries = 1.5\n", "proxy.retries must be int, got float"),
-    ("[proxy]\nretries = true\n", "proxy.retries must be int, got a boolean"),
-    ("[discovery.static]\nurls = 'http://a'\n", "discovery.static.urls must be an array"),
-    ("[discovery.static]\nurls = [1]\n", "discovery.static.urls[0] must be str"),
-    ("server = 3\n", "server must be a table"),
-    ("[probe]\ntimeout_s = 0\n", "probe.timeout_s must be > 0"),
-    ("[server]\nbind = 'localhost'\n", "server.bind must be HOST:PORT"),
-    ("[routing]\npolicy = 'random'\n", "routing.policy must be one of"),
-    ("[discovery]\nmode = 'dns'\n", "discovery.mode must be one of"),
-    ("[discovery]\nmode = 'static'\n", "discovery.static.urls is empty"),
-    ("[discovery.static]\nurls = ['127.0.0.1:8000']\n", "is not an http://host:port URL"),
-    ("[discovery.static]\nurls = ['https://10.0.0.1:8000']\n", "TLS to engines is not supported"),
-    ("[discovery.static]\nurls = ['http://10.0.0.1:8000/v1']\n", "without a path"),
-    ("[discovery.static]\nurls = ['http://10.0.0.1:99999']\n", "bad port"),
-    ("[discovery.kubernetes]\nport = 0\n", "discovery.kubernetes.port must be 1..65535"),
-    ("[probe\n", "invalid TOML"),
-])
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[probe]\ntimout_s = 3\n", "unknown key(s) ['probe.timout_s']"),
+        ("[discovery.kubernetes]\nnamspace = 'x'\n", "['discovery.kubernetes.namspace']"),
+        ("[extra]\nx = 1\n", "unknown key(s) ['extra']"),
+        ("[probe]\ntimeout_s = 'fast'\n", "probe.timeout_s must be float, got str 'fast'"),
+        ("[proxy]\nretries = 1.5\n", "proxy.retries must be int, got float"),
+        ("[proxy]\nretries = true\n", "proxy.retries must be int, got a boolean"),
+        ("[discovery.static]\nurls = 'http://a'\n", "discovery.static.urls must be an array"),
+        ("[discovery.static]\nurls = [1]\n", "discovery.static.urls[0] must be str"),
+        ("server = 3\n", "server must be a table"),
+        ("[probe]\ntimeout_s = 0\n", "probe.timeout_s must be > 0"),
+        ("[server]\nbind = 'localhost'\n", "server.bind must be HOST:PORT"),
+        ("[routing]\npolicy = 'random'\n", "routing.policy must be one of"),
+        ("[discovery]\nmode = 'dns'\n", "discovery.mode must be one of"),
+        ("[discovery]\nmode = 'static'\n", "discovery.static.urls is empty"),
+        ("[discovery.static]\nurls = ['127.0.0.1:8000']\n", "is not an http://host:port URL"),
+        (
+            "[discovery.static]\nurls = ['https://10.0.0.1:8000']\n",
+            "TLS to engines is not supported",
+        ),
+        ("[discovery.static]\nurls = ['http://10.0.0.1:8000/v1']\n", "without a path"),
+        ("[discovery.static]\nurls = ['http://10.0.0.1:99999']\n", "bad port"),
+        ("[discovery.kubernetes]\nport = 0\n", "discovery.kubernetes.port must be 1..65535"),
+        ("[probe\n", "invalid TOML"),
+    ],
+)
 def test_bad_config_names_key_and_file(tmp_path: Path, text: str, message: str) -> None:
     path = write(tmp_path, text)
     with pytest.raises(ConfigError) as info:

@@ -52,22 +52,31 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     path = scope["path"]
     if path == "/client":  # what the connection seam tells the app about its client
         body = type(connection.current_client()).__name__.encode()
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-length", b"%d" % len(body))]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-length", b"%d" % len(body))],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
         return
     if path.startswith("/sleep/"):
         await trio.sleep(float(path.removeprefix("/sleep/")))
     if path == "/big":
         body = pattern(BIG)
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-length", b"%d" % len(body))]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-length", b"%d" % len(body))],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
     elif path.startswith("/paced/"):  # N messages 1 s apart, until the client leaves
         await send({"type": "http.response.start", "status": 200, "headers": []})
         for i in range(int(path.removeprefix("/paced/"))):
-            await send({"type": "http.response.body", "body": pattern(1024, i),
-                        "more_body": True})
+            await send({"type": "http.response.body", "body": pattern(1024, i), "more_body": True})
             with trio.move_on_after(1):
                 if (await receive())["type"] == "http.disconnect":
                     DISCONNECTS.append((i, trio.current_time()))
@@ -77,12 +86,12 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": []})
         count = int(path.removeprefix("/stream/"))
         for i in range(count):
-            await send({"type": "http.response.body", "body": pattern(65536, i),
-                        "more_body": True})
+            await send({"type": "http.response.body", "body": pattern(65536, i), "more_body": True})
         await send({"type": "http.response.body", "body": b""})
     else:
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-length", b"2")]})
+        await send(
+            {"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]}
+        )
         await send({"type": "http.response.body", "body": b"ok"})
 
 
@@ -119,8 +128,9 @@ async def serve() -> AsyncIterator[Served]:
     with trio.fail_after(VIRTUAL_LIMIT):
         async with trio.open_nursery() as nursery:
             asgi: Any = app
-            urls = await nursery.start(partial(connection.serve, asgi, config,
-                                               shutdown_trigger=stop.wait))
+            urls = await nursery.start(
+                partial(connection.serve, asgi, config, shutdown_trigger=stop.wait)
+            )
             served = Served(int(urls[0].rsplit(":", 1)[1]), stop)
             try:
                 yield served
@@ -162,7 +172,7 @@ async def read_response(stream: trio.SocketStream) -> tuple[bytes, bytes]:
             data = await stream.receive_some()
             assert data, "closed in the body"
             rest += data
-        body, rest = body + rest[:size], rest[size + 2:]
+        body, rest = body + rest[:size], rest[size + 2 :]
         if not size:
             assert not rest, "bytes after the response"
             return head, body
@@ -199,8 +209,9 @@ async def until(condition: Callable[[], bool]) -> None:
         await trio.sleep(0.01)
 
 
-async def idle_and_busy(served: Served, *, busy_for: float
-                        ) -> tuple[trio.SocketStream, trio.SocketStream]:
+async def idle_and_busy(
+    served: Served, *, busy_for: float
+) -> tuple[trio.SocketStream, trio.SocketStream]:
     """Two connections: one idle after an answer, one whose request is answered after
     `busy_for` seconds."""
     idle, busy = await served.connect(), await served.connect()
@@ -212,7 +223,8 @@ async def idle_and_busy(served: Served, *, busy_for: float
 
 # -- keep-alive -----------------------------------------------------------------------------
 async def test_idle_connection_is_closed_after_the_keep_alive_timeout(
-        autojump_clock: trio.testing.MockClock) -> None:
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     async with serve() as served:
         silent = await served.connect()  # never sends anything
         used = await served.connect()
@@ -225,7 +237,8 @@ async def test_idle_connection_is_closed_after_the_keep_alive_timeout(
 
 
 async def test_each_request_restarts_the_keep_alive_timer(
-        autojump_clock: trio.testing.MockClock) -> None:
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     async with serve() as served:
         stream = await served.connect()
         for _ in range(4):  # 4 requests 4 s apart: 16 s, longer than the timeout
@@ -238,7 +251,8 @@ async def test_each_request_restarts_the_keep_alive_timer(
 
 
 async def test_request_longer_than_the_keep_alive_timeout_is_not_cut(
-        autojump_clock: trio.testing.MockClock) -> None:
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     async with serve() as served:
         stream = await served.connect()
         started = trio.current_time()
@@ -251,7 +265,8 @@ async def test_request_longer_than_the_keep_alive_timeout_is_not_cut(
 
 
 async def test_shutdown_closes_idle_connections_now_and_busy_ones_after_their_answer(
-        autojump_clock: trio.testing.MockClock) -> None:
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     async with serve() as served:
         idle, busy = await idle_and_busy(served, busy_for=3)
         await trio.sleep(1)
@@ -264,7 +279,8 @@ async def test_shutdown_closes_idle_connections_now_and_busy_ones_after_their_an
 
 
 async def test_a_connection_the_client_closed_leaves_no_timer_behind(
-        autojump_clock: trio.testing.MockClock) -> None:
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     async with serve() as served:
         idle, busy = await idle_and_busy(served, busy_for=30)
         await until(lambda: timer_tasks() == 2)
@@ -288,13 +304,15 @@ async def test_large_answers_reach_a_slow_reader_whole_and_in_order() -> None:
             assert head.startswith(b"HTTP/1.1 200") and body == pattern(BIG)
             await request(stream, "/stream/256")
             assert (await read_response(stream))[1] == b"".join(
-                pattern(65536, i) for i in range(256))
+                pattern(65536, i) for i in range(256)
+            )
             await request(stream, "/")
             assert (await read_response(stream))[1] == b"ok"
 
 
 async def test_a_reader_that_vanishes_mid_answer_does_not_disturb_the_server(
-        autojump_clock: trio.testing.MockClock) -> None:
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     async with serve() as served:
         stream = await served.connect()
         await request(stream, "/big")
@@ -310,7 +328,8 @@ async def test_a_reader_that_vanishes_mid_answer_does_not_disturb_the_server(
 
 
 async def test_a_client_reset_mid_answer_reaches_the_app_as_a_disconnect(
-        autojump_clock: trio.testing.MockClock) -> None:
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     DISCONNECTS.clear()
     async with serve() as served:
         stream = await served.connect()
@@ -320,7 +339,7 @@ async def test_a_client_reset_mid_answer_reaches_the_app_as_a_disconnect(
         reset_at = trio.current_time()
         await stream.aclose()
         await until(lambda: bool(DISCONNECTS))
-        (sent, seen_at), = DISCONNECTS
+        ((sent, seen_at),) = DISCONNECTS
         assert sent == 0 and seen_at - reset_at < 0.01
         other = await served.connect()
         await request(other, "/")
@@ -345,7 +364,8 @@ async def test_writes_to_a_reset_or_closed_socket_tell_the_protocol_it_closed() 
         for how in ("reset", "closed"):
             ours, peer = socket_pair()
             conn = connection.KeepAliveConnection(
-                app, hypercorn.config.Config(), WorkerContext(None), {}, ours)
+                app, hypercorn.config.Config(), WorkerContext(None), {}, ours
+            )
             protocol = conn.protocol = RecordingProtocol()  # type: ignore[assignment]
             if how == "reset":
                 peer.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
@@ -366,17 +386,22 @@ def socket_pair() -> tuple[trio.SocketStream, trio.SocketStream]:
     with listener:
         a = socket.create_connection(listener.getsockname())
         b, _ = listener.accept()
-    return (trio.SocketStream(trio.socket.from_stdlib_socket(a)),
-            trio.SocketStream(trio.socket.from_stdlib_socket(b)))
+    return (
+        trio.SocketStream(trio.socket.from_stdlib_socket(a)),
+        trio.SocketStream(trio.socket.from_stdlib_socket(b)),
+    )
 
 
 async def test_http2_streams_share_the_connection_and_its_writes() -> None:
     """Hypercorn's HTTP/2 (prior knowledge) over the same class: concurrent streams write
     through one socket, large answers included."""
     with trio.fail_after(LIMIT):
-        async with serve() as served, httpx.AsyncClient(
-                http1=False, http2=True, base_url=f"http://127.0.0.1:{served.port}",
-                timeout=LIMIT) as client:
+        async with (
+            serve() as served,
+            httpx.AsyncClient(
+                http1=False, http2=True, base_url=f"http://127.0.0.1:{served.port}", timeout=LIMIT
+            ) as client,
+        ):
             results: dict[str, bytes] = {}
 
             async def get(path: str) -> None:
@@ -394,8 +419,9 @@ async def test_http2_streams_share_the_connection_and_its_writes() -> None:
 
 
 # -- installation ---------------------------------------------------------------------------
-async def test_installed_for_this_server_only(monkeypatch: pytest.MonkeyPatch,
-                                             caplog: pytest.LogCaptureFixture) -> None:
+async def test_installed_for_this_server_only(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """`serve` drives its own connections with the class (its requests see their client
     socket) and replaces nothing in Hypercorn, so other servers in the process keep
     Hypercorn's own class; on an unknown Hypercorn it serves with Hypercorn's and says so."""

@@ -19,8 +19,7 @@ from trio_router.table import EngineState, Model, RoutingTable
 from trio_router.upstream import UpstreamPool
 
 
-async def test_deleted_is_never_stuck_behind_probes(autojump_clock: trio.testing.MockClock
-                                                    ) -> None:
+async def test_deleted_is_never_stuck_behind_probes(autojump_clock: trio.testing.MockClock) -> None:
     """Nine engines hang in /v1/models; the tenth is deleted (and, separately, a pod is
     marked terminating): it leaves routing in the same synchronous step, at the same instant."""
     engines = FakeEngines(mode={f"127.0.1.{n}": "hang" for n in range(1, 10)})
@@ -44,8 +43,7 @@ async def test_deleted_is_never_stuck_behind_probes(autojump_clock: trio.testing
         assert core.table.routable("m") == ()
 
 
-async def test_scale_up_bursts_probe_concurrently(autojump_clock: trio.testing.MockClock
-                                                  ) -> None:
+async def test_scale_up_bursts_probe_concurrently(autojump_clock: trio.testing.MockClock) -> None:
     """50 pods become Ready within 1 s and every probe takes 2 s: all are routable about
     2 s after the last one arrived, and events are applied without waiting on probes."""
     engines = FakeEngines(mode={f"127.0.1.{n}": "slow:2" for n in range(1, 51)})
@@ -87,8 +85,7 @@ async def test_no_resurrection(autojump_clock: trio.testing.MockClock) -> None:
         assert engine.state is EngineState.PROBING
 
 
-async def test_terminating_means_gone_for_routing(autojump_clock: trio.testing.MockClock
-                                                  ) -> None:
+async def test_terminating_means_gone_for_routing(autojump_clock: trio.testing.MockClock) -> None:
     """DeletionTimestamp set -> out of routing at once, probes stop; requests already in
     flight to it are not touched by discovery."""
     async with open_core() as core:
@@ -107,14 +104,18 @@ async def test_terminating_means_gone_for_routing(autojump_clock: trio.testing.M
         assert core.engines.probes["127.0.1.1"] == probes  # no probing a terminating pod
 
 
-@pytest.mark.parametrize(("change", "reason"), [
-    ({"phase": "Failed"}, "phase Failed"),
-    ({"phase": "Succeeded"}, "phase Succeeded"),
-    ({"phase": "Unknown"}, "phase Unknown"),
-    ({"ip": ""}, "no pod IP"),
-])
-async def test_evicted_pods(autojump_clock: trio.testing.MockClock,
-                            change: dict[str, str], reason: str) -> None:
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"phase": "Failed"}, "phase Failed"),
+        ({"phase": "Succeeded"}, "phase Succeeded"),
+        ({"phase": "Unknown"}, "phase Unknown"),
+        ({"ip": ""}, "no pod IP"),
+    ],
+)
+async def test_evicted_pods(
+    autojump_clock: trio.testing.MockClock, change: dict[str, str], reason: str
+) -> None:
     """An empty podIP or phase Failed/Succeeded removes the pod even with Ready True."""
     async with open_core() as core:
         core.reconciler.apply(added(make_pod(1)))
@@ -172,8 +173,7 @@ async def test_one_probe_failure_then_recovery(autojump_clock: trio.testing.Mock
         assert trio.current_time() - recovered <= probe.backoff_max_s * 1.1 + probe.timeout_s
 
 
-async def test_single_probe_failure_does_not_eject(autojump_clock: trio.testing.MockClock
-                                                   ) -> None:
+async def test_single_probe_failure_does_not_eject(autojump_clock: trio.testing.MockClock) -> None:
     """A routable engine that fails one probe (not a refused connection) stays routable until
     `failures_to_eject` consecutive failures."""
     engines = FakeEngines()
@@ -192,16 +192,16 @@ async def test_single_probe_failure_does_not_eject(autojump_clock: trio.testing.
 
 
 @pytest.mark.parametrize("mode", ["hang", "drip"])
-async def test_hung_or_slow_drip_probes(autojump_clock: trio.testing.MockClock,
-                                        mode: str) -> None:
+async def test_hung_or_slow_drip_probes(autojump_clock: trio.testing.MockClock, mode: str) -> None:
     """A hung or slow-drip probe is abandoned at timeout_s of wall time (a deadline, not
     a per-read timeout), affects no other engine, and uses no thread."""
     threads = threading.active_count()
     engines = FakeEngines(mode={"127.0.1.1": mode})
     network = engines.network()
     async with network.open():
-        pool = UpstreamPool(connect_timeout=math.inf, read_timeout=math.inf,
-                            connect=network.connect)
+        pool = UpstreamPool(
+            connect_timeout=math.inf, read_timeout=math.inf, connect=network.connect
+        )
         start = trio.current_time()
         with pytest.raises(ProbeFailed, match="no answer within 5 s"):
             await Prober(timeout=5.0).probe(pool, "http://127.0.1.1:8000")
@@ -265,8 +265,7 @@ async def test_container_restart(autojump_clock: trio.testing.MockClock) -> None
         assert core.table.routable("lora-a") == ()
 
 
-async def test_unchanged_modified_triggers_no_probe(autojump_clock: trio.testing.MockClock
-                                                    ) -> None:
+async def test_unchanged_modified_triggers_no_probe(autojump_clock: trio.testing.MockClock) -> None:
     """A MODIFIED or a relist that changes nothing routing depends on keeps the
     engine routable and starts no probe."""
     async with open_core() as core:
@@ -289,8 +288,7 @@ async def test_relist_reconciles_by_difference(autojump_clock: trio.testing.Mock
             core.reconciler.apply(added(make_pod(n)))
         await core.wait_until("routable", "uid-1", "uid-2", "uid-3")
         replacement = make_pod(4, ip="127.0.1.3")
-        replacement = type(replacement)(uid="uid-3b", name="engine-3", ip="127.0.1.3",
-                                        ready=True)
+        replacement = type(replacement)(uid="uid-3b", name="engine-3", ip="127.0.1.3", ready=True)
         core.reconciler.replace([make_pod(1), make_pod(5), replacement])
         assert {e.uid for e in core.table.routable("m")} == {"uid-1"}
         assert core.table.get("uid-2") is None and core.table.get("uid-3") is None
@@ -315,8 +313,14 @@ def test_parse_models_rejects_bad_answers() -> None:
         parse_models(["m"])
     with pytest.raises(ProbeFailed, match="without a string id"):
         parse_models({"data": [{"id": 3}]})
-    models = parse_models({"data": [{"id": "base", "max_model_len": 4096},
-                                    {"id": "lora", "parent": "base", "root": "/a"}]})
+    models = parse_models(
+        {
+            "data": [
+                {"id": "base", "max_model_len": 4096},
+                {"id": "lora", "parent": "base", "root": "/a"},
+            ]
+        }
+    )
     assert models == [Model("base", max_model_len=4096), Model("lora", parent="base", root="/a")]
 
 
@@ -325,11 +329,14 @@ async def test_static_engines(autojump_clock: trio.testing.MockClock) -> None:
     from trio_router.reconcile import add_static_engines
 
     async with open_core() as core:
-        add_static_engines(core.table, core.supervisors,
-                           ["http://127.0.1.7:8000/", "http://127.0.1.8:8000"])
+        add_static_engines(
+            core.table, core.supervisors, ["http://127.0.1.7:8000/", "http://127.0.1.8:8000"]
+        )
         await core.wait_until("routable", "http://127.0.1.7:8000", "http://127.0.1.8:8000")
-        assert sorted(e.name for e in core.table.routable("m")) == ["127.0.1.7:8000",
-                                                                    "127.0.1.8:8000"]
+        assert sorted(e.name for e in core.table.routable("m")) == [
+            "127.0.1.7:8000",
+            "127.0.1.8:8000",
+        ]
 
 
 async def test_ipv6_and_malformed_addresses(autojump_clock: trio.testing.MockClock) -> None:
@@ -365,8 +372,7 @@ async def test_probe_settings_change_live(autojump_clock: trio.testing.MockClock
         assert trio.current_time() - start < 1.1 + 2 + 1.1 + 2 + 0.1
 
 
-async def test_each_engine_keeps_its_own_connection(autojump_clock: trio.testing.MockClock
-                                                    ) -> None:
+async def test_each_engine_keeps_its_own_connection(autojump_clock: trio.testing.MockClock) -> None:
     """Every engine's probes reuse one kept-alive connection of its own; a DELETED closes it
     (and the connection of a probe that hangs) in the same step that cancels the scope."""
     engines = FakeEngines(mode={"127.0.1.3": "hang"})
@@ -383,12 +389,14 @@ async def test_each_engine_keeps_its_own_connection(autojump_clock: trio.testing
         core.reconciler.apply(deleted(make_pod(1)))
         core.reconciler.apply(deleted(make_pod(3)))
         with trio.fail_after(0.1):  # the engines see their connections close at once
-            await core.network.wait_for(lambda: core.network.open_now == {
-                "127.0.1.1": 0, "127.0.1.2": 1, "127.0.1.3": 0})
+            await core.network.wait_for(
+                lambda: core.network.open_now == {"127.0.1.1": 0, "127.0.1.2": 1, "127.0.1.3": 0}
+            )
 
 
 async def test_healthy_engines_are_never_ejected_because_others_hang(
-        autojump_clock: trio.testing.MockClock) -> None:
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     """With far more hanging engines than probe slots (`probe.max_concurrent`), a healthy
     engine waits for a slot but its probe deadline starts only when it is sent: it becomes
     routable, and no probe of it ever fails."""

@@ -28,7 +28,9 @@ SETTLE_S = 120.0  # > the longest path to routable: capped backoff + deadline + 
 pod_numbers = st.integers(min_value=1, max_value=PODS)
 adds = st.tuples(st.just("add"), pod_numbers, st.booleans(), st.booleans())
 ops = st.one_of(
-    adds, adds, adds,
+    adds,
+    adds,
+    adds,
     st.tuples(st.just("ready"), pod_numbers, st.booleans()),
     st.tuples(st.just("new_ip"), pod_numbers),
     st.tuples(st.just("restart"), pod_numbers),
@@ -73,9 +75,13 @@ async def run_scenario(steps: list[tuple[Any, ...]]) -> None:
             if kind == "add" and not oracle.has_name(int(step[1])):
                 n, ready, has_ip = int(step[1]), bool(step[2]), bool(step[3])
                 oracle.generation += 1
-                pod = Pod(uid=f"uid-{n}-{oracle.generation}", name=f"engine-{n}",
-                          ip=oracle.fresh_ip() if has_ip else "", ready=ready,
-                          phase="Running" if has_ip else "Pending")
+                pod = Pod(
+                    uid=f"uid-{n}-{oracle.generation}",
+                    name=f"engine-{n}",
+                    ip=oracle.fresh_ip() if has_ip else "",
+                    ready=ready,
+                    phase="Running" if has_ip else "Pending",
+                )
                 oracle.pods[pod.uid] = pod
                 core.reconciler.apply(added(pod))
             elif kind == "delete" and pod is not None:
@@ -113,8 +119,11 @@ async def run_scenario(steps: list[tuple[Any, ...]]) -> None:
             check_invariants(core.table, oracle)
         await trio.sleep(SETTLE_S)
         check_invariants(core.table, oracle)
-        expected = {uid for uid, p in oracle.pods.items()
-                    if p.unroutable_reason() is None and engines.mode.get(p.ip, "ok") == "ok"}
+        expected = {
+            uid
+            for uid, p in oracle.pods.items()
+            if p.unroutable_reason() is None and engines.mode.get(p.ip, "ok") == "ok"
+        }
         assert {e.uid for e in core.table.routable_engines()} == expected
 
 

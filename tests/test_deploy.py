@@ -42,8 +42,15 @@ ROUTER_TOML_NON_DEFAULTS = {
 CLUSTER_BIND = "0.0.0.0:8080"
 EXIT_MARGIN_S = 2.0  # the router exits within server.drain_s + 2 s of SIGTERM
 EXPECTED_KINDS = {
-    "ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Deployment", "Service",
-    "PodDisruptionBudget", "HorizontalPodAutoscaler", "NetworkPolicy",
+    "ServiceAccount",
+    "Role",
+    "RoleBinding",
+    "ConfigMap",
+    "Deployment",
+    "Service",
+    "PodDisruptionBudget",
+    "HorizontalPodAutoscaler",
+    "NetworkPolicy",
 }
 KUSTOMIZATION = MANIFEST_DIR / "kustomization.yaml"
 
@@ -76,8 +83,13 @@ def rendered() -> list[dict[str, Any]]:
     when kubectl is installed, else the same transformation the base uses (the namespace on
     every object and on the RoleBinding's ServiceAccount subject, the image tag)."""
     if kubectl := shutil.which("kubectl"):
-        out = subprocess.run([kubectl, "kustomize", str(MANIFEST_DIR)], check=True,
-                             capture_output=True, text=True, timeout=60).stdout
+        out = subprocess.run(
+            [kubectl, "kustomize", str(MANIFEST_DIR)],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout
         return [d for d in yaml.safe_load_all(out) if d]
     kust = kustomization()
     docs = []
@@ -89,8 +101,9 @@ def rendered() -> list[dict[str, Any]]:
             for subject in doc.get("subjects", []):
                 if subject["kind"] == "ServiceAccount":
                     subject["namespace"] = kust["namespace"]
-            for container in (doc.get("spec", {}).get("template", {}).get("spec", {})
-                              .get("containers", [])):
+            for container in (
+                doc.get("spec", {}).get("template", {}).get("spec", {}).get("containers", [])
+            ):
                 for image in kust.get("images", []):
                     if container["image"].rsplit(":", 1)[0] == image["name"]:
                         container["image"] = f"{image['name']}:{image['newTag']}"
@@ -214,7 +227,8 @@ def exec_form(instructions: list[tuple[str, str]], keyword: str) -> list[str]:
     assert values, f"no {keyword} in the Containerfile"
     parsed = json.loads(values[-1])
     assert isinstance(parsed, list) and all(isinstance(v, str) for v in parsed), (
-        f"{keyword} must use the exec (JSON) form, got {values[-1]}")
+        f"{keyword} must use the exec (JSON) form, got {values[-1]}"
+    )
     return parsed
 
 
@@ -255,7 +269,8 @@ def test_router_toml_lists_every_key_with_its_default_and_a_comment() -> None:
     text = path.read_text(encoding="utf-8")
     raw = flatten(tomllib.loads(text))
     assert set(raw) == set(DEFAULTS), (
-        f"missing {sorted(set(DEFAULTS) - set(raw))}, extra {sorted(set(raw) - set(DEFAULTS))}")
+        f"missing {sorted(set(DEFAULTS) - set(raw))}, extra {sorted(set(raw) - set(DEFAULTS))}"
+    )
 
     effective = flatten(config_as_dict(load_config(path)))
     differing = {k for k in DEFAULTS if effective[k] != DEFAULTS[k]}
@@ -311,8 +326,7 @@ def test_rendered_objects_are_strictly_valid() -> None:
         kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
 
 
-def test_autoscaler_and_network_policy_fit_the_deployment(objs: dict[str, dict[str, Any]]
-                                                          ) -> None:
+def test_autoscaler_and_network_policy_fit_the_deployment(objs: dict[str, dict[str, Any]]) -> None:
     hpa, deployment = objs["HorizontalPodAutoscaler"], objs["Deployment"]
     assert hpa["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
     assert hpa["spec"]["minReplicas"] >= objs["PodDisruptionBudget"]["spec"]["minAvailable"] + 1
@@ -344,9 +358,12 @@ def test_configmap_is_router_toml_with_a_cluster_bind(objs: dict[str, dict[str, 
 def test_config_mount_path_agrees_everywhere(objs: dict[str, dict[str, Any]]) -> None:
     spec, container = pod_spec(objs), router_container(objs)
     volumes = {v["name"]: v for v in spec["volumes"]}
-    (mount,) = [m for m in container["volumeMounts"]
-                if volumes[m["name"]].get("configMap", {}).get("name")
-                == objs["ConfigMap"]["metadata"]["name"]]
+    (mount,) = [
+        m
+        for m in container["volumeMounts"]
+        if volumes[m["name"]].get("configMap", {}).get("name")
+        == objs["ConfigMap"]["metadata"]["name"]
+    ]
     assert "subPath" not in mount, "a subPath mount never sees ConfigMap updates"
     items = volumes[mount["name"]]["configMap"]["items"]
     assert [i["key"] for i in items] == ["router.toml"]
@@ -426,7 +443,8 @@ def test_service_account_is_bound_to_the_role(objs: dict[str, dict[str, Any]]) -
     assert pod_spec(objs)["serviceAccountName"] == account["name"]
     binding = objs["RoleBinding"]
     assert binding["roleRef"] == {
-        "apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
         "name": objs["Role"]["metadata"]["name"],
     }
     assert binding["subjects"] == [
@@ -548,15 +566,19 @@ def test_lock_file_pins_exactly_the_declared_dependencies() -> None:
     """Every dependency of pyproject.toml is pinned, with hashes, at a version its specifier
     allows; every package the lock says pyproject.toml needs is still declared."""
     pins = lock_pins()
-    declared = {canonicalize_name(Requirement(d).name): Requirement(d)
-                for d in pyproject()["project"]["dependencies"]}
+    declared = {
+        canonicalize_name(Requirement(d).name): Requirement(d)
+        for d in pyproject()["project"]["dependencies"]
+    }
     for name, requirement in declared.items():
         assert name in pins, f"{name} is a dependency but not in requirements.lock"
         version, _, _ = pins[name]
         assert requirement.specifier.contains(version, prereleases=True), (
-            f"requirements.lock pins {name}=={version}, outside {requirement.specifier}")
-    direct = {name for name, (_, _, via) in pins.items()
-              if any(v.startswith("trio-router") for v in via)}
+            f"requirements.lock pins {name}=={version}, outside {requirement.specifier}"
+        )
+    direct = {
+        name for name, (_, _, via) in pins.items() if any(v.startswith("trio-router") for v in via)
+    }
     assert direct == set(declared), f"lock and pyproject differ: {direct ^ set(declared)}"
     unhashed = [name for name, (_, hashes, _) in pins.items() if not hashes]
     assert not unhashed, f"pinned without hashes: {unhashed}"
@@ -573,8 +595,9 @@ def test_image_installs_from_the_lock_with_hashes_and_is_labelled() -> None:
     labels = " ".join(rest for kw, rest in final if kw == "LABEL")
     for key in ("title", "version", "revision", "licenses", "source"):
         assert f"org.opencontainers.image.{key}=" in labels, key
-    assert 'org.opencontainers.image.licenses="{}"'.format(pyproject()["project"]["license"]) \
-        in labels
+    assert (
+        'org.opencontainers.image.licenses="{}"'.format(pyproject()["project"]["license"]) in labels
+    )
 
 
 def test_builder_leaves_no_build_tools_in_the_venv() -> None:
@@ -600,6 +623,7 @@ def test_operations_doc_gives_every_config_key_with_its_default() -> None:
     text = OPERATIONS_DOC.read_text(encoding="utf-8")
     rows = dict(re.findall(r"^\| `([a-z0-9_.]+)` \| `([^`]*)` \|", text, flags=re.MULTILINE))
     assert set(rows) == set(DEFAULTS), (
-        f"missing {sorted(set(DEFAULTS) - set(rows))}, unknown {sorted(set(rows) - set(DEFAULTS))}")
+        f"missing {sorted(set(DEFAULTS) - set(rows))}, unknown {sorted(set(rows) - set(DEFAULTS))}"
+    )
     wrong = {k: rows[k] for k in DEFAULTS if rows[k] != toml_literal(DEFAULTS[k])}
     assert not wrong, f"README.md gives wrong defaults: {wrong}"

@@ -41,18 +41,20 @@ REFUSED = KubernetesConnectionError("Kubernetes API unreachable: connection refu
 
 
 def gone() -> KubernetesStatusError:
-    return KubernetesStatusError("watch ERROR event 410: Expired: too old resource version",
-                                 api_status=410)
+    return KubernetesStatusError(
+        "watch ERROR event 410: Expired: too old resource version", api_status=410
+    )
 
 
 @asynccontextmanager
-async def running(source: FakePodSource, sink: RecordingSink, *,
-                  config: KubernetesConfig = CONFIG, seed: int = 1
-                  ) -> AsyncIterator[DiscoveryStatus]:
+async def running(
+    source: FakePodSource, sink: RecordingSink, *, config: KubernetesConfig = CONFIG, seed: int = 1
+) -> AsyncIterator[DiscoveryStatus]:
     status = DiscoveryStatus()
     async with trio.open_nursery() as nursery:
-        await nursery.start(partial(run_kubernetes_discovery, source, sink, status, config,
-                                    rng=random.Random(seed)))
+        await nursery.start(
+            partial(run_kubernetes_discovery, source, sink, status, config, rng=random.Random(seed))
+        )
         yield status
         nursery.cancel_scope.cancel()
 
@@ -66,7 +68,7 @@ DEFAULT_TUNING = WatchTuning()
 
 def base_delay(k: int, tuning: WatchTuning = DEFAULT_TUNING) -> float:
     """The base delay d of the k-th consecutive failure (k = 0 for the first)."""
-    return min(tuning.backoff_initial_s * tuning.backoff_factor ** k, tuning.backoff_max_s)
+    return min(tuning.backoff_initial_s * tuning.backoff_factor**k, tuning.backoff_max_s)
 
 
 # -- pods --------------------------------------------------------------------------------------
@@ -81,55 +83,116 @@ def test_pod_from_dict_reads_the_readiness_fields() -> None:
     assert pod_from_dict(pod_json("e", phase="Failed")).unroutable_reason() == "phase Failed"
 
 
-@pytest.mark.parametrize("raw", [
-    {},
-    {"metadata": None, "status": None},
-    {"metadata": {"name": "e"}, "status": {"conditions": None, "containerStatuses": None}},
-    {"metadata": {"name": "e", "uid": 7}, "status": {
-        "podIP": None, "phase": 3, "conditions": ["Ready", {"type": "Ready"}],
-        "containerStatuses": [None, {"restartCount": "2"}, {"restartCount": True}]}},
-])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        {},
+        {"metadata": None, "status": None},
+        {"metadata": {"name": "e"}, "status": {"conditions": None, "containerStatuses": None}},
+        {
+            "metadata": {"name": "e", "uid": 7},
+            "status": {
+                "podIP": None,
+                "phase": 3,
+                "conditions": ["Ready", {"type": "Ready"}],
+                "containerStatuses": [None, {"restartCount": "2"}, {"restartCount": True}],
+            },
+        },
+    ],
+)
 def test_pod_from_dict_tolerates_missing_and_mistyped_fields(raw: dict[str, object]) -> None:
     pod = pod_from_dict(raw)
     assert (pod.ip, pod.phase, pod.ready, pod.terminating, pod.restart_count) == (
-        "", "Unknown", False, False, 0)
+        "",
+        "Unknown",
+        False,
+        False,
+        0,
+    )
     assert pod.unroutable_reason() is not None
     assert pod.uid == pod.name  # no UID: identified by name
 
 
 @settings(max_examples=200, deadline=None)
-@given(name=st.text(max_size=20), ip=st.sampled_from(["", "10.0.0.7", "fd00::1"]),
-       ready=st.booleans(), phase=st.sampled_from(["Running", "Pending", "Failed", "Unknown"]),
-       restarts=st.integers(0, 10**6), terminating=st.booleans(), realistic=st.booleans(),
-       kind=st.sampled_from(["ADDED", "MODIFIED", "DELETED", "BOOKMARK", "WEIRD"]),
-       rv=st.text(max_size=12))
+@given(
+    name=st.text(max_size=20),
+    ip=st.sampled_from(["", "10.0.0.7", "fd00::1"]),
+    ready=st.booleans(),
+    phase=st.sampled_from(["Running", "Pending", "Failed", "Unknown"]),
+    restarts=st.integers(0, 10**6),
+    terminating=st.booleans(),
+    realistic=st.booleans(),
+    kind=st.sampled_from(["ADDED", "MODIFIED", "DELETED", "BOOKMARK", "WEIRD"]),
+    rv=st.text(max_size=12),
+)
 def test_watch_lines_decode_to_what_the_tolerant_path_reads(
-        name: str, ip: str, ready: bool, phase: str, restarts: int, terminating: bool,
-        realistic: bool, kind: str, rv: str) -> None:
+    name: str,
+    ip: str,
+    ready: bool,
+    phase: str,
+    restarts: int,
+    terminating: bool,
+    realistic: bool,
+    kind: str,
+    rv: str,
+) -> None:
     """The fast decoder (msgspec, only the fields discovery reads) and the tolerant one
     (json.loads + pod_from_dict) agree on every well-formed event."""
-    raw = {"type": kind, "object": pod_json(
-        name, ip=ip, ready=ready, phase=phase, restarts=restarts, terminating=terminating,
-        realistic=realistic, resource_version=rv)}
+    raw = {
+        "type": kind,
+        "object": pod_json(
+            name,
+            ip=ip,
+            ready=ready,
+            phase=phase,
+            restarts=restarts,
+            terminating=terminating,
+            realistic=realistic,
+            resource_version=rv,
+        ),
+    }
     line = json.dumps(raw).encode()
     assert _decode_event(line) == watch_event_from_dict(raw)
 
 
-@pytest.mark.parametrize("raw", [
-    {"type": "MODIFIED", "object": {"metadata": {"name": "e", "uid": 7}, "status": {
-        "podIP": None, "phase": 3, "conditions": ["Ready", {"type": "Ready"}],
-        "containerStatuses": [None, {"restartCount": "2"}, {"restartCount": True}]}}},
-    {"type": "ADDED", "object": pod_json("e", restarts=2) | {"status": "odd"}},
-    {"type": 5, "object": []},
-])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        {
+            "type": "MODIFIED",
+            "object": {
+                "metadata": {"name": "e", "uid": 7},
+                "status": {
+                    "podIP": None,
+                    "phase": 3,
+                    "conditions": ["Ready", {"type": "Ready"}],
+                    "containerStatuses": [None, {"restartCount": "2"}, {"restartCount": True}],
+                },
+            },
+        },
+        {"type": "ADDED", "object": pod_json("e", restarts=2) | {"status": "odd"}},
+        {"type": 5, "object": []},
+    ],
+)
 def test_mistyped_watch_lines_take_the_tolerant_path(raw: dict[str, object]) -> None:
     assert _decode_event(json.dumps(raw).encode()) == watch_event_from_dict(raw)
 
 
 def test_watch_error_lines_and_garbage() -> None:
-    error = _decode_event(json.dumps({"type": "ERROR", "object": {
-        "kind": "Status", "status": "Failure", "code": 410, "reason": "Expired",
-        "message": "too old resource version"}}).encode())
+    error = _decode_event(
+        json.dumps(
+            {
+                "type": "ERROR",
+                "object": {
+                    "kind": "Status",
+                    "status": "Failure",
+                    "code": 410,
+                    "reason": "Expired",
+                    "message": "too old resource version",
+                },
+            }
+        ).encode()
+    )
     assert isinstance(error, ApiException) and error.status == 410
     assert "Expired: too old resource version" in str(error.reason)
     assert _decode_event(b"  ") is None and _decode_event(b"{not json") is None
@@ -138,7 +201,8 @@ def test_watch_error_lines_and_garbage() -> None:
 
 # -- the algorithm -----------------------------------------------------------------------------
 async def test_1_7_clean_end_rewatches_at_once_from_the_last_rv(
-        autojump_clock: trio.testing.MockClock) -> None:
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     source, sink = FakePodSource(), RecordingSink()
     source.emit("ADDED", pod_json("a"))
     async with running(source, sink) as status:
@@ -155,7 +219,8 @@ async def test_1_7_clean_end_rewatches_at_once_from_the_last_rv(
 
 
 async def test_1_9_expired_watch_relists_at_once_and_replaces(
-        autojump_clock: trio.testing.MockClock) -> None:
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     source, sink = FakePodSource(), RecordingSink()
     source.emit("ADDED", pod_json("a"))
     source.watch_plans.append(FakeWatch(5.0, gone()))  # serves 5 s, then 410
@@ -169,7 +234,8 @@ async def test_1_9_expired_watch_relists_at_once_and_replaces(
 
 
 async def test_1_9_expiry_right_after_a_list_backs_off_before_relisting(
-        autojump_clock: trio.testing.MockClock) -> None:
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     source, sink = FakePodSource(), RecordingSink()
     source.watch_plans.extend([FakeWatch(0, gone())] * 3)
     async with running(source, sink):
@@ -180,10 +246,17 @@ async def test_1_9_expiry_right_after_a_list_backs_off_before_relisting(
 
 
 async def test_1_10_too_large_resource_version_backs_off_then_relists(
-        autojump_clock: trio.testing.MockClock) -> None:
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     source, sink = FakePodSource(), RecordingSink()
-    source.watch_plans.append(FakeWatch(0, KubernetesStatusError(
-        "HTTP 504: Too large resource version: 90, current: 2", api_status=504)))
+    source.watch_plans.append(
+        FakeWatch(
+            0,
+            KubernetesStatusError(
+                "HTTP 504: Too large resource version: 90, current: 2", api_status=504
+            ),
+        )
+    )
     async with running(source, sink) as status:
         await source.wait_for(lambda: len(source.list_calls) == 2)
     assert 0.8 <= source.list_calls[1] - source.list_calls[0] <= 1.6
@@ -191,12 +264,16 @@ async def test_1_10_too_large_resource_version_backs_off_then_relists(
 
 
 async def test_other_status_errors_resume_from_the_rv_without_a_list(
-        autojump_clock: trio.testing.MockClock) -> None:
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     source, sink = FakePodSource(), RecordingSink()
-    source.watch_plans.extend([
-        FakeWatch(0, KubernetesStatusError("HTTP 503: busy", api_status=503)),
-        FakeWatch(0, KubernetesStatusError("HTTP 504: Timeout", api_status=504)),
-        FakeWatch(0, REFUSED)])
+    source.watch_plans.extend(
+        [
+            FakeWatch(0, KubernetesStatusError("HTTP 503: busy", api_status=503)),
+            FakeWatch(0, KubernetesStatusError("HTTP 504: Timeout", api_status=504)),
+            FakeWatch(0, REFUSED),
+        ]
+    )
     async with running(source, sink):
         await source.wait_for(lambda: len(source.watch_calls) == 4)
     assert len(source.list_calls) == 1
@@ -204,7 +281,8 @@ async def test_other_status_errors_resume_from_the_rv_without_a_list(
 
 
 async def test_1_12_error_loops_back_off_with_jitter_capped_and_reset(
-        autojump_clock: trio.testing.MockClock) -> None:
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     source, sink = FakePodSource(), RecordingSink()
     source.watch_plans.extend([FakeWatch(0, REFUSED)] * 12)  # 12 failures in a row
     source.watch_plans.append(FakeWatch(130.0))  # then 130 s of healthy watch
@@ -226,7 +304,8 @@ async def test_1_12_error_loops_back_off_with_jitter_capped_and_reset(
 
 
 async def test_a_successful_watch_start_resets_the_backoff(
-        autojump_clock: trio.testing.MockClock) -> None:
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     """Failures after a watch that started are first failures again, even within 2 min."""
     source, sink = FakePodSource(), RecordingSink()
     source.watch_plans.extend([FakeWatch(0, REFUSED)] * 6)
@@ -244,8 +323,7 @@ def last_restarts_are(sink: RecordingSink, restarts: int) -> bool:
     return bool(sink.applied) and sink.applied[-1].pod.restart_count == restarts
 
 
-async def test_watch_resets_do_not_grow_the_delay(autojump_clock: trio.testing.MockClock
-                                                  ) -> None:
+async def test_watch_resets_do_not_grow_the_delay(autojump_clock: trio.testing.MockClock) -> None:
     """A stream that delivered events and then was reset resumes at once from the last
     resourceVersion, however often it happens; the health stays good."""
     source, sink = FakePodSource(), RecordingSink()
@@ -269,7 +347,8 @@ async def test_watch_resets_do_not_grow_the_delay(autojump_clock: trio.testing.M
 
 
 async def test_streams_that_die_at_once_are_not_a_hot_loop(
-        autojump_clock: trio.testing.MockClock) -> None:
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     """A stream that starts, delivers, and dies at once, over and over: resumed no more than
     once per `resume_spacing_s`."""
     source, sink = FakePodSource(), RecordingSink()
@@ -282,8 +361,7 @@ async def test_streams_that_die_at_once_are_not_a_hot_loop(
     assert len(source.watch_calls) <= 100 * 1.0 / DEFAULT_TUNING.resume_spacing_s + 2
 
 
-async def test_1_12_a_long_outage_is_not_a_hot_loop(
-        autojump_clock: trio.testing.MockClock) -> None:
+async def test_1_12_a_long_outage_is_not_a_hot_loop(autojump_clock: trio.testing.MockClock) -> None:
     source, sink = FakePodSource(), RecordingSink()
     source.watch_plans.extend([FakeWatch(0, REFUSED)] * 1000)
     async with running(source, sink):
@@ -303,14 +381,18 @@ def test_1_12_backoff_delays_stay_within_their_bounds() -> None:
         assert tuning.backoff_initial_s <= backoff.next_delay(now) <= 2 * tuning.backoff_initial_s
 
 
-async def test_retry_after_is_honoured_up_to_a_cap(
-        autojump_clock: trio.testing.MockClock) -> None:
+async def test_retry_after_is_honoured_up_to_a_cap(autojump_clock: trio.testing.MockClock) -> None:
     source, sink = FakePodSource(), RecordingSink()
-    source.watch_plans.extend([
-        FakeWatch(0, KubernetesStatusError("HTTP 429: slow down", api_status=429,
-                                           retry_after=7.0)),
-        FakeWatch(0, KubernetesStatusError("HTTP 429: slow down", api_status=429,
-                                           retry_after=3600.0))])
+    source.watch_plans.extend(
+        [
+            FakeWatch(
+                0, KubernetesStatusError("HTTP 429: slow down", api_status=429, retry_after=7.0)
+            ),
+            FakeWatch(
+                0, KubernetesStatusError("HTTP 429: slow down", api_status=429, retry_after=3600.0)
+            ),
+        ]
+    )
     async with running(source, sink):
         await source.wait_for(lambda: len(source.watch_calls) == 3)
     times = watch_times(source)
@@ -319,7 +401,8 @@ async def test_retry_after_is_honoured_up_to_a_cap(
 
 
 async def test_1_13_first_list_failing_keeps_retrying(
-        autojump_clock: trio.testing.MockClock) -> None:
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     source, sink = FakePodSource(), RecordingSink()
     source.emit("ADDED", pod_json("a"))
     source.list_failures.extend([REFUSED] * 4)
@@ -339,7 +422,8 @@ async def test_1_13_first_list_failing_keeps_retrying(
 
 
 async def test_1_15_bookmarks_advance_the_rv_and_touch_nothing(
-        autojump_clock: trio.testing.MockClock) -> None:
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     source, sink = FakePodSource(), RecordingSink()
     source.emit("ADDED", pod_json("a"))
     source.watch_plans.append(FakeWatch(10.0))
@@ -352,7 +436,8 @@ async def test_1_15_bookmarks_advance_the_rv_and_touch_nothing(
 
 
 async def test_safety_net_relist_every_interval_with_jitter(
-        autojump_clock: trio.testing.MockClock) -> None:
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     source, sink = FakePodSource(), RecordingSink()
     config = KubernetesConfig(relist_interval_s=600.0)
     async with running(source, sink, config=config) as status:
@@ -364,7 +449,8 @@ async def test_safety_net_relist_every_interval_with_jitter(
 
 
 async def test_1_23_health_turns_503_when_the_watch_is_stale(
-        autojump_clock: trio.testing.MockClock) -> None:
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     source, sink = FakePodSource(), RecordingSink()
     source.watch_plans.append(FakeWatch(math.inf))  # connected, then never a byte
     async with running(source, sink) as status:
@@ -384,7 +470,8 @@ async def test_1_23_health_turns_503_when_the_watch_is_stale(
 
 
 async def test_1_23_health_turns_503_after_consecutive_errors(
-        autojump_clock: trio.testing.MockClock) -> None:
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     source, sink = FakePodSource(), RecordingSink()
     source.watch_plans.extend([FakeWatch(0, REFUSED)] * FAILING_AFTER_ERRORS)
     async with running(source, sink) as status:
@@ -394,17 +481,20 @@ async def test_1_23_health_turns_503_after_consecutive_errors(
         await source.wait_for(lambda: len(source.watch_calls) == FAILING_AFTER_ERRORS)
         ok, reason = status.health(trio.current_time())
         assert not ok and reason.startswith(
-            f"Kubernetes watch failing: {FAILING_AFTER_ERRORS} consecutive errors")
+            f"Kubernetes watch failing: {FAILING_AFTER_ERRORS} consecutive errors"
+        )
         source.emit("ADDED", pod_json("a"))  # the next event clears the error streak
         await sink.wait_for(lambda: len(sink.applied) == 1)
         assert status.health(trio.current_time()) == (True, "ok")
 
 
 async def test_401_marks_health_degraded_until_the_api_accepts_us(
-        autojump_clock: trio.testing.MockClock) -> None:
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     source, sink = FakePodSource(), RecordingSink()
-    source.watch_plans.extend([FakeWatch(0, KubernetesStatusError(
-        "HTTP 401: Unauthorized", api_status=401))] * 2)
+    source.watch_plans.extend(
+        [FakeWatch(0, KubernetesStatusError("HTTP 401: Unauthorized", api_status=401))] * 2
+    )
     async with running(source, sink) as status:
         await source.wait_for(lambda: len(source.watch_calls) == 2)
         ok, reason = status.health(trio.current_time())
@@ -415,7 +505,8 @@ async def test_401_marks_health_degraded_until_the_api_accepts_us(
 
 
 async def test_short_watch_with_no_event_counts_as_an_error(
-        autojump_clock: trio.testing.MockClock) -> None:
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     source, sink = FakePodSource(), RecordingSink()
     source.watch_plans.append(FakeWatch(0.2))  # ends cleanly after 0.2 s, nothing sent
     async with running(source, sink) as status:
@@ -424,8 +515,7 @@ async def test_short_watch_with_no_event_counts_as_an_error(
     assert 0.2 + 0.8 <= source.watch_calls[1][0] - source.watch_calls[0][0] <= 0.2 + 1.6
 
 
-async def test_events_are_applied_in_order_as_pods(
-        autojump_clock: trio.testing.MockClock) -> None:
+async def test_events_are_applied_in_order_as_pods(autojump_clock: trio.testing.MockClock) -> None:
     source, sink = FakePodSource(), RecordingSink()
     async with running(source, sink) as status:
         source.emit("ADDED", pod_json("a", ready=False))
@@ -433,8 +523,10 @@ async def test_events_are_applied_in_order_as_pods(
         source.emit("DELETED", pod_json("a", ip="10.0.0.9"))
         await sink.wait_for(lambda: len(sink.applied) == 3)
         assert [(e.type, e.pod.ready, e.pod.ip) for e in sink.applied] == [
-            (EventType.ADDED, False, "10.0.0.1"), (EventType.MODIFIED, True, "10.0.0.9"),
-            (EventType.DELETED, True, "10.0.0.9")]
+            (EventType.ADDED, False, "10.0.0.1"),
+            (EventType.MODIFIED, True, "10.0.0.9"),
+            (EventType.DELETED, True, "10.0.0.9"),
+        ]
         assert status.events_applied == 3 and status.resource_version == "4"
 
 
@@ -448,9 +540,18 @@ def test_status_snapshot_for_metrics() -> None:
     assert snapshot["synced"] == 1 and snapshot["healthy"] == 1
     assert snapshot["last_list_age_seconds"] == 6.0 and snapshot["resource_version"] == "17"
     assert {k for k, v in snapshot.items() if isinstance(v, int | float)} >= {
-        "synced", "healthy", "auth_failing", "last_progress_age_seconds",
-        "last_list_age_seconds", "consecutive_errors", "errors_total", "reconnects_total",
-        "relists_total", "events_total", "bookmarks_total"}
+        "synced",
+        "healthy",
+        "auth_failing",
+        "last_progress_age_seconds",
+        "last_list_age_seconds",
+        "consecutive_errors",
+        "errors_total",
+        "reconnects_total",
+        "relists_total",
+        "events_total",
+        "bookmarks_total",
+    }
 
 
 def test_static_status_is_synced_and_always_healthy() -> None:
@@ -462,7 +563,8 @@ def test_static_status_is_synced_and_always_healthy() -> None:
 
 # -- readiness --------------------------------------------------------------------------------
 async def test_readiness_is_whether_the_router_can_route(
-        autojump_clock: trio.testing.MockClock) -> None:
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     """Not ready before the first LIST, nor while the engines it found await their first
     probe; then ready, and only "degraded" while the watch is stale, failing or rejected,
     unless strict."""
@@ -474,8 +576,11 @@ async def test_readiness_is_whether_the_router_can_route(
     assert "connection refused" in lenient.check(now)[2]
     table.put(Engine(uid="u1", name="e1", url="http://10.0.0.1:8000"))  # probing
     status.record_list(now, "5")
-    assert lenient.check(now) == (False, "unavailable",
-                                  "waiting for the first probe of 1 engine(s)")
+    assert lenient.check(now) == (
+        False,
+        "unavailable",
+        "waiting for the first probe of 1 engine(s)",
+    )
     table.mark_failed("u1", 0, "no answer", eject=True)  # its first probe failed: known
     assert lenient.check(now) == (True, "ok", "ok") == strict.check(now)
     table.put(Engine(uid="u2", name="e2", url="http://10.0.0.2:8000"))  # a later one

@@ -32,18 +32,24 @@ LIMIT_S = 10  # every test ends well within this many real seconds
 
 
 def k8s_config(kubeconfig: Path, *, read_timeout_s: float = 5.0) -> KubernetesConfig:
-    return KubernetesConfig(kubeconfig=str(kubeconfig), read_timeout_s=read_timeout_s,
-                            relist_interval_s=3600.0, stale_after_s=60.0)
+    return KubernetesConfig(
+        kubeconfig=str(kubeconfig),
+        read_timeout_s=read_timeout_s,
+        relist_interval_s=3600.0,
+        stale_after_s=60.0,
+    )
 
 
 @asynccontextmanager
-async def running(config: KubernetesConfig, sink: PodSink, *, tuning: WatchTuning = FAST
-                  ) -> AsyncIterator[tuple[KubernetesPodSource, DiscoveryStatus]]:
+async def running(
+    config: KubernetesConfig, sink: PodSink, *, tuning: WatchTuning = FAST
+) -> AsyncIterator[tuple[KubernetesPodSource, DiscoveryStatus]]:
     """Discovery started as the server starts it; cancelled when the block is left."""
     source, status = KubernetesPodSource(config), DiscoveryStatus()
     async with trio.open_nursery() as nursery:
-        await nursery.start(partial(run_kubernetes_discovery, source, sink, status, config,
-                                    tuning=tuning))
+        await nursery.start(
+            partial(run_kubernetes_discovery, source, sink, status, config, tuning=tuning)
+        )
         yield source, status
         nursery.cancel_scope.cancel()
 
@@ -57,13 +63,16 @@ def add_engines(apiserver: FakeApiServer, *numbers: int) -> None:
         apiserver.add_pod(f"engine-{n}", uid=f"uid-{n}", ip=f"127.0.1.{n}")
 
 
-async def test_1_7_routine_watch_expiry_is_silent(apiserver: FakeApiServer,
-                                                  kubeconfig: Path) -> None:
+async def test_1_7_routine_watch_expiry_is_silent(
+    apiserver: FakeApiServer, kubeconfig: Path
+) -> None:
     add_engines(apiserver, 1, 2)
     apiserver.max_watch_s = 0.2  # the server ends every watch after 0.2 s, with a bookmark
     with trio.fail_after(LIMIT_S):
-        async with open_core() as core, running(k8s_config(kubeconfig),
-                                                core.reconciler) as (_, status):
+        async with (
+            open_core() as core,
+            running(k8s_config(kubeconfig), core.reconciler) as (_, status),
+        ):
             await core.wait_until("routable", "uid-1", "uid-2")
             version, probes = core.table.version, sum(core.engines.probes.values())
             await apiserver.wait_for(lambda: len(apiserver.requests.watches) >= 5)
@@ -96,7 +105,8 @@ async def test_1_8_a_reset_loses_nothing(apiserver: FakeApiServer, kubeconfig: P
 
 @pytest.mark.parametrize("as_event", [True, False], ids=["error-event", "http-status"])
 async def test_1_9_gone_relists_and_reconciles_by_difference(
-        apiserver: FakeApiServer, kubeconfig: Path, as_event: bool) -> None:
+    apiserver: FakeApiServer, kubeconfig: Path, as_event: bool
+) -> None:
     add_engines(apiserver, 1, 2, 3)
     with trio.fail_after(LIMIT_S):
         async with open_core() as core, running(k8s_config(kubeconfig), core.reconciler):
@@ -126,14 +136,16 @@ async def test_1_9_gone_relists_and_reconciles_by_difference(
 
 
 async def test_1_10_too_large_resource_version_backs_off_then_relists(
-        apiserver: FakeApiServer, kubeconfig: Path) -> None:
+    apiserver: FakeApiServer, kubeconfig: Path
+) -> None:
     add_engines(apiserver, 1)
     sink = RecordingSink()
     with trio.fail_after(LIMIT_S):
         async with running(k8s_config(kubeconfig), sink) as (_, status):
             await apiserver.wait_for(lambda: apiserver.open_watches == 1)
-            apiserver.watch_plans.append(WatchPlan(
-                "status", 504, "Timeout", "Too large resource version: 900, current: 101"))
+            apiserver.watch_plans.append(
+                WatchPlan("status", 504, "Timeout", "Too large resource version: 900, current: 101")
+            )
             apiserver.reset_watches()
             await sink.wait_for(lambda: len(sink.replaced) == 2)
             refused = apiserver.requests.watches[1]
@@ -145,7 +157,8 @@ async def test_1_10_too_large_resource_version_backs_off_then_relists(
 
 
 async def test_1_11_silent_stream_is_detected_by_read_timeout(
-        apiserver: FakeApiServer, kubeconfig: Path) -> None:
+    apiserver: FakeApiServer, kubeconfig: Path
+) -> None:
     add_engines(apiserver, 1)
     apiserver.watch_plans.append(WatchPlan("stall"))  # 200, then not one byte
     sink = RecordingSink()
@@ -161,8 +174,9 @@ async def test_1_11_silent_stream_is_detected_by_read_timeout(
             assert status.errors == 0  # a quiet stream is not an error
 
 
-async def test_1_13_api_server_down_at_start(tmp_path: Path,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_1_13_api_server_down_at_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     with trio.socket.socket() as sock:  # a free port with nothing listening
         await sock.bind(("127.0.0.1", 0))
@@ -174,8 +188,10 @@ async def test_1_13_api_server_down_at_start(tmp_path: Path,
     server.list_plans.extend([WatchPlan("status", 503, "ServiceUnavailable", "starting")] * 2)
     sink = RecordingSink()
     with trio.fail_after(LIMIT_S):
-        async with trio.open_nursery() as nursery, running(k8s_config(kubeconfig),
-                                                           sink) as (_, status):
+        async with (
+            trio.open_nursery() as nursery,
+            running(k8s_config(kubeconfig), sink) as (_, status),
+        ):
             ok, reason = status.health(trio.current_time())  # started after one failed LIST
             assert not ok and "not listed yet" in reason and "refused" in reason
             assert not status.synced and sink.calls == []
@@ -188,7 +204,8 @@ async def test_1_13_api_server_down_at_start(tmp_path: Path,
 
 
 async def test_1_15_bookmarks_advance_the_resource_version_only(
-        apiserver: FakeApiServer, kubeconfig: Path) -> None:
+    apiserver: FakeApiServer, kubeconfig: Path
+) -> None:
     add_engines(apiserver, 1)
     apiserver.bookmark_interval_s = 0.05
     sink = RecordingSink()
@@ -197,8 +214,9 @@ async def test_1_15_bookmarks_advance_the_resource_version_only(
             apiserver.add_pod("unseen", silent=True)  # moves the RV; watches never see it
             target = str(apiserver.resource_version)
             # Re-checked at every bookmark the server sends.
-            await apiserver.wait_for(lambda: status.bookmarks >= 3
-                                     and status.resource_version == target)
+            await apiserver.wait_for(
+                lambda: status.bookmarks >= 3 and status.resource_version == target
+            )
             assert apiserver.events_sent == 0
             assert len(sink.calls) == 1  # the first LIST only: bookmarks touch nothing
             apiserver.reset_watches()
@@ -221,7 +239,8 @@ class Connected:
 
 
 async def test_1_20_shutdown_while_the_watch_thread_is_blocked_in_a_read(
-        apiserver: FakeApiServer, kubeconfig: Path) -> None:
+    apiserver: FakeApiServer, kubeconfig: Path
+) -> None:
     apiserver.watch_plans.append(WatchPlan("stall"))  # 200, then silence
     source = KubernetesPodSource(k8s_config(kubeconfig, read_timeout_s=30.0))
     observer = Connected()
@@ -240,8 +259,9 @@ async def test_1_20_shutdown_while_the_watch_thread_is_blocked_in_a_read(
         assert not observer.event_seen.is_set()
 
 
-async def test_1_20_shutdown_of_discovery_leaves_no_thread(apiserver: FakeApiServer,
-                                                           kubeconfig: Path) -> None:
+async def test_1_20_shutdown_of_discovery_leaves_no_thread(
+    apiserver: FakeApiServer, kubeconfig: Path
+) -> None:
     add_engines(apiserver, 1)
     apiserver.watch_plans.append(WatchPlan("stall"))
     config = k8s_config(kubeconfig, read_timeout_s=30.0)
@@ -255,8 +275,9 @@ async def test_1_20_shutdown_of_discovery_leaves_no_thread(apiserver: FakeApiSer
         assert watch_threads() == []
 
 
-async def test_1_21_the_watch_has_its_own_thread_limiter(apiserver: FakeApiServer,
-                                                         kubeconfig: Path) -> None:
+async def test_1_21_the_watch_has_its_own_thread_limiter(
+    apiserver: FakeApiServer, kubeconfig: Path
+) -> None:
     default = trio.to_thread.current_default_thread_limiter()
     default.total_tokens = 1
     add_engines(apiserver, 1)
@@ -270,8 +291,11 @@ async def test_1_21_the_watch_has_its_own_thread_limiter(apiserver: FakeApiServe
 
 
 async def test_1_21_teardown_while_events_flow_is_quiet(
-        apiserver: FakeApiServer, kubeconfig: Path, caplog: pytest.LogCaptureFixture,
-        capfd: pytest.CaptureFixture[str]) -> None:
+    apiserver: FakeApiServer,
+    kubeconfig: Path,
+    caplog: pytest.LogCaptureFixture,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
     add_engines(apiserver, 1)
     caplog.set_level(logging.WARNING, logger="trio_router")
     for _ in range(3):
@@ -305,8 +329,13 @@ def test_1_21_thread_to_trio_after_the_run_finished_is_quiet() -> None:
     observer = _Observer()
 
     async def open_stream() -> _WatchStream:
-        return _WatchStream(KubernetesPodSource(KubernetesConfig()), "1", 60, observer,
-                            trio.lowlevel.current_trio_token())
+        return _WatchStream(
+            KubernetesPodSource(KubernetesConfig()),
+            "1",
+            60,
+            observer,
+            trio.lowlevel.current_trio_token(),
+        )
 
     stream = trio.run(open_stream)
     assert stream._deliver([WatchEvent("BOOKMARK")]) is False  # RunFinishedError: quiet
@@ -315,8 +344,13 @@ def test_1_21_thread_to_trio_after_the_run_finished_is_quiet() -> None:
 
 async def test_1_21_nothing_is_applied_after_the_stream_stopped() -> None:
     observer = _Observer()
-    stream = _WatchStream(KubernetesPodSource(KubernetesConfig()), "1", 60, observer,
-                          trio.lowlevel.current_trio_token())
+    stream = _WatchStream(
+        KubernetesPodSource(KubernetesConfig()),
+        "1",
+        60,
+        observer,
+        trio.lowlevel.current_trio_token(),
+    )
     assert await trio.to_thread.run_sync(stream._deliver, [WatchEvent("BOOKMARK")]) is True
     stream.stop()
     assert await trio.to_thread.run_sync(stream._deliver, [WatchEvent("ADDED")]) is False
@@ -324,7 +358,8 @@ async def test_1_21_nothing_is_applied_after_the_stream_stopped() -> None:
 
 
 async def test_401_marks_health_degraded_and_rereads_the_token(
-        apiserver: FakeApiServer, kubeconfig: Path) -> None:
+    apiserver: FakeApiServer, kubeconfig: Path
+) -> None:
     add_engines(apiserver, 1)
     apiserver.token = "rotated"  # the kubeconfig still holds the old token
     sink = RecordingSink()
@@ -337,14 +372,19 @@ async def test_401_marks_health_degraded_and_rereads_the_token(
             assert status.health(trio.current_time()) == (True, "ok")
 
 
-@pytest.mark.parametrize("plan", [
-    WatchPlan("status", 503, "ServiceUnavailable", "overloaded"),
-    WatchPlan("status", 429, "TooManyRequests", "slow down", headers=(("Retry-After", "0"),)),
-    WatchPlan("error_event", 500, "InternalError", "etcd hiccup"),
-    WatchPlan("reset", after_events=0),
-], ids=["503", "429", "error-event-500", "reset"])
+@pytest.mark.parametrize(
+    "plan",
+    [
+        WatchPlan("status", 503, "ServiceUnavailable", "overloaded"),
+        WatchPlan("status", 429, "TooManyRequests", "slow down", headers=(("Retry-After", "0"),)),
+        WatchPlan("error_event", 500, "InternalError", "etcd hiccup"),
+        WatchPlan("reset", after_events=0),
+    ],
+    ids=["503", "429", "error-event-500", "reset"],
+)
 async def test_watch_errors_back_off_and_resume_from_the_resource_version(
-        apiserver: FakeApiServer, kubeconfig: Path, plan: WatchPlan) -> None:
+    apiserver: FakeApiServer, kubeconfig: Path, plan: WatchPlan
+) -> None:
     add_engines(apiserver, 1)
     apiserver.watch_plans.append(plan)
     sink = RecordingSink()
@@ -358,8 +398,7 @@ async def test_watch_errors_back_off_and_resume_from_the_resource_version(
             assert len(apiserver.requests.lists) == 1 and status.errors == 1
 
 
-async def test_list_answer_is_read_as_raw_json(apiserver: FakeApiServer,
-                                               kubeconfig: Path) -> None:
+async def test_list_answer_is_read_as_raw_json(apiserver: FakeApiServer, kubeconfig: Path) -> None:
     apiserver.add_pod("a", uid="u-a", ip="10.1.2.3", restarts=2)
     apiserver.add_pod("b", uid="u-b", ready=False, ip="")
     apiserver.add_pod("c", uid="u-c", terminating=True)
@@ -373,9 +412,9 @@ async def test_list_answer_is_read_as_raw_json(apiserver: FakeApiServer,
     assert pods["u-c"].terminating
 
 
-
-async def test_a_burst_is_applied_complete_and_in_order(apiserver: FakeApiServer,
-                                                         kubeconfig: Path) -> None:
+async def test_a_burst_is_applied_complete_and_in_order(
+    apiserver: FakeApiServer, kubeconfig: Path
+) -> None:
     """Events that arrive together cross to Trio together (one chunk per event on the wire);
     none is lost or reordered, a DELETED at the end of a burst is applied, and a lone event
     after the burst is not held back waiting for more."""
@@ -391,8 +430,11 @@ async def test_a_burst_is_applied_complete_and_in_order(apiserver: FakeApiServer
                 expected.append((name, i))
             apiserver.delete_pod("engine-7")
             await sink.wait_for(lambda: "engine-7" not in sink.names())
-            assert [(e.pod.name, e.pod.restart_count) for e in sink.applied
-                    if e.type is EventType.MODIFIED] == expected
+            assert [
+                (e.pod.name, e.pod.restart_count)
+                for e in sink.applied
+                if e.type is EventType.MODIFIED
+            ] == expected
             assert sink.names() == {f"engine-{n}" for n in range(1, 21)} - {"engine-7"}
             apiserver.modify_pod("engine-1", restarts=99_999)  # alone on a drained stream
             await sink.wait_for(lambda: sink.pods["uid-1"].restart_count == 99_999)
@@ -404,7 +446,8 @@ def restarts_are(sink: RecordingSink, restarts: int) -> bool:
 
 
 async def test_watch_resets_every_second_lose_no_change_and_add_no_delay(
-        apiserver: FakeApiServer, kubeconfig: Path) -> None:
+    apiserver: FakeApiServer, kubeconfig: Path
+) -> None:
     """The watch is ended cleanly, then reset (TCP RST), in turn, about every second, while
     pods keep changing: every change reaches the sink within 2 s, the streams are resumed from
     the last resourceVersion with no LIST, and no error is counted."""
@@ -430,7 +473,8 @@ async def test_watch_resets_every_second_lose_no_change_and_add_no_delay(
 
 
 async def test_a_frozen_watch_is_replaced_after_the_read_timeout(
-        apiserver: FakeApiServer, kubeconfig: Path) -> None:
+    apiserver: FakeApiServer, kubeconfig: Path
+) -> None:
     """A watch whose connection stays open and silent (a half-open TCP connection, a stuck
     proxy) is resumed from the last resourceVersion after `read_timeout_s`, with no LIST; a
     change made meanwhile then arrives."""
@@ -438,13 +482,15 @@ async def test_a_frozen_watch_is_replaced_after_the_read_timeout(
     apiserver.watch_plans.append(WatchPlan("stall"))
     sink = RecordingSink()
     with trio.fail_after(LIMIT_S):
-        async with running(k8s_config(kubeconfig, read_timeout_s=1.0), sink,
-                           tuning=WatchTuning()) as (_, status):
+        async with running(
+            k8s_config(kubeconfig, read_timeout_s=1.0), sink, tuning=WatchTuning()
+        ) as (_, status):
             await apiserver.wait_for(lambda: apiserver.open_watches == 1)
             frozen = trio.current_time()
             apiserver.modify_pod("engine-1", restarts=7)
-            await sink.wait_for(lambda: "uid-1" in sink.pods
-                                and sink.pods["uid-1"].restart_count == 7)
+            await sink.wait_for(
+                lambda: "uid-1" in sink.pods and sink.pods["uid-1"].restart_count == 7
+            )
             assert 1.0 <= trio.current_time() - frozen < 1.0 + 1.2
             assert len(apiserver.requests.lists) == 1 and status.interruptions == 1
             assert status.errors == 0

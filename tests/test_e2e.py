@@ -42,20 +42,19 @@ from trio_router.testing import FakeEngine, serve_fake_engine
 def use_sdk(url: str) -> dict[str, Any]:
     """What a typical script does with the synchronous SDK (run in a worker thread)."""
     out: dict[str, Any] = {}
-    with openai.OpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0,
-                       timeout=LIMIT) as client:
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0, timeout=LIMIT) as client:
         out["models"] = sorted(m.id for m in client.models.list())
         messages: Any = [{"role": "user", "content": "hi"}]
         chat_reply = client.chat.completions.create(model="base", messages=messages)
         out["chat"] = chat_reply.choices[0].message.content
-        stream = client.chat.completions.create(model="lora-a", messages=messages, stream=True,
-                                                stream_options={"include_usage": True})
+        stream = client.chat.completions.create(
+            model="lora-a", messages=messages, stream=True, stream_options={"include_usage": True}
+        )
         chunks = list(stream)
         out["streamed"] = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         out["usage"] = chunks[-1].usage.completion_tokens if chunks[-1].usage else None
         out["completion"] = client.completions.create(model="other", prompt="x").choices[0].text
-        out["embedding"] = len(client.embeddings.create(model="base", input="x").data[0]
-                               .embedding)
+        out["embedding"] = len(client.embeddings.create(model="base", input="x").data[0].embedding)
         out["response"] = client.responses.create(model="base", input="hi").output_text
         try:
             client.chat.completions.create(model="missing", messages=messages)
@@ -65,8 +64,10 @@ def use_sdk(url: str) -> dict[str, Any]:
 
 
 async def test_openai_sdk_through_the_router() -> None:
-    engines = [FakeEngine(name="a", models=["base"], adapters={"lora-a": "base"}, tokens=3),
-               FakeEngine(name="b", models=["base", "other"], tokens=3)]
+    engines = [
+        FakeEngine(name="a", models=["base"], adapters={"lora-a": "base"}, tokens=3),
+        FakeEngine(name="b", models=["base", "other"], tokens=3),
+    ]
     with trio.fail_after(LIMIT):
         async with open_router(engines, wait_models=["base", "other", "lora-a"]) as router:
             out = await trio.to_thread.run_sync(use_sdk, router.url)
@@ -76,18 +77,21 @@ async def test_openai_sdk_through_the_router() -> None:
     assert out["embedding"] == 8
     assert out["response"] == "Hello from a"
     assert out["missing"] == (404, "model_not_found")
-    assert [r.json()["model"] for r in engines[0].requests_to(CHAT) if r.json().get("stream")
-            ] == ["lora-a"]  # only engine a serves the adapter
+    assert [r.json()["model"] for r in engines[0].requests_to(CHAT) if r.json().get("stream")] == [
+        "lora-a"
+    ]  # only engine a serves the adapter
 
 
 # -- Kubernetes discovery into the router -----------------------------------------------------
 def discovery_threads() -> list[str]:
-    return [t.name for t in threading.enumerate()
-            if t.name in (WATCH_THREAD_NAME, LIST_THREAD_NAME)]
+    return [
+        t.name for t in threading.enumerate() if t.name in (WATCH_THREAD_NAME, LIST_THREAD_NAME)
+    ]
 
 
 async def test_kubernetes_discovery_routes_to_pods_and_stops_at_deletion(
-        apiserver: FakeApiServer, kubeconfig: Path) -> None:
+    apiserver: FakeApiServer, kubeconfig: Path
+) -> None:
     # Two engine "pods" on 127.0.1.1 and 127.0.1.2, same port, as pods of a Deployment are.
     engines = [FakeEngine(name="pod-a"), FakeEngine(name="pod-b")]
     with trio.fail_after(LIMIT):
@@ -99,13 +103,20 @@ async def test_kubernetes_discovery_routes_to_pods_and_stops_at_deletion(
             apiserver.add_pod("pod-b", ip="127.0.1.2")
             config = Config(
                 server=ServerConfig(bind="127.0.0.1:0"),
-                discovery=DiscoveryConfig(mode="kubernetes", kubernetes=KubernetesConfig(
-                    namespace=apiserver.namespace, port=port, kubeconfig=str(kubeconfig))),
-                probe=ProbeConfig(interval_s=60.0), stats=StatsConfig(interval_s=0.0))
+                discovery=DiscoveryConfig(
+                    mode="kubernetes",
+                    kubernetes=KubernetesConfig(
+                        namespace=apiserver.namespace, port=port, kubeconfig=str(kubeconfig)
+                    ),
+                ),
+                probe=ProbeConfig(interval_s=60.0),
+                stats=StatsConfig(interval_s=0.0),
+            )
             table = RoutingTable()
             async with trio.open_nursery() as router_nursery:
-                (url,) = await router_nursery.start(partial(
-                    server.run, config, table=table, handle_signals=False))
+                (url,) = await router_nursery.start(
+                    partial(server.run, config, table=table, handle_signals=False)
+                )
                 while len(table.routable("fake-model")) < 2:
                     await table.wait_changed()
                 async with httpx.AsyncClient(base_url=url) as client:
@@ -117,10 +128,15 @@ async def test_kubernetes_discovery_routes_to_pods_and_stops_at_deletion(
             nursery.cancel_scope.cancel()
 
 
-async def exercise_kubernetes_router(client: httpx.AsyncClient, apiserver: FakeApiServer,
-                                     table: RoutingTable, engines: list[FakeEngine]) -> None:
-    names = {(await client.post(CHAT, json=chat())).headers["x-trio-router-engine"]
-             for _ in range(4)}
+async def exercise_kubernetes_router(
+    client: httpx.AsyncClient,
+    apiserver: FakeApiServer,
+    table: RoutingTable,
+    engines: list[FakeEngine],
+) -> None:
+    names = {
+        (await client.post(CHAT, json=chat())).headers["x-trio-router-engine"] for _ in range(4)
+    }
     assert names == {"pod-a", "pod-b"}  # engines are named after their pods
     assert (await client.get("/health")).json()["status"] == "ok"
     metrics = (await client.get("/metrics")).text
@@ -171,9 +187,12 @@ trio.run(main)
 def fuzz_router(request: pytest.FixtureRequest) -> Iterator[str]:
     """A router and a fake engine in a subprocess, shared by every example; it must still be
     serving (and exit 0 on SIGTERM) after all of them."""
-    process = subprocess.Popen([sys.executable, "-c", SERVE_SCRIPT, request.param],
-                               stdout=subprocess.PIPE, text=True,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    process = subprocess.Popen(
+        [sys.executable, "-c", SERVE_SCRIPT, request.param],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     try:
         assert process.stdout is not None
         url = process.stdout.readline().strip()
@@ -193,37 +212,81 @@ def fuzz_router(request: pytest.FixtureRequest) -> Iterator[str]:
 
 _json = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
-                                                                 max_size=4),
-    max_leaves=20)
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=20,
+)
 _model = st.sampled_from(["fake-model", "other"]) | _json
 _request_object = st.fixed_dictionaries(
-    {}, optional={"model": _model, "messages": _json, "prompt": _json, "stream": _json,
-                  "user": _json, "max_tokens": _json, "input": _json, "tokens": _json,
-                  "documents": _json})
-_body = (st.binary(max_size=300)
-         | _json.map(lambda v: json.dumps(v).encode())
-         | _request_object.map(lambda v: json.dumps(v).encode())
-         | st.builds(lambda n: b'{"model": "fake-model", "x": "' + b"y" * n + b'"}',
-                     st.integers(4000, 6000)))
-_header_value = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E),
-                        max_size=40).map(str.strip)
-_header_name = st.sampled_from([
-    "authorization", "x-request-id", "x-session-id", "content-type", "accept", "connection",
-    "te", "keep-alive", "upgrade", "proxy-authorization", "x-trio-router-engine", "cookie",
-]) | st.from_regex(r"\Ax-[a-z0-9-]{1,12}\Z")
-_path = st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/embeddings",
-                         "/tokenize", "/score", "/v1/models", "/engines", "/nope", "/metrics"])
+    {},
+    optional={
+        "model": _model,
+        "messages": _json,
+        "prompt": _json,
+        "stream": _json,
+        "user": _json,
+        "max_tokens": _json,
+        "input": _json,
+        "tokens": _json,
+        "documents": _json,
+    },
+)
+_body = (
+    st.binary(max_size=300)
+    | _json.map(lambda v: json.dumps(v).encode())
+    | _request_object.map(lambda v: json.dumps(v).encode())
+    | st.builds(
+        lambda n: b'{"model": "fake-model", "x": "' + b"y" * n + b'"}', st.integers(4000, 6000)
+    )
+)
+_header_value = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=40).map(
+    str.strip
+)
+_header_name = st.sampled_from(
+    [
+        "authorization",
+        "x-request-id",
+        "x-session-id",
+        "content-type",
+        "accept",
+        "connection",
+        "te",
+        "keep-alive",
+        "upgrade",
+        "proxy-authorization",
+        "x-trio-router-engine",
+        "cookie",
+    ]
+) | st.from_regex(r"\Ax-[a-z0-9-]{1,12}\Z")
+_path = st.sampled_from(
+    [
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/embeddings",
+        "/tokenize",
+        "/score",
+        "/v1/models",
+        "/engines",
+        "/nope",
+        "/metrics",
+    ]
+)
 
 
 @settings(max_examples=120, deadline=None)
-@given(path=_path, body=_body, headers=st.dictionaries(_header_name, _header_value,
-                                                         max_size=5),
-       method=st.sampled_from(["POST", "POST", "POST", "GET", "PUT"]))
-def test_malformed_requests_never_get_a_500(fuzz_router: str, path: str, body: bytes,
-                                            headers: dict[str, str], method: str) -> None:
-    response = httpx.request(method, fuzz_router + path, content=body, headers=headers,
-                             timeout=LIMIT)
+@given(
+    path=_path,
+    body=_body,
+    headers=st.dictionaries(_header_name, _header_value, max_size=5),
+    method=st.sampled_from(["POST", "POST", "POST", "GET", "PUT"]),
+)
+def test_malformed_requests_never_get_a_500(
+    fuzz_router: str, path: str, body: bytes, headers: dict[str, str], method: str
+) -> None:
+    response = httpx.request(
+        method, fuzz_router + path, content=body, headers=headers, timeout=LIMIT
+    )
     from_engine = "x-fake-engine" in response.headers  # an engine's own answer passes through
     assert response.status_code < 500 or from_engine, response.text
     if not from_engine and response.status_code >= 400:
@@ -231,8 +294,9 @@ def test_malformed_requests_never_get_a_500(fuzz_router: str, path: str, body: b
         assert "error" in response.json()
 
 
-async def test_an_api_outage_leaves_the_router_serving(apiserver: FakeApiServer,
-                                                       kubeconfig: Path) -> None:
+async def test_an_api_outage_leaves_the_router_serving(
+    apiserver: FakeApiServer, kubeconfig: Path
+) -> None:
     """The API server answers 503 for many times `stale_after_s`: `/health` stays 200
     ("degraded"), requests keep being served, an engine that dies meanwhile is ejected by its
     probes; once the API server is back, the changes made meanwhile (a pod deleted, one
@@ -242,8 +306,7 @@ async def test_an_api_outage_leaves_the_router_serving(apiserver: FakeApiServer,
 
     async def serve(i: int, port: int, *, task_status: trio.TaskStatus[str]) -> None:
         with scopes[i]:
-            await serve_fake_engine(engines[i], f"127.0.1.{i + 1}", port,
-                                    task_status=task_status)
+            await serve_fake_engine(engines[i], f"127.0.1.{i + 1}", port, task_status=task_status)
 
     with trio.fail_after(LIMIT + 10):
         async with trio.open_nursery() as nursery:
@@ -255,14 +318,23 @@ async def test_an_api_outage_leaves_the_router_serving(apiserver: FakeApiServer,
             apiserver.add_pod("pod-b", ip="127.0.1.2")
             config = Config(
                 server=ServerConfig(bind="127.0.0.1:0"),
-                discovery=DiscoveryConfig(mode="kubernetes", kubernetes=KubernetesConfig(
-                    namespace=apiserver.namespace, port=port, kubeconfig=str(kubeconfig),
-                    stale_after_s=0.5, read_timeout_s=1.0)),
+                discovery=DiscoveryConfig(
+                    mode="kubernetes",
+                    kubernetes=KubernetesConfig(
+                        namespace=apiserver.namespace,
+                        port=port,
+                        kubeconfig=str(kubeconfig),
+                        stale_after_s=0.5,
+                        read_timeout_s=1.0,
+                    ),
+                ),
                 probe=ProbeConfig(interval_s=0.2, timeout_s=0.5, backoff_max_s=0.5),
-                stats=StatsConfig(interval_s=0.0))
+                stats=StatsConfig(interval_s=0.0),
+            )
             table = RoutingTable()
-            (url,) = await nursery.start(partial(server.run, config, table=table,
-                                                 handle_signals=False))
+            (url,) = await nursery.start(
+                partial(server.run, config, table=table, handle_signals=False)
+            )
 
             def routable() -> set[str]:
                 return {e.name for e in table.routable("fake-model")}

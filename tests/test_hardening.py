@@ -43,9 +43,13 @@ async def test_content_length_with_transfer_encoding_is_400_and_closes() -> None
     connection closed, so the second request is never answered."""
     smuggled = b"GET /health HTTP/1.1\r\nhost: r\r\n\r\n"
     chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(BODY), BODY)
-    request = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: r\r\n"
-               b"content-length: %d\r\ntransfer-encoding: chunked\r\n\r\n" % len(chunked)
-               + chunked + smuggled)
+    request = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: r\r\n"
+        b"content-length: %d\r\ntransfer-encoding: chunked\r\n\r\n"
+        % len(chunked)
+        + chunked
+        + smuggled
+    )
     with trio.fail_after(LIMIT):
         async with open_router([FakeEngine()]) as router:
             received = await raw_exchange(router.url, request)
@@ -58,16 +62,20 @@ async def test_content_length_with_transfer_encoding_is_400_and_closes() -> None
 async def test_a_control_byte_in_a_client_header_is_400_not_an_engine_error() -> None:
     with trio.fail_after(LIMIT):
         async with open_router([FakeEngine()]) as router:
-            request = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: r\r\nx-trace: a\x01b\r\n"
-                       b"content-length: %d\r\n\r\n" % len(BODY) + BODY)
+            request = (
+                b"POST /v1/chat/completions HTTP/1.1\r\nhost: r\r\nx-trace: a\x01b\r\n"
+                b"content-length: %d\r\n\r\n" % len(BODY) + BODY
+            )
             stream = await open_raw(router.url)
             async with stream:
                 await stream.send_all(request)
                 received = await receive_until(stream, b"}}")
             assert received.startswith(b"HTTP/1.1 400 ") and b"x-trace" in received
             assert router.engines[0].requests_to(CHAT) == []
-            assert await router.metric("trio_router_requests_total", model="", engine="",
-                                       status="400") == 1
+            assert (
+                await router.metric("trio_router_requests_total", model="", engine="", status="400")
+                == 1
+            )
 
 
 async def test_a_websocket_upgrade_gets_a_clear_4xx() -> None:
@@ -78,7 +86,8 @@ async def test_a_websocket_upgrade_gets_a_clear_4xx() -> None:
                 await stream.send_all(
                     b"GET /v1/chat/completions HTTP/1.1\r\nhost: r\r\nupgrade: websocket\r\n"
                     b"connection: Upgrade\r\nsec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
-                    b"sec-websocket-version: 13\r\n\r\n")
+                    b"sec-websocket-version: 13\r\n\r\n"
+                )
                 received = await receive_until(stream, b"}}")
     assert received.startswith(b"HTTP/1.1 400 ")
     assert b"websocket_not_supported" in received
@@ -86,7 +95,8 @@ async def test_a_websocket_upgrade_gets_a_clear_4xx() -> None:
 
 # -- request bodies ---------------------------------------------------------------------------
 async def test_a_stalled_body_is_408_at_the_body_timeout(
-        autojump_clock: trio.testing.MockClock) -> None:
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     """The body budget per silence is a deadline on virtual time (the ASGI receive is faked
     as a channel, as the server delivers body parts)."""
     send, receive = trio.open_memory_channel[dict[str, Any]](10)
@@ -104,12 +114,15 @@ async def test_a_stalled_body_is_408_at_the_body_timeout(
 
 async def test_a_stalled_body_gets_408_and_the_connection_closes() -> None:
     with trio.fail_after(LIMIT):
-        async with open_router([FakeEngine()],
-                               server={"request_body_timeout_s": 0.5}) as router:
+        async with open_router([FakeEngine()], server={"request_body_timeout_s": 0.5}) as router:
             start = trio.current_time()
-            received = await raw_exchange(router.url, (
-                b"POST /v1/chat/completions HTTP/1.1\r\nhost: r\r\n"
-                b"content-length: %d\r\n\r\n" % len(BODY) + BODY[:10]))
+            received = await raw_exchange(
+                router.url,
+                (
+                    b"POST /v1/chat/completions HTTP/1.1\r\nhost: r\r\n"
+                    b"content-length: %d\r\n\r\n" % len(BODY) + BODY[:10]
+                ),
+            )
             assert 0.5 <= trio.current_time() - start < 0.5 + 2
     assert received.startswith(b"HTTP/1.1 408 ") and b"request_timeout" in received
 
@@ -120,16 +133,23 @@ async def test_bodies_beyond_the_buffer_budget_get_503_with_retry_after() -> Non
     size = 600_000
     big = json.dumps(chat(pad="x" * size)).encode()
     with trio.fail_after(LIMIT):
-        async with open_router([FakeEngine()], server={
-                "max_body_bytes": 1 << 20, "max_buffered_body_bytes": 1 << 20}) as router:
+        async with open_router(
+            [FakeEngine()], server={"max_body_bytes": 1 << 20, "max_buffered_body_bytes": 1 << 20}
+        ) as router:
             first = await open_raw(router.url)
             async with first:
-                await first.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nhost: r\r\n"
-                                     b"content-length: %d\r\n\r\n" % len(big) + big[:1000])
-                await trio.testing.wait_all_tasks_blocked()
-                refused = await raw_exchange(router.url, (
+                await first.send_all(
                     b"POST /v1/chat/completions HTTP/1.1\r\nhost: r\r\n"
-                    b"content-length: %d\r\n\r\n" % len(big)))
+                    b"content-length: %d\r\n\r\n" % len(big) + big[:1000]
+                )
+                await trio.testing.wait_all_tasks_blocked()
+                refused = await raw_exchange(
+                    router.url,
+                    (
+                        b"POST /v1/chat/completions HTTP/1.1\r\nhost: r\r\n"
+                        b"content-length: %d\r\n\r\n" % len(big)
+                    ),
+                )
                 assert refused.startswith(b"HTTP/1.1 503 ")
                 assert b"retry-after: 1" in refused.lower()
                 assert b"max_buffered_body_bytes" in refused
@@ -145,12 +165,12 @@ async def test_a_large_body_is_parsed_off_the_event_loop_and_served() -> None:
     engine = FakeEngine()
     with trio.fail_after(LIMIT):
         async with open_router([engine]) as router:
-            response = await router.client.post(CHAT, content=big,
-                                                headers={"content-type": "application/json"})
+            response = await router.client.post(
+                CHAT, content=big, headers={"content-type": "application/json"}
+            )
             assert response.status_code == 200, response.text
             assert engine.requests_to(CHAT)[-1].body == big
-            bad = await router.client.post(CHAT, content=b'{"pad": "' + b"z" * (2 << 20)
-                                           + b'"}')
+            bad = await router.client.post(CHAT, content=b'{"pad": "' + b"z" * (2 << 20) + b'"}')
             assert bad.status_code == 400 and "model" in bad.json()["error"]["message"]
 
 
@@ -164,13 +184,21 @@ async def test_a_client_that_stops_reading_is_dropped_after_the_write_timeout() 
             stream = await open_raw(router.url)
             stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             body = json.dumps(chat(stream=True, max_tokens=100_000)).encode()
-            await stream.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nhost: r\r\n"
-                                  b"content-length: %d\r\n\r\n" % len(body) + body)
+            await stream.send_all(
+                b"POST /v1/chat/completions HTTP/1.1\r\nhost: r\r\n"
+                b"content-length: %d\r\n\r\n" % len(body) + body
+            )
             await engine.wait_until(lambda: engine.disconnects == 1)
             await stream.aclose()
-            assert await router.metric("trio_router_requests_total", model="fake-model",
-                                       engine=router.engine_urls[0].removeprefix("http://"),
-                                       status="499") == 1
+            assert (
+                await router.metric(
+                    "trio_router_requests_total",
+                    model="fake-model",
+                    engine=router.engine_urls[0].removeprefix("http://"),
+                    status="499",
+                )
+                == 1
+            )
 
 
 async def test_requests_wait_for_one_of_an_engines_connections() -> None:
@@ -202,11 +230,11 @@ async def test_an_engine_whose_answers_are_garbage_is_ejected() -> None:
     `proxy.ejection_s`), and every later request goes to the healthy engine."""
     garbage = ScriptedEngine([], head=b"HTTP/1.1 200 OK\r\ncontent-length: zz\r\n\r\n")
     with trio.fail_after(LIMIT):
-        async with open_scripted_router(garbage, proxy={
-                "eject_after_failures": 3, "max_ejected_percent": 100}) as (url, _):
+        async with open_scripted_router(
+            garbage, proxy={"eject_after_failures": 3, "max_ejected_percent": 100}
+        ) as (url, _):
             async with httpx.AsyncClient(base_url=url) as client:
-                statuses = [(await client.post(CHAT, json=chat())).status_code
-                            for _ in range(3)]
+                statuses = [(await client.post(CHAT, json=chat())).status_code for _ in range(3)]
                 assert statuses == [502] * 3
                 engines = (await client.get("/engines")).json()["engines"]
             (only,) = engines
@@ -217,9 +245,15 @@ async def test_outliers_are_ejected_but_never_more_than_the_allowed_share() -> N
     slow = [FakeEngine(name=f"slow{i}", ttft_s=5.0) for i in range(2)]
     healthy = FakeEngine(name="ok")
     with trio.fail_after(LIMIT + 10):
-        async with open_router([*slow, healthy], proxy={
-                "read_timeout_s": 0.3, "eject_after_failures": 2, "retries": 0,
-                "max_ejected_percent": 34}) as router:
+        async with open_router(
+            [*slow, healthy],
+            proxy={
+                "read_timeout_s": 0.3,
+                "eject_after_failures": 2,
+                "retries": 0,
+                "max_ejected_percent": 34,
+            },
+        ) as router:
             for _ in range(8):
                 await router.client.post(CHAT, json=chat())
             states = {e.name: e.state.value for e in router.table}

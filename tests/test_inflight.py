@@ -42,21 +42,41 @@ QUIET_S: Final = 0.01  # "nothing ran for this long": the process has gone quiet
 # Engines, in the order served (127.0.1.1, ...): two slow streamers, two failing ones, and one
 # stopped once routable, whose port then refuses connections.
 SLOW_1, SLOW_2, FAIL_500, FAIL_503, DEAD = range(5)
-SERVES: Final = {SLOW_1: ["m", "flaky"], SLOW_2: ["m"], FAIL_500: ["err"], FAIL_503: ["err"],
-                 DEAD: ["flaky"]}
+SERVES: Final = {
+    SLOW_1: ["m", "flaky"],
+    SLOW_2: ["m"],
+    FAIL_500: ["err"],
+    FAIL_503: ["err"],
+    DEAD: ["flaky"],
+}
 
 OK, OK_STREAM = "ok", "ok_stream"  # /tokenize answered at once; a 2-token stream
 ENGINE_4XX, ENGINE_5XX = "engine_4xx", "engine_5xx"  # chat without messages; model "err"
 UNREACHABLE = "unreachable"  # model "flaky": the dead engine, or its live peer
 SILENT = "silent"  # a non-streamed chat from a slow engine: 504 after READ_TIMEOUT_S
 CUT_MID_STREAM, CUT_BEFORE_ANSWER = "cut_mid_stream", "cut_before_answer"  # the client leaves
-KINDS: Final = (OK, OK_STREAM, ENGINE_4XX, ENGINE_5XX, UNREACHABLE, SILENT, CUT_MID_STREAM,
-                CUT_BEFORE_ANSWER)
+KINDS: Final = (
+    OK,
+    OK_STREAM,
+    ENGINE_4XX,
+    ENGINE_5XX,
+    UNREACHABLE,
+    SILENT,
+    CUT_MID_STREAM,
+    CUT_BEFORE_ANSWER,
+)
 CUT_KINDS: Final = frozenset({CUT_MID_STREAM, CUT_BEFORE_ANSWER})
 ERROR_KINDS: Final = frozenset({ENGINE_5XX, SILENT})  # counted in requests.errors
 EXPECTED_STATUS: Final[dict[str, tuple[int | None, ...]]] = {  # None: no response started
-    OK: (200,), OK_STREAM: (200,), ENGINE_4XX: (400,), ENGINE_5XX: (500, 503),
-    UNREACHABLE: (200,), SILENT: (504,), CUT_MID_STREAM: (200,), CUT_BEFORE_ANSWER: (None,)}
+    OK: (200,),
+    OK_STREAM: (200,),
+    ENGINE_4XX: (400,),
+    ENGINE_5XX: (500, 503),
+    UNREACHABLE: (200,),
+    SILENT: (504,),
+    CUT_MID_STREAM: (200,),
+    CUT_BEFORE_ANSWER: (None,),
+}
 
 
 @dataclass(frozen=True)
@@ -78,8 +98,13 @@ class Result:
     complete: bool = False  # the whole body arrived
 
 
-calls = st.builds(Call, kind=st.sampled_from(KINDS), conversation=st.integers(0, 2),
-                  turns=st.integers(1, 3), session=st.sampled_from([None, "s0", "s1", "s2"]))
+calls = st.builds(
+    Call,
+    kind=st.sampled_from(KINDS),
+    conversation=st.integers(0, 2),
+    turns=st.integers(1, 3),
+    session=st.sampled_from([None, "s0", "s1", "s2"]),
+)
 groups = st.lists(st.lists(calls, min_size=1, max_size=4), min_size=1, max_size=4)
 
 
@@ -87,8 +112,12 @@ def messages(call: Call) -> list[dict[str, str]]:
     """A conversation's first turns; turns of one conversation share their prefix."""
     out = []
     for turn in range(call.turns):
-        out.append({"role": "user",
-                    "content": f"conversation {call.conversation} turn {turn}: " + "lorem " * 50})
+        out.append(
+            {
+                "role": "user",
+                "content": f"conversation {call.conversation} turn {turn}: " + "lorem " * 50,
+            }
+        )
         out.append({"role": "assistant", "content": "ipsum " * 20})
     return out[:-1]
 
@@ -128,8 +157,9 @@ async def wait_seen(engines: list[FakeEngine], request_id: str) -> None:
             nursery.start_soon(watch, engine, nursery.cancel_scope)
 
 
-async def run_call(client: httpx.AsyncClient, url: str, engines: list[FakeEngine],
-                   result: Result) -> None:
+async def run_call(
+    client: httpx.AsyncClient, url: str, engines: list[FakeEngine], result: Result
+) -> None:
     """Send one request and record what the client saw. Clients that leave speak HTTP/1.1
     over a plain TCP connection and close it."""
     call = result.call
@@ -177,9 +207,12 @@ async def run_example(policy: str, plan: list[list[Call]]) -> None:
     engines[FAIL_500].inference_fail_status = 500
     engines[FAIL_503].inference_fail_status = 503
     with trio.fail_after(LIMIT):
-        async with open_router(engines, wait_models=("m", "err", "flaky"),
-                               routing={"policy": policy},
-                               proxy={"read_timeout_s": READ_TIMEOUT_S}) as router:
+        async with open_router(
+            engines,
+            wait_models=("m", "err", "flaky"),
+            routing={"policy": policy},
+            proxy={"read_timeout_s": READ_TIMEOUT_S},
+        ) as router:
             router.stop_engine(DEAD)  # still routable as far as the router knows
             await trio.testing.wait_all_tasks_blocked()  # its listener is closed now
             results: list[Result] = []
@@ -188,14 +221,14 @@ async def run_example(policy: str, plan: list[list[Call]]) -> None:
                 results += batch
                 async with trio.open_nursery() as nursery:
                     for result in batch:
-                        nursery.start_soon(run_call, router.client, router.url, engines,
-                                           result)
+                        nursery.start_soon(run_call, router.client, router.url, engines, result)
 
             with trio.move_on_after(SETTLE_S):
                 await wait_no_request_in_flight(router.table)
             by_engine = {e.name: (e.in_flight, e.requests.count) for e in router.table}
             assert all(e.in_flight == 0 for e in router.table), (
-                f"in-flight counts did not return to 0: {by_engine}")
+                f"in-flight counts did not return to 0: {by_engine}"
+            )
             entries = [router.table.get(url) for url in router.engine_urls]
             names = [entry.name if entry is not None else "" for entry in entries]
 
@@ -203,8 +236,7 @@ async def run_example(policy: str, plan: list[list[Call]]) -> None:
             errors: Counter[int] = Counter()
             for result in results:
                 kind = result.call.kind
-                where = [i for i, engine in enumerate(engines)
-                         if seen(engine, result.request_id)]
+                where = [i for i, engine in enumerate(engines) if seen(engine, result.request_id)]
                 assert len(where) == 1, f"{result} reached engines {where}"
                 served = where[0]
                 assert served != DEAD
@@ -221,10 +253,13 @@ async def run_example(policy: str, plan: list[list[Call]]) -> None:
 
             for i, entry in enumerate(entries):
                 assert entry is not None
-                assert (entry.requests.count, entry.requests.errors) == (
-                    counts[i], errors[i]), f"engine {i} ({entry.name}): {by_engine}"
-            shown = {e["name"]: (e["in_flight"], e["requests"]["requests"])
-                     for e in (await router.client.get("/engines")).json()["engines"]}
+                assert (entry.requests.count, entry.requests.errors) == (counts[i], errors[i]), (
+                    f"engine {i} ({entry.name}): {by_engine}"
+                )
+            shown = {
+                e["name"]: (e["in_flight"], e["requests"]["requests"])
+                for e in (await router.client.get("/engines")).json()["engines"]
+            }
             assert shown == by_engine  # GET /engines shows the same figures
             dead = entries[DEAD]
             assert dead is not None
@@ -233,8 +268,11 @@ async def run_example(policy: str, plan: list[list[Call]]) -> None:
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-@settings(max_examples=15, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(
+    max_examples=15,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 @given(plan=groups)
 def test_in_flight_and_request_counts_are_exact(policy: str, plan: list[list[Call]]) -> None:
     trio.run(run_example, policy, plan)

@@ -38,24 +38,28 @@ def test_check_config_prints_the_effective_config(capsys: pytest.CaptureFixture[
     assert printed == config_as_dict(load_config(path))
 
 
-def test_check_config_fills_in_defaults(tmp_path: Path,
-                                        capsys: pytest.CaptureFixture[str]) -> None:
+def test_check_config_fills_in_defaults(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "small.toml"
-    path.write_text('[discovery]\nmode = "static"\n[discovery.static]\n'
-                    'urls = ["http://127.0.0.1:8001"]\n')
+    path.write_text(
+        '[discovery]\nmode = "static"\n[discovery.static]\nurls = ["http://127.0.0.1:8001"]\n'
+    )
     assert main(["check-config", str(path)]) == 0
     printed = tomllib.loads(capsys.readouterr().out)
     assert printed["server"]["drain_s"] == 30.0 and printed["proxy"]["retries"] == 2
     assert printed["discovery"]["static"]["urls"] == ["http://127.0.0.1:8001"]
 
 
-@pytest.mark.parametrize(("text", "message"), [
-    ("[server]\nbindd = 'x'\n", "server.bindd"),
-    ("[server\n", "invalid TOML"),
-    ("[proxy]\nretries = -1\n", "proxy.retries"),
-])
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[server]\nbindd = 'x'\n", "server.bindd"),
+        ("[server\n", "invalid TOML"),
+        ("[proxy]\nretries = -1\n", "proxy.retries"),
+    ],
+)
 def test_check_config_rejects_a_bad_file_with_exit_2(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, message: str) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, message: str
+) -> None:
     path = tmp_path / "bad.toml"
     path.write_text(text)
     assert main(["check-config", str(path)]) == 2
@@ -93,8 +97,13 @@ def test_serving_needs_a_config() -> None:
 
 def test_console_script_is_installed() -> None:
     script = Path(sys.executable).parent / "trio-router"
-    result = subprocess.run([str(script), "check-config", str(REPO / "config" / "demo.toml")],
-                            capture_output=True, text=True, timeout=LIMIT, check=False)
+    result = subprocess.run(
+        [str(script), "check-config", str(REPO / "config" / "demo.toml")],
+        capture_output=True,
+        text=True,
+        timeout=LIMIT,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr
     assert tomllib.loads(result.stdout)["discovery"]["mode"] == "static"
 
@@ -126,16 +135,20 @@ class Output:
 
 
 @asynccontextmanager
-async def open_process(*args: str, env: dict[str, str] | None = None
-                       ) -> AsyncIterator[tuple[trio.Process, Output, Output]]:
+async def open_process(
+    *args: str, env: dict[str, str] | None = None
+) -> AsyncIterator[tuple[trio.Process, Output, Output]]:
     """Run `python -m trio_router *args` (with `env` added to the environment); yields the
     process and its stdout and stderr. The process is killed if it is still running when the
     block ends."""
     stdout, stderr = Output(), Output()
     process = await trio.lowlevel.open_process(
-        [sys.executable, "-m", "trio_router", *args], stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, cwd=REPO,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+        [sys.executable, "-m", "trio_router", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=REPO,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+    )
     try:
         async with trio.open_nursery() as nursery:
             assert process.stdout is not None and process.stderr is not None
@@ -173,10 +186,13 @@ async def start_stream(url: str) -> tuple[trio.SocketStream, bytes]:
     """Open a streamed chat completion over a plain socket; return it after the first event."""
     host, port = url.removeprefix("http://").rsplit(":", 1)
     stream = await trio.open_tcp_stream(host, int(port))
-    body = json.dumps({"model": "fake-model", "stream": True,
-                       "messages": [{"role": "user", "content": "hi"}]}).encode()
-    await stream.send_all(b"POST %s HTTP/1.1\r\nhost: r\r\ncontent-type: application/json\r\n"
-                          b"content-length: %d\r\n\r\n%s" % (CHAT, len(body), body))
+    body = json.dumps(
+        {"model": "fake-model", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    ).encode()
+    await stream.send_all(
+        b"POST %s HTTP/1.1\r\nhost: r\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n%s" % (CHAT, len(body), body)
+    )
     received = b""
     while b"data: " not in received:
         received += await stream.receive_some()
@@ -184,9 +200,9 @@ async def start_stream(url: str) -> tuple[trio.SocketStream, bytes]:
 
 
 @asynccontextmanager
-async def router_streaming(tmp_path: Path, engine: FakeEngine, *, drain_s: float
-                           ) -> AsyncIterator[tuple[trio.Process, Output, trio.SocketStream,
-                                                    bytes]]:
+async def router_streaming(
+    tmp_path: Path, engine: FakeEngine, *, drain_s: float
+) -> AsyncIterator[tuple[trio.Process, Output, trio.SocketStream, bytes]]:
     """`engine` served, a router process in front of it, and a streamed request through the
     router that has received its first event: (process, its stderr, the stream, that event).
     """
@@ -213,7 +229,11 @@ async def test_sigterm_lets_a_stream_in_flight_finish_then_exits_0(tmp_path: Pat
     drain_s = 5.0
     with trio.fail_after(LIMIT):
         async with router_streaming(tmp_path, engine, drain_s=drain_s) as (
-                process, stderr, stream, first):
+            process,
+            stderr,
+            stream,
+            first,
+        ):
             process.send_signal(signal.SIGTERM)
             await stderr.wait_for("SIGTERM: no new connections")
             signalled = trio.current_time()
@@ -233,7 +253,11 @@ async def test_drain_ends_at_drain_s_and_the_process_still_exits_0(tmp_path: Pat
     drain_s = 1.0
     with trio.fail_after(LIMIT):
         async with router_streaming(tmp_path, engine, drain_s=drain_s) as (
-                process, stderr, stream, _):
+            process,
+            stderr,
+            stream,
+            _,
+        ):
             process.send_signal(signal.SIGTERM)
             signalled = trio.current_time()
             with trio.fail_after(drain_s + 2):
@@ -266,15 +290,20 @@ async def test_startup_failure_exits_1(tmp_path: Path) -> None:
 async def test_demo_prints_commands_that_work() -> None:
     with trio.fail_after(LIMIT):
         async with open_process("demo", "--port", "0", "--engines", "2") as (
-                process, stdout, stderr):
+            process,
+            stdout,
+            stderr,
+        ):
             await stdout.wait_for("Press Ctrl-C")
             text = stdout.text
             url = re.search(r"^router: (http://127\.0\.0\.1:\d+)$", text, re.M)
             assert url is not None, text
-            curl = next(line.strip() for line in text.splitlines()
-                        if line.strip().startswith("curl -i "))
-            result = await trio.run_process(shlex.split(curl), capture_stdout=True,
-                                            capture_stderr=True)
+            curl = next(
+                line.strip() for line in text.splitlines() if line.strip().startswith("curl -i ")
+            )
+            result = await trio.run_process(
+                shlex.split(curl), capture_stdout=True, capture_stderr=True
+            )
             head, _, body = result.stdout.decode().partition("\r\n\r\n")
             assert head.startswith("HTTP/1.1 200"), head
             assert "x-trio-router-engine:" in head
@@ -282,10 +311,14 @@ async def test_demo_prints_commands_that_work() -> None:
 
             lines = text.splitlines()
             start = lines.index("from openai import OpenAI")
-            snippet = "\n".join(lines[start:start + 7]) + "\n"
+            snippet = "\n".join(lines[start : start + 7]) + "\n"
             # Pasted as it is printed, into an interactive interpreter.
-            sdk = await trio.run_process([sys.executable, "-i", "-q"], stdin=snippet.encode(),
-                                         capture_stdout=True, capture_stderr=True)
+            sdk = await trio.run_process(
+                [sys.executable, "-i", "-q"],
+                stdin=snippet.encode(),
+                capture_stdout=True,
+                capture_stderr=True,
+            )
             assert "Error" not in sdk.stderr.decode(), sdk.stderr.decode()
             assert sdk.stdout.decode().startswith("Hello from a fake"), sdk.stderr.decode()
 
@@ -300,15 +333,18 @@ async def test_json_logs_carry_one_access_record_per_request(tmp_path: Path) -> 
     engine = FakeEngine(tokens=2)
     with trio.fail_after(LIMIT):
         async with open_fake_engines([engine]) as (engine_url,):
-            config = write_config(tmp_path / "r.toml", engine_url, drain_s=1.0,
-                                  extra='log_format = "json"')
+            config = write_config(
+                tmp_path / "r.toml", engine_url, drain_s=1.0, extra='log_format = "json"'
+            )
             async with open_process("--config", str(config)) as (process, _, stderr):
                 url = (await stderr.wait_for(r'Running on (http://[^ "]+)')).group(1)
                 await stderr.wait_for(r"is routable")
                 async with httpx.AsyncClient(base_url=url) as client:
-                    response = await client.post("/v1/chat/completions", headers={
-                        "x-request-id": "req-42"}, json={"model": "fake-model",
-                                                         "messages": []})
+                    response = await client.post(
+                        "/v1/chat/completions",
+                        headers={"x-request-id": "req-42"},
+                        json={"model": "fake-model", "messages": []},
+                    )
                 assert response.status_code == 200
                 await stderr.wait_for(r"req-42")
                 process.send_signal(signal.SIGTERM)

@@ -22,8 +22,9 @@ async def scrape_after_traffic() -> tuple[str, str]:
         async with open_router(engines, probe={"interval_s": 60.0}) as router:
             for _ in range(2):
                 await router.client.post(CHAT, json=chat())
-            await router.client.post(CHAT, json=chat(
-                stream=True, stream_options={"include_usage": True}))
+            await router.client.post(
+                CHAT, json=chat(stream=True, stream_options={"include_usage": True})
+            )
             name = router.engine_urls[0].removeprefix("http://")
             return (await router.client.get("/metrics")).text, name
 
@@ -37,8 +38,13 @@ async def test_metrics_pass_promtool_and_name_their_kinds() -> None:
             assert not family.name.endswith("_total"), family.name
     if (promtool := shutil.which("promtool")) is None:
         pytest.skip("promtool is not installed: the names were checked without it")
-    result = await trio.run_process([promtool, "check", "metrics"], stdin=text.encode(),
-                                    capture_stdout=True, capture_stderr=True, check=False)
+    result = await trio.run_process(
+        [promtool, "check", "metrics"],
+        stdin=text.encode(),
+        capture_stdout=True,
+        capture_stderr=True,
+        check=False,
+    )
     assert result.returncode == 0, (result.stdout + result.stderr).decode()
 
 
@@ -49,8 +55,16 @@ async def test_build_process_engine_and_token_series() -> None:
     assert sample(text, "trio_router_engine_latency_seconds", engine=name) > 0
     assert sample(text, "trio_router_engine_time_to_first_byte_seconds", engine=name) > 0
     assert sample(text, "trio_router_engine_running_requests", engine=name) == 0
-    decisions = sum(sample(text, "trio_router_routing_decisions_total", policy="round_robin",
-                           outcome="first", engine=e) for e in (name, _other(text, name)))
+    decisions = sum(
+        sample(
+            text,
+            "trio_router_routing_decisions_total",
+            policy="round_robin",
+            outcome="first",
+            engine=e,
+        )
+        for e in (name, _other(text, name))
+    )
     assert decisions == 3
     # FakeEngine's usage: prompt tokens = words of the prompt ("hi": 1), completion = 3.
     assert sample(text, "trio_router_tokens_total", model="fake-model", kind="completion") == 9

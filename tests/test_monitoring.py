@@ -83,8 +83,24 @@ _GROUPING = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\
 _DURATION = re.compile(r"(?<![\w:.])(?:\d+(?:ms|[smhdwy]))+\b")
 _NUMBER = re.compile(r"(?<![\w:.])(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
 _IDENTIFIER = re.compile(r"(?<![\w:.])([A-Za-z_:][\w:]*)(\s*\()?")
-_KEYWORDS: Final = {"and", "or", "unless", "by", "without", "on", "ignoring", "group_left",
-                    "group_right", "offset", "bool", "inf", "nan", "start", "end", "atan2"}
+_KEYWORDS: Final = {
+    "and",
+    "or",
+    "unless",
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "offset",
+    "bool",
+    "inf",
+    "nan",
+    "start",
+    "end",
+    "atan2",
+}
 _LABEL_VALUES = re.compile(r"\s*label_values\((.+),\s*\w+\s*\)\s*")
 
 
@@ -99,22 +115,22 @@ def promql_metric_names(expr: str) -> set[str]:
     text = _GROUPING.sub(" ", text)
     text = _DURATION.sub(" ", text)
     text = _NUMBER.sub(" ", text)
-    return {m[1] for m in _IDENTIFIER.finditer(text)
-            if not m[2] and m[1].lower() not in _KEYWORDS}
+    return {m[1] for m in _IDENTIFIER.finditer(text) if not m[2] and m[1].lower() not in _KEYWORDS}
 
 
 def test_promql_metric_names() -> None:
     assert promql_metric_names(
-        'histogram_quantile(0.99, sum by (le, model) (rate(trio_router_request_duration_'
-        'seconds_bucket{job=~"$job", model!="a{b}"}[$__rate_interval])))') == {
-        "trio_router_request_duration_seconds_bucket"}
+        "histogram_quantile(0.99, sum by (le, model) (rate(trio_router_request_duration_"
+        'seconds_bucket{job=~"$job", model!="a{b}"}[$__rate_interval])))'
+    ) == {"trio_router_request_duration_seconds_bucket"}
     assert promql_metric_names('absent(up{job="trio-router"} == 1)') == {"up"}
     assert promql_metric_names(
         "sum(rate(a_total[5m] offset 1h30m)) by (x) / on (x) group_left b:recorded "
-        "> bool 1e3 and c unless -0.5 * process_cpu_seconds_total") == {
-        "a_total", "b:recorded", "c", "process_cpu_seconds_total"}
-    assert promql_metric_names("max(trio_router_typo{engine=~\"${engine:regex}\"})") == {
-        "trio_router_typo"}
+        "> bool 1e3 and c unless -0.5 * process_cpu_seconds_total"
+    ) == {"a_total", "b:recorded", "c", "process_cpu_seconds_total"}
+    assert promql_metric_names('max(trio_router_typo{engine=~"${engine:regex}"})') == {
+        "trio_router_typo"
+    }
 
 
 def dashboard_queries() -> Iterator[tuple[str, str]]:
@@ -179,8 +195,9 @@ def busy(engine: FakeEngine) -> bool:
 
 
 @asynccontextmanager
-async def kubernetes_router(apiserver: FakeApiServer, kubeconfig: Path,
-                            engines: list[FakeEngine]) -> AsyncIterator[LiveRouter]:
+async def kubernetes_router(
+    apiserver: FakeApiServer, kubeconfig: Path, engines: list[FakeEngine]
+) -> AsyncIterator[LiveRouter]:
     """The router with Kubernetes discovery of `engines` (pods pod-0, pod-1, ... on 127.0.1.1,
     127.0.1.2, ..., one port), engine stats scraped every 50 ms, admission capped at one
     request per engine with a queue of one, and SIGHUP reloading the same config; yields
@@ -189,8 +206,7 @@ async def kubernetes_router(apiserver: FakeApiServer, kubeconfig: Path,
 
     async def serve(i: int, port: int, *, task_status: trio.TaskStatus[str]) -> None:
         with scopes[i]:
-            await serve_fake_engine(engines[i], f"127.0.1.{i + 1}", port,
-                                    task_status=task_status)
+            await serve_fake_engine(engines[i], f"127.0.1.{i + 1}", port, task_status=task_status)
 
     async with trio.open_nursery() as nursery:
         port = 0
@@ -200,17 +216,30 @@ async def kubernetes_router(apiserver: FakeApiServer, kubeconfig: Path,
             apiserver.add_pod(f"pod-{i}", ip=f"127.0.1.{i + 1}")
         config = Config(
             server=ServerConfig(bind="127.0.0.1:0", drain_s=1.0),
-            discovery=DiscoveryConfig(mode="kubernetes", kubernetes=KubernetesConfig(
-                namespace=apiserver.namespace, port=port, kubeconfig=str(kubeconfig))),
+            discovery=DiscoveryConfig(
+                mode="kubernetes",
+                kubernetes=KubernetesConfig(
+                    namespace=apiserver.namespace, port=port, kubeconfig=str(kubeconfig)
+                ),
+            ),
             probe=ProbeConfig(interval_s=60.0, timeout_s=2.0, backoff_max_s=60.0),
             stats=StatsConfig(interval_s=0.05, timeout_s=1.0),
-            admission=AdmissionConfig(max_in_flight_per_engine=1, queue_size=1,
-                                      queue_timeout_s=LIMIT))
+            admission=AdmissionConfig(
+                max_in_flight_per_engine=1, queue_size=1, queue_timeout_s=LIMIT
+            ),
+        )
         table = RoutingTable()
         async with httpx.AsyncClient(timeout=LIMIT) as client:
             router = LiveRouter(client, scopes)
-            (url,) = await nursery.start(partial(server.run, config, load=lambda: config,
-                                                 table=table, on_reload=router.record_reload))
+            (url,) = await nursery.start(
+                partial(
+                    server.run,
+                    config,
+                    load=lambda: config,
+                    table=table,
+                    on_reload=router.record_reload,
+                )
+            )
             client.base_url = httpx.URL(url)
             while len(table.routable("fake-model")) < len(engines):
                 await table.wait_changed()
@@ -231,8 +260,9 @@ async def exposed_sample_names(apiserver: FakeApiServer, kubeconfig: Path) -> se
             client = router.client
             for _ in range(2):
                 assert (await client.post(CHAT, json=chat())).status_code == 200
-            streamed = await client.post(CHAT, json=chat(
-                stream=True, stream_options={"include_usage": True}))
+            streamed = await client.post(
+                CHAT, json=chat(stream=True, stream_options={"include_usage": True})
+            )
             assert streamed.status_code == 200
 
             # Both engines busy (one request each, held), a third request queued, a fourth
@@ -262,22 +292,25 @@ async def exposed_sample_names(apiserver: FakeApiServer, kubeconfig: Path) -> se
 
             # An engine that stopped answering: the request goes to the other one.
             router.engine_scopes[1].cancel()
-            failed_over = [(await client.post(CHAT, json=chat())).status_code
-                           for _ in range(2)]
+            failed_over = [(await client.post(CHAT, json=chat())).status_code for _ in range(2)]
             assert failed_over == [200, 200]
             assert not (await router.sighup()).error
             names |= sample_names((await client.get("/metrics")).text)
     return names
 
 
-async def test_every_queried_metric_is_exposed(apiserver: FakeApiServer,
-                                               kubeconfig: Path) -> None:
+async def test_every_queried_metric_is_exposed(apiserver: FakeApiServer, kubeconfig: Path) -> None:
     exposed = await exposed_sample_names(apiserver, kubeconfig)
     # The traffic above made the series that exist only after it.
-    assert {"trio_router_queue_wait_seconds_bucket", "trio_router_rejected_requests_total",
-            "trio_router_engine_unreachable_total", "trio_router_engine_kv_cache_usage_ratio",
-            "trio_router_discovery_healthy", "trio_router_tokens_total",
-            "trio_router_config_reloads_total"} <= exposed
+    assert {
+        "trio_router_queue_wait_seconds_bucket",
+        "trio_router_rejected_requests_total",
+        "trio_router_engine_unreachable_total",
+        "trio_router_engine_kv_cache_usage_ratio",
+        "trio_router_discovery_healthy",
+        "trio_router_tokens_total",
+        "trio_router_config_reloads_total",
+    } <= exposed
     for source, queries in (("dashboard", dashboard_queries()), ("rules", rule_queries())):
         used: set[str] = set()
         for where, expr in queries:
@@ -310,8 +343,9 @@ def test_rules_are_alerts_with_severity_summary_and_description() -> None:
         metrics = promql_metric_names(rule["expr"])
         assert metrics, name
         for metric in metrics:
-            for selector in re.finditer(rf"(?<![\w:]){metric}(?![\w:])\s*(\{{[^}}]*\}})?",
-                                        rule["expr"]):
+            for selector in re.finditer(
+                rf"(?<![\w:]){metric}(?![\w:])\s*(\{{[^}}]*\}})?", rule["expr"]
+            ):
                 assert f'job="{job}"' in (selector[1] or ""), (name, selector[0])
     assert {rule["labels"]["severity"] for rule in rules} == SEVERITIES
 
@@ -335,8 +369,13 @@ def promtool() -> str:
 
 
 def test_rules_pass_promtool_check(tmp_path: Path) -> None:
-    result = subprocess.run([promtool(), "check", "rules", str(rule_groups_file(tmp_path))],
-                            capture_output=True, text=True, timeout=60, check=False)
+    result = subprocess.run(
+        [promtool(), "check", "rules", str(rule_groups_file(tmp_path))],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"SUCCESS: {len(alerts())} rules found" in result.stdout
 
@@ -348,38 +387,77 @@ Expected = list[tuple[int, list[dict[str, str]]]]
 ALERT_CASES: Final[dict[str, tuple[Series, Expected]]] = {
     "TrioRouterDown": (
         [("up{job='trio-router', instance='a'}", "0x20")],
-        [(6, [{}]), (3, [])]),  # absent() of a comparison has no labels
+        [(6, [{}]), (3, [])],
+    ),  # absent() of a comparison has no labels
     "TrioRouterReplicaDown": (
-        [("up{job='trio-router', instance='a'}", "1x20"),
-         ("up{job='trio-router', instance='b'}", "0x20")],
-        [(6, [{"job": "trio-router", "instance": "b"}])]),
+        [
+            ("up{job='trio-router', instance='a'}", "1x20"),
+            ("up{job='trio-router', instance='b'}", "0x20"),
+        ],
+        [(6, [{"job": "trio-router", "instance": "b"}])],
+    ),
     "TrioRouterNoRoutableEngine": (
         [("trio_router_routable_engines{job='trio-router', instance='a'}", "2 2 0x10")],
-        [(3, []), (5, [{"job": "trio-router", "instance": "a"}])]),
+        [(3, []), (5, [{"job": "trio-router", "instance": "a"}])],
+    ),
     "TrioRouterModelUnavailable": (  # 503s by the router for m; the engines' own 503s for n
-        [("trio_router_requests_total{job='trio-router', model='m', engine='', "
-          "status='503'}", "0+60x20"),
-         ("trio_router_requests_total{job='trio-router', model='m', engine='e', "
-          "status='200'}", "0+10x20"),
-         ("trio_router_requests_total{job='trio-router', model='n', engine='e', "
-          "status='503'}", "0+60x20")],
-        [(12, [{"model": "m"}])]),
+        [
+            (
+                "trio_router_requests_total{job='trio-router', model='m', engine='', status='503'}",
+                "0+60x20",
+            ),
+            (
+                "trio_router_requests_total{job='trio-router', model='m', engine='e', "
+                "status='200'}",
+                "0+10x20",
+            ),
+            (
+                "trio_router_requests_total{job='trio-router', model='n', engine='e', "
+                "status='503'}",
+                "0+60x20",
+            ),
+        ],
+        [(12, [{"model": "m"}])],
+    ),
     "TrioRouterHighErrorRatio": (
-        [("trio_router_requests_total{job='trio-router', model='m', engine='e', "
-          "status='502'}", "0+10x30"),
-         ("trio_router_requests_total{job='trio-router', model='m', engine='e', "
-          "status='200'}", "0+90x30")],
-        [(16, [{}])]),
+        [
+            (
+                "trio_router_requests_total{job='trio-router', model='m', engine='e', "
+                "status='502'}",
+                "0+10x30",
+            ),
+            (
+                "trio_router_requests_total{job='trio-router', model='m', engine='e', "
+                "status='200'}",
+                "0+90x30",
+            ),
+        ],
+        [(16, [{}])],
+    ),
     "TrioRouterVeryHighErrorRatio": (  # 10% is not critical
-        [("trio_router_requests_total{job='trio-router', model='m', engine='e', "
-          "status='502'}", "0+10x30"),
-         ("trio_router_requests_total{job='trio-router', model='m', engine='e', "
-          "status='200'}", "0+90x30")],
-        [(16, [])]),
+        [
+            (
+                "trio_router_requests_total{job='trio-router', model='m', engine='e', "
+                "status='502'}",
+                "0+10x30",
+            ),
+            (
+                "trio_router_requests_total{job='trio-router', model='m', engine='e', "
+                "status='200'}",
+                "0+90x30",
+            ),
+        ],
+        [(16, [])],
+    ),
     "TrioRouterDiscoveryStale": (
-        [("trio_router_discovery_last_progress_age_seconds{job='trio-router', instance='a'}",
-          "800+60x20")],
-        [(3, []), (10, [{"job": "trio-router", "instance": "a"}])]),
+        [
+            (
+                "trio_router_discovery_last_progress_age_seconds{job='trio-router', instance='a'}",
+                "800+60x20",
+            )
+        ],
+        [(3, []), (10, [{"job": "trio-router", "instance": "a"}])],
+    ),
 }
 
 
@@ -390,21 +468,39 @@ def test_alerts_fire_on_the_series_they_describe(tmp_path: Path) -> None:
     tests = []
     for name, (series, expected) in ALERT_CASES.items():
         severity = rules[name]["labels"]["severity"]
-        tests.append({
-            "interval": "1m",
-            "input_series": [{"series": s.replace("'", '"'), "values": v} for s, v in series],
-            "alert_rule_test": [{
-                "eval_time": f"{minute}m", "alertname": name,
-                "exp_alerts": [{"exp_labels": {**labels, "severity": severity}}
-                               for labels in fired]} for minute, fired in expected]})
+        tests.append(
+            {
+                "interval": "1m",
+                "input_series": [{"series": s.replace("'", '"'), "values": v} for s, v in series],
+                "alert_rule_test": [
+                    {
+                        "eval_time": f"{minute}m",
+                        "alertname": name,
+                        "exp_alerts": [
+                            {"exp_labels": {**labels, "severity": severity}} for labels in fired
+                        ],
+                    }
+                    for minute, fired in expected
+                ],
+            }
+        )
     # Without annotations: promtool would compare them (their templates pass `check rules`).
     rules_file = rule_groups_file(tmp_path, annotations=False)
     test_file = tmp_path / "rules_test.yaml"
-    test_file.write_text(yaml.safe_dump({"rule_files": [rules_file.name],
-                                         "evaluation_interval": "1m", "tests": tests}),
-                         encoding="utf-8")
-    result = subprocess.run([promtool(), "test", "rules", str(test_file)], cwd=tmp_path,
-                            capture_output=True, text=True, timeout=60, check=False)
+    test_file.write_text(
+        yaml.safe_dump(
+            {"rule_files": [rules_file.name], "evaluation_interval": "1m", "tests": tests}
+        ),
+        encoding="utf-8",
+    )
+    result = subprocess.run(
+        [promtool(), "test", "rules", str(test_file)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -422,8 +518,10 @@ def service_monitor_job() -> str:
 
 def test_service_monitor_scrapes_the_router_service() -> None:
     monitor, service = load_yaml(SERVICE_MONITOR), load_yaml(SERVICE)
-    assert (monitor["apiVersion"], monitor["kind"]) == ("monitoring.coreos.com/v1",
-                                                        "ServiceMonitor")
+    assert (monitor["apiVersion"], monitor["kind"]) == (
+        "monitoring.coreos.com/v1",
+        "ServiceMonitor",
+    )
     assert "namespace" not in monitor["metadata"]
     spec = monitor["spec"]
     assert "namespaceSelector" not in spec  # the Service is in the ServiceMonitor's namespace
@@ -450,16 +548,23 @@ def test_kustomization_sets_the_namespace_once_and_generates_the_dashboard() -> 
 def rendered() -> list[dict[str, Any]]:
     if (kubectl := shutil.which("kubectl")) is None:
         pytest.skip("kubectl is not installed")
-    out = subprocess.run([kubectl, "kustomize", str(MONITORING)], check=True,
-                         capture_output=True, text=True, timeout=60).stdout
+    out = subprocess.run(
+        [kubectl, "kustomize", str(MONITORING)],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
     return [doc for doc in yaml.safe_load_all(out) if doc]
 
 
 def test_kustomize_renders_the_three_objects_in_the_router_namespace() -> None:
     objects = {(o["apiVersion"], o["kind"]): o for o in rendered()}
-    assert set(objects) == {("monitoring.coreos.com/v1", "ServiceMonitor"),
-                            ("monitoring.coreos.com/v1", "PrometheusRule"),
-                            ("v1", "ConfigMap")}
+    assert set(objects) == {
+        ("monitoring.coreos.com/v1", "ServiceMonitor"),
+        ("monitoring.coreos.com/v1", "PrometheusRule"),
+        ("v1", "ConfigMap"),
+    }
     namespace = load_yaml(BASE_KUSTOMIZATION)["namespace"]
     assert {o["metadata"]["namespace"] for o in objects.values()} == {namespace}
     config_map = objects["v1", "ConfigMap"]
@@ -492,8 +597,11 @@ def test_dashboard_panels_variables_and_datasource() -> None:
     for panel in panels:
         grid = panel["gridPos"]
         assert grid["x"] + grid["w"] <= 24, panel["title"]
-        area = {(x, y) for x in range(grid["x"], grid["x"] + grid["w"])
-                for y in range(grid["y"], grid["y"] + grid["h"])}
+        area = {
+            (x, y)
+            for x in range(grid["x"], grid["x"] + grid["w"])
+            for y in range(grid["y"], grid["y"] + grid["h"])
+        }
         assert not area & cells, f"panel {panel['title']!r} overlaps another"
         cells |= area
         if panel["type"] == "row":
@@ -511,15 +619,32 @@ def test_dashboard_covers_the_router_metrics() -> None:
     """The dashboard shows every family of the router's own metrics."""
     used = {name for _, expr in dashboard_queries() for name in promql_metric_names(expr)}
     families = {
-        "requests_total", "request_duration_seconds_bucket", "time_to_first_byte_seconds_bucket",
-        "in_flight_requests", "engines", "routable_engines", "routable_models",
-        "engine_unreachable_total", "config_reloads_total", "relayed_responses_total",
-        "queued_requests", "queue_wait_seconds_bucket", "rejected_requests_total",
-        "saturated_engines", "routing_decisions_total", "tokens_total",
-        "engine_latency_seconds", "engine_time_to_first_byte_seconds",
-        "engine_running_requests", "engine_waiting_requests", "engine_kv_cache_usage_ratio",
-        "discovery_healthy", "discovery_last_progress_age_seconds", "discovery_events_total",
-        "build_info"}
+        "requests_total",
+        "request_duration_seconds_bucket",
+        "time_to_first_byte_seconds_bucket",
+        "in_flight_requests",
+        "engines",
+        "routable_engines",
+        "routable_models",
+        "engine_unreachable_total",
+        "config_reloads_total",
+        "relayed_responses_total",
+        "queued_requests",
+        "queue_wait_seconds_bucket",
+        "rejected_requests_total",
+        "saturated_engines",
+        "routing_decisions_total",
+        "tokens_total",
+        "engine_latency_seconds",
+        "engine_time_to_first_byte_seconds",
+        "engine_running_requests",
+        "engine_waiting_requests",
+        "engine_kv_cache_usage_ratio",
+        "discovery_healthy",
+        "discovery_last_progress_age_seconds",
+        "discovery_events_total",
+        "build_info",
+    }
     missing = {f"trio_router_{f}" for f in families} - used
     assert not missing, sorted(missing)
     assert {"process_cpu_seconds_total", "process_resident_memory_bytes"} <= used

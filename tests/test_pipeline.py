@@ -35,8 +35,16 @@ async def test_1_14_long_api_outage(autojump_clock: trio.testing.MockClock) -> N
         source.emit("ADDED", engine_pod(n))
     engines = FakeEngines()
     async with open_core(engines) as core, trio.open_nursery() as nursery:
-        await nursery.start(partial(run_kubernetes_discovery, source, core.reconciler, status,
-                                    CONFIG, rng=random.Random(7)))
+        await nursery.start(
+            partial(
+                run_kubernetes_discovery,
+                source,
+                core.reconciler,
+                status,
+                CONFIG,
+                rng=random.Random(7),
+            )
+        )
         await core.wait_until("routable", "uid-1", "uid-2", "uid-3")
 
         source.watch_plans.extend(FakeWatch(duration=0, error=REFUSED) for _ in range(200))
@@ -65,14 +73,23 @@ async def test_1_14_long_api_outage(autojump_clock: trio.testing.MockClock) -> N
 
 
 async def test_deleted_during_a_probe_storm_is_applied_at_once(
-        autojump_clock: trio.testing.MockClock) -> None:
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     """Through the whole pipeline: the watch applies a DELETED at the virtual instant it
     arrives, while nine other engines' probes hang."""
     source, status = FakePodSource(), DiscoveryStatus()
     engines = FakeEngines(mode={f"127.0.1.{n}": "hang" for n in range(1, 10)})
     async with open_core(engines) as core, trio.open_nursery() as nursery:
-        await nursery.start(partial(run_kubernetes_discovery, source, core.reconciler, status,
-                                    CONFIG, rng=random.Random(7)))
+        await nursery.start(
+            partial(
+                run_kubernetes_discovery,
+                source,
+                core.reconciler,
+                status,
+                CONFIG,
+                rng=random.Random(7),
+            )
+        )
         for n in range(1, 11):
             source.emit("ADDED", engine_pod(n))
         await core.wait_until("routable", "uid-10")

@@ -41,9 +41,14 @@ class Clock:
 
 
 def make_engine(i: int, models: Sequence[str] = (MODEL,)) -> Engine:
-    return Engine(uid=f"uid-{i:04d}", name=f"engine-{i}", url=f"http://10.0.{i // 250}.{i % 250}",
-                  state=EngineState.ROUTABLE, models=tuple(Model(m) for m in models),
-                  model_ids=frozenset(models))
+    return Engine(
+        uid=f"uid-{i:04d}",
+        name=f"engine-{i}",
+        url=f"http://10.0.{i // 250}.{i % 250}",
+        state=EngineState.ROUTABLE,
+        models=tuple(Model(m) for m in models),
+        model_ids=frozenset(models),
+    )
 
 
 def make_table(engines: Sequence[Engine]) -> RoutingTable:
@@ -53,21 +58,25 @@ def make_table(engines: Sequence[Engine]) -> RoutingTable:
     return table
 
 
-def make(name: str, table: RoutingTable, clock: Clock | None = None, seed: int = 1,
-         **knobs: Any) -> Policy:
+def make(
+    name: str, table: RoutingTable, clock: Clock | None = None, seed: int = 1, **knobs: Any
+) -> Policy:
     """The policy `name`, subscribed to `table`'s removals as the router subscribes it."""
-    policy = make_policy(RoutingConfig(policy=name, **knobs), clock=clock or Clock(),
-                         rng=random.Random(seed))
+    policy = make_policy(
+        RoutingConfig(policy=name, **knobs), clock=clock or Clock(), rng=random.Random(seed)
+    )
     table.add_remove_listener(lambda engine: policy.forget(engine.uid))
     return policy
 
 
 def chat(*turns: str, system: str = "You are a helpful assistant.") -> RequestInfo:
     messages = [{"role": "system", "content": system}]
-    messages += [{"role": "user" if i % 2 == 0 else "assistant", "content": t}
-                 for i, t in enumerate(turns)]
-    return request_info({"model": MODEL, "messages": messages}, {},
-                        RoutingConfig(policy="prefix_aware"))
+    messages += [
+        {"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)
+    ]
+    return request_info(
+        {"model": MODEL, "messages": messages}, {}, RoutingConfig(policy="prefix_aware")
+    )
 
 
 def text(seed: int, size: int) -> str:
@@ -78,6 +87,7 @@ def text(seed: int, size: int) -> str:
 
 
 # -- request facts -----------------------------------------------------------------------------
+
 
 def test_request_info_takes_the_session_key_from_header_then_user() -> None:
     config = RoutingConfig(session_header="X-Session-Id")
@@ -97,11 +107,18 @@ def test_every_turn_of_a_conversation_has_the_same_opening() -> None:
     openings = {chat(*turns[:n]).opening for n in range(1, 7)}
     assert openings == {f"system\x1fYou are a helpful assistant.\x1euser\x1f{turns[0]}\x1e"}
     assert chat(text(99, 300)).opening not in openings  # same system prompt, another chat
-    config = RoutingConfig(policy="prefix_aware", prefix_text_chars=8, prefix_max_chunks=1,
-                           prefix_chunk_chars=40)
-    developer = {"model": MODEL, "messages": [
-        {"role": "developer", "content": "rules"}, {"role": "system", "content": "more"},
-        {"role": "user", "content": "q" * 100}, {"role": "assistant", "content": "a"}]}
+    config = RoutingConfig(
+        policy="prefix_aware", prefix_text_chars=8, prefix_max_chunks=1, prefix_chunk_chars=40
+    )
+    developer = {
+        "model": MODEL,
+        "messages": [
+            {"role": "developer", "content": "rules"},
+            {"role": "system", "content": "more"},
+            {"role": "user", "content": "q" * 100},
+            {"role": "assistant", "content": "a"},
+        ],
+    }
     opening = request_info(developer, {}, config).opening
     assert opening == "developer\x1frules\x1esystem\x1fmore\x1euser\x1f" + "q" * 7  # 40 chars
     text_prompt = request_info({"model": MODEL, "prompt": "0123456789"}, {}, config)
@@ -128,6 +145,7 @@ def test_rendered_prompt_forms_and_bound() -> None:
 
 # -- round robin -------------------------------------------------------------------------------
 
+
 def test_round_robin_is_fair_per_model() -> None:
     engines = [make_engine(i, models=(MODEL, "other")) for i in range(2)]
     table = make_table(engines)
@@ -144,12 +162,15 @@ def test_round_robin_is_fair_per_model() -> None:
 def test_round_robin_skips_excluded() -> None:
     table = make_table([make_engine(i) for i in range(3)])
     policy = make("round_robin", table)
-    chosen = {policy.choose(table.routable(MODEL), RequestInfo(MODEL), exclude=["uid-0001"])[0].uid
-              for _ in range(10)}
+    chosen = {
+        policy.choose(table.routable(MODEL), RequestInfo(MODEL), exclude=["uid-0001"])[0].uid
+        for _ in range(10)
+    }
     assert chosen == {"uid-0000", "uid-0002"}
 
 
 # -- least loaded ------------------------------------------------------------------------------
+
 
 def test_least_loaded_prefers_the_idle_engine() -> None:
     engines = [make_engine(i) for i in range(5)]
@@ -177,16 +198,21 @@ def test_least_loaded_spreads_equal_engines_and_prefers_light_ones_at_scale() ->
         engine.in_flight = 10
     table = make_table(many)
     policy = make("least_loaded", table)
-    picks = Counter(policy.choose(table.routable(MODEL), RequestInfo(MODEL))[0].in_flight
-                    for _ in range(4000))
+    picks = Counter(
+        policy.choose(table.routable(MODEL), RequestInfo(MODEL))[0].in_flight for _ in range(4000)
+    )
     assert picks[0] > 0.7 * 4000  # two choices: an idle one unless both draws hit busy ones
 
 
 def test_least_loaded_reacts_to_scraped_queues_and_ignores_stale_ones() -> None:
     clock = Clock()
     engines = [make_engine(i) for i in range(2)]
-    engines[0].stats = {"running": 6.0, "waiting": 4.0, "scraped_at": clock.now,
-                        "stale_after": 15.0}
+    engines[0].stats = {
+        "running": 6.0,
+        "waiting": 4.0,
+        "scraped_at": clock.now,
+        "stale_after": 15.0,
+    }
     table = make_table(engines)
     policy = make("least_loaded", table, clock)
     for _ in range(50):
@@ -196,8 +222,9 @@ def test_least_loaded_reacts_to_scraped_queues_and_ignores_stale_ones() -> None:
     for _ in range(50):
         assert policy.choose(table.routable(MODEL), RequestInfo(MODEL))[0] is engines[0]
     clock.now += 15.5  # both stale: only in-flight counts, and they are equal
-    chosen = Counter(policy.choose(table.routable(MODEL), RequestInfo(MODEL))[0].uid
-                     for _ in range(200))
+    chosen = Counter(
+        policy.choose(table.routable(MODEL), RequestInfo(MODEL))[0].uid for _ in range(200)
+    )
     assert min(chosen.values()) > 50
 
 
@@ -206,8 +233,9 @@ def test_stats_ttl_given_to_the_policy_wins_over_the_recorded_one() -> None:
     engines = [make_engine(i) for i in range(2)]
     engines[0].stats = {"waiting": 50.0, "scraped_at": clock.now - 5, "stale_after": 15.0}
     table = make_table(engines)
-    policy = make_policy(RoutingConfig(policy="least_loaded"), clock=clock, stats_ttl=4.0,
-                         rng=random.Random(3))
+    policy = make_policy(
+        RoutingConfig(policy="least_loaded"), clock=clock, stats_ttl=4.0, rng=random.Random(3)
+    )
     chosen = {policy.choose(table.routable(MODEL), RequestInfo(MODEL))[0].uid for _ in range(40)}
     assert chosen == {"uid-0000", "uid-0001"}  # 5 s old > 4 s: ignored
 
@@ -224,6 +252,7 @@ def test_no_engine_error_when_nothing_is_left() -> None:
 
 
 # -- session -----------------------------------------------------------------------------------
+
 
 def keys(n: int) -> list[str]:
     return [f"user-{i}" for i in range(n)]
@@ -249,8 +278,9 @@ def test_session_is_the_same_in_independent_instances_whatever_the_order() -> No
     table_a, table_b = make_table(engines_a), make_table(engines_b)
     policy_a, policy_b = make("session", table_a, seed=1), make("session", table_b, seed=2)
     ks = keys(2000)
-    assert assignment(policy_a, table_a.routable(MODEL), ks) == \
-        assignment(policy_b, table_b.routable(MODEL), ks)
+    assert assignment(policy_a, table_a.routable(MODEL), ks) == assignment(
+        policy_b, table_b.routable(MODEL), ks
+    )
 
 
 def test_session_moves_about_one_nth_of_keys_when_an_engine_goes_or_comes() -> None:
@@ -282,23 +312,31 @@ def test_session_after_many_removals_matches_a_fresh_instance() -> None:
         assignment(policy, table.routable(MODEL), ks[:20])
     fresh_table = make_table([make_engine(i) for i in range(30, 40)])
     fresh = make("session", fresh_table)
-    assert assignment(policy, table.routable(MODEL), ks) == \
-        assignment(fresh, fresh_table.routable(MODEL), ks)
+    assert assignment(policy, table.routable(MODEL), ks) == assignment(
+        fresh, fresh_table.routable(MODEL), ks
+    )
 
 
 def test_session_for_a_model_on_few_engines_matches_the_shared_ring() -> None:
-    engines = [make_engine(i, models=(MODEL, "adapter") if i % 10 == 0 else (MODEL,))
-               for i in range(40)]
+    engines = [
+        make_engine(i, models=(MODEL, "adapter") if i % 10 == 0 else (MODEL,)) for i in range(40)
+    ]
     table = make_table(engines)
     both = make("session", table)
     assignment(both, table.routable(MODEL), keys(10))  # the ring now holds all 40 engines
     ks = keys(1000)
-    adapter = {k: both.choose(table.routable("adapter"), RequestInfo("adapter", session_key=k))[0]
-               .uid for k in ks}
+    adapter = {
+        k: both.choose(table.routable("adapter"), RequestInfo("adapter", session_key=k))[0].uid
+        for k in ks
+    }
     alone_table = make_table([make_engine(i, ("adapter",)) for i in range(0, 40, 10)])
     only = make("session", alone_table)
-    alone = {k: only.choose(alone_table.routable("adapter"),
-                            RequestInfo("adapter", session_key=k))[0].uid for k in ks}
+    alone = {
+        k: only.choose(alone_table.routable("adapter"), RequestInfo("adapter", session_key=k))[
+            0
+        ].uid
+        for k in ks
+    }
     assert adapter == alone and len(set(alone.values())) == 4
 
 
@@ -344,20 +382,23 @@ def test_session_without_key_is_least_loaded() -> None:
 
 # -- prefix aware ------------------------------------------------------------------------------
 
+
 def conversation_set(seed: int, count: int, *, shared_system: bool) -> list[list[str]]:
     """`count` conversations of 6 turns: their own long system prompts, or one shared."""
     rng = random.Random(seed)
     shared = text(rng.randrange(1 << 30), 2000)
-    return [[shared if shared_system else text(rng.randrange(1 << 30), 2000)]
-            + [text(rng.randrange(1 << 30), rng.randrange(20, 400)) for _ in range(6)]
-            for _ in range(count)]
+    return [
+        [shared if shared_system else text(rng.randrange(1 << 30), 2000)]
+        + [text(rng.randrange(1 << 30), rng.randrange(20, 400)) for _ in range(6)]
+        for _ in range(count)
+    ]
 
 
 def turn(conversation: list[str], n: int) -> RequestInfo:
     """The nth turn (0-based) of `conversation`: its system prompt, then n + 1 user messages
     with the answers between them."""
     system, *users = conversation
-    turns = [x for user in users[:n + 1] for x in (user, "answer to " + user[:30])][:-1]
+    turns = [x for user in users[: n + 1] for x in (user, "answer to " + user[:30])][:-1]
     return chat(*turns, system=system)
 
 
@@ -382,10 +423,15 @@ def test_prefix_growing_conversations_keep_their_engine() -> None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 1 << 30), n=st.integers(1, 12), shared=st.booleans(),
-       loads=st.lists(st.integers(0, 12), min_size=12, max_size=12))
+@given(
+    seed=st.integers(0, 1 << 30),
+    n=st.integers(1, 12),
+    shared=st.booleans(),
+    loads=st.lists(st.integers(0, 12), min_size=12, max_size=12),
+)
 def test_prefix_independent_replicas_agree_on_every_decision(
-        seed: int, n: int, shared: bool, loads: list[int]) -> None:
+    seed: int, n: int, shared: bool, loads: list[int]
+) -> None:
     """Two policies built apart, as two replicas are (other random seeds, engines seen in
     another order), make the same choice for every request, given the same load figures; so
     does a third built fresh halfway (a restarted replica)."""
@@ -410,13 +456,13 @@ def test_prefix_independent_replicas_agree_on_every_decision(
 @settings(max_examples=25, deadline=None)
 @given(n=st.integers(2, 40), lost=st.integers(0, 39), seed=st.integers(0, 1 << 30))
 def test_prefix_losing_one_of_n_engines_moves_only_its_conversations(
-        n: int, lost: int, seed: int) -> None:
+    n: int, lost: int, seed: int
+) -> None:
     engines = [make_engine(i) for i in range(n)]
     table = make_table(engines)
     policy = make("prefix_aware", table)
     rng = random.Random(seed)
-    openings = [RequestInfo(MODEL, opening=text(rng.randrange(1 << 30), 300))
-                for _ in range(400)]
+    openings = [RequestInfo(MODEL, opening=text(rng.randrange(1 << 30), 300)) for _ in range(400)]
     before = [policy.choose(table.routable(MODEL), o)[0].uid for o in openings]
     gone = engines[lost % n].uid
     table.remove(gone)
@@ -446,8 +492,9 @@ def test_prefix_hot_opening_spreads_under_load_and_returns() -> None:
     assert sum(e.in_flight > 0 for e in engines) >= 5
     # A second replica, with the same load figures, spills the same way.
     twin = make("prefix_aware", make_table(engines), seed=7)
-    assert twin.choose(table.routable(MODEL), hot)[0] is policy.choose(
-        table.routable(MODEL), hot)[0]
+    assert (
+        twin.choose(table.routable(MODEL), hot)[0] is policy.choose(table.routable(MODEL), hot)[0]
+    )
     for engine in engines:  # once load drains, the opening is back on its owner
         engine.in_flight = 0
     assert policy.choose(table.routable(MODEL), hot)[0] is owner
@@ -478,6 +525,7 @@ def test_prefix_removed_engine_gets_nothing_and_a_returning_one_its_share_back()
 
 # -- every policy ------------------------------------------------------------------------------
 
+
 def test_a_replaced_policy_is_unsubscribed_and_freed() -> None:
     """What a reload does with a policy it replaces: `build_runtime` subscribes the new one,
     `Runtime.retired` hands back the old subscription, and ending it frees the old policy."""
@@ -504,12 +552,24 @@ def test_a_replaced_policy_is_unsubscribed_and_freed() -> None:
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(name=st.sampled_from(POLICIES), n=st.integers(1, 40),
-       loads=st.lists(st.integers(0, 30), min_size=40, max_size=40),
-       excluded=st.sets(st.integers(0, 39)), key=st.none() | st.text(max_size=8),
-       opening=st.none() | st.text(max_size=3000), warm=st.booleans())
-def test_every_policy_honours_exclude(name: str, n: int, loads: list[int], excluded: set[int],
-                                      key: str | None, opening: str | None, warm: bool) -> None:
+@given(
+    name=st.sampled_from(POLICIES),
+    n=st.integers(1, 40),
+    loads=st.lists(st.integers(0, 30), min_size=40, max_size=40),
+    excluded=st.sets(st.integers(0, 39)),
+    key=st.none() | st.text(max_size=8),
+    opening=st.none() | st.text(max_size=3000),
+    warm=st.booleans(),
+)
+def test_every_policy_honours_exclude(
+    name: str,
+    n: int,
+    loads: list[int],
+    excluded: set[int],
+    key: str | None,
+    opening: str | None,
+    warm: bool,
+) -> None:
     engines = [make_engine(i) for i in range(n)]
     for engine, load in zip(engines, loads, strict=False):
         engine.in_flight = load
@@ -532,15 +592,30 @@ def test_every_policy_honours_exclude(name: str, n: int, loads: list[int], exclu
 
 # -- config ------------------------------------------------------------------------------------
 
+
 def test_policy_knobs_are_validated_and_read_from_toml() -> None:
-    for bad in ({"session_load_factor": 0.9}, {"session_vnodes": 0}, {"load_kv_weight": -1.0},
-                {"prefix_chunk_chars": 0}, {"prefix_balance_rel": 0.5}, {"prefix_text_chars": 0},
-                {"prefix_cache_entries": 0}, {"session_header": ""}):
+    for bad in (
+        {"session_load_factor": 0.9},
+        {"session_vnodes": 0},
+        {"load_kv_weight": -1.0},
+        {"prefix_chunk_chars": 0},
+        {"prefix_balance_rel": 0.5},
+        {"prefix_text_chars": 0},
+        {"prefix_cache_entries": 0},
+        {"session_header": ""},
+    ):
         with pytest.raises(ConfigError):
             RoutingConfig(**bad)
-    config = parse_config({"routing": {"policy": "prefix_aware", "prefix_chunk_chars": 128,
-                                       "load_queue_weight": 1},
-                           "stats": {"interval_s": 2, "timeout_s": 1}})
+    config = parse_config(
+        {
+            "routing": {
+                "policy": "prefix_aware",
+                "prefix_chunk_chars": 128,
+                "load_queue_weight": 1,
+            },
+            "stats": {"interval_s": 2, "timeout_s": 1},
+        }
+    )
     assert config.routing.prefix_chunk_chars == 128 and config.routing.load_queue_weight == 1.0
     assert config.stats.timeout_s == 1.0
     with pytest.raises(ConfigError, match=r"routing\.prefix_chunk_size"):
@@ -550,7 +625,8 @@ def test_policy_knobs_are_validated_and_read_from_toml() -> None:
 
 
 def test_the_unused_prefix_memory_bound_is_accepted_with_a_warning(
-        caplog: pytest.LogCaptureFixture) -> None:
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     table = make_table([make_engine(0)])
     make("prefix_aware", table)
     assert not caplog.records

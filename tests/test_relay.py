@@ -30,8 +30,9 @@ from trio_router.table import RoutingTable
 from trio_router.upstream import CLIENT_CHECK_S, ClientGoneError, UpstreamPool, open_relay
 
 LIMIT: Final = 10.0
-HEAD: Final = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-               b"transfer-encoding: chunked\r\n\r\n")
+HEAD: Final = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+)
 
 
 def chunked(chunks: Sequence[bytes], *, spelling: str = "h11", trailers: bool = False) -> bytes:
@@ -70,11 +71,15 @@ def decode_chunked(wire: bytes) -> bytes:
 
 # -- the codec ----------------------------------------------------------------------------------
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.binary(min_size=1, max_size=200), max_size=10),
-       st.sampled_from(["h11", "upper", "zeros", "ext"]), st.booleans(),
-       st.lists(st.integers(1, 64), min_size=1, max_size=12))
+@given(
+    st.lists(st.binary(min_size=1, max_size=200), max_size=10),
+    st.sampled_from(["h11", "upper", "zeros", "ext"]),
+    st.booleans(),
+    st.lists(st.integers(1, 64), min_size=1, max_size=12),
+)
 def test_framed_relay_carries_exactly_the_body_at_any_split(
-        chunks: list[bytes], spelling: str, trailers: bool, splits: list[int]) -> None:
+    chunks: list[bytes], spelling: str, trailers: bool, splits: list[int]
+) -> None:
     """Whatever the engine's chunking and however its bytes are split into reads, what the
     relay writes plus the server's last chunk is a well-formed chunked body with exactly the
     engine's data, and the same data the general path (de-chunk, re-frame) delivers. Chunks in
@@ -86,7 +91,7 @@ def test_framed_relay_carries_exactly_the_body_at_any_split(
         assert parser.read_head() and parser.chunked
     out, data, pos, turn = [], [], 0, 0
     while pos < len(wire):
-        piece = wire[pos:pos + splits[turn % len(splits)]]
+        piece = wire[pos : pos + splits[turn % len(splits)]]
         pos, turn = pos + len(piece), turn + 1
         relayed.feed(piece)
         out.append(relayed.read_body_framed())
@@ -184,14 +189,15 @@ class Client:
 
 
 @asynccontextmanager
-async def relayed_exchange(script: EngineScript, *, read_timeout: float = 600.0
-                           ) -> AsyncIterator[tuple[Any, Any, FakeNetwork]]:
+async def relayed_exchange(
+    script: EngineScript, *, read_timeout: float = 600.0
+) -> AsyncIterator[tuple[Any, Any, FakeNetwork]]:
     network = FakeNetwork(script)
     async with network.open(), open_relay() as relay:
-        pool = UpstreamPool(connect_timeout=5.0, read_timeout=read_timeout,
-                            connect=network.connect)
-        async with pool.request("http://10.0.0.1:8000", b"POST", b"/v1/completions", [],
-                                b"{}") as response:
+        pool = UpstreamPool(connect_timeout=5.0, read_timeout=read_timeout, connect=network.connect)
+        async with pool.request(
+            "http://10.0.0.1:8000", b"POST", b"/v1/completions", [], b"{}"
+        ) as response:
             assert response.relayable
             yield relay, response, network
         pool.close()
@@ -210,10 +216,14 @@ async def test_relay_moves_a_stream_and_ends_it(autojump_clock: trio.testing.Moc
 
 
 async def test_relay_ends_a_silent_engine_at_the_read_timeout(
-        autojump_clock: trio.testing.MockClock) -> None:
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     client = Client.make()
-    async with relayed_exchange(EngineScript([b"data: 1\n\n"], hang=True),
-                                read_timeout=5.0) as (relay, response, _):
+    async with relayed_exchange(EngineScript([b"data: 1\n\n"], hang=True), read_timeout=5.0) as (
+        relay,
+        response,
+        _,
+    ):
         start = trio.current_time()
         with pytest.raises(UpstreamTimeoutError, match="silent for 5 s"):
             await relay.relay(response, client)
@@ -225,11 +235,15 @@ async def test_relay_ends_a_silent_engine_at_the_read_timeout(
 
 async def test_relay_notices_a_client_that_left(autojump_clock: trio.testing.MockClock) -> None:
     client = Client.make()
-    async with relayed_exchange(EngineScript([b"data: 1\n\n"], hang=True)) as (
-            relay, response, network), trio.open_nursery() as nursery:
+    async with (
+        relayed_exchange(EngineScript([b"data: 1\n\n"], hang=True)) as (relay, response, network),
+        trio.open_nursery() as nursery,
+    ):
+
         async def leave() -> None:
             await trio.sleep(10)
             client.gone = True
+
         nursery.start_soon(leave)
         with pytest.raises(ClientGoneError):
             await relay.relay(response, client, lambda: client.gone)
@@ -241,15 +255,15 @@ async def test_relay_notices_a_client_that_left(autojump_clock: trio.testing.Moc
 
 
 async def test_relay_holds_back_the_engine_for_a_client_that_does_not_read(
-        autojump_clock: trio.testing.MockClock) -> None:
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     """A client that stops reading: the relay stops reading the engine (at most one read is
     held, the rest stays with the engine), and carries on where it was once the client reads
     again."""
     events = [bytes([65 + i % 26]) * 16384 for i in range(2000)]  # 32 MiB in all
     script = EngineScript(events)
     client = Client.make()
-    async with (relayed_exchange(script) as (relay, response, _),
-                trio.open_nursery() as nursery):
+    async with relayed_exchange(script) as (relay, response, _), trio.open_nursery() as nursery:
         done = trio.Event()
 
         async def run() -> None:
@@ -275,16 +289,22 @@ async def test_relay_holds_back_the_engine_for_a_client_that_does_not_read(
     client.close()
 
 
-async def test_relay_stops_when_the_client_resets(
-        autojump_clock: trio.testing.MockClock) -> None:
+async def test_relay_stops_when_the_client_resets(autojump_clock: trio.testing.MockClock) -> None:
     client = Client.make()
-    async with relayed_exchange(EngineScript([b"x" * 100] * 3, gap=1.0, hang=True)) as (
-            relay, response, _), trio.open_nursery() as nursery:
+    async with (
+        relayed_exchange(EngineScript([b"x" * 100] * 3, gap=1.0, hang=True)) as (
+            relay,
+            response,
+            _,
+        ),
+        trio.open_nursery() as nursery,
+    ):
+
         async def reset_client() -> None:
             await trio.sleep(1.5)
-            client.theirs.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
-                                     struct.pack("ii", 1, 0))
+            client.theirs.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             client.theirs.close()
+
         nursery.start_soon(reset_client)
         with pytest.raises(ClientGoneError):
             await relay.relay(response, client)
@@ -304,8 +324,7 @@ class ScriptedEngine:
     head: bytes = HEAD
     closed: trio.Event = field(default_factory=trio.Event)  # the router closed a stream
 
-    async def serve(self, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
-                    ) -> None:
+    async def serve(self, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
         listeners = await trio.open_tcp_listeners(0, host="127.0.2.1")
         port = listeners[0].socket.getsockname()[1]
         async with trio.open_nursery() as nursery:
@@ -331,9 +350,15 @@ class ScriptedEngine:
                 assert request is not None
                 if request.method == b"GET":
                     body = json.dumps({"object": "list", "data": [{"id": "fake-model"}]})
-                    await stream.send_all(conn.send(h11.Response(
-                        status_code=200, headers=[("content-length", str(len(body)))]))
-                        + conn.send(h11.Data(data=body.encode())) + conn.send(h11.EndOfMessage()))
+                    await stream.send_all(
+                        conn.send(
+                            h11.Response(
+                                status_code=200, headers=[("content-length", str(len(body)))]
+                            )
+                        )
+                        + conn.send(h11.Data(data=body.encode()))
+                        + conn.send(h11.EndOfMessage())
+                    )
                     conn.start_next_cycle()
                     continue
                 await stream.send_all(self.head)
@@ -342,8 +367,9 @@ class ScriptedEngine:
                     await stream.send_all(piece)
                 if self.then == "reset":
                     await trio.testing.wait_all_tasks_blocked()
-                    stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
-                                             struct.pack("ii", 1, 0))
+                    stream.socket.setsockopt(
+                        socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+                    )
                     return
                 if self.then == "hang":
                     if not await stream.receive_some():  # only the router's close ends it
@@ -353,14 +379,16 @@ class ScriptedEngine:
 
 
 @asynccontextmanager
-async def open_scripted_router(engine: ScriptedEngine, **sections: Any
-                               ) -> AsyncIterator[tuple[str, str]]:
+async def open_scripted_router(
+    engine: ScriptedEngine, **sections: Any
+) -> AsyncIterator[tuple[str, str]]:
     """The router in front of `engine`: (router URL, the engine's name in metrics)."""
     async with trio.open_nursery() as nursery:
         url = await nursery.start(engine.serve)
         table = RoutingTable()
-        bound = await nursery.start(partial(server.run, router_config([url], **sections),
-                                            table=table, handle_signals=False))
+        bound = await nursery.start(
+            partial(server.run, router_config([url], **sections), table=table, handle_signals=False)
+        )
         while not table.routable("fake-model"):
             await table.wait_changed()
         yield bound[0], url.removeprefix("http://")
@@ -369,16 +397,24 @@ async def open_scripted_router(engine: ScriptedEngine, **sections: Any
 
 async def requests_with_status(url: str, engine: str, status: int) -> float:
     async with httpx.AsyncClient() as client:
-        return sample((await client.get(f"{url}/metrics")).text, "trio_router_requests_total",
-                      model="fake-model", engine=engine, status=str(status))
+        return sample(
+            (await client.get(f"{url}/metrics")).text,
+            "trio_router_requests_total",
+            model="fake-model",
+            engine=engine,
+            status=str(status),
+        )
 
 
 async def raw_request(url: str, version: str) -> tuple[trio.SocketStream, bytes]:
     host, port = url.removeprefix("http://").rsplit(":", 1)
     stream = await trio.open_tcp_stream(host, int(port))
     body = json.dumps({"model": "fake-model", "stream": True}).encode()
-    await stream.send_all(f"POST /v1/completions HTTP/{version}\r\nhost: r\r\n"
-                          f"content-length: {len(body)}\r\n\r\n".encode() + body)
+    await stream.send_all(
+        f"POST /v1/completions HTTP/{version}\r\nhost: r\r\n"
+        f"content-length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
     return stream, body
 
 
@@ -395,19 +431,21 @@ async def read_all(stream: trio.SocketStream) -> bytes:
 
 async def relayed_count(url: str) -> float:
     async with httpx.AsyncClient() as client:
-        return sample((await client.get(f"{url}/metrics")).text,
-                      "trio_router_relayed_responses_total")
+        return sample(
+            (await client.get(f"{url}/metrics")).text, "trio_router_relayed_responses_total"
+        )
 
 
 EVENTS: Final = [b'data: {"i": %d, "text": "tok\\r\\nen"}\n\n' % i for i in range(6)]
 SCRIPTS: Final = {
     "one chunk per read": [chunked([e])[:-5] for e in EVENTS] + [b"0\r\n\r\n"],
     "several chunks per read": [chunked(EVENTS[:3])[:-5], chunked(EVENTS[3:])],
-    "chunks cut anywhere": (lambda w: [w[i:i + 7] for i in range(0, len(w), 7)])(
-        chunked(EVENTS)),
-    "other spellings and trailers": [chunked(EVENTS[:2], spelling="upper")[:-5],
-                                     chunked(EVENTS[2:4], spelling="ext")[:-5],
-                                     chunked(EVENTS[4:], spelling="zeros", trailers=True)],
+    "chunks cut anywhere": (lambda w: [w[i : i + 7] for i in range(0, len(w), 7)])(chunked(EVENTS)),
+    "other spellings and trailers": [
+        chunked(EVENTS[:2], spelling="upper")[:-5],
+        chunked(EVENTS[2:4], spelling="ext")[:-5],
+        chunked(EVENTS[4:], spelling="zeros", trailers=True),
+    ],
     "last chunk split": (lambda w: [w[:-3], w[-3:-1], w[-1:]])(chunked(EVENTS)),
 }
 
@@ -438,8 +476,9 @@ async def test_http2_clients_take_the_general_path() -> None:
         async with open_scripted_router(engine) as (url, _):
             before = await relayed_count(url)
             async with httpx.AsyncClient(http1=False, http2=True) as client:
-                response = await client.post(f"{url}/v1/completions",
-                                             json={"model": "fake-model", "stream": True})
+                response = await client.post(
+                    f"{url}/v1/completions", json={"model": "fake-model", "stream": True}
+                )
             assert response.http_version == "HTTP/2" and response.content == b"".join(EVENTS)
             assert await relayed_count(url) == before
 

@@ -27,10 +27,18 @@ from trio_router.table import RoutingTable
 from trio_router.testing import FakeEngine, open_fake_engines
 
 
-def config_text(urls: Sequence[str], *, max_body: int = 100_000, policy: str = "round_robin",
-                read_timeout: float = 5.0, engine_key_env: str = "", retries: int = 2,
-                bind: str = "127.0.0.1:0", probe_interval: float = 60.0,
-                stats_interval: float = 0.0) -> str:
+def config_text(
+    urls: Sequence[str],
+    *,
+    max_body: int = 100_000,
+    policy: str = "round_robin",
+    read_timeout: float = 5.0,
+    engine_key_env: str = "",
+    retries: int = 2,
+    bind: str = "127.0.0.1:0",
+    probe_interval: float = 60.0,
+    stats_interval: float = 0.0,
+) -> str:
     return f"""
 [server]
 bind = "{bind}"
@@ -85,16 +93,23 @@ class Running:
 
 
 @asynccontextmanager
-async def open_reloadable_router(tmp_path: Path, engines: Sequence[FakeEngine],
-                                 **options: object) -> AsyncIterator[Running]:
+async def open_reloadable_router(
+    tmp_path: Path, engines: Sequence[FakeEngine], **options: object
+) -> AsyncIterator[Running]:
     async with open_fake_engines(engines) as urls:
         path = tmp_path / "router.toml"
         path.write_text(config_text(urls, **options))  # type: ignore[arg-type]
         reloads, table = Reloads(), RoutingTable()
         async with trio.open_nursery() as nursery:
-            (url,) = await nursery.start(partial(
-                server.run, load_config(path), load=partial(load_config, path), table=table,
-                on_reload=reloads.record))
+            (url,) = await nursery.start(
+                partial(
+                    server.run,
+                    load_config(path),
+                    load=partial(load_config, path),
+                    table=table,
+                    on_reload=reloads.record,
+                )
+            )
             while len(table.routable("fake-model")) < len(engines):
                 await table.wait_changed()
             async with httpx.AsyncClient(base_url=url, timeout=LIMIT) as client:
@@ -103,7 +118,8 @@ async def open_reloadable_router(tmp_path: Path, engines: Sequence[FakeEngine],
 
 
 async def test_live_changes_apply_to_new_requests_and_spare_in_flight_ones(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("ENGINE_KEY", "engine-key")
     gate = trio.Event()
     engine = FakeEngine(tokens=3)
@@ -114,9 +130,16 @@ async def test_live_changes_apply_to_new_requests_and_spare_in_flight_ones(
             engine.gate = gate  # from now on, streams hold after their first event
             async with await open_raw(router.url) as stream:
                 await send_raw(stream, CHAT, chat(stream=True), until=b"data: ")
-                router.path.write_text(config_text(
-                    router.urls, max_body=300, policy="least_loaded", read_timeout=0.3,
-                    engine_key_env="ENGINE_KEY", probe_interval=0.2))
+                router.path.write_text(
+                    config_text(
+                        router.urls,
+                        max_body=300,
+                        policy="least_loaded",
+                        read_timeout=0.3,
+                        engine_key_env="ENGINE_KEY",
+                        probe_interval=0.2,
+                    )
+                )
                 probes = len(engine.requests_to("/v1/models"))
                 outcome = await router.reloads.sighup()
                 assert outcome == ReloadOutcome(applied=("[server]", "[routing]", "[proxy]"))
@@ -134,21 +157,30 @@ async def test_live_changes_apply_to_new_requests_and_spare_in_flight_ones(
             # The probes pick up the new key as well (here at the next 0.2 s re-probe).
             await engine.wait_until(lambda: len(engine.requests_to("/v1/models")) > probes + 1)
             assert engine.requests_to("/v1/models")[-1].header("authorization") == (
-                "Bearer engine-key")
+                "Bearer engine-key"
+            )
             engine.ttft_s = 1.0
             assert (await router.client.post(CHAT, json=chat())).status_code == 504
             text = (await router.client.get("/metrics")).text
     assert sample(text, "trio_router_config_reloads_total", result="ok") == 1.0
 
 
-@pytest.mark.parametrize(("old", "new", "message"), [
-    ("[server]", "[server", "invalid TOML"),
-    ("retries = 2", "retries = 2\nretriez = 3", "proxy.retriez"),
-    ('api_key_env = ""', 'api_key_env = "UNSET_KEY_VARIABLE"', "UNSET_KEY_VARIABLE"),
-])
+@pytest.mark.parametrize(
+    ("old", "new", "message"),
+    [
+        ("[server]", "[server", "invalid TOML"),
+        ("retries = 2", "retries = 2\nretriez = 3", "proxy.retriez"),
+        ('api_key_env = ""', 'api_key_env = "UNSET_KEY_VARIABLE"', "UNSET_KEY_VARIABLE"),
+    ],
+)
 async def test_a_bad_file_is_rejected_and_the_running_config_kept(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
-        old: str, new: str, message: str) -> None:
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    old: str,
+    new: str,
+    message: str,
+) -> None:
     monkeypatch.delenv("UNSET_KEY_VARIABLE", raising=False)
     engine = FakeEngine()
     padded = json.dumps(chat(pad="x" * 400)).encode()
@@ -156,43 +188,48 @@ async def test_a_bad_file_is_rejected_and_the_running_config_kept(
         async with open_reloadable_router(tmp_path, [engine]) as router:
             good = router.path.read_text()
             assert old in good
-            router.path.write_text(good.replace("max_body_bytes = 100000",
-                                                "max_body_bytes = 300").replace(old, new))
+            router.path.write_text(
+                good.replace("max_body_bytes = 100000", "max_body_bytes = 300").replace(old, new)
+            )
             outcome = await router.reloads.sighup()
             assert not outcome.ok and message in outcome.error
             assert (await router.client.post(CHAT, content=padded)).status_code == 200
-            router.path.write_text(good.replace("max_body_bytes = 100000",
-                                                "max_body_bytes = 300"))
+            router.path.write_text(good.replace("max_body_bytes = 100000", "max_body_bytes = 300"))
             assert (await router.reloads.sighup()).applied == ("[server]",)  # fixed: applies
             assert (await router.client.post(CHAT, content=padded)).status_code == 413
             text = (await router.client.get("/metrics")).text
     assert sample(text, "trio_router_config_reloads_total", result="error") == 1.0
-    assert any(r.levelno == logging.ERROR and message in r.getMessage()
-               for r in caplog.records)
+    assert any(r.levelno == logging.ERROR and message in r.getMessage() for r in caplog.records)
 
 
 async def test_restart_only_changes_are_reported_and_ignored(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     engines = [FakeEngine(name="a"), FakeEngine(name="b")]
     with trio.fail_after(LIMIT):
         async with open_reloadable_router(tmp_path, engines) as router:
-            router.path.write_text(config_text(
-                router.urls[:1], bind="127.0.0.1:1", probe_interval=5.0, retries=0))
+            router.path.write_text(
+                config_text(router.urls[:1], bind="127.0.0.1:1", probe_interval=5.0, retries=0)
+            )
             outcome = await router.reloads.sighup()
             assert outcome.applied == ("[proxy]", "[probe]")
-            assert outcome.needs_restart == ("server.bind (127.0.0.1:0 -> 127.0.0.1:1)",
-                                             "[discovery]")
+            assert outcome.needs_restart == (
+                "server.bind (127.0.0.1:0 -> 127.0.0.1:1)",
+                "[discovery]",
+            )
             # Still serving on the old address, still routing to both engines.
             for _ in range(4):
                 assert (await router.client.post(CHAT, json=chat())).status_code == 200
             assert sorted(e.url for e in router.table) == sorted(router.urls)
             assert all(len(e.requests_to(CHAT)) == 2 for e in engines)
-            router.path.write_text(config_text(router.urls[:1], bind="127.0.0.1:1",
-                                               probe_interval=5.0, retries=0))
+            router.path.write_text(
+                config_text(router.urls[:1], bind="127.0.0.1:1", probe_interval=5.0, retries=0)
+            )
             again = await router.reloads.sighup()  # nothing live changed this time
             assert again.applied == () and again.ok
-    assert any("needs a restart" in r.getMessage() and r.levelno == logging.WARNING
-               for r in caplog.records)
+    assert any(
+        "needs a restart" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records
+    )
 
 
 async def test_probe_and_stats_settings_apply_live(tmp_path: Path) -> None:
@@ -203,8 +240,7 @@ async def test_probe_and_stats_settings_apply_live(tmp_path: Path) -> None:
         async with open_reloadable_router(tmp_path, [engine]) as router:
             probes = len(engine.requests_to("/v1/models"))
             assert engine.requests_to("/metrics") == []
-            router.path.write_text(config_text(router.urls, probe_interval=0.1,
-                                               stats_interval=0.1))
+            router.path.write_text(config_text(router.urls, probe_interval=0.1, stats_interval=0.1))
             outcome = await router.reloads.sighup()
             assert outcome.applied == ("[probe]", "[stats]") and outcome.needs_restart == ()
             await engine.wait_until(lambda: len(engine.requests_to("/v1/models")) > probes + 3)

@@ -28,38 +28,55 @@ FIXTURE = (Path(__file__).parent / "fixtures" / "vllm_metrics.txt").read_text()
 KEYS = {"running", "waiting", "kv_cache_usage"}
 
 
-def gauges(running: float, waiting: float, kv: float, *, kv_name: str = "kv_cache_usage_perc",
-           labels: str = 'engine="0",model_name="m"') -> str:
-    return (f"# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
-            f"# TYPE vllm:num_requests_running gauge\n"
-            f"vllm:num_requests_running{{{labels}}} {running}\n"
-            f"# TYPE vllm:num_requests_waiting gauge\n"
-            f"vllm:num_requests_waiting{{{labels}}} {waiting}\n"
-            f"# TYPE vllm:{kv_name} gauge\n"
-            f"vllm:{kv_name}{{{labels}}} {kv}\n")
+def gauges(
+    running: float,
+    waiting: float,
+    kv: float,
+    *,
+    kv_name: str = "kv_cache_usage_perc",
+    labels: str = 'engine="0",model_name="m"',
+) -> str:
+    return (
+        f"# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
+        f"# TYPE vllm:num_requests_running gauge\n"
+        f"vllm:num_requests_running{{{labels}}} {running}\n"
+        f"# TYPE vllm:num_requests_waiting gauge\n"
+        f"vllm:num_requests_waiting{{{labels}}} {waiting}\n"
+        f"# TYPE vllm:{kv_name} gauge\n"
+        f"vllm:{kv_name}{{{labels}}} {kv}\n"
+    )
 
 
 # -- parsing -----------------------------------------------------------------------------------
 
+
 def test_parses_the_vllm_fixture() -> None:
-    assert parse_vllm_metrics(FIXTURE) == {"running": 3.0, "waiting": 2.0,
-                                           "kv_cache_usage": 0.4219}
+    assert parse_vllm_metrics(FIXTURE) == {"running": 3.0, "waiting": 2.0, "kv_cache_usage": 0.4219}
 
 
 def test_sums_counts_over_ranks_and_averages_kv_usage() -> None:
-    text = (gauges(2, 1, 0.2, labels='engine="0"') +
-            'vllm:num_requests_running{engine="1"} 3\n'
-            'vllm:num_requests_waiting{engine="1"} 4\n'
-            'vllm:kv_cache_usage_perc{engine="1"} 0.6\n')
-    assert parse_vllm_metrics(text) == {"running": 5.0, "waiting": 5.0,
-                                        "kv_cache_usage": pytest.approx(0.4)}
+    text = (
+        gauges(2, 1, 0.2, labels='engine="0"') + 'vllm:num_requests_running{engine="1"} 3\n'
+        'vllm:num_requests_waiting{engine="1"} 4\n'
+        'vllm:kv_cache_usage_perc{engine="1"} 0.6\n'
+    )
+    assert parse_vllm_metrics(text) == {
+        "running": 5.0,
+        "waiting": 5.0,
+        "kv_cache_usage": pytest.approx(0.4),
+    }
 
 
 def test_older_gpu_cache_gauge_is_the_fallback() -> None:
     assert parse_vllm_metrics(gauges(1, 0, 0.7, kv_name="gpu_cache_usage_perc")) == {
-        "running": 1.0, "waiting": 0.0, "kv_cache_usage": 0.7}
-    both = gauges(1, 0, 0.7, kv_name="gpu_cache_usage_perc") + \
-        "# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc 0.25\n"
+        "running": 1.0,
+        "waiting": 0.0,
+        "kv_cache_usage": 0.7,
+    }
+    both = (
+        gauges(1, 0, 0.7, kv_name="gpu_cache_usage_perc")
+        + "# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc 0.25\n"
+    )
     assert parse_vllm_metrics(both)["kv_cache_usage"] == 0.25
 
 
@@ -69,32 +86,39 @@ def test_absent_gauges_are_absent_keys() -> None:
     assert parse_vllm_metrics("vllm:num_requests_waiting 4\n") == {"waiting": 4.0}
 
 
-@pytest.mark.parametrize("text", [
-    'vllm:num_requests_running{engine="0" 3.0\n',  # unclosed labels
-    "vllm:num_requests_running three\n",
-    "vllm:num_requests_running{engine=0} 1\n",  # unquoted label value
-    FIXTURE.replace("vllm:num_requests_waiting{", "vllm:num_requests_waiting{{"),
-    "<html><body>502 Bad Gateway</body></html>",
-    "\x00\xff" * 100,
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        'vllm:num_requests_running{engine="0" 3.0\n',  # unclosed labels
+        "vllm:num_requests_running three\n",
+        "vllm:num_requests_running{engine=0} 1\n",  # unquoted label value
+        FIXTURE.replace("vllm:num_requests_waiting{", "vllm:num_requests_waiting{{"),
+        "<html><body>502 Bad Gateway</body></html>",
+        "\x00\xff" * 100,
+    ],
+)
 def test_malformed_text_yields_nothing(text: str) -> None:
     assert parse_vllm_metrics(text) == {}
 
 
 def test_label_values_with_braces_spaces_escapes_and_timestamps() -> None:
-    text = ('vllm:num_requests_running{model_name="a } b, \\"c\\"",engine="0",} 2 1700000000000\n'
-            "vllm:num_requests_running 1.5e0\n"
-            "vllm:num_requests_running_total 99\n"  # another metric with a longer name
-            "# HELP vllm:num_requests_waiting waiting, with a } in the help\n"
-            "vllm:num_requests_waiting\t+Inf\n"
-            "vllm:num_requests_waiting 4\n")
+    text = (
+        'vllm:num_requests_running{model_name="a } b, \\"c\\"",engine="0",} 2 1700000000000\n'
+        "vllm:num_requests_running 1.5e0\n"
+        "vllm:num_requests_running_total 99\n"  # another metric with a longer name
+        "# HELP vllm:num_requests_waiting waiting, with a } in the help\n"
+        "vllm:num_requests_waiting\t+Inf\n"
+        "vllm:num_requests_waiting 4\n"
+    )
     assert parse_vllm_metrics(text) == {"running": 3.5, "waiting": 4.0}
     assert parse_vllm_metrics(text.encode()) == parse_vllm_metrics(text)
 
 
 def test_non_finite_and_out_of_range_values_are_tamed() -> None:
-    assert parse_vllm_metrics(gauges(float("nan"), -3, 7.5)) == {"waiting": 0.0,
-                                                                  "kv_cache_usage": 1.0}
+    assert parse_vllm_metrics(gauges(float("nan"), -3, 7.5)) == {
+        "waiting": 0.0,
+        "kv_cache_usage": 1.0,
+    }
 
 
 @settings(max_examples=300, deadline=None)
@@ -107,7 +131,8 @@ def test_any_text_parses_without_raising(text: str) -> None:
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 200), st.text(max_size=80)), max_size=5))
 def test_the_fixture_with_garbage_spliced_in_parses_without_raising(
-        splices: list[tuple[int, str]]) -> None:
+    splices: list[tuple[int, str]],
+) -> None:
     lines = FIXTURE.splitlines()
     for at, junk in splices:
         lines.insert(at % (len(lines) + 1), "vllm:num_requests_" + junk)
@@ -117,9 +142,16 @@ def test_the_fixture_with_garbage_spliced_in_parses_without_raising(
 
 # -- scraping ----------------------------------------------------------------------------------
 
+
 def routable_engine(uid: str = "uid-a", url: str = "http://10.0.0.1:8000") -> Engine:
-    return Engine(uid=uid, name=uid.replace("uid", "engine"), url=url,
-                  state=EngineState.ROUTABLE, models=(Model("m"),), model_ids=frozenset({"m"}))
+    return Engine(
+        uid=uid,
+        name=uid.replace("uid", "engine"),
+        url=url,
+        state=EngineState.ROUTABLE,
+        models=(Model("m"),),
+        model_ids=frozenset({"m"}),
+    )
 
 
 class FakeMetrics:
@@ -147,13 +179,22 @@ class FakeMetrics:
         if self.mode == "garbage":
             return FakeReply(200, b"<html>not metrics</html>")
         labels = '{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"}'
-        return FakeReply(200, FIXTURE
-                         .replace(f"vllm:num_requests_running{labels} 3.0",
-                                  f"vllm:num_requests_running{labels} {self.running}")
-                         .replace(f"vllm:num_requests_waiting{labels} 2.0",
-                                  f"vllm:num_requests_waiting{labels} {self.waiting}")
-                         .replace(f"vllm:kv_cache_usage_perc{labels} 0.4219",
-                                  f"vllm:kv_cache_usage_perc{labels} {self.kv}").encode())
+        return FakeReply(
+            200,
+            FIXTURE.replace(
+                f"vllm:num_requests_running{labels} 3.0",
+                f"vllm:num_requests_running{labels} {self.running}",
+            )
+            .replace(
+                f"vllm:num_requests_waiting{labels} 2.0",
+                f"vllm:num_requests_waiting{labels} {self.waiting}",
+            )
+            .replace(
+                f"vllm:kv_cache_usage_perc{labels} 0.4219",
+                f"vllm:kv_cache_usage_perc{labels} {self.kv}",
+            )
+            .encode(),
+        )
 
 
 @asynccontextmanager
@@ -161,8 +202,12 @@ async def engine_pool(handler: Handler) -> AsyncIterator[tuple[UpstreamPool, Fak
     """An engine connection pool (as a supervisor makes one) on a fake network."""
     network = FakeNetwork(handler)
     async with network.open():
-        pool = UpstreamPool(connect_timeout=math.inf, read_timeout=math.inf,
-                            max_idle_s=300.0, connect=network.connect)
+        pool = UpstreamPool(
+            connect_timeout=math.inf,
+            read_timeout=math.inf,
+            max_idle_s=300.0,
+            connect=network.connect,
+        )
         try:
             yield pool, network
         finally:
@@ -170,18 +215,33 @@ async def engine_pool(handler: Handler) -> AsyncIterator[tuple[UpstreamPool, Fak
 
 
 async def test_scraper_stores_fresh_gauges_every_interval(
-        autojump_clock: trio.testing.MockClock) -> None:
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     fake, engine = FakeMetrics(), routable_engine()
     table = RoutingTable()
     table.put(engine)
     async with engine_pool(fake) as (client, network), trio.open_nursery() as nursery:
         fake.running = 7
-        nursery.start_soon(partial(
-            run_stats_scraper, engine, table, client, interval=5.0, timeout=2.0,
-            generation=0, headers=lambda: [(b"authorization", b"Bearer engine-key")]))
+        nursery.start_soon(
+            partial(
+                run_stats_scraper,
+                engine,
+                table,
+                client,
+                interval=5.0,
+                timeout=2.0,
+                generation=0,
+                headers=lambda: [(b"authorization", b"Bearer engine-key")],
+            )
+        )
         await trio.sleep(1)
-        assert engine.stats == {"running": 7.0, "waiting": 0.0, "kv_cache_usage": 0.4219,
-                                "scraped_at": 0.0, "stale_after": 15.0}
+        assert engine.stats == {
+            "running": 7.0,
+            "waiting": 0.0,
+            "kv_cache_usage": 0.4219,
+            "scraped_at": 0.0,
+            "stale_after": 15.0,
+        }
         assert fake.headers["authorization"] == "Bearer engine-key"
         fake.running = 2
         await trio.sleep(59)
@@ -193,15 +253,19 @@ async def test_scraper_stores_fresh_gauges_every_interval(
 
 
 async def test_scraper_skips_an_engine_that_is_not_routable(
-        autojump_clock: trio.testing.MockClock) -> None:
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     """A hanging or failing engine is probed, not scraped: no connection per scrape for
     figures that would route nothing. Scraping resumes once it is routable again."""
     fake, engine = FakeMetrics(), routable_engine()
     table = RoutingTable()
     table.put(engine)
     async with engine_pool(fake) as (client, _network), trio.open_nursery() as nursery:
-        nursery.start_soon(partial(run_stats_scraper, engine, table, client, interval=5.0,
-                                   timeout=2.0, generation=0))
+        nursery.start_soon(
+            partial(
+                run_stats_scraper, engine, table, client, interval=5.0, timeout=2.0, generation=0
+            )
+        )
         await trio.sleep(1)
         assert len(fake.requests) == 1
         table.mark_failed(engine.uid, 0, "probe failed", eject=True)
@@ -218,8 +282,11 @@ async def test_scraper_deadline_failures_and_expiry(autojump_clock: trio.testing
     table = RoutingTable()
     table.put(engine)
     async with engine_pool(fake) as (client, _network), trio.open_nursery() as nursery:
-        nursery.start_soon(partial(run_stats_scraper, engine, table, client, interval=5.0,
-                                   timeout=2.0, generation=0))
+        nursery.start_soon(
+            partial(
+                run_stats_scraper, engine, table, client, interval=5.0, timeout=2.0, generation=0
+            )
+        )
         await trio.sleep(1)
         scraped_at = engine.stats["scraped_at"]
         fake.mode = "hang"  # every later scrape hits its 2 s deadline
@@ -240,29 +307,39 @@ async def test_scraper_deadline_failures_and_expiry(autojump_clock: trio.testing
         nursery.cancel_scope.cancel()
 
 
-async def test_scraper_ignores_an_oversized_body(autojump_clock: trio.testing.MockClock,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_scraper_ignores_an_oversized_body(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(stats_module, "MAX_METRICS_BYTES", 100)
     fake, engine = FakeMetrics(), routable_engine()
     table = RoutingTable()
     table.put(engine)
     async with engine_pool(fake) as (client, _network):
         with trio.move_on_after(1):
-            await run_stats_scraper(engine, table, client, interval=5.0, timeout=2.0,
-                                    generation=0)
+            await run_stats_scraper(engine, table, client, interval=5.0, timeout=2.0, generation=0)
     assert fake.requests and engine.stats == {}
 
 
 async def test_scraper_ends_when_its_entry_is_gone_or_newer(
-        autojump_clock: trio.testing.MockClock) -> None:
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     fake, engine = FakeMetrics(), routable_engine()
     table = RoutingTable()
     table.put(engine)
     async with engine_pool(fake) as (client, _network):
         with trio.fail_after(30):
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(partial(run_stats_scraper, engine, table, client,
-                                           interval=5.0, timeout=2.0, generation=0))
+                nursery.start_soon(
+                    partial(
+                        run_stats_scraper,
+                        engine,
+                        table,
+                        client,
+                        interval=5.0,
+                        timeout=2.0,
+                        generation=0,
+                    )
+                )
                 await trio.sleep(1)
                 engine.generation = 1  # e.g. a restart: probed afresh under a new generation
                 written = dict(engine.stats)
@@ -276,8 +353,17 @@ async def test_scraper_ends_when_its_entry_is_gone_or_newer(
         table.put(other)
         with trio.fail_after(30):
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(partial(run_stats_scraper, other, table, client,
-                                           interval=5.0, timeout=2.0, generation=0))
+                nursery.start_soon(
+                    partial(
+                        run_stats_scraper,
+                        other,
+                        table,
+                        client,
+                        interval=5.0,
+                        timeout=2.0,
+                        generation=0,
+                    )
+                )
                 await trio.sleep(1)  # a scrape is in flight, to succeed at 1.5 s...
                 table.remove(other.uid)  # ...when the engine is deleted
         assert other.stats == {} and len(fake.requests) == before + 1
@@ -286,15 +372,18 @@ async def test_scraper_ends_when_its_entry_is_gone_or_newer(
 async def test_scraper_is_disabled_by_a_zero_interval() -> None:
     async with engine_pool(FakeMetrics()) as (client, _network):
         with trio.fail_after(1):
-            await run_stats_scraper(routable_engine(), RoutingTable(), client, interval=0,
-                                    timeout=1.0, generation=0)
+            await run_stats_scraper(
+                routable_engine(), RoutingTable(), client, interval=0, timeout=1.0, generation=0
+            )
 
 
 async def test_least_loaded_follows_scraped_queues(autojump_clock: trio.testing.MockClock) -> None:
     busy, idle = FakeMetrics(), FakeMetrics()
     busy.running, busy.waiting, busy.kv, idle.kv = 20, 30, 0.9, 0.0
-    engines = [routable_engine("uid-busy", "http://10.0.0.1:8000"),
-               routable_engine("uid-idle", "http://10.0.0.2:8000")]
+    engines = [
+        routable_engine("uid-busy", "http://10.0.0.1:8000"),
+        routable_engine("uid-idle", "http://10.0.0.2:8000"),
+    ]
     table = RoutingTable()
     for engine in engines:
         table.put(engine)
@@ -305,26 +394,40 @@ async def test_least_loaded_follows_scraped_queues(autojump_clock: trio.testing.
 
     async with engine_pool(handler) as (client, _network), trio.open_nursery() as nursery:
         for engine in engines:
-            nursery.start_soon(partial(run_stats_scraper, engine, table, client, interval=5.0,
-                                       timeout=2.0, generation=0))
+            nursery.start_soon(
+                partial(
+                    run_stats_scraper,
+                    engine,
+                    table,
+                    client,
+                    interval=5.0,
+                    timeout=2.0,
+                    generation=0,
+                )
+            )
         await trio.sleep(1)
         for _ in range(20):
             engine, why = policy.choose(table.routable("m"), RequestInfo("m"))
             assert engine.uid == "uid-idle", why
         busy.mode = "500"  # its stats go stale: only in-flight counts, and both are 0
         await trio.sleep(20)
-        chosen = {policy.choose(table.routable("m"), RequestInfo("m"))[0].uid
-                  for _ in range(40)}
+        chosen = {policy.choose(table.routable("m"), RequestInfo("m"))[0].uid for _ in range(40)}
         assert chosen == {"uid-busy", "uid-idle"}
         nursery.cancel_scope.cancel()
 
 
 # -- request stats -----------------------------------------------------------------------------
 
+
 def test_request_stats_averages_and_rate() -> None:
     stats = RequestStats(alpha=0.5, rate_window=10.0)
-    assert stats.snapshot(now=0.0) == {"requests": 0, "errors": 0, "requests_per_s": 0.0,
-                                       "ttfb_s": None, "latency_s": None}
+    assert stats.snapshot(now=0.0) == {
+        "requests": 0,
+        "errors": 0,
+        "requests_per_s": 0.0,
+        "ttfb_s": None,
+        "latency_s": None,
+    }
     stats.record(0.2, 1.0, now=0.0)
     stats.record(None, 3.0, ok=False, now=0.5)
     stats.record(0.4, 2.0, now=1.0)

@@ -32,8 +32,7 @@ LIMIT = 10.0
 @asynccontextmanager
 async def http_engine(engine: FakeEngine) -> AsyncIterator[httpx.AsyncClient]:
     with trio.fail_after(LIMIT):
-        async with (open_fake_engines([engine]) as (url,),
-                    httpx.AsyncClient(base_url=url) as client):
+        async with open_fake_engines([engine]) as (url,), httpx.AsyncClient(base_url=url) as client:
             yield client
 
 
@@ -63,7 +62,10 @@ async def test_engines_bind_distinct_loopback_addresses() -> None:
     with trio.fail_after(LIMIT):
         async with open_fake_engines(engines) as urls, httpx.AsyncClient() as client:
             assert [u.rsplit(":", 1)[0] for u in urls] == [
-                "http://127.0.1.1", "http://127.0.1.2", "http://127.0.1.3"]
+                "http://127.0.1.1",
+                "http://127.0.1.2",
+                "http://127.0.1.3",
+            ]
             names = [(await client.get(f"{u}/health")).headers["x-fake-engine"] for u in urls]
     assert names == ["e0", "e1", "e2"]
 
@@ -84,8 +86,14 @@ async def test_serve_fake_engine_reports_its_url_and_stops_on_cancel() -> None:
 async def test_chat_completion_json() -> None:
     engine = FakeEngine(name="e1", tokens=5)
     async with http_engine(engine) as client:
-        reply = await client.post("/v1/chat/completions", headers={"x-request-id": "r9"}, json={
-            "model": "fake-model", "messages": [{"role": "user", "content": "one two three"}]})
+        reply = await client.post(
+            "/v1/chat/completions",
+            headers={"x-request-id": "r9"},
+            json={
+                "model": "fake-model",
+                "messages": [{"role": "user", "content": "one two three"}],
+            },
+        )
     assert reply.status_code == 200 and reply.headers["x-fake-engine"] == "e1"
     completion = ChatCompletion.model_validate(reply.json())
     assert completion.choices[0].message.content == "Hello from a fake OpenAI-compatible"
@@ -94,7 +102,10 @@ async def test_chat_completion_json() -> None:
     assert (completion.usage.prompt_tokens, completion.usage.completion_tokens) == (3, 5)
     seen = engine.requests[-1]
     assert (seen.method, seen.path, seen.header("X-Request-Id")) == (
-        "POST", "/v1/chat/completions", "r9")
+        "POST",
+        "/v1/chat/completions",
+        "r9",
+    )
     assert seen.json()["messages"][0]["content"] == "one two three"
     await engine.wait_until(lambda: engine.completed == 1)
 
@@ -102,9 +113,15 @@ async def test_chat_completion_json() -> None:
 async def test_chat_stream_is_sse_ending_with_done() -> None:
     engine = FakeEngine(tokens=4)
     async with http_engine(engine) as client:
-        reply = await client.post("/v1/chat/completions", json={
-            "model": "fake-model", "stream": True, "messages": [],
-            "stream_options": {"include_usage": True}})
+        reply = await client.post(
+            "/v1/chat/completions",
+            json={
+                "model": "fake-model",
+                "stream": True,
+                "messages": [],
+                "stream_options": {"include_usage": True},
+            },
+        )
     assert reply.headers["content-type"].startswith("text/event-stream")
     assert "content-length" not in reply.headers  # chunked: one chunk per event
     events = sse_events(reply.content)
@@ -119,8 +136,11 @@ async def test_chat_stream_is_sse_ending_with_done() -> None:
 
 async def test_max_tokens_caps_the_reply() -> None:
     async with http_engine(FakeEngine(tokens=10)) as client:
-        reply = (await client.post("/v1/completions", json={
-            "model": "fake-model", "prompt": "p", "max_tokens": 2})).json()
+        reply = (
+            await client.post(
+                "/v1/completions", json={"model": "fake-model", "prompt": "p", "max_tokens": 2}
+            )
+        ).json()
     completion = Completion.model_validate(reply)
     assert completion.choices[0].text == "Hello from"
     assert completion.choices[0].finish_reason == "length"
@@ -128,8 +148,9 @@ async def test_max_tokens_caps_the_reply() -> None:
 
 async def test_completions_stream() -> None:
     async with http_engine(FakeEngine(tokens=3)) as client:
-        reply = await client.post("/v1/completions", json={
-            "model": "fake-model", "prompt": "p", "stream": True})
+        reply = await client.post(
+            "/v1/completions", json={"model": "fake-model", "prompt": "p", "stream": True}
+        )
     events = sse_events(reply.content)
     assert events[-1] == b"data: [DONE]"
     chunks = [event_data(e) for e in events[:-1]]
@@ -155,15 +176,17 @@ async def test_bad_requests() -> None:
         no_messages = await client.post("/v1/chat/completions", json={"model": "fake-model"})
         wrong_method = await client.get("/v1/chat/completions")
         unknown_path = await client.post("/v2/nothing", json={})
-    assert [r.status_code for r in (bad_json, not_object, no_messages, wrong_method,
-                                    unknown_path)] == [400, 400, 400, 405, 404]
+    assert [
+        r.status_code for r in (bad_json, not_object, no_messages, wrong_method, unknown_path)
+    ] == [400, 400, 400, 405, 404]
     assert bad_json.json()["error"]["code"] == 400
 
 
 async def test_embeddings() -> None:
     async with http_engine(FakeEngine()) as client:
-        reply = (await client.post("/v1/embeddings", json={
-            "model": "fake-model", "input": ["a", "b c"]})).json()
+        reply = (
+            await client.post("/v1/embeddings", json={"model": "fake-model", "input": ["a", "b c"]})
+        ).json()
     embeddings = CreateEmbeddingResponse.model_validate(reply)
     assert [d.index for d in embeddings.data] == [0, 1]
     assert len(embeddings.data[0].embedding) == 8
@@ -172,10 +195,12 @@ async def test_embeddings() -> None:
 
 async def test_tokenize_and_detokenize() -> None:
     async with http_engine(FakeEngine(max_model_len=1024)) as client:
-        tokens = (await client.post("/tokenize", json={"model": "fake-model",
-                                                       "prompt": "a b c"})).json()
-        text = (await client.post("/detokenize", json={"model": "fake-model",
-                                                       "tokens": [1, 2]})).json()
+        tokens = (
+            await client.post("/tokenize", json={"model": "fake-model", "prompt": "a b c"})
+        ).json()
+        text = (
+            await client.post("/detokenize", json={"model": "fake-model", "tokens": [1, 2]})
+        ).json()
     assert tokens["count"] == 3 and len(tokens["tokens"]) == 3
     assert tokens["max_model_len"] == 1024
     assert text == {"prompt": "tok1 tok2"}
@@ -184,9 +209,17 @@ async def test_tokenize_and_detokenize() -> None:
 @pytest.mark.parametrize("path", ["/rerank", "/v1/rerank"])
 async def test_rerank(path: str) -> None:
     async with http_engine(FakeEngine()) as client:
-        reply = (await client.post(path, json={
-            "model": "fake-model", "query": "q", "documents": ["x", "y", "z"],
-            "top_n": 2})).json()
+        reply = (
+            await client.post(
+                path,
+                json={
+                    "model": "fake-model",
+                    "query": "q",
+                    "documents": ["x", "y", "z"],
+                    "top_n": 2,
+                },
+            )
+        ).json()
     scores = [r["relevance_score"] for r in reply["results"]]
     assert len(scores) == 2 and scores == sorted(scores, reverse=True)
     assert {r["document"]["text"] for r in reply["results"]} <= {"x", "y", "z"}
@@ -196,8 +229,11 @@ async def test_rerank(path: str) -> None:
 @pytest.mark.parametrize("path", ["/score", "/v1/score"])
 async def test_score(path: str) -> None:
     async with http_engine(FakeEngine()) as client:
-        reply = (await client.post(path, json={
-            "model": "fake-model", "text_1": "q", "text_2": ["a", "b"]})).json()
+        reply = (
+            await client.post(
+                path, json={"model": "fake-model", "text_1": "q", "text_2": ["a", "b"]}
+            )
+        ).json()
     assert reply["object"] == "list"
     assert [(d["index"], d["object"]) for d in reply["data"]] == [(0, "score"), (1, "score")]
     assert all(0.0 <= d["score"] <= 1.0 for d in reply["data"])
@@ -205,20 +241,24 @@ async def test_score(path: str) -> None:
 
 async def test_responses() -> None:
     async with http_engine(FakeEngine(tokens=3)) as client:
-        reply = (await client.post("/v1/responses", json={
-            "model": "fake-model", "input": "hi"})).json()
-        stream = await client.post("/v1/responses", json={
-            "model": "fake-model", "input": "hi", "stream": True})
+        reply = (
+            await client.post("/v1/responses", json={"model": "fake-model", "input": "hi"})
+        ).json()
+        stream = await client.post(
+            "/v1/responses", json={"model": "fake-model", "input": "hi", "stream": True}
+        )
     response = Response.model_validate(reply)
     assert response.output_text == "Hello from a" and response.status == "completed"
     events = [event_data(e) for e in sse_events(stream.content)]
     assert [e["type"] for e in events] == ["response.created"] + [
-        "response.output_text.delta"] * 3 + ["response.completed"]
+        "response.output_text.delta"
+    ] * 3 + ["response.completed"]
 
 
 async def test_metrics_in_vllm_format() -> None:
-    engine = FakeEngine(models=["m1"], num_requests_waiting=3, kv_cache_usage_perc=0.25,
-                        gate=trio.Event())
+    engine = FakeEngine(
+        models=["m1"], num_requests_waiting=3, kv_cache_usage_perc=0.25, gate=trio.Event()
+    )
     async with http_engine(engine) as client, trio.open_nursery() as nursery:
         nursery.start_soon(partial(client.post, "/v1/completions", json={"prompt": "p"}))
         await engine.wait_until(lambda: engine.in_flight == 1)
@@ -234,14 +274,18 @@ async def test_metrics_in_vllm_format() -> None:
     assert "# TYPE vllm:num_requests_running gauge" in lines
     engine.num_requests_running = 7
     assert 'vllm:num_requests_running{engine="0",model_name="m1"} 7.0' in (
-        engine.metrics_text().splitlines())
+        engine.metrics_text().splitlines()
+    )
 
 
 async def test_fail_status_answers_everything() -> None:
     engine = FakeEngine(fail_status=503)
     async with http_engine(engine) as client:
-        replies = [await client.get("/v1/models"), await client.get("/health"),
-                   await client.post("/v1/completions", json={"prompt": "p"})]
+        replies = [
+            await client.get("/v1/models"),
+            await client.get("/health"),
+            await client.post("/v1/completions", json={"prompt": "p"}),
+        ]
     assert [r.status_code for r in replies] == [503, 503, 503]
     assert replies[2].json()["error"]["code"] == 503
 
@@ -266,7 +310,8 @@ async def test_client_disconnect_is_observed() -> None:
                 await stream.send_all(
                     b"POST /v1/chat/completions HTTP/1.1\r\nhost: e\r\n"
                     b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
-                    % (len(body), body))
+                    % (len(body), body)
+                )
                 received = b""
                 while b"data: " not in received:  # the first event, then the engine holds
                     received += await stream.receive_some()
@@ -281,14 +326,16 @@ async def test_openai_sdk_against_the_fake_engine() -> None:
     engine = FakeEngine(tokens=3)
 
     def use_sdk(url: str) -> tuple[list[str], str | None, str]:
-        with openai.OpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0,
-                           timeout=LIMIT) as client:
+        with openai.OpenAI(
+            base_url=f"{url}/v1", api_key="k", max_retries=0, timeout=LIMIT
+        ) as client:
             models = [m.id for m in client.models.list()]
             chat = client.chat.completions.create(
-                model="fake-model", messages=[{"role": "user", "content": "hi"}])
+                model="fake-model", messages=[{"role": "user", "content": "hi"}]
+            )
             stream = client.chat.completions.create(
-                model="fake-model", messages=[{"role": "user", "content": "hi"}],
-                stream=True)
+                model="fake-model", messages=[{"role": "user", "content": "hi"}], stream=True
+            )
             pieces = [c.choices[0].delta.content or "" for c in stream if c.choices]
         return models, chat.choices[0].message.content, "".join(pieces)
 
@@ -301,12 +348,12 @@ async def test_openai_sdk_against_the_fake_engine() -> None:
 
 
 # -- the bare ASGI app on virtual time ----------------------------------------------------
-async def call_app(engine: FakeEngine, path: str, body: dict[str, Any], *,
-                   disconnect: trio.Event | None = None) -> list[tuple[float, dict[str, Any]]]:
+async def call_app(
+    engine: FakeEngine, path: str, body: dict[str, Any], *, disconnect: trio.Event | None = None
+) -> list[tuple[float, dict[str, Any]]]:
     """Run one request through the ASGI app; returns (time, message) for every send."""
     sent: list[tuple[float, dict[str, Any]]] = []
-    messages = [{"type": "http.request", "body": json.dumps(body).encode(),
-                 "more_body": False}]
+    messages = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
 
     async def receive() -> dict[str, Any]:
         if messages:
@@ -320,18 +367,26 @@ async def call_app(engine: FakeEngine, path: str, body: dict[str, Any], *,
     async def send(message: dict[str, Any]) -> None:
         sent.append((trio.current_time(), message))
 
-    scope = {"type": "http", "method": "POST", "path": path, "query_string": b"",
-             "headers": [(b"content-type", b"application/json")], "client": ("1.2.3.4", 5)}
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": path,
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json")],
+        "client": ("1.2.3.4", 5),
+    }
     await fake_engine_app(engine)(scope, receive, send)
     return sent
 
 
 async def test_stream_timing_follows_ttft_and_inter_token(
-        autojump_clock: trio.testing.MockClock) -> None:
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     engine = FakeEngine(ttft_s=0.5, inter_token_s=0.1, tokens=3)
     start = trio.current_time()
-    sent = await call_app(engine, "/v1/chat/completions",
-                          {"model": "fake-model", "stream": True, "messages": []})
+    sent = await call_app(
+        engine, "/v1/chat/completions", {"model": "fake-model", "stream": True, "messages": []}
+    )
     bodies = [(t - start, m["body"]) for t, m in sent if m["type"] == "http.response.body"]
     times = [round(t, 6) for t, _ in bodies]
     # role event at the first token time, then one token per 0.1 s, finish, [DONE], end
@@ -343,8 +398,7 @@ async def test_stream_timing_follows_ttft_and_inter_token(
 async def test_whole_reply_waits_for_all_tokens(autojump_clock: trio.testing.MockClock) -> None:
     engine = FakeEngine(ttft_s=0.5, inter_token_s=0.1, tokens=3)
     start = trio.current_time()
-    sent = await call_app(engine, "/v1/chat/completions",
-                          {"model": "fake-model", "messages": []})
+    sent = await call_app(engine, "/v1/chat/completions", {"model": "fake-model", "messages": []})
     assert round(sent[0][0] - start, 6) == 0.7
     assert sent[0][1]["status"] == 200
 
@@ -353,8 +407,15 @@ async def test_asgi_disconnect_stops_the_stream(autojump_clock: trio.testing.Moc
     engine = FakeEngine(inter_token_s=1.0, tokens=100)
     gone = trio.Event()
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(partial(call_app, engine, "/v1/chat/completions", {
-            "model": "fake-model", "stream": True, "messages": []}, disconnect=gone))
+        nursery.start_soon(
+            partial(
+                call_app,
+                engine,
+                "/v1/chat/completions",
+                {"model": "fake-model", "stream": True, "messages": []},
+                disconnect=gone,
+            )
+        )
         await trio.sleep(10.5)
         gone.set()
         await engine.wait_until(lambda: engine.in_flight == 0)
@@ -365,8 +426,9 @@ async def test_asgi_disconnect_stops_the_stream(autojump_clock: trio.testing.Moc
 # -- the httpx transport --------------------------------------------------------------------
 async def test_transport_answers_probes(autojump_clock: trio.testing.MockClock) -> None:
     engine = FakeEngine(models=["m"], adapters={"a": "m"}, kv_cache_usage_perc=0.5)
-    async with httpx.AsyncClient(transport=fake_engine_transport(engine),
-                                 base_url="http://e1:8000") as client:
+    async with httpx.AsyncClient(
+        transport=fake_engine_transport(engine), base_url="http://e1:8000"
+    ) as client:
         models = (await client.get("/v1/models", headers={"authorization": "Bearer x"})).json()
         metrics = (await client.get("/metrics")).text
         health = await client.get("/health")

@@ -60,15 +60,25 @@ class Collector:
         request = ExportTraceServiceRequest()
         request.ParseFromString(body)
         for resource_spans in request.resource_spans:
-            service = next(a.value.string_value for a in resource_spans.resource.attributes
-                           if a.key == "service.name")
+            service = next(
+                a.value.string_value
+                for a in resource_spans.resource.attributes
+                if a.key == "service.name"
+            )
             for scope_spans in resource_spans.scope_spans:
                 for span in scope_spans.spans:
-                    self.spans.append(Span(
-                        span.trace_id.hex(), span.span_id.hex(), span.parent_span_id.hex(),
-                        span.name, span.kind,
-                        {a.key: _value(a.value) for a in span.attributes},
-                        span.status.code == 2, service))
+                    self.spans.append(
+                        Span(
+                            span.trace_id.hex(),
+                            span.span_id.hex(),
+                            span.parent_span_id.hex(),
+                            span.name,
+                            span.kind,
+                            {a.key: _value(a.value) for a in span.attributes},
+                            span.status.code == 2,
+                            service,
+                        )
+                    )
         self._changed.set()
         self._changed = trio.Event()
 
@@ -98,44 +108,59 @@ async def open_collector() -> AsyncIterator[Collector]:
             if not message.get("more_body"):
                 break
         collector.receive(scope["path"], body)
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"application/x-protobuf"),
-                                (b"content-length", b"0")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", b"application/x-protobuf"),
+                    (b"content-length", b"0"),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": b""})
 
     config = hypercorn.config.Config()
     config.bind = ["127.0.0.1:0"]
     config.accesslog = None
     async with trio.open_nursery() as nursery:
-        (collector.url,) = await nursery.start(partial(
-            hypercorn.trio.serve, app, config, mode="asgi"))  # type: ignore[arg-type]
+        asgi: Any = app  # plain-dict ASGI typing, not hypercorn's TypedDicts
+        (collector.url,) = await nursery.start(
+            partial(hypercorn.trio.serve, asgi, config, mode="asgi")
+        )
         yield collector
         nursery.cancel_scope.cancel()
 
 
 def otel_env(collector: Collector) -> dict[str, str]:
-    return {"OTEL_EXPORTER_OTLP_ENDPOINT": collector.url, "OTEL_BSP_SCHEDULE_DELAY": "50",
-            "OTEL_SERVICE_NAME": "router-under-test"}
+    return {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": collector.url,
+        "OTEL_BSP_SCHEDULE_DELAY": "50",
+        "OTEL_SERVICE_NAME": "router-under-test",
+    }
 
 
-async def test_spans_reach_an_otlp_collector_continuing_the_clients_trace(
-        tmp_path: Path) -> None:
+async def test_spans_reach_an_otlp_collector_continuing_the_clients_trace(tmp_path: Path) -> None:
     """The served process, tracing on: a request with a `traceparent` gives a server span in
     the client's trace and a client span for the engine attempt, whose context the engine
     receives."""
     engine = FakeEngine(tokens=2)
     with trio.fail_after(LIMIT):
-        async with (open_collector() as collector,
-                    open_fake_engines([engine]) as (engine_url,)):
-            config = write_config(tmp_path / "r.toml", engine_url, drain_s=1.0,
-                                  extra="[tracing]\nenabled = true")
+        async with open_collector() as collector, open_fake_engines([engine]) as (engine_url,):
+            config = write_config(
+                tmp_path / "r.toml", engine_url, drain_s=1.0, extra="[tracing]\nenabled = true"
+            )
             async with open_process("--config", str(config), env=otel_env(collector)) as (
-                    process, _, stderr):
+                process,
+                _,
+                stderr,
+            ):
                 url = (await stderr.wait_for(r'Running on (http://[^ "]+)')).group(1)
                 await stderr.wait_for(r"is routable")
                 assert "tracing on" in stderr.text
-                response = await _post(url, {"traceparent": TRACEPARENT,
-                                             "x-request-id": "traced-1"})
+                response = await _post(
+                    url, {"traceparent": TRACEPARENT, "x-request-id": "traced-1"}
+                )
                 assert response[0] == 200
                 spans = await collector.wait_for(2)
                 process.send_signal(signal.SIGTERM)
@@ -156,8 +181,7 @@ async def test_spans_reach_an_otlp_collector_continuing_the_clients_trace(
     assert seen.header("traceparent") == f"00-{TRACE_ID}-{client.span_id}-01"
 
 
-async def test_failover_gives_a_client_span_per_attempt(monkeypatch: pytest.MonkeyPatch
-                                                        ) -> None:
+async def test_failover_gives_a_client_span_per_attempt(monkeypatch: pytest.MonkeyPatch) -> None:
     """An engine that cannot be reached: its attempt span is an error, the next engine's
     attempt answers, both children of the one server span (a new trace: no traceparent)."""
     engines = [FakeEngine(name="a"), FakeEngine(name="b")]
@@ -168,8 +192,9 @@ async def test_failover_gives_a_client_span_per_attempt(monkeypatch: pytest.Monk
             monkeypatch.delenv("OTEL_SERVICE_NAME")
             async with open_router(engines, tracing=TracingConfig(enabled=True)) as router:
                 router.stop_engine(0)  # still routable as far as the router knows
-                statuses = [(await router.client.post(CHAT, json=chat())).status_code
-                            for _ in range(2)]
+                statuses = [
+                    (await router.client.post(CHAT, json=chat())).status_code for _ in range(2)
+                ]
                 assert statuses == [200, 200]
                 spans = await collector.wait_for(5)  # 2 server spans, 3 attempts
     servers = [s for s in spans if s.kind == 2]
@@ -178,8 +203,9 @@ async def test_failover_gives_a_client_span_per_attempt(monkeypatch: pytest.Monk
     assert [a.attributes["trio_router.attempt"] for a in attempts] == [1, 2]
     assert attempts[0].error and "http.response.status_code" not in attempts[0].attributes
     assert not attempts[1].error and attempts[1].attributes["http.response.status_code"] == 200
-    assert attempts[0].attributes["trio_router.engine"] != attempts[1].attributes[
-        "trio_router.engine"]
+    assert (
+        attempts[0].attributes["trio_router.engine"] != attempts[1].attributes["trio_router.engine"]
+    )
     assert all(s.service == "trio-router" for s in spans)  # no OTEL_SERVICE_NAME: ours
     assert len({s.trace_id for s in servers}) == 2  # each request its own new trace
 
@@ -192,14 +218,20 @@ async def test_without_tracing_the_clients_context_goes_to_the_engine_unchanged(
     assert engine.requests_to(CHAT)[-1].header("traceparent") == TRACEPARENT
 
 
-@pytest.mark.parametrize(("env", "message"), [
-    ({"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}, "OTEL_EXPORTER_OTLP_PROTOCOL='grpc'"),
-    ({"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/json"},
-     "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL='http/json'"),
-    ({"OTEL_TRACES_EXPORTER": "zipkin"}, "OTEL_TRACES_EXPORTER='zipkin'"),
-])
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}, "OTEL_EXPORTER_OTLP_PROTOCOL='grpc'"),
+        (
+            {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/json"},
+            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL='http/json'",
+        ),
+        ({"OTEL_TRACES_EXPORTER": "zipkin"}, "OTEL_TRACES_EXPORTER='zipkin'"),
+    ],
+)
 def test_unsupported_otel_settings_are_config_errors(
-        env: dict[str, str], message: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    env: dict[str, str], message: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """check-config (and starting) name the variable; with tracing off they are ignored."""
     for name, value in env.items():
         monkeypatch.setenv(name, value)

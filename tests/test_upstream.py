@@ -37,8 +37,9 @@ LIMIT = 10.0  # seconds: generous bound on every test; they take milliseconds
 
 
 def chat_body(*, stream: bool = False, model: str = "fake-model") -> bytes:
-    return json.dumps({"model": model, "stream": stream,
-                       "messages": [{"role": "user", "content": "hi"}]}).encode()
+    return json.dumps(
+        {"model": model, "stream": stream, "messages": [{"role": "user", "content": "hi"}]}
+    ).encode()
 
 
 def new_pool(**kwargs: float) -> UpstreamPool:
@@ -80,16 +81,16 @@ async def wire_server(handler: Handler) -> AsyncIterator[WireServer]:
             await stream.aclose()
 
     async with trio.open_nursery() as nursery:
-        listeners = await nursery.start(partial(trio.serve_tcp, on_connection, 0,
-                                                  host="127.0.0.1"))
+        listeners = await nursery.start(partial(trio.serve_tcp, on_connection, 0, host="127.0.0.1"))
         port = listeners[0].socket.getsockname()[1]
         server.url = f"http://127.0.0.1:{port}"
         yield server
         nursery.cancel_scope.cancel()
 
 
-async def read_request(server: WireServer, index: int, stream: trio.SocketStream,
-                       conn: h11.Connection) -> tuple[h11.Request, bytes] | None:
+async def read_request(
+    server: WireServer, index: int, stream: trio.SocketStream, conn: h11.Connection
+) -> tuple[h11.Request, bytes] | None:
     """The next request on `conn`, or None at EOF."""
     request: h11.Request | None = None
     body = b""
@@ -113,8 +114,13 @@ async def read_request(server: WireServer, index: int, stream: trio.SocketStream
             raise AssertionError(event)
 
 
-async def respond(stream: trio.SocketStream, conn: h11.Connection, status: int,
-                  headers: list[tuple[bytes, bytes]], chunks: list[bytes]) -> None:
+async def respond(
+    stream: trio.SocketStream,
+    conn: h11.Connection,
+    status: int,
+    headers: list[tuple[bytes, bytes]],
+    chunks: list[bytes],
+) -> None:
     data = conn.send(h11.Response(status_code=status, headers=headers)) or b""
     for chunk in chunks:
         data += conn.send(h11.Data(data=chunk)) or b""
@@ -127,9 +133,10 @@ def reset(stream: trio.SocketStream) -> None:
     stream.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
 
 
-def keep_alive_handler(server_ref: list[WireServer],
-                       answer: Callable[[h11.Request, bytes], tuple[
-                           int, list[tuple[bytes, bytes]], list[bytes]]]) -> Handler:
+def keep_alive_handler(
+    server_ref: list[WireServer],
+    answer: Callable[[h11.Request, bytes], tuple[int, list[tuple[bytes, bytes]], list[bytes]]],
+) -> Handler:
     """Answer every request on every connection with `answer(request, body)`."""
 
     async def handler(index: int, stream: trio.SocketStream) -> None:
@@ -145,8 +152,9 @@ def keep_alive_handler(server_ref: list[WireServer],
 
 
 @asynccontextmanager
-async def answering_server(answer: Callable[[h11.Request, bytes], tuple[
-        int, list[tuple[bytes, bytes]], list[bytes]]]) -> AsyncIterator[WireServer]:
+async def answering_server(
+    answer: Callable[[h11.Request, bytes], tuple[int, list[tuple[bytes, bytes]], list[bytes]]],
+) -> AsyncIterator[WireServer]:
     ref: list[WireServer] = []
     async with wire_server(keep_alive_handler(ref, answer)) as server:
         ref.append(server)
@@ -172,8 +180,7 @@ async def test_sequential_requests_reuse_one_connection() -> None:
 async def test_concurrent_requests_open_connections_and_pool_them() -> None:
     engine = FakeEngine(gate=trio.Event())
     with trio.fail_after(LIMIT):
-        async with open_fake_engines([engine]) as (url,), new_pool(
-                max_idle_per_origin=3) as pool:
+        async with open_fake_engines([engine]) as (url,), new_pool(max_idle_per_origin=3) as pool:
             bodies: list[bytes] = []
 
             async def one() -> None:
@@ -198,8 +205,9 @@ async def test_stream_arrives_chunk_by_chunk() -> None:
     engine = FakeEngine(gate=trio.Event(), tokens=3)
     with trio.fail_after(LIMIT):
         async with open_fake_engines([engine]) as (url,), new_pool() as pool:
-            async with pool.request(url, b"POST", CHAT, JSON_HEADERS,
-                                    chat_body(stream=True)) as resp:
+            async with pool.request(
+                url, b"POST", CHAT, JSON_HEADERS, chat_body(stream=True)
+            ) as resp:
                 assert resp.status == 200
                 assert dict(resp.headers)[b"content-type"].startswith(b"text/event-stream")
                 chunks = aiter(resp)
@@ -222,8 +230,9 @@ async def test_stream_arrives_chunk_by_chunk() -> None:
 async def test_content_length_chunked_and_large_bodies() -> None:
     big = bytes(range(256)) * 16384  # 4 MiB
 
-    def answer(request: h11.Request, body: bytes) -> tuple[
-            int, list[tuple[bytes, bytes]], list[bytes]]:
+    def answer(
+        request: h11.Request, body: bytes
+    ) -> tuple[int, list[tuple[bytes, bytes]], list[bytes]]:
         if request.target == b"/echo-length":
             return 200, [(b"content-length", b"%d" % len(body))], [body]
         if request.target == b"/chunked":
@@ -243,13 +252,20 @@ async def test_content_length_chunked_and_large_bodies() -> None:
             assert server.connections == 1
     assert server.requests[0][2] == big  # the request body arrived whole
     assert [dict(r.headers).get(b"content-length") for _, r, _ in server.requests] == [
-        b"%d" % len(big), b"0", b"0"]
+        b"%d" % len(big),
+        b"0",
+        b"0",
+    ]
 
 
-@pytest.mark.parametrize("framing", [b"content-length: 12\r\n\r\nhello world!",
-                                     b"transfer-encoding: chunked\r\n\r\n"
-                                     b"5\r\nhello\r\n7\r\n world!\r\n0\r\n\r\n"],
-                         ids=["content-length", "chunked"])
+@pytest.mark.parametrize(
+    "framing",
+    [
+        b"content-length: 12\r\n\r\nhello world!",
+        b"transfer-encoding: chunked\r\n\r\n5\r\nhello\r\n7\r\n world!\r\n0\r\n\r\n",
+    ],
+    ids=["content-length", "chunked"],
+)
 async def test_a_body_here_whole_comes_as_one_complete_chunk(framing: bytes) -> None:
     """`complete` says the chunk just returned was the last, so the router can end its own
     response with it."""
@@ -275,8 +291,9 @@ async def test_a_body_here_whole_comes_as_one_complete_chunk(framing: bytes) -> 
 
 
 async def test_responses_without_body_keep_the_connection() -> None:
-    def answer(request: h11.Request, body: bytes) -> tuple[
-            int, list[tuple[bytes, bytes]], list[bytes]]:
+    def answer(
+        request: h11.Request, body: bytes
+    ) -> tuple[int, list[tuple[bytes, bytes]], list[bytes]]:
         if request.method == b"HEAD":
             return 200, [(b"content-length", b"1234")], []
         if request.target == b"/304":
@@ -285,8 +302,11 @@ async def test_responses_without_body_keep_the_connection() -> None:
 
     with trio.fail_after(LIMIT):
         async with answering_server(answer) as server, new_pool() as pool:
-            for method, target, status in [(b"HEAD", b"/", 200), (b"GET", b"/204", 204),
-                                           (b"GET", b"/304", 304)]:
+            for method, target, status in [
+                (b"HEAD", b"/", 200),
+                (b"GET", b"/204", 204),
+                (b"GET", b"/304", 304),
+            ]:
                 async with pool.request(server.url, method, target, [], b"") as resp:
                     assert resp.status == status
                     assert await read_all(resp) == b""
@@ -305,16 +325,23 @@ async def test_unread_body_holds_the_engine_back() -> None:
         nonlocal sent
         conn = h11.Connection(h11.SERVER)
         if await read_request(server, index, stream, conn):
-            await stream.send_all(conn.send(h11.Response(
-                status_code=200, headers=[(b"content-length", b"%d" % total)])) or b"")
+            await stream.send_all(
+                conn.send(
+                    h11.Response(status_code=200, headers=[(b"content-length", b"%d" % total)])
+                )
+                or b""
+            )
             block = b"x" * (1024 * 1024)
             for _ in range(total // len(block)):
                 await stream.send_all(block)
                 sent += len(block)
 
     with trio.fail_after(LIMIT):
-        async with (wire_server(handler) as server, new_pool() as pool,
-                    pool.request(server.url, b"GET", b"/", [], b"") as resp):
+        async with (
+            wire_server(handler) as server,
+            new_pool() as pool,
+            pool.request(server.url, b"GET", b"/", [], b"") as resp,
+        ):
             chunks = aiter(resp)
             received = len(await anext(chunks))
             await trio.testing.wait_all_tasks_blocked(cushion=0.05)
@@ -326,14 +353,23 @@ async def test_unread_body_holds_the_engine_back() -> None:
 
 async def test_headers_forwarded_end_to_end_only() -> None:
     engine = FakeEngine()
-    headers = [(b"Host", b"client-facing.example"), (b"Connection", b"keep-alive, X-Private"),
-               (b"X-Private", b"secret"), (b"Keep-Alive", b"timeout=5"),
-               (b"Content-Length", b"999"), (b"Transfer-Encoding", b"chunked"),
-               (b"Authorization", b"Bearer k"), (b"X-Request-Id", b"r1"),
-               *JSON_HEADERS]
+    headers = [
+        (b"Host", b"client-facing.example"),
+        (b"Connection", b"keep-alive, X-Private"),
+        (b"X-Private", b"secret"),
+        (b"Keep-Alive", b"timeout=5"),
+        (b"Content-Length", b"999"),
+        (b"Transfer-Encoding", b"chunked"),
+        (b"Authorization", b"Bearer k"),
+        (b"X-Request-Id", b"r1"),
+        *JSON_HEADERS,
+    ]
     with trio.fail_after(LIMIT):
-        async with (open_fake_engines([engine]) as (url,), new_pool() as pool,
-                    pool.request(url, b"POST", CHAT + b"?a=1", headers, chat_body()) as resp):
+        async with (
+            open_fake_engines([engine]) as (url,),
+            new_pool() as pool,
+            pool.request(url, b"POST", CHAT + b"?a=1", headers, chat_body()) as resp,
+        ):
             await read_all(resp)
             names = [name for name, _ in resp.headers]
             assert b"x-fake-engine" in names and b"content-length" in names
@@ -348,8 +384,9 @@ async def test_headers_forwarded_end_to_end_only() -> None:
 
 
 async def test_connection_close_answer_is_not_pooled() -> None:
-    def answer(request: h11.Request, body: bytes) -> tuple[
-            int, list[tuple[bytes, bytes]], list[bytes]]:
+    def answer(
+        request: h11.Request, body: bytes
+    ) -> tuple[int, list[tuple[bytes, bytes]], list[bytes]]:
         return 200, [(b"connection", b"close"), (b"content-length", b"2")], [b"ok"]
 
     with trio.fail_after(LIMIT):
@@ -404,8 +441,10 @@ async def test_connect_timeout_is_unreachable() -> None:
         listener.close()
 
 
-@pytest.mark.parametrize("url", ["https://e:1", "http://e:99999", "http://:80", "ftp://e",
-                                 "http://e x:80", "http://\u00e9:80"])
+@pytest.mark.parametrize(
+    "url",
+    ["https://e:1", "http://e:99999", "http://:80", "ftp://e", "http://e x:80", "http://\u00e9:80"],
+)
 async def test_unusable_url_is_unreachable(url: str) -> None:
     async with new_pool() as pool:
         with pytest.raises(EngineUnreachableError, match="not usable"):
@@ -418,8 +457,9 @@ async def test_host_header_is_the_engine_authority() -> None:
     with trio.fail_after(LIMIT):
         async with open_fake_engines([engine]) as (url,), new_pool() as pool:
             authority = url.removeprefix("http://")
-            async with pool.request(f"http://user:secret@{authority}/", b"GET", b"/health",
-                                    [], b"") as resp:
+            async with pool.request(
+                f"http://user:secret@{authority}/", b"GET", b"/health", [], b""
+            ) as resp:
                 assert resp.status == 200
     assert engine.requests[-1].header("host") == authority
 
@@ -434,8 +474,7 @@ async def test_stale_pooled_connection_is_retried_on_a_fresh_one() -> None:
             if index == 0 and n == 1:
                 reset(stream)  # a keep-alive connection dying as the 2nd request arrives
                 return
-            await respond(stream, conn, 200, [(b"content-length", b"%d" % index)],
-                          [b"x" * index])
+            await respond(stream, conn, 200, [(b"content-length", b"%d" % index)], [b"x" * index])
             conn.start_next_cycle()
             n += 1
 
@@ -530,10 +569,8 @@ async def test_engine_that_stops_taking_the_request_times_out() -> None:
 
     with trio.fail_after(LIMIT):
         async with wire_server(handler) as server, new_pool(read_timeout=0.2) as pool:
-            with pytest.raises(UpstreamTimeoutError,
-                               match="stopped taking the request") as info:
-                async with pool.request(server.url, b"POST", b"/", [],
-                                        b"x" * (16 * 1024 * 1024)):
+            with pytest.raises(UpstreamTimeoutError, match="stopped taking the request") as info:
+                async with pool.request(server.url, b"POST", b"/", [], b"x" * (16 * 1024 * 1024)):
                     raise AssertionError("not reached")
             assert info.value.status == 504
             assert pool.idle_count() == 0
@@ -552,8 +589,7 @@ async def test_a_body_that_is_always_there_still_checkpoints() -> None:
             request += await stream.receive_some(65536)
         # Let the kernel buffer it all before the client reads (Trio caps unsent bytes).
         stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, 1 << 30)
-        await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(body)
-                              + body)
+        await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
         written.set()  # all of it is in the kernel's buffers: reads need not wait
 
     ticks = 0
@@ -565,8 +601,11 @@ async def test_a_body_that_is_always_there_still_checkpoints() -> None:
             await trio.lowlevel.checkpoint()
 
     with trio.fail_after(LIMIT):
-        async with wire_server(handler) as server, new_pool() as pool, \
-                trio.open_nursery() as nursery:
+        async with (
+            wire_server(handler) as server,
+            new_pool() as pool,
+            trio.open_nursery() as nursery,
+        ):
             async with pool.request(server.url, b"GET", b"/", [], b"") as resp:
                 await written.wait()
                 nursery.start_soon(other_task)
@@ -588,8 +627,9 @@ async def test_a_body_that_is_always_there_still_checkpoints() -> None:
     with trio.fail_after(LIMIT):
         async with wire_server(handler) as server, new_pool() as pool:
             with pytest.raises(ClientGoneError):
-                async with pool.request(server.url, b"GET", b"/", [], b"",
-                                        client_gone=lambda: gone) as resp:
+                async with pool.request(
+                    server.url, b"GET", b"/", [], b"", client_gone=lambda: gone
+                ) as resp:
                     await written.wait()
                     gone, chunks = True, 0
                     async for _ in resp:
@@ -604,8 +644,9 @@ async def test_silence_between_chunks_times_out() -> None:
         async with open_fake_engines([engine]) as (url,), new_pool(read_timeout=0.2) as pool:
             chunks: list[bytes] = []
             with pytest.raises(UpstreamTimeoutError, match="mid-response"):
-                async with pool.request(url, b"POST", CHAT, JSON_HEADERS,
-                                        chat_body(stream=True)) as resp:
+                async with pool.request(
+                    url, b"POST", CHAT, JSON_HEADERS, chat_body(stream=True)
+                ) as resp:
                     async for chunk in resp:
                         chunks.append(chunk)
             assert len(chunks) == 1
@@ -615,9 +656,11 @@ async def test_silence_between_chunks_times_out() -> None:
 async def test_slow_but_steady_stream_does_not_time_out() -> None:
     engine = FakeEngine(tokens=6, inter_token_s=0.05)
     with trio.fail_after(LIMIT):
-        async with (open_fake_engines([engine]) as (url,), new_pool(read_timeout=0.15) as pool,
-                    pool.request(url, b"POST", CHAT, JSON_HEADERS,
-                                 chat_body(stream=True)) as resp):
+        async with (
+            open_fake_engines([engine]) as (url,),
+            new_pool(read_timeout=0.15) as pool,
+            pool.request(url, b"POST", CHAT, JSON_HEADERS, chat_body(stream=True)) as resp,
+        ):
             body = b"".join([chunk async for chunk in resp])
     assert body.count(b"data: ") == 6 + 3  # total 0.3 s > read_timeout: only silence counts
 
@@ -626,8 +669,7 @@ async def test_reset_mid_body_is_upstream_error() -> None:
     async def handler(index: int, stream: trio.SocketStream) -> None:
         conn = h11.Connection(h11.SERVER)
         if await read_request(server, index, stream, conn):
-            data = conn.send(h11.Response(status_code=200,
-                                          headers=[(b"content-length", b"1000")]))
+            data = conn.send(h11.Response(status_code=200, headers=[(b"content-length", b"1000")]))
             await stream.send_all((data or b"") + b"x" * 10)
             reset(stream)
 
@@ -648,8 +690,9 @@ async def test_stream_broken_off_by_engine_is_upstream_error() -> None:
         async with open_fake_engines([engine]) as (url,), new_pool() as pool:
             chunks: list[bytes] = []
             with pytest.raises(UpstreamError, match="broke off") as info:
-                async with pool.request(url, b"POST", CHAT, JSON_HEADERS,
-                                        chat_body(stream=True)) as resp:
+                async with pool.request(
+                    url, b"POST", CHAT, JSON_HEADERS, chat_body(stream=True)
+                ) as resp:
                     async for chunk in resp:
                         chunks.append(chunk)
             assert not isinstance(info.value, EngineUnreachableError)
@@ -677,8 +720,9 @@ async def test_cancelled_stream_closes_the_engine_connection() -> None:
             got_first = trio.Event()
 
             async def client() -> None:
-                async with pool.request(url, b"POST", CHAT, JSON_HEADERS,
-                                        chat_body(stream=True)) as resp:
+                async with pool.request(
+                    url, b"POST", CHAT, JSON_HEADERS, chat_body(stream=True)
+                ) as resp:
                     async for _ in resp:
                         got_first.set()
 
@@ -711,7 +755,8 @@ async def test_cancel_while_waiting_for_head_closes_the_engine_connection() -> N
 
 @pytest.mark.parametrize("stream", [False, True], ids=["awaiting-head", "mid-stream"])
 async def test_client_gone_ends_the_wait_and_closes_the_engine_connection(
-        autojump_clock: trio.testing.MockClock, stream: bool) -> None:
+    autojump_clock: trio.testing.MockClock, stream: bool
+) -> None:
     """Virtual time: the engine holds the head 60 s (non-streamed) or the second event
     (streamed); the client leaves at 2 s and the exchange notices within CLIENT_CHECK_S."""
     engine = FakeEngine(gate=trio.Event()) if stream else FakeEngine(ttft_s=60.0)
@@ -722,14 +767,22 @@ async def test_client_gone_ends_the_wait_and_closes_the_engine_connection(
         left.append(trio.current_time())
 
     with trio.fail_after(100):
-        async with open_fake_engines([engine]) as (url,), new_pool() as pool, \
-                trio.open_nursery() as nursery:
+        async with (
+            open_fake_engines([engine]) as (url,),
+            new_pool() as pool,
+            trio.open_nursery() as nursery,
+        ):
             nursery.start_soon(leave)
             events = 0
             with pytest.raises(ClientGoneError):
-                async with pool.request(url, b"POST", CHAT, JSON_HEADERS,
-                                        chat_body(stream=stream),
-                                        client_gone=lambda: bool(left)) as resp:
+                async with pool.request(
+                    url,
+                    b"POST",
+                    CHAT,
+                    JSON_HEADERS,
+                    chat_body(stream=stream),
+                    client_gone=lambda: bool(left),
+                ) as resp:
                     async for _ in resp:
                         events += 1
             assert 0 <= trio.current_time() - left[0] <= CLIENT_CHECK_S + 0.01
@@ -738,15 +791,15 @@ async def test_client_gone_ends_the_wait_and_closes_the_engine_connection(
             assert pool.idle_count() == 0 and engine.completed == 0
 
 
-async def test_client_gone_is_asked_before_waiting(
-        autojump_clock: trio.testing.MockClock) -> None:
+async def test_client_gone_is_asked_before_waiting(autojump_clock: trio.testing.MockClock) -> None:
     engine = FakeEngine(ttft_s=60.0)
     with trio.fail_after(100):
         async with open_fake_engines([engine]) as (url,), new_pool() as pool:
             started = trio.current_time()
             with pytest.raises(ClientGoneError):
-                async with pool.request(url, b"POST", CHAT, JSON_HEADERS, chat_body(),
-                                        client_gone=lambda: True):
+                async with pool.request(
+                    url, b"POST", CHAT, JSON_HEADERS, chat_body(), client_gone=lambda: True
+                ):
                     raise AssertionError("not reached")
             assert trio.current_time() == started  # no wait at all
             assert pool.connections_opened == 0  # and nothing sent: the client had left
@@ -756,8 +809,9 @@ async def test_leaving_before_the_end_closes_instead_of_pooling() -> None:
     engine = FakeEngine(gate=trio.Event())
     with trio.fail_after(LIMIT):
         async with open_fake_engines([engine]) as (url,), new_pool() as pool:
-            async with pool.request(url, b"POST", CHAT, JSON_HEADERS,
-                                    chat_body(stream=True)) as resp:
+            async with pool.request(
+                url, b"POST", CHAT, JSON_HEADERS, chat_body(stream=True)
+            ) as resp:
                 await anext(aiter(resp))
             await engine.wait_until(lambda: engine.disconnects == 1)
             assert pool.idle_count() == 0
@@ -766,8 +820,9 @@ async def test_leaving_before_the_end_closes_instead_of_pooling() -> None:
 
 
 async def test_aclose_closes_idle_connections() -> None:
-    def answer(request: h11.Request, body: bytes) -> tuple[
-            int, list[tuple[bytes, bytes]], list[bytes]]:
+    def answer(
+        request: h11.Request, body: bytes
+    ) -> tuple[int, list[tuple[bytes, bytes]], list[bytes]]:
         return 200, [(b"content-length", b"0")], []
 
     with trio.fail_after(LIMIT):
@@ -787,8 +842,16 @@ async def test_aclose_closes_idle_connections() -> None:
 
 # -- the response codec, checked against h11 -----------------------------------------------
 Parsed = tuple[int, list[tuple[bytes, bytes]], bytes, bool]  # status, headers, body, reusable
-HOP_BY_HOP = {b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer", b"upgrade",
-              b"proxy-connection", b"proxy-authenticate"}
+HOP_BY_HOP = {
+    b"connection",
+    b"keep-alive",
+    b"transfer-encoding",
+    b"te",
+    b"trailer",
+    b"upgrade",
+    b"proxy-connection",
+    b"proxy-authenticate",
+}
 
 
 def parse_with_pool_codec(method: bytes, pieces: list[bytes], eof: bool) -> Parsed | None:
@@ -824,8 +887,9 @@ def parse_with_h11(method: bytes, pieces: list[bytes], eof: bool) -> Parsed | No
             elif isinstance(event, h11.Data):
                 body += event.data
             elif isinstance(event, h11.EndOfMessage):
-                reusable = (conn.their_state is h11.DONE and bool(piece)
-                            and not conn.trailing_data[0])  # stray bytes: do not reuse
+                reusable = (
+                    conn.their_state is h11.DONE and bool(piece) and not conn.trailing_data[0]
+                )  # stray bytes: do not reuse
                 return status, headers, body, reusable
             elif isinstance(event, h11.ConnectionClosed):
                 return None
@@ -843,10 +907,14 @@ def responses(draw: st.DrawFn) -> tuple[bytes, bytes, bool]:
     version = draw(st.sampled_from([b"1.1", b"1.1", b"1.0"]))
     status = draw(st.sampled_from([200, 201, 204, 304, 400, 404, 429, 500, 503]))
     reason = draw(st.sampled_from([b"", b" ", b" OK", b" Not Found", b" \xe9t\xe9 x\ty"]))
-    names = st.text(TOKEN_CHARS, min_size=1, max_size=12).map(str.encode).filter(
-        lambda n: n.lower() not in (b"content-length", b"transfer-encoding", b"connection"))
+    names = (
+        st.text(TOKEN_CHARS, min_size=1, max_size=12)
+        .map(str.encode)
+        .filter(lambda n: n.lower() not in (b"content-length", b"transfer-encoding", b"connection"))
+    )
     values = st.text(st.sampled_from(FIELD_CHARS), max_size=20).map(
-        lambda v: v.strip(" \t").encode())
+        lambda v: v.strip(" \t").encode()
+    )
     headers = draw(st.lists(st.tuples(names, values), max_size=6))
     body = draw(st.binary(max_size=300))
     framing = draw(st.sampled_from(["length", "chunked", "close"]))
@@ -854,15 +922,17 @@ def responses(draw: st.DrawFn) -> tuple[bytes, bytes, bool]:
     out = [b"HTTP/" + version + b" %d" % status + reason + b"\r\n"]
     for _ in range(draw(st.integers(0, 2)) if version == b"1.1" else 0):
         out.insert(0, b"HTTP/1.1 100 Continue\r\nx-a: 1\r\n\r\n")
-    out += [n + b":" + draw(st.sampled_from([b"", b" ", b"\t "])) + v + b"\r\n"
-            for n, v in headers]
+    out += [n + b":" + draw(st.sampled_from([b"", b" ", b"\t "])) + v + b"\r\n" for n, v in headers]
     if connection is not None:
         out.append(b"Connection: " + connection + b"\r\n")
     no_body = method == b"HEAD" or status in (204, 304)
     if framing == "length" or no_body:
         length = b"%d" % len(body)
-        out.append(b"Content-Length: " + draw(st.sampled_from([length, length + b", " + length]))
-                   + b"\r\n\r\n")
+        out.append(
+            b"Content-Length: "
+            + draw(st.sampled_from([length, length + b", " + length]))
+            + b"\r\n\r\n"
+        )
         if not no_body:
             out.append(body)
     elif framing == "chunked":
@@ -887,7 +957,8 @@ def split(data: bytes, cuts: list[int]) -> list[bytes]:
 @settings(max_examples=400, deadline=None)
 @given(responses(), st.lists(st.integers(0, 2000), max_size=8))
 def test_codec_agrees_with_h11_on_valid_responses(
-        response: tuple[bytes, bytes, bool], cuts: list[int]) -> None:
+    response: tuple[bytes, bytes, bool], cuts: list[int]
+) -> None:
     method, wire, until_close = response
     pieces = split(wire, cuts)
     ours = parse_with_pool_codec(method, pieces, until_close)
@@ -898,15 +969,20 @@ def test_codec_agrees_with_h11_on_valid_responses(
 
 
 @settings(max_examples=400, deadline=None)
-@given(responses(), st.lists(st.tuples(st.integers(0, 400), st.binary(min_size=1, max_size=3)),
-                             min_size=1, max_size=3))
+@given(
+    responses(),
+    st.lists(
+        st.tuples(st.integers(0, 400), st.binary(min_size=1, max_size=3)), min_size=1, max_size=3
+    ),
+)
 def test_codec_accepts_nothing_h11_rejects(
-        response: tuple[bytes, bytes, bool], edits: list[tuple[int, bytes]]) -> None:
+    response: tuple[bytes, bytes, bool], edits: list[tuple[int, bytes]]
+) -> None:
     """Corrupt a valid response: whatever the codec still accepts, h11 accepts the same way."""
     method, wire, until_close = response
     for at, junk in edits:
         at = min(at, len(wire))
-        wire = wire[:at] + junk + wire[at + len(junk):]
+        wire = wire[:at] + junk + wire[at + len(junk) :]
     try:
         ours = parse_with_pool_codec(method, [wire], until_close)
     except ProtocolError:
@@ -923,16 +999,27 @@ def test_codec_accepts_nothing_h11_rejects(
 CHUNKED_HEAD = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
 
 
-@pytest.mark.parametrize("body", [
-    b"5\r\nhello\r\n1\r\n \r\n6\r\nworld!\r\n0\r\n\r\n",  # event-stream shape
-    b"5\r\nhello\r\n6\r\na\r\nbcd\r\n3\r\nxyz\r\n0\r\n\r\n",  # a CRLF inside data
-    b"2\r\nab\r\n2\r\ncd\r\n0\r\nx-trailer: 1\r\n\r\n",  # trailers after the last
-    b"2\r\nab\r\n2;x=y\r\ncd\r\n2\r\nef\r\n0\r\n\r\n",  # an extension midway
-    b"00A\r\n0123456789\r\nB\r\nabcdefghijk\r\n000\r\n\r\n",  # upper case, zeros
-    b"2\r\na\r\r\n2\r\n\nb\r\n2\r\ncd\r\n0\r\n\r\n",  # CR and LF at data edges
-    b"2\r\nab\r\n3\r\ncd\r\n0\r\n\r\n",  # a size that does not match its data
-], ids=["plain", "crlf-in-data", "trailers", "extension", "case-and-zeros", "cr-lf-edges",
-        "wrong-size"])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"5\r\nhello\r\n1\r\n \r\n6\r\nworld!\r\n0\r\n\r\n",  # event-stream shape
+        b"5\r\nhello\r\n6\r\na\r\nbcd\r\n3\r\nxyz\r\n0\r\n\r\n",  # a CRLF inside data
+        b"2\r\nab\r\n2\r\ncd\r\n0\r\nx-trailer: 1\r\n\r\n",  # trailers after the last
+        b"2\r\nab\r\n2;x=y\r\ncd\r\n2\r\nef\r\n0\r\n\r\n",  # an extension midway
+        b"00A\r\n0123456789\r\nB\r\nabcdefghijk\r\n000\r\n\r\n",  # upper case, zeros
+        b"2\r\na\r\r\n2\r\n\nb\r\n2\r\ncd\r\n0\r\n\r\n",  # CR and LF at data edges
+        b"2\r\nab\r\n3\r\ncd\r\n0\r\n\r\n",  # a size that does not match its data
+    ],
+    ids=[
+        "plain",
+        "crlf-in-data",
+        "trailers",
+        "extension",
+        "case-and-zeros",
+        "cr-lf-edges",
+        "wrong-size",
+    ],
+)
 def test_chunk_runs_decode_like_h11_wherever_the_reads_split(body: bytes) -> None:
     """Chunked bodies with the event-stream shape and every way out of it, fed in two reads
     cut at every offset, against h11: the same body, or an error from both."""
@@ -948,34 +1035,40 @@ def test_chunk_runs_decode_like_h11_wherever_the_reads_split(body: bytes) -> Non
         except h11.RemoteProtocolError as exc:
             theirs = exc
         if isinstance(theirs, Exception) or isinstance(ours, Exception):
-            assert isinstance(ours, Exception) and isinstance(theirs, Exception), (cut, ours,
-                                                                                   theirs)
+            assert isinstance(ours, Exception) and isinstance(theirs, Exception), (
+                cut,
+                ours,
+                theirs,
+            )
         else:
             assert ours == theirs, cut
 
 
-@pytest.mark.parametrize("wire", [
-    b"HTTP/1.1 200 OK\r\nbad header\r\n\r\n",
-    b"HTTP/1.1 200 OK\r\nx: a\rb\r\n\r\n",
-    b"HTTP/1.1 200 OK\r\nx: a\nb: c\r\n\r\n",
-    b"HTTP/1.1 200 OK\r\nx: \x00\r\n\r\n",
-    b"HTTP/1.1 200 OK\r\n folded: x\r\n\r\n",
-    b"HTTP/2.0 200 OK\r\n\r\n",
-    b"HTTP/1.1 2000 OK\r\n\r\n",
-    b"HTTP/1.1 20x OK\r\n\r\n",
-    b"HTTP/1.1 099 Early\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n",
-    b"HTTP/1.1 200OK\r\n\r\n",
-    b"HTTP/1.1 101 Switching Protocols\r\n\r\n",
-    b"HTTP/1.1 200 OK\r\ncontent-length: 1, 2\r\n\r\n",
-    b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\ncontent-length: 2\r\n\r\n",
-    b"HTTP/1.1 200 OK\r\ncontent-length: -1\r\n\r\n",
-    b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\r\n\r\n",
-    b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n",
-    b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nabX\r\n",
-    b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2 ;x\r\nab\r\n0\r\n\r\n",
-    b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\x01\r\nab\r\n0\r\n\r\n",
-    b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n0\r\nnot a trailer\r\n\r\n",
-])
+@pytest.mark.parametrize(
+    "wire",
+    [
+        b"HTTP/1.1 200 OK\r\nbad header\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nx: a\rb\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nx: a\nb: c\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nx: \x00\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\n folded: x\r\n\r\n",
+        b"HTTP/2.0 200 OK\r\n\r\n",
+        b"HTTP/1.1 2000 OK\r\n\r\n",
+        b"HTTP/1.1 20x OK\r\n\r\n",
+        b"HTTP/1.1 099 Early\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n",
+        b"HTTP/1.1 200OK\r\n\r\n",
+        b"HTTP/1.1 101 Switching Protocols\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\ncontent-length: 1, 2\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\ncontent-length: 2\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\ncontent-length: -1\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n",
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nabX\r\n",
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2 ;x\r\nab\r\n0\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\x01\r\nab\r\n0\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n0\r\nnot a trailer\r\n\r\n",
+    ],
+)
 def test_codec_rejects_malformed_responses(wire: bytes) -> None:
     with pytest.raises(ProtocolError):
         parse_with_pool_codec(b"GET", [wire], True)
@@ -992,8 +1085,11 @@ async def test_header_injection_is_refused_before_sending() -> None:
     engine = FakeEngine()
     with trio.fail_after(LIMIT):
         async with open_fake_engines([engine]) as (url,), new_pool() as pool:
-            for headers in ([(b"x-a", b"1\r\nx-injected: 1")], [(b"bad name", b"1")],
-                            [(b"x-a", b"\n")]):
+            for headers in (
+                [(b"x-a", b"1\r\nx-injected: 1")],
+                [(b"bad name", b"1")],
+                [(b"x-a", b"\n")],
+            ):
                 with pytest.raises(UpstreamError, match="cannot send request") as info:
                     async with pool.request(url, b"POST", CHAT, headers, b"{}"):
                         raise AssertionError("not reached")
@@ -1005,10 +1101,14 @@ async def test_header_injection_is_refused_before_sending() -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.binary(min_size=1, max_size=300), max_size=12),
-       st.lists(st.integers(1, 50), min_size=1, max_size=20), st.booleans())
-def test_chunked_decoder_reassembles_any_split(chunks: list[bytes], splits: list[int],
-                                               extras: bool) -> None:
+@given(
+    st.lists(st.binary(min_size=1, max_size=300), max_size=12),
+    st.lists(st.integers(1, 50), min_size=1, max_size=20),
+    st.booleans(),
+)
+def test_chunked_decoder_reassembles_any_split(
+    chunks: list[bytes], splits: list[int], extras: bool
+) -> None:
     """The watch stream's decoder: a chunked body fed in arbitrary pieces gives back its data
     exactly, with extensions and trailers ignored, and says when the body is complete."""
     ext = b";name=value" if extras else b""
@@ -1018,13 +1118,14 @@ def test_chunked_decoder_reassembles_any_split(chunks: list[bytes], splits: list
     while pos < len(wire):
         assert not decoder.done
         step = splits[turn % len(splits)]
-        out.append(decoder.feed(wire[pos:pos + step]))
+        out.append(decoder.feed(wire[pos : pos + step]))
         pos, turn = pos + step, turn + 1
     assert decoder.done and b"".join(out) == b"".join(chunks)
 
 
-@pytest.mark.parametrize("wire", [b"zz\r\n", b"3\r\nabcX\r\n", b"3 4\r\nabc\r\n",
-                                  b"1\r\na\r\n0\r\nbad trailer\r\n\r\n"])
+@pytest.mark.parametrize(
+    "wire", [b"zz\r\n", b"3\r\nabcX\r\n", b"3 4\r\nabc\r\n", b"1\r\na\r\n0\r\nbad trailer\r\n\r\n"]
+)
 def test_chunked_decoder_rejects_bad_framing(wire: bytes) -> None:
     with pytest.raises(ValueError):
         ChunkedDecoder().feed(wire)

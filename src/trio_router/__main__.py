@@ -53,23 +53,38 @@ def _parser() -> argparse.ArgumentParser:
         prog="trio-router",
         description="OpenAI-compatible router for vLLM engines, built on Trio.",
         epilog="Commands: 'trio-router --config FILE' serves; 'trio-router check-config FILE' "
-               "validates a config; 'trio-router demo' runs fake engines behind the router.")
+        "validates a config; 'trio-router demo' runs fake engines behind the router.",
+    )
     parser.add_argument("--version", action="version", version=f"trio-router {__version__}")
     parser.add_argument("--config", metavar="FILE", help="TOML config file to serve with")
     parser.add_argument("--bind", metavar="HOST:PORT", help="override server.bind")
-    parser.add_argument("--log-level", choices=LOG_LEVELS, default="info",
-                        help="log level (default: info)")
+    parser.add_argument(
+        "--log-level", choices=LOG_LEVELS, default="info", help="log level (default: info)"
+    )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    check = commands.add_parser("check-config", help="validate FILE and print the effective "
-                                "config as TOML (exit 2 if invalid)")
+    check = commands.add_parser(
+        "check-config",
+        help="validate FILE and print the effective config as TOML (exit 2 if invalid)",
+    )
     check.add_argument("file", metavar="FILE")
     demo = commands.add_parser("demo", help="run fake engines and the router on loopback")
-    demo.add_argument("--engines", type=int, default=2, metavar="N",
-                      help="number of fake engines (default: 2)")
-    demo.add_argument("--port", type=int, default=8080, metavar="P",
-                      help="router port on 127.0.0.1 (default: 8080; 0 picks a free one)")
-    demo.add_argument("--log-level", choices=LOG_LEVELS, default="warning", dest="demo_log_level",
-                      help="log level (default: warning)")
+    demo.add_argument(
+        "--engines", type=int, default=2, metavar="N", help="number of fake engines (default: 2)"
+    )
+    demo.add_argument(
+        "--port",
+        type=int,
+        default=8080,
+        metavar="P",
+        help="router port on 127.0.0.1 (default: 8080; 0 picks a free one)",
+    )
+    demo.add_argument(
+        "--log-level",
+        choices=LOG_LEVELS,
+        default="warning",
+        dest="demo_log_level",
+        help="log level (default: warning)",
+    )
     return parser
 
 
@@ -80,9 +95,12 @@ class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, object] = {
             "time": datetime.datetime.fromtimestamp(record.created, datetime.UTC).isoformat(
-                timespec="milliseconds"),
-            "level": record.levelname.lower(), "logger": record.name,
-            "message": record.getMessage()}
+                timespec="milliseconds"
+            ),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
         fields = getattr(record, "fields", None)
         if isinstance(fields, dict):
             out.update(fields)
@@ -93,8 +111,11 @@ class JsonFormatter(logging.Formatter):
 
 def _configure_logging(level: str, log_format: str = "text") -> None:
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if log_format == "json" else logging.Formatter(
-        "%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(
+        JsonFormatter()
+        if log_format == "json"
+        else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    )
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)
@@ -111,7 +132,8 @@ def load_with_overrides(path: str, *, bind: str | None = None) -> Config:
     if bind is not None:
         try:
             config = dataclasses.replace(
-                config, server=dataclasses.replace(config.server, bind=bind))
+                config, server=dataclasses.replace(config.server, bind=bind)
+            )
         except ConfigError as exc:
             raise ConfigError(f"--bind: {exc}") from None
     return config
@@ -211,8 +233,7 @@ def demo_config(urls: Sequence[str], *, port: int) -> Config:
 
 def demo_instructions(router_url: str) -> str:
     """What the demo prints: a curl command and an openai SDK snippet that work as shown."""
-    body = ('{"model": "' + DEMO_MODEL
-            + '", "messages": [{"role": "user", "content": "Hello!"}]}')
+    body = '{"model": "' + DEMO_MODEL + '", "messages": [{"role": "user", "content": "Hello!"}]}'
     stream_body = body[:-1] + ', "stream": true}'
     return f"""\
 router: {router_url}
@@ -247,17 +268,26 @@ async def _demo(*, engines: int, port: int) -> None:
     after the router has drained."""
     from .testing import FakeEngine, serve_fake_engine  # the demo's only use of the fakes
 
-    fakes = [FakeEngine(name=f"demo-engine-{i + 1}", models=[DEMO_MODEL],
-                        adapters={DEMO_ADAPTER: DEMO_MODEL}, ttft_s=DEMO_TTFT_S,
-                        inter_token_s=DEMO_INTER_TOKEN_S, tokens=24)
-             for i in range(engines)]
+    fakes = [
+        FakeEngine(
+            name=f"demo-engine-{i + 1}",
+            models=[DEMO_MODEL],
+            adapters={DEMO_ADAPTER: DEMO_MODEL},
+            ttft_s=DEMO_TTFT_S,
+            inter_token_s=DEMO_INTER_TOKEN_S,
+            tokens=24,
+        )
+        for i in range(engines)
+    ]
     table = RoutingTable()
     async with trio.open_nursery() as engines_nursery:
-        urls = [await engines_nursery.start(serve_fake_engine, fake, "127.0.0.1", 0)
-                for fake in fakes]
+        urls = [
+            await engines_nursery.start(serve_fake_engine, fake, "127.0.0.1", 0) for fake in fakes
+        ]
         async with trio.open_nursery() as router_nursery:
-            bound: list[str] = await router_nursery.start(partial(
-                server.run, demo_config(urls, port=port), table=table))
+            bound: list[str] = await router_nursery.start(
+                partial(server.run, demo_config(urls, port=port), table=table)
+            )
             while len(table.routable(DEMO_MODEL)) < engines:  # first probes: milliseconds
                 await table.wait_changed()
             print(f"trio-router demo: {engines} fake engine(s) at {', '.join(urls)}")

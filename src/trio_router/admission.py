@@ -87,24 +87,40 @@ class Tenant:
         wait = math.ceil((1.0 - self.tokens) / per_s)
         reset = math.ceil((rate - self.tokens) / per_s)
         return RateLimitedError(
-            f"tenant {self.name!r} is over its {rate} requests per minute", headers=(
+            f"tenant {self.name!r} is over its {rate} requests per minute",
+            headers=(
                 (b"retry-after", b"%d" % wait),
                 (b"x-ratelimit-limit-requests", b"%d" % rate),
                 (b"x-ratelimit-remaining-requests", b"0"),
-                (b"x-ratelimit-reset-requests", b"%ds" % reset)))
+                (b"x-ratelimit-reset-requests", b"%ds" % reset),
+            ),
+        )
 
 
 def _queue_full(size: int) -> RateLimitedError:
-    return RateLimitedError(f"the router's queue is full ({size} requests wait for a free "
-                            "engine)", code="queue_full", headers=((b"retry-after", b"1"),))
+    return RateLimitedError(
+        f"the router's queue is full ({size} requests wait for a free engine)",
+        code="queue_full",
+        headers=((b"retry-after", b"1"),),
+    )
 
 
 class _Waiter:
-    __slots__ = ("engine", "event", "evicted", "key", "model", "pick", "queued_at", "tenant",
-                 "tried")
+    __slots__ = (
+        "engine",
+        "event",
+        "evicted",
+        "key",
+        "model",
+        "pick",
+        "queued_at",
+        "tenant",
+        "tried",
+    )
 
-    def __init__(self, tenant: Tenant, model: str, pick: Pick, tried: Collection[str],
-                 now: float) -> None:
+    def __init__(
+        self, tenant: Tenant, model: str, pick: Pick, tried: Collection[str], now: float
+    ) -> None:
         self.tenant, self.model, self.pick, self.tried = tenant, model, pick, tried
         self.queued_at = now
         self.event = trio.Event()
@@ -182,11 +198,17 @@ _FIFO: Final = Tenant(name="(fifo)")  # the one queue key when fairness is "none
 class Admission:
     """Admission control of one router process; see the module's docstring."""
 
-    def __init__(self, table: RoutingTable, config: AdmissionConfig, *,
-                 max_per_engine: int, tenants: Sequence[TenantConfig] = (),
-                 keys: Mapping[str, str] | None = None,
-                 on_wait: Callable[[str, float], None] | None = None,
-                 on_reject: Callable[[str, str], None] | None = None) -> None:
+    def __init__(
+        self,
+        table: RoutingTable,
+        config: AdmissionConfig,
+        *,
+        max_per_engine: int,
+        tenants: Sequence[TenantConfig] = (),
+        keys: Mapping[str, str] | None = None,
+        on_wait: Callable[[str, float], None] | None = None,
+        on_reject: Callable[[str, str], None] | None = None,
+    ) -> None:
         self._table = table
         self._tenants: dict[str, Tenant] = {}
         self._anonymous = Tenant(name=ANONYMOUS)
@@ -199,9 +221,14 @@ class Admission:
         self.configure(config, max_per_engine=max_per_engine, tenants=tenants, keys=keys)
 
     # -- configuration -------------------------------------------------------------------
-    def configure(self, config: AdmissionConfig, *, max_per_engine: int,
-                  tenants: Sequence[TenantConfig] = (), keys: Mapping[str, str] | None = None
-                  ) -> None:
+    def configure(
+        self,
+        config: AdmissionConfig,
+        *,
+        max_per_engine: int,
+        tenants: Sequence[TenantConfig] = (),
+        keys: Mapping[str, str] | None = None,
+    ) -> None:
         """Apply settings (at start and on reload): requests queued or in flight keep going;
         tenants that remain keep their state (a changed rate starts full)."""
         self._config = config
@@ -221,8 +248,9 @@ class Admission:
             self._update_saturation(engine, trio.current_time())
         self._dispatch()
 
-    def observe(self, *, on_wait: Callable[[str, float], None],
-                on_reject: Callable[[str, str], None]) -> None:
+    def observe(
+        self, *, on_wait: Callable[[str, float], None], on_reject: Callable[[str, str], None]
+    ) -> None:
         """Report each wait (model, seconds) and each rejection (reason, tenant)."""
         self._on_wait, self._on_reject = on_wait, on_reject
 
@@ -250,7 +278,9 @@ class Admission:
             self._reject("tenant_concurrency", tenant)
             raise RateLimitedError(
                 f"tenant {tenant.name!r} already has {tenant.active} requests in flight or "
-                f"queued (its max_concurrent)", headers=((b"retry-after", b"1"),))
+                f"queued (its max_concurrent)",
+                headers=((b"retry-after", b"1"),),
+            )
         if (error := tenant.take_token(trio.current_time())) is not None:
             self._reject("rate_limited", tenant)
             raise error
@@ -259,9 +289,15 @@ class Admission:
     def leave(self, tenant: Tenant) -> None:
         tenant.active -= 1
 
-    async def acquire(self, tenant: Tenant, model: str, pick: Pick, *,
-                      tried: Collection[str] = (),
-                      client_gone: Callable[[], bool] | None = None) -> Engine:
+    async def acquire(
+        self,
+        tenant: Tenant,
+        model: str,
+        pick: Pick,
+        *,
+        tried: Collection[str] = (),
+        client_gone: Callable[[], bool] | None = None,
+    ) -> Engine:
         """An engine for a request, with a slot held on it for the caller (give it back with
         `release`). When every engine for `model` not in `tried` is saturated, wait in the
         queue. Raises NoEngineError when every routable engine for it has been tried
@@ -294,8 +330,11 @@ class Admission:
         try:
             deadline = now + self._config.queue_timeout_s
             while waiter.engine is None:
-                with trio.move_on_at(deadline if client_gone is None
-                                     else min(deadline, trio.current_time() + CLIENT_CHECK_S)):
+                with trio.move_on_at(
+                    deadline
+                    if client_gone is None
+                    else min(deadline, trio.current_time() + CLIENT_CHECK_S)
+                ):
                     await waiter.event.wait()
                 if waiter.engine is not None:
                     break
@@ -307,7 +346,8 @@ class Admission:
                     self._reject("queue_timeout", tenant)
                     raise QueueTimeoutError(
                         f"waited {self._config.queue_timeout_s:g} s for an engine for model "
-                        f"{model!r}: all were saturated (admission.queue_timeout_s)")
+                        f"{model!r}: all were saturated (admission.queue_timeout_s)"
+                    )
             queued = False  # dispatched: `_dispatch` took it out of the queue
             engine, waiter.engine = waiter.engine, None
             if self._on_wait is not None:
@@ -365,8 +405,7 @@ class Admission:
         """Requests waiting, by model."""
         return {model: len(queue) for model, queue in self._queues.items()}
 
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
-                  ) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Until cancelled: after every change of the routing table (an engine routable
         again, or gone), update saturation and dispatch what can go."""
         task_status.started()

@@ -65,10 +65,20 @@ logger = logging.getLogger(__name__)
 access_logger = logging.getLogger("trio_router.access")  # one record per proxied request
 
 
-PROXIED_PATHS: Final = frozenset({
-    "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/tokenize",
-    "/detokenize", "/v1/rerank", "/rerank", "/v1/score", "/score",
-})
+PROXIED_PATHS: Final = frozenset(
+    {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/embeddings",
+        "/v1/responses",
+        "/tokenize",
+        "/detokenize",
+        "/v1/rerank",
+        "/rerank",
+        "/v1/score",
+        "/score",
+    }
+)
 ADMIN_PATHS: Final = frozenset({"/v1/models", "/engines", "/health", "/metrics"})
 UNAUTHENTICATED_PATHS: Final = frozenset({"/health", "/metrics"})
 MODEL_ONLY_POLICIES: Final = frozenset({"round_robin", "least_loaded"})  # no prompt rendering
@@ -130,17 +140,31 @@ class RouterApp:
     """The ASGI callable. Built by `server.run` with every collaborator; holds no tasks of its
     own (each request runs in the task Hypercorn gives it) and no global state."""
 
-    def __init__(self, *, settings: Settings, table: RoutingTable, supervisors: Supervisors,
-                 metrics: Metrics, health: Callable[[], tuple[bool, str, str]],
-                 relay: Relay | None = None,
-                 client_socket: Callable[[], ClientConnection | None] = lambda: None,
-                 disconnect_check: DisconnectCheck = no_disconnect_check,
-                 admission: Admission | None = None, tracing: Tracing | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        settings: Settings,
+        table: RoutingTable,
+        supervisors: Supervisors,
+        metrics: Metrics,
+        health: Callable[[], tuple[bool, str, str]],
+        relay: Relay | None = None,
+        client_socket: Callable[[], ClientConnection | None] = lambda: None,
+        disconnect_check: DisconnectCheck = no_disconnect_check,
+        admission: Admission | None = None,
+        tracing: Tracing | None = None,
+    ) -> None:
         self.settings = settings
         self._tracing = tracing
-        self._admission = admission if admission is not None else Admission(
-            table, settings.config.admission,
-            max_per_engine=settings.config.proxy.max_connections_per_engine)
+        self._admission = (
+            admission
+            if admission is not None
+            else Admission(
+                table,
+                settings.config.admission,
+                max_per_engine=settings.config.proxy.max_connections_per_engine,
+            )
+        )
         self._relay, self._client_socket = relay, client_socket
         self._disconnect_check = disconnect_check
         self._bodies = _BodyBudget(settings.max_buffered_body_bytes)
@@ -175,28 +199,44 @@ class RouterApp:
         if (await receive())["type"] != "websocket.connect":
             return
         if "websocket.http.response" in scope.get("extensions", {}):
-            body = error_body("WebSocket is not supported: use HTTP (streaming answers are "
-                              "server-sent events)", type="invalid_request_error",
-                              code="websocket_not_supported")
-            await send({"type": "websocket.http.response.start", "status": 400, "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", b"%d" % len(body))]})
+            body = error_body(
+                "WebSocket is not supported: use HTTP (streaming answers are server-sent events)",
+                type="invalid_request_error",
+                code="websocket_not_supported",
+            )
+            await send(
+                {
+                    "type": "websocket.http.response.start",
+                    "status": 400,
+                    "headers": [
+                        (b"content-type", b"application/json"),
+                        (b"content-length", b"%d" % len(body)),
+                    ],
+                }
+            )
             await send({"type": "websocket.http.response.body", "body": body})
         else:
             await send({"type": "websocket.close", "code": 1003})
 
     # -- the proxy -----------------------------------------------------------------------
-    async def _proxy_traced(self, tracing: Tracing, scope: Scope, receive: Receive,
-                            send: Send) -> None:
+    async def _proxy_traced(
+        self, tracing: Tracing, scope: Scope, receive: Receive, send: Send
+    ) -> None:
         """`_proxy` within a server span (ended however the request ends)."""
         note = _Note()
         note.span = tracing.start_request(scope["method"], scope["path"], scope["headers"])
         try:
             await self._proxy(scope, receive, send, note)
         finally:
-            tracing.end_request(note.span, status=note.status, request_id=note.request_id,
-                                model=note.model, tenant=note.tenant, engine=note.engine,
-                                retries=max(0, note.attempts - 1))
+            tracing.end_request(
+                note.span,
+                status=note.status,
+                request_id=note.request_id,
+                model=note.model,
+                tenant=note.tenant,
+                engine=note.engine,
+                retries=max(0, note.attempts - 1),
+            )
 
     async def _proxy(self, scope: Scope, receive: Receive, send: Send, note: _Note) -> None:
         """Route one request and stream the engine's answer back; `note` gathers what the
@@ -239,21 +279,29 @@ class RouterApp:
         try:
             if chunked and content_length is not None:
                 # RFC 9112 §6.1: a request with both may be an attempt to smuggle another one.
-                raise BadRequestError("a request must not have both Content-Length and "
-                                      "Transfer-Encoding")
+                raise BadRequestError(
+                    "a request must not have both Content-Length and Transfer-Encoding"
+                )
             if bad_header is not None:
-                raise BadRequestError(f"header {bad_header.decode('latin-1')!r} has control "
-                                      "characters in its value")
+                raise BadRequestError(
+                    f"header {bad_header.decode('latin-1')!r} has control characters in its value"
+                )
             tenant = self._authenticate(settings, authorization)
             note.tenant = tenant.name
-            body = await _read_body(receive, content_length, settings.max_body_bytes,
-                                    stall_s=settings.body_timeout, held=held)
+            body = await _read_body(
+                receive,
+                content_length,
+                settings.max_body_bytes,
+                stall_s=settings.body_timeout,
+                held=held,
+            )
             if body is None:
                 return  # the client left while sending
             if len(body) > LARGE_BODY_BYTES:  # parsed in a worker thread, off the event loop
                 payload = await trio.to_thread.run_sync(
                     partial(_parse_large, body, model_only=not settings.needs_request_info),
-                    limiter=self._parse_limiter)
+                    limiter=self._parse_limiter,
+                )
             else:
                 payload = _parse(body)
             model = note.model = payload["model"]
@@ -263,8 +311,11 @@ class RouterApp:
                 if isinstance(error, UnknownModelError):
                     model = NO_LABEL  # clients choose unknown names: no label
                 raise error
-            info = (request_info(payload, scope["headers"], settings.config.routing)
-                    if settings.needs_request_info else RequestInfo(model=model))
+            info = (
+                request_info(payload, scope["headers"], settings.config.routing)
+                if settings.needs_request_info
+                else RequestInfo(model=model)
+            )
             self._admission.admit(tenant)
         except RouterError as exc:
             held.release()
@@ -282,9 +333,21 @@ class RouterApp:
             target += b"?" + query
         try:
             status, engine_name = await self._forward(
-                settings, send, self._disconnect_check(receive), scope["http_version"] == "1.1",
-                tenant, model, candidates, info, target, headers, body, request_id, started,
-                note)
+                settings,
+                send,
+                self._disconnect_check(receive),
+                scope["http_version"] == "1.1",
+                tenant,
+                model,
+                candidates,
+                info,
+                target,
+                headers,
+                body,
+                request_id,
+                started,
+                note,
+            )
         finally:
             held.release()
             self._admission.leave(tenant)
@@ -294,19 +357,34 @@ class RouterApp:
         if settings.access_log and access_logger.isEnabledFor(logging.INFO):
             _log_access(scope, settings.policy.name, duration, note)
 
-    async def _forward(self, settings: Settings, send: Send,
-                       client_gone: Callable[[], bool] | None, relay_ok: bool, tenant: Tenant,
-                       model: str, candidates: Sequence[Engine], info: RequestInfo,
-                       target: bytes,
-                       headers: list[tuple[bytes, bytes]], body: bytes | bytearray,
-                       request_id: bytes, started: float, note: _Note) -> tuple[int, str]:
+    async def _forward(
+        self,
+        settings: Settings,
+        send: Send,
+        client_gone: Callable[[], bool] | None,
+        relay_ok: bool,
+        tenant: Tenant,
+        model: str,
+        candidates: Sequence[Engine],
+        info: RequestInfo,
+        target: bytes,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes | bytearray,
+        request_id: bytes,
+        started: float,
+        note: _Note,
+    ) -> tuple[int, str]:
         """Try engines until one answers (at most `retries` more after the first unreachable
         one) and stream its response. Returns the status and engine for metrics (status 499
         when the client left: the engine's connection is closed then). An error after the
         response started cannot be reported: the client connection is cut instead (by
         returning without the final body message)."""
-        table, policy, pool, admission = self._table, settings.policy, settings.pool, \
-            self._admission
+        table, policy, pool, admission = (
+            self._table,
+            settings.policy,
+            settings.pool,
+            self._admission,
+        )
         tried: list[str] = []
         unreachable: EngineUnreachableError | None = None
         why = ""
@@ -318,22 +396,38 @@ class RouterApp:
 
         while True:
             try:
-                engine = await admission.acquire(tenant, model, pick, tried=tried,
-                                                 client_gone=client_gone)
+                engine = await admission.acquire(
+                    tenant, model, pick, tried=tried, client_gone=client_gone
+                )
             except NoEngineError as exc:
-                return await self._fail(send, request_id, exc if unreachable is None
-                                        else UpstreamError(
-                    f"no engine for model {model!r} could be reached after {len(tried)} "
-                    f"attempt(s); last: {unreachable}"), model)
+                return await self._fail(
+                    send,
+                    request_id,
+                    exc
+                    if unreachable is None
+                    else UpstreamError(
+                        f"no engine for model {model!r} could be reached after {len(tried)} "
+                        f"attempt(s); last: {unreachable}"
+                    ),
+                    model,
+                )
             except (RateLimitedError, QueueTimeoutError) as exc:
                 return await self._fail(send, request_id, exc, model)
             except ClientGoneError:
                 return CLIENT_CLOSED, NO_LABEL
             if logger.isEnabledFor(logging.DEBUG):
-                logger.debug("request %s for %s (tenant %r): policy %s chose %s among %d "
-                             "candidate(s) (excluded %s): %s",
-                             request_id.decode(errors="replace"), model, tenant.name,
-                             policy.name, engine.name, len(candidates), tried, why)
+                logger.debug(
+                    "request %s for %s (tenant %r): policy %s chose %s among %d "
+                    "candidate(s) (excluded %s): %s",
+                    request_id.decode(errors="replace"),
+                    model,
+                    tenant.name,
+                    policy.name,
+                    engine.name,
+                    len(candidates),
+                    tried,
+                    why,
+                )
             self._metrics.routed(policy.name, "failover" if tried else "first", engine.name)
             note.attempts = len(tried) + 1
             generation = engine.generation
@@ -345,10 +439,12 @@ class RouterApp:
             sent_headers = headers
             if note.span is not None and self._tracing is not None:
                 attempt, sent_headers = self._tracing.start_attempt(
-                    note.span, engine.name, note.attempts, target, headers)
+                    note.span, engine.name, note.attempts, target, headers
+                )
             try:
-                async with pool.request(engine.url, b"POST", target, sent_headers, body,
-                                        client_gone=client_gone) as response:
+                async with pool.request(
+                    engine.url, b"POST", target, sent_headers, body, client_gone=client_gone
+                ) as response:
                     responded = True
                     ended = False  # the end of the response was sent
                     out = []
@@ -363,8 +459,7 @@ class RouterApp:
                     out.append((ENGINE_HEADER, engine.name.encode()))
                     out.append((REQUEST_ID_HEADER, request_id))
                     status = response.status
-                    await send({"type": "http.response.start", "status": status,
-                                "headers": out})
+                    await send({"type": "http.response.start", "status": status, "headers": out})
                     relay = self._relay if relay_ok else None
                     previous = b""
                     async for chunk in response:
@@ -372,18 +467,21 @@ class RouterApp:
                             ttfb = trio.current_time() - started
                             self._metrics.observe_ttfb(model, ttfb)
                         ended = response.complete  # the last chunk ends the response
-                        await send({"type": "http.response.body", "body": chunk,
-                                    "more_body": not ended})
+                        await send(
+                            {"type": "http.response.body", "body": chunk, "more_body": not ended}
+                        )
                         note.sent += len(chunk)
                         previous = chunk
                         if relay is not None and not ended:
                             # The head and the first chunk went out through the server,
                             # which frames the body as chunked; the rest can be relayed.
                             client = self._client_socket()
-                            if (client is not None and response.relayable
-                                    and not client.writes_pending()):
-                                chunk, relayed = await relay.relay(response, client,
-                                                                   client_gone)
+                            if (
+                                client is not None
+                                and response.relayable
+                                and not client.writes_pending()
+                            ):
+                                chunk, relayed = await relay.relay(response, client, client_gone)
                                 note.sent += relayed
                                 ended = True
                                 await send(_END_BODY)
@@ -403,23 +501,34 @@ class RouterApp:
             except ClientGoneError:
                 failure = "the client left"
                 if logger.isEnabledFor(logging.DEBUG):
-                    logger.debug("request %s for %s on engine %s: the client left; engine "
-                                 "connection closed", request_id.decode(errors="replace"),
-                                 model, engine.name)
+                    logger.debug(
+                        "request %s for %s on engine %s: the client left; engine connection closed",
+                        request_id.decode(errors="replace"),
+                        model,
+                        engine.name,
+                    )
                 return CLIENT_CLOSED, engine.name
             except EngineUnreachableError as exc:
                 failure = str(exc)
                 if responded:  # cannot happen by the pool's contract; never resend then
                     raise
-                self._supervisors.report_unreachable(engine, generation, str(exc),
-                                                     refused=exc.connect_failed)
+                self._supervisors.report_unreachable(
+                    engine, generation, str(exc), refused=exc.connect_failed
+                )
                 self._metrics.engine_unreachable(engine.name)
                 tried.append(engine.uid)
                 unreachable = exc
                 if len(tried) > settings.retries:
-                    return await self._fail(send, request_id, UpstreamError(
-                        f"engine {engine.name} for model {model!r} could not be reached "
-                        f"({len(tried)} attempt(s)): {exc}"), model, engine.name)
+                    return await self._fail(
+                        send,
+                        request_id,
+                        UpstreamError(
+                            f"engine {engine.name} for model {model!r} could not be reached "
+                            f"({len(tried)} attempt(s)): {exc}"
+                        ),
+                        model,
+                        engine.name,
+                    )
                 candidates = table.routable(model)
             except OverloadedError as exc:  # the router's own limits: not the engine's fault
                 failure = str(exc)
@@ -430,14 +539,20 @@ class RouterApp:
                 self._supervisors.request_failed(engine, generation, str(exc))
                 if not responded:
                     return await self._fail(send, request_id, exc, model, engine.name)
-                logger.warning("request %s for %s on engine %s broke off mid-response: %s",
-                               request_id.decode(errors="replace"), model, engine.name, exc)
+                logger.warning(
+                    "request %s for %s on engine %s broke off mid-response: %s",
+                    request_id.decode(errors="replace"),
+                    model,
+                    engine.name,
+                    exc,
+                )
                 return exc.status, engine.name
             finally:
                 admission.release(engine)
                 if attempt is not None and self._tracing is not None:
-                    self._tracing.end_attempt(attempt, status=response.status if responded
-                                              else None, error=failure)
+                    self._tracing.end_attempt(
+                        attempt, status=response.status if responded else None, error=failure
+                    )
 
     @property
     def admission(self) -> Admission:
@@ -452,22 +567,34 @@ class RouterApp:
             token = _bearer(authorization)
             if (tenant := admission.tenant_of_key(token)) is not None:
                 return tenant
-            if settings.client_key is None or not hmac.compare_digest(token,
-                                                                       settings.client_key):
+            if settings.client_key is None or not hmac.compare_digest(token, settings.client_key):
                 raise AuthError("invalid API key")
         elif settings.client_key is not None:
             _check_key(settings.client_key, authorization)
         return admission.anonymous
 
-    async def _fail(self, send: Send, request_id: bytes, exc: RouterError,
-                    model: str, engine: str = NO_LABEL) -> tuple[int, str]:
-        logger.warning("request %s for %s failed with %d: %s",
-                       request_id.decode(errors="replace"), model, exc.status, exc)
+    async def _fail(
+        self, send: Send, request_id: bytes, exc: RouterError, model: str, engine: str = NO_LABEL
+    ) -> tuple[int, str]:
+        logger.warning(
+            "request %s for %s failed with %d: %s",
+            request_id.decode(errors="replace"),
+            model,
+            exc.status,
+            exc,
+        )
         await self._send_error(send, exc, request_id, engine)
         return exc.status, engine
 
-    async def _send_error(self, send: Send, exc: RouterError, request_id: bytes | None,
-                          engine: str = NO_LABEL, *, close: bool = False) -> None:
+    async def _send_error(
+        self,
+        send: Send,
+        exc: RouterError,
+        request_id: bytes | None,
+        engine: str = NO_LABEL,
+        *,
+        close: bool = False,
+    ) -> None:
         """The OpenAI-style error answer; names the engine when one had been chosen. `close`
         tells the client that the connection ends with it (its request body was not read)."""
         extra: list[tuple[bytes, bytes]] = [(b"connection", b"close")] if close else []
@@ -481,8 +608,9 @@ class RouterApp:
             extra.extend(exc.headers)
         elif exc.status == 503:
             extra.append((b"retry-after", b"1"))
-        await _send_json(send, exc.status, error_body(str(exc), type=exc.type, code=exc.code),
-                         extra)
+        await _send_json(
+            send, exc.status, error_body(str(exc), type=exc.type, code=exc.code), extra
+        )
 
     # -- admin endpoints -----------------------------------------------------------------
     async def _admin(self, scope: Scope, send: Send) -> None:
@@ -498,19 +626,40 @@ class RouterApp:
         rid = ((REQUEST_ID_HEADER, request_id),)
         model_id = path.removeprefix("/v1/models/") if path.startswith("/v1/models/") else None
         if path in PROXIED_PATHS:
-            await _send_json(send, 405, error_body(
-                f"{path} accepts only POST", type="invalid_request_error",
-                code="method_not_allowed"), [(b"allow", b"POST"), *rid])
+            await _send_json(
+                send,
+                405,
+                error_body(
+                    f"{path} accepts only POST",
+                    type="invalid_request_error",
+                    code="method_not_allowed",
+                ),
+                [(b"allow", b"POST"), *rid],
+            )
             return
         if path not in ADMIN_PATHS and not model_id:
-            await _send_json(send, 404, error_body(
-                f"no such endpoint: {method} {path}", type="invalid_request_error",
-                code="not_found"), rid)
+            await _send_json(
+                send,
+                404,
+                error_body(
+                    f"no such endpoint: {method} {path}",
+                    type="invalid_request_error",
+                    code="not_found",
+                ),
+                rid,
+            )
             return
         if method not in ("GET", "HEAD"):
-            await _send_json(send, 405, error_body(
-                f"{path} accepts only GET", type="invalid_request_error",
-                code="method_not_allowed"), [(b"allow", b"GET, HEAD"), *rid])
+            await _send_json(
+                send,
+                405,
+                error_body(
+                    f"{path} accepts only GET",
+                    type="invalid_request_error",
+                    code="method_not_allowed",
+                ),
+                [(b"allow", b"GET, HEAD"), *rid],
+            )
             return
         if path not in UNAUTHENTICATED_PATHS:
             try:
@@ -529,14 +678,28 @@ class RouterApp:
         elif path == "/health":
             ready, state, reason = self._health()
             routable = len(self._table.routable_engines())
-            await _send_json(send, 200 if ready else 503, json.dumps(
-                {"status": state, "reason": reason, "routable_engines": routable}).encode(),
-                [*rid, *(() if ready else ((b"retry-after", b"5"),))])
+            await _send_json(
+                send,
+                200 if ready else 503,
+                json.dumps(
+                    {"status": state, "reason": reason, "routable_engines": routable}
+                ).encode(),
+                [*rid, *(() if ready else ((b"retry-after", b"5"),))],
+            )
         else:
             body = self._metrics.render()
-            await send({"type": "http.response.start", "status": 200, "headers": [
-                (b"content-type", CONTENT_TYPE), (b"content-length", b"%d" % len(body)),
-                (b"date", http_date()), *rid]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [
+                        (b"content-type", CONTENT_TYPE),
+                        (b"content-length", b"%d" % len(body)),
+                        (b"date", http_date()),
+                        *rid,
+                    ],
+                }
+            )
             await send({"type": "http.response.body", "body": body})
 
     async def _model(self, send: Send, model_id: str, request_id: bytes) -> None:
@@ -545,8 +708,12 @@ class RouterApp:
         serve it)."""
         for model in self._table.models():
             if model.id == model_id:
-                await _send_json(send, 200, json.dumps(model.as_openai()).encode(),
-                                 ((REQUEST_ID_HEADER, request_id),))
+                await _send_json(
+                    send,
+                    200,
+                    json.dumps(model.as_openai()).encode(),
+                    ((REQUEST_ID_HEADER, request_id),),
+                )
                 return
         await self._send_error(send, self._missing_model(model_id), request_id)
 
@@ -560,15 +727,17 @@ class RouterApp:
         if unknown := table.engines_with_unknown_models():
             return NoEngineError(
                 f"no engine has confirmed model {model!r}: the models of {unknown} engine(s) "
-                "are not known yet (not probed yet, or not reachable)")
+                "are not known yet (not probed yet, or not reachable)"
+            )
         return UnknownModelError(f"the model {model!r} does not exist")
 
     def _models(self) -> bytes:
         """GET /v1/models: the union over routable engines, rebuilt only after a change."""
         table = self._table
         if table.version != self._models_version:
-            self._models_body = json.dumps({"object": "list", "data": [
-                m.as_openai() for m in table.models()]}).encode()
+            self._models_body = json.dumps(
+                {"object": "list", "data": [m.as_openai() for m in table.models()]}
+            ).encode()
             self._models_version = table.version
         return self._models_body
 
@@ -584,8 +753,10 @@ def _http_date_of(second: int) -> bytes:
     return email.utils.formatdate(second, usegmt=True).encode()
 
 
-_USAGE: Final = re.compile(rb'"usage"\s*:\s*\{[^{}]*"prompt_tokens"\s*:\s*(\d+)[^{}]*'
-                          rb'"completion_tokens"\s*:\s*(\d+)')
+_USAGE: Final = re.compile(
+    rb'"usage"\s*:\s*\{[^{}]*"prompt_tokens"\s*:\s*(\d+)[^{}]*'
+    rb'"completion_tokens"\s*:\s*(\d+)'
+)
 
 
 def _usage(tail: bytes) -> tuple[int, int] | None:
@@ -619,8 +790,17 @@ def _check_key(expected: bytes, authorization: bytes | None) -> None:
 class _Note:
     """What the access record and the trace say of a proxied request."""
 
-    __slots__ = ("attempts", "engine", "model", "request_id", "sent", "span", "status",
-                 "tenant", "ttfb")
+    __slots__ = (
+        "attempts",
+        "engine",
+        "model",
+        "request_id",
+        "sent",
+        "span",
+        "status",
+        "tenant",
+        "ttfb",
+    )
 
     def __init__(self) -> None:
         self.request_id = ""
@@ -640,18 +820,32 @@ def _log_access(scope: Scope, policy: str, duration: float, note: _Note) -> None
     client = scope.get("client")
     model, engine, status = note.model, note.engine, note.status
     fields = {
-        "request_id": note.request_id, "method": scope["method"],
-        "path": scope["path"], "tenant": note.tenant, "model": model,
-        "engine": engine, "policy": policy, "status": status,
+        "request_id": note.request_id,
+        "method": scope["method"],
+        "path": scope["path"],
+        "tenant": note.tenant,
+        "model": model,
+        "engine": engine,
+        "policy": policy,
+        "status": status,
         "duration_ms": round(duration * 1000, 2),
         "ttfb_ms": None if note.ttfb is None else round(note.ttfb * 1000, 2),
-        "bytes": note.sent, "retries": max(0, note.attempts - 1),
+        "bytes": note.sent,
+        "retries": max(0, note.attempts - 1),
         "client": f"{client[0]}:{client[1]}" if client else "",
     }
-    access_logger.info("%s %s %s %s %s -> %s %d in %.1f ms", fields["client"],
-                       fields["request_id"], scope["method"], scope["path"], model or "-",
-                       engine or "-", status, duration * 1000,
-                       extra={"fields": fields})
+    access_logger.info(
+        "%s %s %s %s %s -> %s %d in %.1f ms",
+        fields["client"],
+        fields["request_id"],
+        scope["method"],
+        scope["path"],
+        model or "-",
+        engine or "-",
+        status,
+        duration * 1000,
+        extra={"fields": fields},
+    )
 
 
 class _BodyBudget:
@@ -676,7 +870,8 @@ class _Held:
         if budget.used + size > budget.limit:
             raise OverloadedError(
                 f"request bodies being handled already hold {budget.used} bytes; this one "
-                f"would go beyond {budget.limit} (server.max_buffered_body_bytes)")
+                f"would go beyond {budget.limit} (server.max_buffered_body_bytes)"
+            )
         budget.used += size
         self.size += size
 
@@ -685,8 +880,9 @@ class _Held:
         self.size = 0
 
 
-async def _read_body(receive: Receive, content_length: bytes | None, limit: int, *,
-                     stall_s: float, held: _Held) -> bytes | bytearray | None:
+async def _read_body(
+    receive: Receive, content_length: bytes | None, limit: int, *, stall_s: float, held: _Held
+) -> bytes | bytearray | None:
     """The whole request body, or None if the client disconnected first. Raises
     BodyTooLargeError past `limit` (declared or counted), BadRequestError for a bad
     Content-Length, RequestTimeoutError when no part of it arrives for `stall_s` seconds, and
@@ -699,22 +895,26 @@ async def _read_body(receive: Receive, content_length: bytes | None, limit: int,
         except ValueError:
             raise BadRequestError(f"invalid Content-Length {content_length!r}") from None
         if declared > limit:
-            raise BodyTooLargeError(f"request body of {declared} bytes exceeds the limit of "
-                                    f"{limit} bytes (server.max_body_bytes)")
+            raise BodyTooLargeError(
+                f"request body of {declared} bytes exceeds the limit of "
+                f"{limit} bytes (server.max_body_bytes)"
+            )
         if declared < 0:
             raise BadRequestError(f"invalid Content-Length {content_length!r}")
         held.grow(declared)
     with trio.move_on_after(stall_s) as waited:
         message = await receive()
     if waited.cancelled_caught:
-        raise RequestTimeoutError(f"the request body stopped arriving for {stall_s:g} s "
-                                  "(server.request_body_timeout_s)")
+        raise RequestTimeoutError(
+            f"the request body stopped arriving for {stall_s:g} s (server.request_body_timeout_s)"
+        )
     if message["type"] != "http.request":
         return None
     first: bytes = message.get("body", b"")
     if len(first) > limit:
-        raise BodyTooLargeError(f"request body exceeds the limit of {limit} bytes "
-                                "(server.max_body_bytes)")
+        raise BodyTooLargeError(
+            f"request body exceeds the limit of {limit} bytes (server.max_body_bytes)"
+        )
     if declared is None:
         held.grow(len(first))
     if not message.get("more_body", False):
@@ -724,14 +924,17 @@ async def _read_body(receive: Receive, content_length: bytes | None, limit: int,
         with trio.move_on_after(stall_s) as waited:
             message = await receive()
         if waited.cancelled_caught:
-            raise RequestTimeoutError(f"the request body stopped arriving for {stall_s:g} s "
-                                      "(server.request_body_timeout_s)")
+            raise RequestTimeoutError(
+                f"the request body stopped arriving for {stall_s:g} s "
+                "(server.request_body_timeout_s)"
+            )
         if message["type"] != "http.request":
             return None
         chunk = message.get("body", b"")
         if len(body) + len(chunk) > limit:
-            raise BodyTooLargeError(f"request body exceeds the limit of {limit} bytes "
-                                    "(server.max_body_bytes)")
+            raise BodyTooLargeError(
+                f"request body exceeds the limit of {limit} bytes (server.max_body_bytes)"
+            )
         if declared is None:
             held.grow(len(chunk))
         body += chunk  # grows in place: no second copy of a large body
@@ -777,9 +980,19 @@ def _parse(body: bytes | bytearray) -> dict[str, Any]:
     return payload
 
 
-async def _send_json(send: Send, status: int, body: bytes,
-                     extra: Sequence[tuple[bytes, bytes]] = ()) -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": [*_JSON_HEADERS, (b"content-length", b"%d" % len(body)),
-                            (b"date", http_date()), *extra]})
+async def _send_json(
+    send: Send, status: int, body: bytes, extra: Sequence[tuple[bytes, bytes]] = ()
+) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                *_JSON_HEADERS,
+                (b"content-length", b"%d" % len(body)),
+                (b"date", http_date()),
+                *extra,
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})

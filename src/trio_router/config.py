@@ -55,19 +55,26 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         parse_bind(self.bind)
-        _positive("server", drain_s=self.drain_s, max_body_bytes=self.max_body_bytes,
-                  max_buffered_body_bytes=self.max_buffered_body_bytes,
-                  request_body_timeout_s=self.request_body_timeout_s,
-                  write_timeout_s=self.write_timeout_s, backlog=self.backlog,
-                  max_connections=self.max_connections)
+        _positive(
+            "server",
+            drain_s=self.drain_s,
+            max_body_bytes=self.max_body_bytes,
+            max_buffered_body_bytes=self.max_buffered_body_bytes,
+            request_body_timeout_s=self.request_body_timeout_s,
+            write_timeout_s=self.write_timeout_s,
+            backlog=self.backlog,
+            max_connections=self.max_connections,
+        )
         if self.log_format not in ("text", "json"):
-            raise ConfigError(f'server.log_format must be "text" or "json", got '
-                              f"{self.log_format!r}")
+            raise ConfigError(
+                f'server.log_format must be "text" or "json", got {self.log_format!r}'
+            )
         if self.max_buffered_body_bytes < self.max_body_bytes:
             raise ConfigError(
                 f"server.max_buffered_body_bytes ({self.max_buffered_body_bytes}) must be at "
                 f"least server.max_body_bytes ({self.max_body_bytes}): a body that size could "
-                "never be taken")
+                "never be taken"
+            )
 
 
 def _check_engine_url(url: str) -> None:
@@ -76,8 +83,10 @@ def _check_engine_url(url: str) -> None:
     where = "discovery.static.urls"
     parts = urlsplit(url)
     if parts.scheme == "https":
-        raise ConfigError(f"{where}: {url!r}: engines are reached over plain HTTP; TLS to "
-                          "engines is not supported (use http://, e.g. inside the cluster)")
+        raise ConfigError(
+            f"{where}: {url!r}: engines are reached over plain HTTP; TLS to "
+            "engines is not supported (use http://, e.g. inside the cluster)"
+        )
     try:
         port = parts.port
     except ValueError as exc:
@@ -85,8 +94,10 @@ def _check_engine_url(url: str) -> None:
     if parts.scheme != "http" or not parts.hostname or port == 0:
         raise ConfigError(f"{where}: {url!r} is not an http://host:port URL")
     if parts.path.strip("/") or parts.query or parts.fragment or parts.username:
-        raise ConfigError(f"{where}: {url!r}: give the engine's base URL, http://host:port, "
-                          "without a path (the router adds /v1/... itself)")
+        raise ConfigError(
+            f"{where}: {url!r}: give the engine's base URL, http://host:port, "
+            "without a path (the router adds /v1/... itself)"
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -129,8 +140,9 @@ class DiscoveryConfig:
 
     def __post_init__(self) -> None:
         if self.mode not in DISCOVERY_MODES:
-            raise ConfigError(f"discovery.mode must be one of {list(DISCOVERY_MODES)}, "
-                              f"got {self.mode!r}")
+            raise ConfigError(
+                f"discovery.mode must be one of {list(DISCOVERY_MODES)}, got {self.mode!r}"
+            )
         if self.mode == "static" and not self.static.urls:
             raise ConfigError('discovery.mode is "static" but discovery.static.urls is empty')
 
@@ -145,9 +157,14 @@ class ProbeConfig:
     max_concurrent: int = 1024  # probes in flight at once across all engines
 
     def __post_init__(self) -> None:
-        _positive("probe", timeout_s=self.timeout_s, interval_s=self.interval_s,
-                  backoff_max_s=self.backoff_max_s, failures_to_eject=self.failures_to_eject,
-                  max_concurrent=self.max_concurrent)
+        _positive(
+            "probe",
+            timeout_s=self.timeout_s,
+            interval_s=self.interval_s,
+            backoff_max_s=self.backoff_max_s,
+            failures_to_eject=self.failures_to_eject,
+            max_concurrent=self.max_concurrent,
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -173,8 +190,9 @@ class RoutingConfig:
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
-            raise ConfigError(f"routing.policy must be one of {list(POLICIES)}, "
-                              f"got {self.policy!r}")
+            raise ConfigError(
+                f"routing.policy must be one of {list(POLICIES)}, got {self.policy!r}"
+            )
         if not self.session_header:
             raise ConfigError("routing.session_header must not be empty")
         for key in ("load_queue_weight", "load_kv_weight", "prefix_balance_abs"):
@@ -183,9 +201,13 @@ class RoutingConfig:
         for key in ("session_load_factor", "prefix_balance_rel"):
             if not getattr(self, key) >= 1:
                 raise ConfigError(f"routing.{key} must be >= 1, got {getattr(self, key)!r}")
-        for key, top in (("session_vnodes", 1000), ("prefix_chunk_chars", 1 << 20),
-                         ("prefix_text_chars", 1 << 20),
-                         ("prefix_max_chunks", 1 << 16), ("prefix_cache_entries", 1 << 26)):
+        for key, top in (
+            ("session_vnodes", 1000),
+            ("prefix_chunk_chars", 1 << 20),
+            ("prefix_text_chars", 1 << 20),
+            ("prefix_max_chunks", 1 << 16),
+            ("prefix_cache_entries", 1 << 26),
+        ):
             if not 1 <= getattr(self, key) <= top:
                 raise ConfigError(f"routing.{key} must be 1..{top}, got {getattr(self, key)!r}")
 
@@ -204,18 +226,23 @@ class ProxyConfig:
     max_ejected_percent: int = 50  # requests never eject more than this share of engines
 
     def __post_init__(self) -> None:
-        _positive("proxy", connect_timeout_s=self.connect_timeout_s,
-                  read_timeout_s=self.read_timeout_s,
-                  max_connections_per_engine=self.max_connections_per_engine,
-                  ejection_s=self.ejection_s)
+        _positive(
+            "proxy",
+            connect_timeout_s=self.connect_timeout_s,
+            read_timeout_s=self.read_timeout_s,
+            max_connections_per_engine=self.max_connections_per_engine,
+            ejection_s=self.ejection_s,
+        )
         if self.retries < 0:
             raise ConfigError(f"proxy.retries must be >= 0, got {self.retries}")
         if self.eject_after_failures < 0:
-            raise ConfigError(f"proxy.eject_after_failures must be >= 0, got "
-                              f"{self.eject_after_failures}")
+            raise ConfigError(
+                f"proxy.eject_after_failures must be >= 0, got {self.eject_after_failures}"
+            )
         if not 0 <= self.max_ejected_percent <= 100:
-            raise ConfigError(f"proxy.max_ejected_percent must be 0..100, got "
-                              f"{self.max_ejected_percent}")
+            raise ConfigError(
+                f"proxy.max_ejected_percent must be 0..100, got {self.max_ejected_percent}"
+            )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -246,8 +273,9 @@ class AdmissionConfig:
                 raise ConfigError(f"admission.{key} must be >= 0, got {getattr(self, key)}")
         _positive("admission", queue_timeout_s=self.queue_timeout_s)
         if self.fairness not in FAIRNESS:
-            raise ConfigError(f"admission.fairness must be one of {list(FAIRNESS)}, "
-                              f"got {self.fairness!r}")
+            raise ConfigError(
+                f"admission.fairness must be one of {list(FAIRNESS)}, got {self.fairness!r}"
+            )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -262,15 +290,19 @@ class TenantConfig:
         if not self.name:
             raise ConfigError("tenants: every tenant needs a name")
         if not self.key_env:
-            raise ConfigError(f"tenants: tenant {self.name!r} needs key_env (the environment "
-                              "variable holding its key)")
+            raise ConfigError(
+                f"tenants: tenant {self.name!r} needs key_env (the environment "
+                "variable holding its key)"
+            )
         if self.weight < 1:
-            raise ConfigError(f"tenants: tenant {self.name!r}: weight must be >= 1, "
-                              f"got {self.weight}")
+            raise ConfigError(
+                f"tenants: tenant {self.name!r}: weight must be >= 1, got {self.weight}"
+            )
         for key in ("requests_per_minute", "max_concurrent"):
             if getattr(self, key) < 0:
-                raise ConfigError(f"tenants: tenant {self.name!r}: {key} must be >= 0, "
-                                  f"got {getattr(self, key)}")
+                raise ConfigError(
+                    f"tenants: tenant {self.name!r}: {key} must be >= 0, got {getattr(self, key)}"
+                )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -306,8 +338,10 @@ def env_key(env_var: str, where: str) -> str:
         return ""
     value = os.environ.get(env_var, "")
     if not value:
-        raise ConfigError(f"{where} names the environment variable {env_var!r}, "
-                          "which is unset or empty; export it or clear the setting")
+        raise ConfigError(
+            f"{where} names the environment variable {env_var!r}, "
+            "which is unset or empty; export it or clear the setting"
+        )
     return value
 
 
@@ -334,8 +368,7 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
     if isinstance(value, bool) and tp is not bool:
         raise ConfigError(f"{where} must be {_type_name(tp)}, got a boolean")
     if not isinstance(value, tp):
-        raise ConfigError(f"{where} must be {_type_name(tp)}, got {type(value).__name__} "
-                          f"{value!r}")
+        raise ConfigError(f"{where} must be {_type_name(tp)}, got {type(value).__name__} {value!r}")
     return value
 
 
@@ -344,8 +377,10 @@ def _build(cls: type[T], raw: dict[str, Any], *, where: str) -> T:
     names = [f.name for f in fields(typing.cast(Any, cls))]
     if unknown := raw.keys() - set(names):
         prefix = f"{where}." if where else ""
-        raise ConfigError(f"unknown key(s) {sorted(prefix + k for k in unknown)}; "
-                          f"{where or 'the top level'} accepts {sorted(names)}")
+        raise ConfigError(
+            f"unknown key(s) {sorted(prefix + k for k in unknown)}; "
+            f"{where or 'the top level'} accepts {sorted(names)}"
+        )
     prefix = f"{where}." if where else ""
     return cls(**{k: _convert(hints[k], v, prefix + k) for k, v in raw.items()})
 
@@ -378,8 +413,7 @@ def config_as_dict(config: Any) -> dict[str, Any]:
         if dataclasses.is_dataclass(value):
             out[f.name] = config_as_dict(value)
         elif isinstance(value, tuple):
-            out[f.name] = [config_as_dict(v) if dataclasses.is_dataclass(v) else v
-                           for v in value]
+            out[f.name] = [config_as_dict(v) if dataclasses.is_dataclass(v) else v for v in value]
         else:
             out[f.name] = value
     return out
@@ -393,8 +427,7 @@ def dump_toml(config: Config) -> str:
         return isinstance(value, list) and bool(value) and isinstance(value[0], dict)
 
     def emit(table: dict[str, Any], path: str) -> None:
-        scalars = {k: v for k, v in table.items()
-                   if not isinstance(v, dict) and not tables(v)}
+        scalars = {k: v for k, v in table.items() if not isinstance(v, dict) and not tables(v)}
         if scalars:
             if path:  # top-level keys (an empty `tenants`) come before any table
                 lines.append(f"[{path}]")

@@ -43,8 +43,7 @@ from hypercorn.utils import ShutdownError, raise_shutdown, repr_socket_addr
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ClientSocket", "KeepAliveConnection", "current_client", "disconnect_check",
-           "serve"]
+__all__ = ["ClientSocket", "KeepAliveConnection", "current_client", "disconnect_check", "serve"]
 
 
 class ClientSocket:
@@ -70,7 +69,8 @@ class ClientSocket:
 
 
 _client: contextvars.ContextVar[ClientSocket | None] = contextvars.ContextVar(
-    "trio_router_client", default=None)
+    "trio_router_client", default=None
+)
 
 
 def current_client() -> ClientSocket | None:
@@ -79,8 +79,7 @@ def current_client() -> ClientSocket | None:
     return _client.get()
 
 
-def disconnect_check(receive: Callable[[], Awaitable[dict[str, Any]]]
-                     ) -> Callable[[], bool] | None:
+def disconnect_check(receive: Callable[[], Awaitable[dict[str, Any]]]) -> Callable[[], bool] | None:
     """A synchronous check that the client of a request has disconnected, or None when
     `receive` is not Hypercorn's. Hypercorn's `receive` is the receive method of a Trio memory
     channel where it queues `http.disconnect` when the connection (or, over HTTP/2, the
@@ -132,8 +131,7 @@ class KeepAliveTimer(TrioSingleTask):
         if self._connection.context.terminated.is_set():
             self._scope.deadline = -math.inf  # shutting down: close an idle connection now
         else:
-            self._scope.deadline = (trio.current_time()
-                                    + self._connection.config.keep_alive_timeout)
+            self._scope.deadline = trio.current_time() + self._connection.config.keep_alive_timeout
         if not self._running:
             self._running = True
             task_group.spawn(self._run)
@@ -184,9 +182,17 @@ class KeepAliveConnection(TCPServer):
     ends (see `serve`'s connection bound).
     """
 
-    def __init__(self, app: Any, config: hypercorn.config.Config, context: Any, state: Any,
-                 stream: Any, *, write_timeout: float = math.inf,
-                 slots: trio.Semaphore | None = None) -> None:
+    def __init__(
+        self,
+        app: Any,
+        config: hypercorn.config.Config,
+        context: Any,
+        state: Any,
+        stream: Any,
+        *,
+        write_timeout: float = math.inf,
+        slots: trio.Semaphore | None = None,
+    ) -> None:
         super().__init__(app, config, context, state, stream)
         self.idle_task = self.keep_alive = KeepAliveTimer(self)
         self.write_timeout = write_timeout
@@ -243,8 +249,10 @@ class KeepAliveConnection(TCPServer):
                     with trio.move_on_after(self.write_timeout) as waited:
                         await trio.lowlevel.wait_writable(sock)
                     if waited.cancelled_caught:
-                        logger.info("a client took no response bytes for %g s; closing its "
-                                    "connection", self.write_timeout)
+                        logger.info(
+                            "a client took no response bytes for %g s; closing its connection",
+                            self.write_timeout,
+                        )
                         return False
                     with suppress(BlockingIOError):
                         sent += os.write(sock.fileno(), view[sent:])
@@ -278,9 +286,11 @@ class KeepAliveConnection(TCPServer):
 def _checked() -> bool:
     """This Hypercorn is one the connection class was written for (0.17, 0.18)."""
     if not hasattr(TCPServer, "_initiate_server_close") or not hasattr(TCPServer, "_close"):
-        logger.warning("this Hypercorn (%s) is not the one trio_router's connection class "
-                       "was written for; serving with Hypercorn's own",
-                       importlib.metadata.version("hypercorn"))
+        logger.warning(
+            "this Hypercorn (%s) is not the one trio_router's connection class "
+            "was written for; serving with Hypercorn's own",
+            importlib.metadata.version("hypercorn"),
+        )
         return False
     return True
 
@@ -304,11 +314,16 @@ class _BoundedListener(trio.abc.Listener[trio.SocketStream]):
         await self._listener.aclose()
 
 
-async def serve(app: Any, config: hypercorn.config.Config, *,
-                shutdown_trigger: Callable[[], Awaitable[None]],
-                max_connections: int = 0, write_timeout: float = math.inf,
-                drain_s: Callable[[], float] | None = None,
-                task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
+async def serve(
+    app: Any,
+    config: hypercorn.config.Config,
+    *,
+    shutdown_trigger: Callable[[], Awaitable[None]],
+    max_connections: int = 0,
+    write_timeout: float = math.inf,
+    drain_s: Callable[[], float] | None = None,
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+) -> None:
     """Serve the ASGI `app` as `hypercorn.trio.serve(app, config, ...)` does (lifespan,
     Hypercorn's HTTP/1.1 and HTTP/2 protocols, its graceful shutdown: `shutdown_trigger`
     returning starts it, and in-flight requests get `drain_s()` seconds, read then, or
@@ -319,8 +334,9 @@ async def serve(app: Any, config: hypercorn.config.Config, *,
     accepts connections. On a Hypercorn of another layout, `hypercorn.trio.serve` serves
     instead (without these bounds), with a warning."""
     if not _checked():
-        await hypercorn.trio.serve(app, config, shutdown_trigger=shutdown_trigger,
-                                   task_status=task_status)
+        await hypercorn.trio.serve(
+            app, config, shutdown_trigger=shutdown_trigger, task_status=task_status
+        )
         return
     wrapped = ASGIWrapper(app)
     lifespan = Lifespan(wrapped, config, {})
@@ -341,15 +357,25 @@ async def serve(app: Any, config: hypercorn.config.Config, *,
                 listeners.append(listener if slots is None else _BoundedListener(listener, slots))
                 binds.append(f"http://{repr_socket_addr(sock.family, sock.getsockname())}")
                 await config.log.info(f"Running on {binds[-1]} (CTRL + C to quit)")
-            handler = partial(KeepAliveConnection, wrapped, config, context,
-                              ConnectionState({}), write_timeout=write_timeout, slots=slots)
+            handler = partial(
+                KeepAliveConnection,
+                wrapped,
+                config,
+                context,
+                ConnectionState({}),
+                write_timeout=write_timeout,
+                slots=slots,
+            )
             task_status.started(binds)
             try:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(raise_shutdown, shutdown_trigger)
                     nursery.start_soon(raise_shutdown, context.terminate.wait)
-                    nursery.start_soon(partial(trio.serve_listeners, handler, listeners,
-                                               handler_nursery=server_nursery))
+                    nursery.start_soon(
+                        partial(
+                            trio.serve_listeners, handler, listeners, handler_nursery=server_nursery
+                        )
+                    )
                     await trio.sleep_forever()
             except BaseExceptionGroup as error:
                 _, other_errors = error.split((ShutdownError, KeyboardInterrupt))

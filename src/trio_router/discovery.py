@@ -39,8 +39,7 @@ class KubernetesStatusError(DiscoveryError):
     """The API server answered with an error: an HTTP status, or an ERROR event in a watch
     (a source turns those into this exception too)."""
 
-    def __init__(self, message: str, *, api_status: int,
-                 retry_after: float | None = None) -> None:
+    def __init__(self, message: str, *, api_status: int, retry_after: float | None = None) -> None:
         super().__init__(message)
         self.api_status = api_status
         self.retry_after = retry_after  # seconds, from a Retry-After header
@@ -119,8 +118,9 @@ class PodSource(Protocol):
         """A consistent LIST (resourceVersion unset)."""
         ...
 
-    async def watch(self, resource_version: str, observer: WatchObserver, *,
-                    timeout_seconds: int) -> None:
+    async def watch(
+        self, resource_version: str, observer: WatchObserver, *, timeout_seconds: int
+    ) -> None:
         """Stream events after `resource_version` to `observer` until the server ends the
         stream (return) or it fails (raise). Cancellation stops the stream."""
         ...
@@ -133,8 +133,9 @@ class DiscoveryStatus:
 
     mode: str = "kubernetes"
 
-    def __init__(self, *, stale_after_s: float = 180.0,
-                 failing_after_errors: int = FAILING_AFTER_ERRORS) -> None:
+    def __init__(
+        self, *, stale_after_s: float = 180.0, failing_after_errors: int = FAILING_AFTER_ERRORS
+    ) -> None:
         self.stale_after_s = stale_after_s  # set from the config by run_kubernetes_discovery
         self.failing_after_errors = failing_after_errors
         self.synced = False  # the first LIST has been applied
@@ -202,12 +203,16 @@ class DiscoveryStatus:
         if self.auth_failing:
             return False, f"Kubernetes API rejects the router's credentials: {self.last_error}"
         if self.consecutive_errors >= self.failing_after_errors:
-            return False, (f"Kubernetes watch failing: {self.consecutive_errors} consecutive "
-                           f"errors; last: {self.last_error}")
+            return False, (
+                f"Kubernetes watch failing: {self.consecutive_errors} consecutive "
+                f"errors; last: {self.last_error}"
+            )
         age = now - (self.last_progress if self.last_progress is not None else now)
         if age > self.stale_after_s:
-            return False, (f"Kubernetes watch stale: no progress for {age:.0f} s "
-                           f"(limit {self.stale_after_s:g} s)")
+            return False, (
+                f"Kubernetes watch stale: no progress for {age:.0f} s "
+                f"(limit {self.stale_after_s:g} s)"
+            )
         return True, "ok"
 
     def snapshot(self, now: float) -> dict[str, float | int | str | None]:
@@ -246,8 +251,9 @@ class Readiness:
     any of those makes it not ready, as a router that must never route from a stale table
     would want."""
 
-    def __init__(self, status: DiscoveryStatus, table: RoutingTable, *,
-                 strict: bool = False) -> None:
+    def __init__(
+        self, status: DiscoveryStatus, table: RoutingTable, *, strict: bool = False
+    ) -> None:
         self._status, self._table, self._strict = status, table, strict
         self._probed = False  # the first probes are over; latched
 
@@ -260,8 +266,7 @@ class Readiness:
         if not self._probed:
             probing = sum(1 for e in self._table if e.state is EngineState.PROBING)
             if probing:
-                return False, "unavailable", (
-                    f"waiting for the first probe of {probing} engine(s)")
+                return False, "unavailable", (f"waiting for the first probe of {probing} engine(s)")
             self._probed = True
         fresh, reason = status.health(now)
         if fresh:
@@ -331,8 +336,13 @@ class Backoff:
 
 
 async def run_kubernetes_discovery(
-    source: PodSource, sink: PodSink, status: DiscoveryStatus, config: KubernetesConfig, *,
-    tuning: WatchTuning | None = None, rng: random.Random | None = None,
+    source: PodSource,
+    sink: PodSink,
+    status: DiscoveryStatus,
+    config: KubernetesConfig,
+    *,
+    tuning: WatchTuning | None = None,
+    rng: random.Random | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Mirror the pods of `source` into `sink` until cancelled .
@@ -344,16 +354,24 @@ async def run_kubernetes_discovery(
     (its thread is told to stop and abandoned; see `KubernetesPodSource`).
     """
     status.stale_after_s = config.stale_after_s
-    loop = _DiscoveryLoop(source, sink, status, config, tuning or WatchTuning(),
-                          rng or random.Random())
+    loop = _DiscoveryLoop(
+        source, sink, status, config, tuning or WatchTuning(), rng or random.Random()
+    )
     await loop.run(task_status)
 
 
 class _DiscoveryLoop:
     """The state of one discovery run; also the `WatchObserver` of its watch streams."""
 
-    def __init__(self, source: PodSource, sink: PodSink, status: DiscoveryStatus,
-                 config: KubernetesConfig, tuning: WatchTuning, rng: random.Random) -> None:
+    def __init__(
+        self,
+        source: PodSource,
+        sink: PodSink,
+        status: DiscoveryStatus,
+        config: KubernetesConfig,
+        tuning: WatchTuning,
+        rng: random.Random,
+    ) -> None:
         self._source, self._sink, self._status = source, sink, status
         self._config, self._tuning, self._rng = config, tuning, rng
         self._backoff = Backoff(tuning, rng)
@@ -391,13 +409,17 @@ class _DiscoveryLoop:
         self._status.record_list(now, listing.resource_version)
         self._rv = listing.resource_version
         self._fresh_list = True
-        self._relist_at = now + jittered(self._config.relist_interval_s,
-                                         self._tuning.relist_jitter, self._rng)
-        logger.log(logging.INFO if first else logging.DEBUG,
-                   "listed %d pod(s) in %s matching %r at resourceVersion %s",
-                   len(listing.pods), self._config.namespace or "(the router's own namespace)",
-                   self._config.label_selector,
-                   listing.resource_version)
+        self._relist_at = now + jittered(
+            self._config.relist_interval_s, self._tuning.relist_jitter, self._rng
+        )
+        logger.log(
+            logging.INFO if first else logging.DEBUG,
+            "listed %d pod(s) in %s matching %r at resourceVersion %s",
+            len(listing.pods),
+            self._config.namespace or "(the router's own namespace)",
+            self._config.label_selector,
+            listing.resource_version,
+        )
         return None
 
     async def _watch(self) -> bool:
@@ -430,27 +452,37 @@ class _DiscoveryLoop:
                 if exc.expired:
                     if first_after_list and self._stream_events == 0:
                         await self._back_off("watch", exc)  # at once from the list's RV: no spin
-                    logger.info("watch from resourceVersion %s expired (%s); relisting",
-                                self._rv, exc)
+                    logger.info(
+                        "watch from resourceVersion %s expired (%s); relisting", self._rv, exc
+                    )
                     return True
                 await self._back_off("watch", exc)
                 return exc.too_large_resource_version  # relist with the resourceVersion unset
             except DiscoveryError as exc:
                 if self._stream_events or (
-                        self._stream_connected
-                        and trio.current_time() - began >= self._tuning.short_watch_s):
+                    self._stream_connected
+                    and trio.current_time() - began >= self._tuning.short_watch_s
+                ):
                     # It was working: an interruption, not a failure.
                     self._status.interruptions += 1
-                    logger.info("watch interrupted after %d event(s): %s; resuming from "
-                                "resourceVersion %s", self._stream_events, exc, self._rv)
+                    logger.info(
+                        "watch interrupted after %d event(s): %s; resuming from resourceVersion %s",
+                        self._stream_events,
+                        exc,
+                        self._rv,
+                    )
                     await self._resume_pause()
                     return False
                 await self._back_off("watch", exc)
                 return False
             now = trio.current_time()
             if self._stream_events == 0 and now - began < self._tuning.short_watch_s:
-                await self._back_off("watch", KubernetesConnectionError(
-                    f"watch ended after {now - began:.2f} s with no event"))
+                await self._back_off(
+                    "watch",
+                    KubernetesConnectionError(
+                        f"watch ended after {now - began:.2f} s with no event"
+                    ),
+                )
                 return False
             self._status.record_clean_end(now)
             await self._resume_pause()

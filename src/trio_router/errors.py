@@ -75,8 +75,13 @@ class RateLimitedError(RouterError):
     type = "requests"
     code = "rate_limit_exceeded"
 
-    def __init__(self, message: str, *, code: str = "rate_limit_exceeded",
-                 headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str = "rate_limit_exceeded",
+        headers: tuple[tuple[bytes, bytes], ...] = (),
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.headers = headers

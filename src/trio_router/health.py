@@ -61,14 +61,16 @@ def parse_models(payload: Any) -> list[Model]:
             raise ProbeFailed(f"/v1/models entry without a string id: {item!r:.100}")
         parent, root = item.get("parent"), item.get("root")
         max_len, created = item.get("max_model_len"), item.get("created")
-        models.append(Model(
-            id=item["id"],
-            parent=parent if isinstance(parent, str) else None,
-            root=root if isinstance(root, str) else None,
-            owned_by=str(item.get("owned_by") or "vllm"),
-            max_model_len=max_len if isinstance(max_len, int) else None,
-            created=created if isinstance(created, int) else 0,
-        ))
+        models.append(
+            Model(
+                id=item["id"],
+                parent=parent if isinstance(parent, str) else None,
+                root=root if isinstance(root, str) else None,
+                owned_by=str(item.get("owned_by") or "vllm"),
+                max_model_len=max_len if isinstance(max_len, int) else None,
+                created=created if isinstance(created, int) else 0,
+            )
+        )
     if not models:
         raise ProbeFailed("/v1/models lists no models")
     return models
@@ -94,8 +96,9 @@ class Prober:
         timeout = self.timeout
         with trio.move_on_after(timeout) as scope:
             try:
-                status, body = await fetch(pool, url, b"/v1/models", self.headers(),
-                                           max_bytes=MAX_MODELS_BYTES)
+                status, body = await fetch(
+                    pool, url, b"/v1/models", self.headers(), max_bytes=MAX_MODELS_BYTES
+                )
             except EngineUnreachableError as exc:
                 raise ProbeFailed(str(exc), refused=exc.connect_failed) from exc
             except (UpstreamError, UpstreamTimeoutError) as exc:
@@ -114,10 +117,17 @@ class Prober:
 class Supervisors:
     """One probing task per engine, each in its own cancel scope, all in one owned nursery."""
 
-    def __init__(self, nursery: trio.Nursery, table: RoutingTable, prober: Prober,
-                 config: ProbeConfig, workers: Sequence[EngineWorker] = (), *,
-                 connect: Connector = open_tcp_socket,
-                 ejection: ProxyConfig | None = None) -> None:
+    def __init__(
+        self,
+        nursery: trio.Nursery,
+        table: RoutingTable,
+        prober: Prober,
+        config: ProbeConfig,
+        workers: Sequence[EngineWorker] = (),
+        *,
+        connect: Connector = open_tcp_socket,
+        ejection: ProxyConfig | None = None,
+    ) -> None:
         self._nursery, self._table, self._prober = nursery, table, prober
         self._config, self._workers = config, tuple(workers)
         self._connect = connect
@@ -137,8 +147,9 @@ class Supervisors:
     def config(self) -> ProbeConfig:
         return self._config
 
-    def update_config(self, config: ProbeConfig, *,
-                      workers: Sequence[EngineWorker] | None = None) -> None:
+    def update_config(
+        self, config: ProbeConfig, *, workers: Sequence[EngineWorker] | None = None
+    ) -> None:
         """Apply new probe settings live (config reload): each engine's next probe uses the
         new deadline, and its next wait the new interval or backoff. New `workers` replace
         the old ones: every engine's supervisor is restarted with them (its routing state is
@@ -173,17 +184,20 @@ class Supervisors:
         """Apply new outlier-detection settings (config reload)."""
         self._ejection = config
 
-    def report_unreachable(self, engine: Engine, generation: int, reason: str, *,
-                           refused: bool = True) -> None:
+    def report_unreachable(
+        self, engine: Engine, generation: int, reason: str, *, refused: bool = True
+    ) -> None:
         """Passive health: the proxy could not reach `engine`. Eject it now and re-probe at once,
         rather than at its next interval. Ignored if the entry has moved on. A connection
         that was not `refused` outright (it timed out, or closed unanswered: what an engine
         whose backlog overflows in a burst does too) ejects only while requests have ejected
         less than `proxy.max_ejected_percent` of the engines."""
-        may = (self._table.current(engine.uid, generation) is engine and engine.routable
-               if refused else self._may_eject(engine, generation))
-        if may and self._table.mark_failed(
-                engine.uid, generation, reason, eject=True):
+        may = (
+            self._table.current(engine.uid, generation) is engine and engine.routable
+            if refused
+            else self._may_eject(engine, generation)
+        )
+        if may and self._table.mark_failed(engine.uid, generation, reason, eject=True):
             self._ejected.add(engine.uid)
             logger.warning("engine %s ejected after a failed request: %s", engine.name, reason)
             self._wake_up(engine.uid)
@@ -202,8 +216,10 @@ class Supervisors:
             return
         count = self._ejections[engine.uid] = self._ejections.get(engine.uid, 0) + 1
         hold = self._ejection.ejection_s * count
-        why = (f"{engine.request_failures} requests in a row failed (last: {reason}); "
-               f"out of routing for {hold:g} s")
+        why = (
+            f"{engine.request_failures} requests in a row failed (last: {reason}); "
+            f"out of routing for {hold:g} s"
+        )
         if self._table.mark_failed(engine.uid, generation, why, eject=True):
             self._ejected.add(engine.uid)
             self._held[engine.uid] = trio.current_time() + hold
@@ -225,9 +241,14 @@ class Supervisors:
         ejected = sum(1 for uid in self._ejected if uid in self._table)
         if (ejected + 1) * 100 <= self._ejection.max_ejected_percent * eligible:
             return True
-        logger.warning("engine %s failing requests is kept in routing: %d of %d engines are "
-                       "ejected already (proxy.max_ejected_percent = %d)", engine.name,
-                       ejected, eligible, self._ejection.max_ejected_percent)
+        logger.warning(
+            "engine %s failing requests is kept in routing: %d of %d engines are "
+            "ejected already (proxy.max_ejected_percent = %d)",
+            engine.name,
+            ejected,
+            eligible,
+            self._ejection.max_ejected_percent,
+        )
         return False
 
     def _wake_up(self, uid: str) -> None:
@@ -237,9 +258,13 @@ class Supervisors:
     async def _supervise(self, engine: Engine, generation: int, scope: trio.CancelScope) -> None:
         with scope:
             # The engine's own connections. Its deadlines are the probe's and the scrape's.
-            pool = UpstreamPool(connect_timeout=math.inf, read_timeout=math.inf,
-                                max_idle_per_origin=ENGINE_CONNECTIONS,
-                                max_idle_s=ENGINE_IDLE_S, connect=self._connect)
+            pool = UpstreamPool(
+                connect_timeout=math.inf,
+                read_timeout=math.inf,
+                max_idle_per_origin=ENGINE_CONNECTIONS,
+                max_idle_s=ENGINE_IDLE_S,
+                connect=self._connect,
+            )
             try:
                 async with trio.open_nursery() as nursery:
                     for worker in self._workers:
@@ -272,25 +297,42 @@ class Supervisors:
                 self._held.pop(engine.uid, None)
                 self._ejected.discard(engine.uid)
                 if not current.routable:
-                    logger.info("engine %s at %s is routable with models %s",
-                                engine.name, engine.url, [m.id for m in models])
+                    logger.info(
+                        "engine %s at %s is routable with models %s",
+                        engine.name,
+                        engine.url,
+                        [m.id for m in models],
+                    )
                     current.request_failures = 0
                 table.mark_routable(engine.uid, generation, models, now=trio.current_time())
                 failures = 0
                 delay = config.interval_s
             else:
                 failures += 1
-                eject = (failures >= config.failures_to_eject or error.refused
-                         or not current.routable)
+                eject = (
+                    failures >= config.failures_to_eject or error.refused or not current.routable
+                )
                 if eject and current.routable:
-                    logger.warning("engine %s at %s ejected: probe failed %d time(s): %s",
-                                   engine.name, engine.url, failures, error)
+                    logger.warning(
+                        "engine %s at %s ejected: probe failed %d time(s): %s",
+                        engine.name,
+                        engine.url,
+                        failures,
+                        error,
+                    )
                 elif not eject:
-                    logger.info("engine %s probe failed (%d/%d): %s", engine.name, failures,
-                                config.failures_to_eject, error)
+                    logger.info(
+                        "engine %s probe failed (%d/%d): %s",
+                        engine.name,
+                        failures,
+                        config.failures_to_eject,
+                        error,
+                    )
                 table.mark_failed(engine.uid, generation, str(error), eject=eject)
-                delay = min(config.backoff_max_s,
-                            min(BACKOFF_START_S, config.interval_s) * 2 ** (failures - 1))
+                delay = min(
+                    config.backoff_max_s,
+                    min(BACKOFF_START_S, config.interval_s) * 2 ** (failures - 1),
+                )
             delay = jittered(delay, JITTER, self._random)
             if (wake := self._wake.get(engine.uid)) is None:
                 return  # stopped while the probe was finishing
@@ -301,14 +343,20 @@ class Supervisors:
 
 
 @asynccontextmanager
-async def open_supervisors(table: RoutingTable, prober: Prober, config: ProbeConfig, *,
-                           workers: Sequence[EngineWorker] = (),
-                           connect: Connector = open_tcp_socket,
-                           ejection: ProxyConfig | None = None) -> AsyncIterator[Supervisors]:
+async def open_supervisors(
+    table: RoutingTable,
+    prober: Prober,
+    config: ProbeConfig,
+    *,
+    workers: Sequence[EngineWorker] = (),
+    connect: Connector = open_tcp_socket,
+    ejection: ProxyConfig | None = None,
+) -> AsyncIterator[Supervisors]:
     """Own every engine supervisor; leaving the block cancels them all. `connect` opens
     connections to engines (TCP; tests pass a fake network); `ejection` holds the outlier
     detection settings ([proxy])."""
     async with trio.open_nursery() as nursery:
-        yield Supervisors(nursery, table, prober, config, workers, connect=connect,
-                          ejection=ejection)
+        yield Supervisors(
+            nursery, table, prober, config, workers, connect=connect, ejection=ejection
+        )
         nursery.cancel_scope.cancel(reason="supervisors closed")

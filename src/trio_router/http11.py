@@ -25,16 +25,35 @@ MAX_CHUNK_LINE: Final = 4096  # longest chunk-size line (with extensions) accept
 
 # Never forwarded to an engine: the pool sets Host and Content-Length itself, and hop-by-hop
 # headers (RFC 9110 §7.6.1) describe the client's connection, not this one.
-_REQUEST_DROP: Final = frozenset({
-    b"host", b"content-length", b"transfer-encoding", b"connection", b"keep-alive", b"te",
-    b"trailer", b"upgrade", b"proxy-connection", b"proxy-authorization", b"expect",
-})
+_REQUEST_DROP: Final = frozenset(
+    {
+        b"host",
+        b"content-length",
+        b"transfer-encoding",
+        b"connection",
+        b"keep-alive",
+        b"te",
+        b"trailer",
+        b"upgrade",
+        b"proxy-connection",
+        b"proxy-authorization",
+        b"expect",
+    }
+)
 # Never handed back to the caller: they describe the engine's connection and framing, which
 # the router's own server redoes for its client. Content-Length is end-to-end and is kept.
-_RESPONSE_DROP: Final = frozenset({
-    b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer", b"upgrade",
-    b"proxy-connection", b"proxy-authenticate",
-})
+_RESPONSE_DROP: Final = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"transfer-encoding",
+        b"te",
+        b"trailer",
+        b"upgrade",
+        b"proxy-connection",
+        b"proxy-authenticate",
+    }
+)
 
 # Character classes (RFC 9110 §5.6.2, §5.5), used as `bytes.translate(None, delete=...)`: what
 # is left after deleting the allowed characters is what is wrong. Cheaper than a regex.
@@ -78,8 +97,19 @@ class ResponseParser:
     closes. Raises ProtocolError on anything malformed. No I/O, no Trio.
     """
 
-    __slots__ = ("_buf", "_chunk", "_head_request", "_mode", "_pos", "_remaining",
-                 "_trailer_bytes", "done", "headers", "keep_alive", "status")
+    __slots__ = (
+        "_buf",
+        "_chunk",
+        "_head_request",
+        "_mode",
+        "_pos",
+        "_remaining",
+        "_trailer_bytes",
+        "done",
+        "headers",
+        "keep_alive",
+        "status",
+    )
 
     def __init__(self, *, head_request: bool = False) -> None:
         self._buf = b""
@@ -103,7 +133,7 @@ class ResponseParser:
         if self._pos >= len(self._buf):
             self._buf = data
         else:
-            self._buf = self._buf[self._pos:] + data
+            self._buf = self._buf[self._pos :] + data
         self._pos = 0
 
     # -- head ----------------------------------------------------------------------------------
@@ -123,14 +153,23 @@ class ResponseParser:
             self._pos = end + 4
             # Every byte of a head is a field-value character or part of a CRLF line break.
             breaks = len(lines) - 1
-            if (block.translate(None, _HEAD_CHARS) or block.count(b"\n") != breaks
-                    or block.count(b"\r") != breaks):
+            if (
+                block.translate(None, _HEAD_CHARS)
+                or block.count(b"\n") != breaks
+                or block.count(b"\r") != breaks
+            ):
                 raise ProtocolError(f"invalid characters in response head {block[:200]!r}")
             line = lines[0]
             # status-line = HTTP-version SP 3DIGIT [ SP reason-phrase ]  (reason may be absent)
-            if (len(line) < 12 or line[:7] != b"HTTP/1." or line[7:8] not in b"01"
-                    or line[8:9] != b" " or line[9:12].translate(None, _DIGITS)
-                    or line[12:13] not in b" " or line[9:10] == b"0"):
+            if (
+                len(line) < 12
+                or line[:7] != b"HTTP/1."
+                or line[7:8] not in b"01"
+                or line[8:9] != b" "
+                or line[9:12].translate(None, _DIGITS)
+                or line[12:13] not in b" "
+                or line[9:10] == b"0"
+            ):
                 raise ProtocolError(f"bad status line {line[:100]!r}")
             status = int(line[9:12])
             if status >= 200:
@@ -162,8 +201,12 @@ class ResponseParser:
                 if len(lengths) != 1:
                     raise ProtocolError(f"conflicting Content-Length {value[:100]!r}")
                 value = lengths.pop()
-                if (not value or value.translate(None, _DIGITS) or len(value) > 18
-                        or (content_length is not None and value != content_length)):
+                if (
+                    not value
+                    or value.translate(None, _DIGITS)
+                    or len(value) > 18
+                    or (content_length is not None and value != content_length)
+                ):
                     raise ProtocolError(f"bad Content-Length {value[:100]!r}")
                 if content_length is None:
                     content_length = value
@@ -173,7 +216,8 @@ class ResponseParser:
                     raise ProtocolError(f"unsupported Transfer-Encoding {value[:100]!r}")
                 chunked = True
             elif name == b"connection" and b"close" in (
-                    t.strip(b" \t") for t in value.lower().split(b",")):
+                t.strip(b" \t") for t in value.lower().split(b",")
+            ):
                 close = True
         self.status = status
         self.keep_alive = not close
@@ -207,11 +251,11 @@ class ResponseParser:
             if not self._remaining:
                 self._mode = _DONE
                 self.done = True
-            return buf[pos:pos + take]
+            return buf[pos : pos + take]
         if mode == _CHUNKED:
             return self._read_chunked()
         if mode == _UNTIL_CLOSE:
-            data = self._buf[self._pos:]
+            data = self._buf[self._pos :]
             self._pos = len(self._buf)
             return data
         return b""
@@ -240,8 +284,8 @@ class ResponseParser:
             canonical = _CANONICAL_CHUNK_SIZE.match
             while (size_line := canonical(buf, pos)) is not None:
                 data = size_line.end()
-                stop = data + int(buf[pos:data - 2], 16)
-                if stop + 2 > end or buf[stop:stop + 2] != b"\r\n":
+                stop = data + int(buf[pos : data - 2], 16)
+                if stop + 2 > end or buf[stop : stop + 2] != b"\r\n":
                     break
                 pos = stop + 2
             if pos > start:
@@ -269,20 +313,20 @@ class ResponseParser:
                 # The common case in one step: a size line without extensions or whitespace,
                 # then the whole chunk and its CRLF. Anything else takes the steps below.
                 start = plain.end()
-                stop = start + int(buf[pos:start - 2], 16)
+                stop = start + int(buf[pos : start - 2], 16)
                 if stop > start and stop + 2 <= end and buf.startswith(b"\r\n", stop):
                     parts.append(buf[start:stop])
                     pos = stop + 2
                     continue
             if state == _CHUNK_DATA:
                 take = min(end - pos, self._remaining)
-                parts.append(buf[pos:pos + take])
+                parts.append(buf[pos : pos + take])
                 pos += take
                 self._remaining -= take
                 if not self._remaining:
                     self._chunk = _CHUNK_DATA_END
             elif state == _CHUNK_DATA_END:
-                if buf[pos:pos + 2] != b"\r\n"[:end - pos]:
+                if buf[pos : pos + 2] != b"\r\n"[: end - pos]:
                     raise ProtocolError("chunk data not followed by CRLF")
                 if end - pos < 2:
                     break
@@ -298,8 +342,12 @@ class ResponseParser:
                 size, semicolon, _ = line.partition(b";")  # extensions are ignored
                 if not semicolon:  # whitespace may trail the size, not precede the ';'
                     size = size.rstrip(b" \t")
-                if (not size or len(size) > 16 or size.translate(None, _HEX)
-                        or line.translate(None, _FIELD_VALUE)):
+                if (
+                    not size
+                    or len(size) > 16
+                    or size.translate(None, _HEX)
+                    or line.translate(None, _FIELD_VALUE)
+                ):
                     raise ProtocolError(f"bad chunk size line {line[:100]!r}")
                 pos = eol + 2
                 self._remaining = int(size, 16)
@@ -374,7 +422,7 @@ def _plain_chunk_run(buf: bytes, pos: int) -> tuple[bytes, int]:
     that chunk's piece shorter than its declared size, so nothing is taken then."""
     pieces = buf[pos:].split(b"\r\n")
     pairs = (len(pieces) - 1) // 2  # pairs of pieces with a CRLF after both: complete
-    sizes = pieces[0:2 * pairs:2]
+    sizes = pieces[0 : 2 * pairs : 2]
     if b"0" in sizes:  # the last chunk (in its usual spelling): stop before it
         pairs = sizes.index(b"0")
         del sizes[pairs:]
@@ -384,40 +432,53 @@ def _plain_chunk_run(buf: bytes, pos: int) -> tuple[bytes, int]:
     if min(widths) == 0 or max(widths) > 16 or b"".join(sizes).translate(None, _HEX):
         return b"", pos
     values = list(map(int, sizes, repeat(16, pairs)))
-    data = pieces[1:2 * pairs:2]
+    data = pieces[1 : 2 * pairs : 2]
     if 0 in values or values != list(map(len, data)):
         return b"", pos
     return b"".join(data), pos + sum(widths) + sum(values) + 4 * pairs
 
 
-def encode_request_head(method: bytes, target: bytes, host: bytes,
-                 headers: list[tuple[bytes, bytes]], body_length: int) -> bytes:
+def encode_request_head(
+    method: bytes, target: bytes, host: bytes, headers: list[tuple[bytes, bytes]], body_length: int
+) -> bytes:
     """The request head, with our Host and Content-Length and the caller's end-to-end headers
     (hop-by-hop ones, including those named by Connection, dropped). ValueError if invalid."""
     if not is_token(method) or not target or target.translate(None, TARGET_CHARS):
         raise ValueError(f"invalid request line {method[:20]!r} {target[:100]!r}")
-    parts = [method, b" ", target, b" HTTP/1.1\r\nhost: ", host,
-             b"\r\ncontent-length: ", b"%d" % body_length]
+    parts = [
+        method,
+        b" ",
+        target,
+        b" HTTP/1.1\r\nhost: ",
+        host,
+        b"\r\ncontent-length: ",
+        b"%d" % body_length,
+    ]
     connection: list[bytes] | None = None
     for name, value in headers:
         lname = name.lower()
         if lname in _REQUEST_DROP:
             if lname == b"connection":
                 connection = (connection or []) + [
-                    t.strip(b" \t") for t in value.lower().split(b",")]
+                    t.strip(b" \t") for t in value.lower().split(b",")
+                ]
             continue
         if not name or name.translate(None, _TOKEN):
             raise ValueError(f"invalid header name {name[:100]!r}")
         parts += (b"\r\n", name, b": ", value)
     if connection:  # rare: drop the headers the client's Connection header names
         named = frozenset(connection) | {b"connection"}
-        return encode_request_head(method, target, host,
-                            [h for h in headers if h[0].lower() not in named], body_length)
+        return encode_request_head(
+            method, target, host, [h for h in headers if h[0].lower() not in named], body_length
+        )
     parts.append(b"\r\n\r\n")
     head = b"".join(parts)
     # Values may hold only field-value characters: a CR or LF in one would split the head.
     breaks = (len(parts) - 8) // 4 + 4  # 7 parts, 4 per header, 1 end: 4 CRLFs + 1 each
-    if (head.translate(None, _HEAD_CHARS) or head.count(b"\n") != breaks
-            or head.count(b"\r") != breaks):
+    if (
+        head.translate(None, _HEAD_CHARS)
+        or head.count(b"\n") != breaks
+        or head.count(b"\r") != breaks
+    ):
         raise ValueError("invalid characters in a header value")
     return head

@@ -74,7 +74,8 @@ def pod_from_dict(raw: RawObject) -> Pod:
     conditions = status.get("conditions")
     ready = isinstance(conditions, list) and any(
         isinstance(c, dict) and c.get("type") == "Ready" and c.get("status") == "True"
-        for c in conditions)
+        for c in conditions
+    )
     restarts = 0
     containers = status.get("containerStatuses")
     if isinstance(containers, list):
@@ -82,9 +83,15 @@ def pod_from_dict(raw: RawObject) -> Pod:
             count = container.get("restartCount") if isinstance(container, dict) else None
             if isinstance(count, int) and not isinstance(count, bool):
                 restarts += count
-    return Pod(uid=_text(meta.get("uid")) or name, name=name, ip=_text(status.get("podIP")),
-               phase=_text(status.get("phase")) or "Unknown", ready=ready,
-               terminating=bool(meta.get("deletionTimestamp")), restart_count=restarts)
+    return Pod(
+        uid=_text(meta.get("uid")) or name,
+        name=name,
+        ip=_text(status.get("podIP")),
+        phase=_text(status.get("phase")) or "Unknown",
+        ready=ready,
+        terminating=bool(meta.get("deletionTimestamp")),
+        restart_count=restarts,
+    )
 
 
 def resource_version_of(obj: Any) -> str:
@@ -144,12 +151,15 @@ class _Object(msgspec.Struct, frozen=True):
     def pod(self) -> Pod:
         meta = self.metadata
         status = self.status if isinstance(self.status, _PodStatus) else _PodStatus()
-        return Pod(uid=meta.uid or meta.name, name=meta.name, ip=status.podIP,
-                   phase=status.phase or "Unknown",
-                   ready=any(c.type == "Ready" and c.status == "True"
-                             for c in status.conditions),
-                   terminating=bool(meta.deletionTimestamp),
-                   restart_count=sum(c.restartCount for c in status.containerStatuses))
+        return Pod(
+            uid=meta.uid or meta.name,
+            name=meta.name,
+            ip=status.podIP,
+            phase=status.phase or "Unknown",
+            ready=any(c.type == "Ready" and c.status == "True" for c in status.conditions),
+            terminating=bool(meta.deletionTimestamp),
+            restart_count=sum(c.restartCount for c in status.containerStatuses),
+        )
 
 
 class _Event(msgspec.Struct, frozen=True):
@@ -180,7 +190,8 @@ def new_api_client(kubeconfig: str = "") -> Any:
             return kubernetes.client.ApiClient(configuration)
         path = kubeconfig or os.environ.get("KUBECONFIG") or "~/.kube/config"
         return _kube_config.new_client_from_config(
-            config_file=path, client_configuration=configuration, persist_config=False)
+            config_file=path, client_configuration=configuration, persist_config=False
+        )
     except Exception as exc:  # the loaders raise ConfigException, OSError, YAML errors, ...
         raise CredentialsError(f"cannot load Kubernetes credentials: {exc}") from exc
 
@@ -209,8 +220,9 @@ class KubernetesPodSource:
     afresh for the next request (a rotated token or kubeconfig is picked up).
     """
 
-    def __init__(self, config: KubernetesConfig, *,
-                 api_client_factory: Callable[[], Any] | None = None) -> None:
+    def __init__(
+        self, config: KubernetesConfig, *, api_client_factory: Callable[[], Any] | None = None
+    ) -> None:
         self._config = config
         self._namespace = config.namespace or own_namespace()
         self._new_api_client = api_client_factory or partial(new_api_client, config.kubeconfig)
@@ -226,11 +238,15 @@ class KubernetesPodSource:
         """LIST with the resourceVersion unset. Cancellation abandons the thread, which ends
         within the request's timeouts (5 s connect, 30 s per read)."""
         return await trio.to_thread.run_sync(
-            self._list_blocking, thread_name=LIST_THREAD_NAME, abandon_on_cancel=True,
-            limiter=self._limiter)
+            self._list_blocking,
+            thread_name=LIST_THREAD_NAME,
+            abandon_on_cancel=True,
+            limiter=self._limiter,
+        )
 
-    async def watch(self, resource_version: str, observer: WatchObserver, *,
-                    timeout_seconds: int) -> None:
+    async def watch(
+        self, resource_version: str, observer: WatchObserver, *, timeout_seconds: int
+    ) -> None:
         """Watch from `resource_version` with bookmarks; see `PodSource.watch`. The watch
         thread hands over every event it has read so far in one batch with
         `trio.from_thread.run_sync`, which applies it on the Trio thread (in order,
@@ -239,11 +255,16 @@ class KubernetesPodSource:
         still in flight are dropped and the socket is shut down, so the thread ends at once
         (at worst within the connect timeout, or `read_timeout_s` if the server never sent
         the response headers)."""
-        stream = _WatchStream(self, resource_version, timeout_seconds, observer,
-                              trio.lowlevel.current_trio_token())
+        stream = _WatchStream(
+            self, resource_version, timeout_seconds, observer, trio.lowlevel.current_trio_token()
+        )
         try:
-            await trio.to_thread.run_sync(stream.run, thread_name=WATCH_THREAD_NAME,
-                                          abandon_on_cancel=True, limiter=self._limiter)
+            await trio.to_thread.run_sync(
+                stream.run,
+                thread_name=WATCH_THREAD_NAME,
+                abandon_on_cancel=True,
+                limiter=self._limiter,
+            )
         finally:
             stream.stop()
 
@@ -260,8 +281,11 @@ class KubernetesPodSource:
             kwargs["label_selector"] = self._config.label_selector
         try:
             response = api.list_namespaced_pod(
-                self._namespace, _request_timeout=(CONNECT_TIMEOUT_S, LIST_READ_TIMEOUT_S),
-                _preload_content=False, **kwargs)
+                self._namespace,
+                _request_timeout=(CONNECT_TIMEOUT_S, LIST_READ_TIMEOUT_S),
+                _preload_content=False,
+                **kwargs,
+            )
             try:
                 body = response.data
             finally:
@@ -273,8 +297,9 @@ class KubernetesPodSource:
         try:
             listed = _decode_list_struct(body)
             if listed.items is not None and listed.metadata.resourceVersion:
-                return PodListing(tuple(item.pod() for item in listed.items),
-                                  listed.metadata.resourceVersion)
+                return PodListing(
+                    tuple(item.pod() for item in listed.items), listed.metadata.resourceVersion
+                )
         except msgspec.ValidationError:
             pass  # valid JSON with unexpected types: the tolerant path below
         except msgspec.DecodeError as exc:
@@ -294,8 +319,9 @@ class KubernetesPodSource:
             return _status_error(exc)
         if isinstance(exc, urllib3.exceptions.MaxRetryError) and exc.reason is not None:
             exc = exc.reason  # NewConnectionError, ConnectTimeoutError, ...: the cause
-        if isinstance(exc, ApiException | urllib3.exceptions.HTTPError | OSError
-                      | http.client.HTTPException):
+        if isinstance(
+            exc, ApiException | urllib3.exceptions.HTTPError | OSError | http.client.HTTPException
+        ):
             return KubernetesConnectionError(f"Kubernetes API unreachable: {exc}")
         return None
 
@@ -312,9 +338,14 @@ class _WatchStream:
     the Trio side together, in one hand-off (at most MAX_BATCH), and an event is never held
     back waiting for one that has not fully arrived."""
 
-    def __init__(self, source: KubernetesPodSource, resource_version: str,
-                 timeout_seconds: int, observer: WatchObserver,
-                 token: trio.lowlevel.TrioToken) -> None:
+    def __init__(
+        self,
+        source: KubernetesPodSource,
+        resource_version: str,
+        timeout_seconds: int,
+        observer: WatchObserver,
+        token: trio.lowlevel.TrioToken,
+    ) -> None:
         self._source, self._rv, self._timeout = source, resource_version, timeout_seconds
         self._observer, self._token = observer, token
         self._response: Any = None
@@ -344,10 +375,12 @@ class _WatchStream:
         except Exception as exc:
             if self._stopped:
                 return  # whatever the shut-down socket raised is expected
-            if self._connected and isinstance(exc, urllib3.exceptions.ReadTimeoutError
-                                              | TimeoutError):
+            if self._connected and isinstance(
+                exc, urllib3.exceptions.ReadTimeoutError | TimeoutError
+            ):
                 raise WatchStalledError(
-                    f"watch silent for {config.read_timeout_s:g} s (read timeout)") from exc
+                    f"watch silent for {config.read_timeout_s:g} s (read timeout)"
+                ) from exc
             if (translated := self._source._translate(exc)) is None:
                 raise
             raise translated from exc
@@ -379,10 +412,15 @@ class _WatchStream:
         if config.label_selector:
             kwargs["label_selector"] = config.label_selector
         response = api.list_namespaced_pod(
-            self._source._namespace, watch=True, resource_version=self._rv,
-            allow_watch_bookmarks=True, timeout_seconds=self._timeout,
+            self._source._namespace,
+            watch=True,
+            resource_version=self._rv,
+            allow_watch_bookmarks=True,
+            timeout_seconds=self._timeout,
             _request_timeout=(CONNECT_TIMEOUT_S, config.read_timeout_s),
-            _preload_content=False, **kwargs)
+            _preload_content=False,
+            **kwargs,
+        )
         self._response = response
         try:
             if self._stopped or not self._deliver([WatchEvent(_CONNECTED)]):
@@ -425,8 +463,12 @@ def _body_pieces(response: Any) -> Iterator[bytes]:
     timeout applies to every read (TimeoutError); a body that ends before its last chunk
     raises urllib3's ProtocolError."""
     reader = getattr(getattr(response, "_fp", None), "fp", None)
-    if (reader is None or not hasattr(reader, "read1") or not getattr(response, "chunked", False)
-            or response.headers.get("content-encoding")):
+    if (
+        reader is None
+        or not hasattr(reader, "read1")
+        or not getattr(response, "chunked", False)
+        or response.headers.get("content-encoding")
+    ):
         yield from response.stream(amt=None, decode_content=False)
         return
     decoder = ChunkedDecoder()
@@ -454,8 +496,9 @@ def _decode_event(line: bytes) -> WatchEvent | ApiException | None:
         return None
     obj = event.object or _Object()
     if event.type == "ERROR":
-        return ApiException(status=obj.code if obj.code is not None else 500,
-                            reason=f"{obj.reason}: {obj.message}")
+        return ApiException(
+            status=obj.code if obj.code is not None else 500, reason=f"{obj.reason}: {obj.message}"
+        )
     pod = obj.pod() if event.type in EVENT_TYPES and event.object is not None else None
     return WatchEvent(event.type, obj.metadata.resourceVersion, pod)
 
@@ -478,8 +521,10 @@ def _error_event(event: RawObject) -> ApiException:
     client's Watch raises it (so 410 is handled in one place)."""
     obj = _mapping(event.get("object"))
     code = obj.get("code")
-    return ApiException(status=code if isinstance(code, int) else 500,
-                        reason=f"{obj.get('reason')}: {obj.get('message')}")
+    return ApiException(
+        status=code if isinstance(code, int) else 500,
+        reason=f"{obj.get('reason')}: {obj.get('message')}",
+    )
 
 
 def _status_error(exc: ApiException) -> KubernetesStatusError:
@@ -489,9 +534,11 @@ def _status_error(exc: ApiException) -> KubernetesStatusError:
             message = json.loads(exc.body).get("message") or message
     # The client raises for a watch ERROR event too, with no HTTP response attached.
     origin = "HTTP" if exc.headers is not None else "watch ERROR event"
-    return KubernetesStatusError(f"{origin} {exc.status}: {message}",
-                                 api_status=int(exc.status),
-                                 retry_after=_retry_after(exc.headers))
+    return KubernetesStatusError(
+        f"{origin} {exc.status}: {message}",
+        api_status=int(exc.status),
+        retry_after=_retry_after(exc.headers),
+    )
 
 
 def _retry_after(headers: Any) -> float | None:

@@ -32,10 +32,43 @@ CONTENT_TYPE: Final = CONTENT_TYPE_LATEST.encode("ascii")
 
 # Seconds. Non-streamed completions take seconds to minutes; a router answering from its own
 # state (errors, admin) takes well under a millisecond.
-LATENCY_BUCKETS: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
-                          5.0, 10.0, 30.0, 60.0, 120.0, 300.0, float("inf"))
-TTFB_BUCKETS: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
-                       10.0, 30.0, float("inf"))
+LATENCY_BUCKETS: Final = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    float("inf"),
+)
+TTFB_BUCKETS: Final = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    float("inf"),
+)
 
 NO_LABEL: Final = ""  # label value when a request never got as far as a model or an engine
 
@@ -53,47 +86,82 @@ class Metrics:
     """The router's metrics. `observe_request` and `observe_ttfb` are the only calls on the
     request path; label children are created once per label combination and cached."""
 
-    def __init__(self, table: RoutingTable, *,
-                 discovery_snapshot: Callable[[], Mapping[str, Any]] | None = None,
-                 relayed: Callable[[], int] | None = None,
-                 admission: Callable[[], tuple[Mapping[str, int], int]] | None = None) -> None:
+    def __init__(
+        self,
+        table: RoutingTable,
+        *,
+        discovery_snapshot: Callable[[], Mapping[str, Any]] | None = None,
+        relayed: Callable[[], int] | None = None,
+        admission: Callable[[], tuple[Mapping[str, int], int]] | None = None,
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self._requests = Counter(
-            "trio_router_requests", "Proxied requests by model, engine and HTTP status "
+            "trio_router_requests",
+            "Proxied requests by model, engine and HTTP status "
             "(model and engine are empty when the request was rejected before routing).",
-            ["model", "engine", "status"], registry=self.registry)
+            ["model", "engine", "status"],
+            registry=self.registry,
+        )
         self._latency = Histogram(
-            "trio_router_request_duration_seconds", "Time from request received to the last "
-            "response byte handed to the server, by model.", ["model"],
-            buckets=LATENCY_BUCKETS, registry=self.registry)
+            "trio_router_request_duration_seconds",
+            "Time from request received to the last response byte handed to the server, by model.",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self._ttfb = Histogram(
-            "trio_router_time_to_first_byte_seconds", "Time from request received to the "
-            "engine's first response body chunk forwarded, by model.", ["model"],
-            buckets=TTFB_BUCKETS, registry=self.registry)
+            "trio_router_time_to_first_byte_seconds",
+            "Time from request received to the "
+            "engine's first response body chunk forwarded, by model.",
+            ["model"],
+            buckets=TTFB_BUCKETS,
+            registry=self.registry,
+        )
         self._unreachable = Counter(
-            "trio_router_engine_unreachable", "Attempts that could not reach an engine "
-            "(each one ejects the engine and triggers an immediate re-probe).", ["engine"],
-            registry=self.registry)
+            "trio_router_engine_unreachable",
+            "Attempts that could not reach an engine "
+            "(each one ejects the engine and triggers an immediate re-probe).",
+            ["engine"],
+            registry=self.registry,
+        )
         self._reloads = Counter(
-            "trio_router_config_reloads", "SIGHUP config reloads by result.", ["result"],
-            registry=self.registry)
+            "trio_router_config_reloads",
+            "SIGHUP config reloads by result.",
+            ["result"],
+            registry=self.registry,
+        )
         self._queue_wait = Histogram(
-            "trio_router_queue_wait_seconds", "Time requests waited at the router for a free "
-            "engine (only requests that waited), by model.", ["model"],
-            buckets=LATENCY_BUCKETS, registry=self.registry)
+            "trio_router_queue_wait_seconds",
+            "Time requests waited at the router for a free "
+            "engine (only requests that waited), by model.",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self._rejected = Counter(
-            "trio_router_rejected_requests", "Requests turned away by admission, by reason "
+            "trio_router_rejected_requests",
+            "Requests turned away by admission, by reason "
             "(rate_limited, tenant_concurrency, queue_full, queue_timeout) and tenant.",
-            ["reason", "tenant"], registry=self.registry)
+            ["reason", "tenant"],
+            registry=self.registry,
+        )
         self._routed = Counter(
-            "trio_router_routing_decisions", "Engines chosen for requests, by policy, outcome "
+            "trio_router_routing_decisions",
+            "Engines chosen for requests, by policy, outcome "
             "(first: the first engine tried; failover: another after an unreachable one) and "
-            "engine.", ["policy", "outcome", "engine"], registry=self.registry)
+            "engine.",
+            ["policy", "outcome", "engine"],
+            registry=self.registry,
+        )
         self._decisions: dict[tuple[str, str, str], Any] = {}
         self._tokens = Counter(
-            "trio_router_tokens", "Tokens of answered requests, by model and kind (prompt, "
+            "trio_router_tokens",
+            "Tokens of answered requests, by model and kind (prompt, "
             "completion), as the engines' `usage` reports them (streams: with "
-            "stream_options.include_usage).", ["model", "kind"], registry=self.registry)
+            "stream_options.include_usage).",
+            ["model", "kind"],
+            registry=self.registry,
+        )
         info = Info("trio_router_build", "trio_router's version.", registry=self.registry)
         info.info({"version": __version__})
         ProcessCollector(registry=self.registry)
@@ -115,7 +183,8 @@ class Metrics:
         child = self._children.get(key)
         if child is None:
             child = self._children[key] = _Child(
-                self._requests.labels(model, engine, str(status)), self._latency.labels(model))
+                self._requests.labels(model, engine, str(status)), self._latency.labels(model)
+            )
         child.count.inc()
         child.latency.observe(seconds)
 
@@ -177,28 +246,42 @@ class _TableCollector:
 
     def collect(self) -> Iterable[Metric]:
         in_flight = GaugeMetricFamily(
-            "trio_router_in_flight_requests", "Requests being served by each engine now.",
-            labels=["engine"])
+            "trio_router_in_flight_requests",
+            "Requests being served by each engine now.",
+            labels=["engine"],
+        )
         states = GaugeMetricFamily(
-            "trio_router_engines", "Engines in the routing table by state.", labels=["state"])
+            "trio_router_engines", "Engines in the routing table by state.", labels=["state"]
+        )
         routable = GaugeMetricFamily(
-            "trio_router_routable_engines", "Engines that can receive requests now.")
+            "trio_router_routable_engines", "Engines that can receive requests now."
+        )
         models = GaugeMetricFamily(
-            "trio_router_routable_models", "Distinct models (base models and adapters) "
-            "served by routable engines.")
+            "trio_router_routable_models",
+            "Distinct models (base models and adapters) served by routable engines.",
+        )
         latency = GaugeMetricFamily(
-            "trio_router_engine_latency_seconds", "Moving average of this router's request "
-            "latency (received to last byte) per engine.", labels=["engine"])
+            "trio_router_engine_latency_seconds",
+            "Moving average of this router's request latency (received to last byte) per engine.",
+            labels=["engine"],
+        )
         ttfb = GaugeMetricFamily(
-            "trio_router_engine_time_to_first_byte_seconds", "Moving average of this router's "
-            "time to first byte per engine.", labels=["engine"])
-        load = {key: GaugeMetricFamily(
-            f"trio_router_engine_{name}", f"The engine's own {what} (scraped from its "
-            "/metrics; absent when stale).", labels=["engine"])
+            "trio_router_engine_time_to_first_byte_seconds",
+            "Moving average of this router's time to first byte per engine.",
+            labels=["engine"],
+        )
+        load = {
+            key: GaugeMetricFamily(
+                f"trio_router_engine_{name}",
+                f"The engine's own {what} (scraped from its /metrics; absent when stale).",
+                labels=["engine"],
+            )
             for key, name, what in (
                 ("running", "running_requests", "running requests"),
                 ("waiting", "waiting_requests", "waiting requests"),
-                ("kv_cache_usage", "kv_cache_usage_ratio", "KV-cache usage (0..1)"))}
+                ("kv_cache_usage", "kv_cache_usage_ratio", "KV-cache usage (0..1)"),
+            )
+        }
         counts = dict.fromkeys(EngineState, 0)
         for engine in self._table:
             counts[engine.state] += 1
@@ -227,9 +310,14 @@ class _RelayCollector:
         self._relayed = relayed
 
     def collect(self) -> Iterable[Metric]:
-        return [CounterMetricFamily(
-            "trio_router_relayed_responses", "Streamed answers whose body the relay moved to "
-            "an HTTP/1.1 client as the engine sent it.", value=self._relayed())]
+        return [
+            CounterMetricFamily(
+                "trio_router_relayed_responses",
+                "Streamed answers whose body the relay moved to "
+                "an HTTP/1.1 client as the engine sent it.",
+                value=self._relayed(),
+            )
+        ]
 
 
 class _AdmissionCollector:
@@ -240,12 +328,17 @@ class _AdmissionCollector:
 
     def collect(self) -> Iterable[Metric]:
         queued, saturated = self._state()
-        depth = GaugeMetricFamily("trio_router_queued_requests", "Requests waiting at the "
-                                  "router for a free engine, by model.", labels=["model"])
+        depth = GaugeMetricFamily(
+            "trio_router_queued_requests",
+            "Requests waiting at the router for a free engine, by model.",
+            labels=["model"],
+        )
         for model, count in queued.items():
             depth.add_metric([model], count)
-        busy = GaugeMetricFamily("trio_router_saturated_engines", "Engines that take no more "
-                                 "requests now (admission caps, or their own queue).")
+        busy = GaugeMetricFamily(
+            "trio_router_saturated_engines",
+            "Engines that take no more requests now (admission caps, or their own queue).",
+        )
         busy.add_metric([], saturated)
         return [depth, busy]
 
@@ -263,8 +356,11 @@ class _DiscoveryCollector:
             if isinstance(value, bool | int | float) and value is not None:
                 name = f"trio_router_discovery_{_metric_name(key)}"
                 if name.endswith("_total"):  # a count since start: a counter
-                    out.append(CounterMetricFamily(name.removesuffix("_total"),
-                                                   f"Discovery: {key}.", value=float(value)))
+                    out.append(
+                        CounterMetricFamily(
+                            name.removesuffix("_total"), f"Discovery: {key}.", value=float(value)
+                        )
+                    )
                 else:
                     gauge = GaugeMetricFamily(name, f"Discovery status: {key}.")
                     gauge.add_metric([], float(value))

@@ -64,8 +64,9 @@ class Policy(Protocol):
 
     name: str
 
-    def choose(self, candidates: Sequence[Engine], request: RequestInfo,
-               exclude: Collection[str] = ()) -> tuple[Engine, str]:
+    def choose(
+        self, candidates: Sequence[Engine], request: RequestInfo, exclude: Collection[str] = ()
+    ) -> tuple[Engine, str]:
         """The engine for `request` among `candidates` whose uid is not in `exclude`, and a
         short reason for the decision log. Raises NoEngineError when none is left."""
         ...
@@ -77,9 +78,12 @@ class Policy(Protocol):
 
 # -- request facts ---------------------------------------------------------------------------
 
-def request_info(body: dict[str, Any],
-                 headers: Mapping[str, str] | Iterable[tuple[bytes, bytes]],
-                 config: RoutingConfig) -> RequestInfo:
+
+def request_info(
+    body: dict[str, Any],
+    headers: Mapping[str, str] | Iterable[tuple[bytes, bytes]],
+    config: RoutingConfig,
+) -> RequestInfo:
     """The routing facts of a parsed request body. `headers` is a mapping with lower-case
     names, or ASGI's list of (name, value) byte pairs. The opening is read for `prefix_aware`
     only, and is bounded (`render_opening`). Raises BadRequestError when the body has no
@@ -93,8 +97,11 @@ def request_info(body: dict[str, Any],
         key = user if isinstance(user, str) and user else None
     opening = None
     if config.policy == "prefix_aware":
-        opening = render_opening(body, limit=config.prefix_chunk_chars * config.prefix_max_chunks,
-                                 text_limit=config.prefix_text_chars)
+        opening = render_opening(
+            body,
+            limit=config.prefix_chunk_chars * config.prefix_max_chunks,
+            text_limit=config.prefix_text_chars,
+        )
     return RequestInfo(model=model, session_key=key, opening=opening)
 
 
@@ -170,8 +177,9 @@ def _render_message(message: Mapping[str, Any]) -> str:
                 continue
             kind = part.get("type")
             value = part.get(kind) if isinstance(kind, str) else None
-            pieces.append(f"<{kind}:{value.get('url', '')}>" if isinstance(value, dict)
-                          else f"<{kind}>")
+            pieces.append(
+                f"<{kind}:{value.get('url', '')}>" if isinstance(value, dict) else f"<{kind}>"
+            )
     tool_calls = message.get("tool_calls")
     if isinstance(tool_calls, list):
         for call in tool_calls:
@@ -194,8 +202,13 @@ def _render_prompt_value(prompt: Any, parts: list[str], limit: int) -> None:
             return
         size = 0  # a batch: texts or token-id lists, each followed by a separator
         for item in items:
-            text = (item[:limit] if isinstance(item, str)
-                    else ",".join(map(str, item[:limit])) if isinstance(item, list) else "")
+            text = (
+                item[:limit]
+                if isinstance(item, str)
+                else ",".join(map(str, item[:limit]))
+                if isinstance(item, list)
+                else ""
+            )
             parts += (text, _MESSAGE_SEP)
             size += len(text) + 1
             if size >= limit:
@@ -203,6 +216,7 @@ def _render_prompt_value(prompt: Any, parts: list[str], limit: int) -> None:
 
 
 # -- load ------------------------------------------------------------------------------------
+
 
 class LoadGauge:
     """How busy an engine looks, in "requests": its in-flight count from this router, plus
@@ -213,8 +227,14 @@ class LoadGauge:
 
     __slots__ = ("_clock", "_kv_weight", "_queue_weight", "_stats_ttl")
 
-    def __init__(self, *, queue_weight: float, kv_weight: float, stats_ttl: float | None,
-                 clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        *,
+        queue_weight: float,
+        kv_weight: float,
+        stats_ttl: float | None,
+        clock: Callable[[], float],
+    ) -> None:
         self._queue_weight, self._kv_weight = queue_weight, kv_weight
         self._stats_ttl, self._clock = stats_ttl, clock
 
@@ -229,16 +249,19 @@ class LoadGauge:
             ttl = self._stats_ttl if self._stats_ttl is not None else stats.get("stale_after", 0.0)
             if scraped_at is not None and now - scraped_at <= ttl:
                 queue = stats.get("running", 0.0) + stats.get("waiting", 0.0)
-                load += (self._queue_weight * queue
-                         + self._kv_weight * stats.get("kv_cache_usage", 0.0))
+                load += self._queue_weight * queue + self._kv_weight * stats.get(
+                    "kv_cache_usage", 0.0
+                )
         return load
 
 
 def _no_engine(model: str, candidates: Sequence[Engine]) -> NoEngineError:
     if not candidates:
         return NoEngineError(f"no routable engine serves model {model!r} right now")
-    return NoEngineError(f"no engine left to try for model {model!r}: all {len(candidates)} "
-                         f"routable engine(s) were tried")
+    return NoEngineError(
+        f"no engine left to try for model {model!r}: all {len(candidates)} "
+        f"routable engine(s) were tried"
+    )
 
 
 @dataclass(slots=True)
@@ -256,6 +279,7 @@ class _View:
 
 # -- policies --------------------------------------------------------------------------------
 
+
 class RoundRobinPolicy:
     """Each model's candidates in turn; excluded engines are skipped."""
 
@@ -264,8 +288,9 @@ class RoundRobinPolicy:
     def __init__(self) -> None:
         self._next: dict[str, int] = {}  # per model: a shared counter would alias models
 
-    def choose(self, candidates: Sequence[Engine], request: RequestInfo,
-               exclude: Collection[str] = ()) -> tuple[Engine, str]:
+    def choose(
+        self, candidates: Sequence[Engine], request: RequestInfo, exclude: Collection[str] = ()
+    ) -> tuple[Engine, str]:
         n = len(candidates)
         start = self._next.get(request.model, 0) % n if n else 0
         for step in range(n):
@@ -289,13 +314,15 @@ class LeastLoadedPolicy:
     def __init__(self, gauge: LoadGauge, rng: random.Random) -> None:
         self._gauge, self._random = gauge, rng.random
 
-    def choose(self, candidates: Sequence[Engine], request: RequestInfo,
-               exclude: Collection[str] = ()) -> tuple[Engine, str]:
+    def choose(
+        self, candidates: Sequence[Engine], request: RequestInfo, exclude: Collection[str] = ()
+    ) -> tuple[Engine, str]:
         engine, load, how = self.pick(candidates, exclude, self._gauge.now(), request.model)
         return engine, f"least loaded ({how} of {len(candidates)}): load {load:.3g}"
 
-    def pick(self, candidates: Sequence[Engine], exclude: Collection[str], now: float,
-             model: str) -> tuple[Engine, float, str]:
+    def pick(
+        self, candidates: Sequence[Engine], exclude: Collection[str], now: float, model: str
+    ) -> tuple[Engine, float, str]:
         """The chosen engine, its load, and how it was found. Raises NoEngineError."""
         n, load, rand = len(candidates), self._gauge.of, self._random
         if n > EXACT_SCAN_MAX:
@@ -346,7 +373,7 @@ class _HashRing:
         for block in range(-(-self._vnodes // _POINTS_PER_DIGEST)):
             digest = hashlib.blake2b(raw + block.to_bytes(4, "big"), digest_size=64).digest()
             out.extend(_POINTS.unpack(digest))
-        return out[:self._vnodes]
+        return out[: self._vnodes]
 
     def ensure(self, uids: Iterable[str]) -> None:
         """Put every uid in `uids` on the ring (a no-op for those already there)."""
@@ -412,8 +439,9 @@ def opening_hash(key: str) -> int:
     position. Two openings share a position only if all three agree: they then share an
     engine, which is harmless."""
     raw = key.encode("utf-8", "surrogatepass")
-    digest = hashlib.blake2b(b"%d:%d:" % (zlib.crc32(raw), len(raw)) + raw[:256],
-                             digest_size=8).digest()
+    digest = hashlib.blake2b(
+        b"%d:%d:" % (zlib.crc32(raw), len(raw)) + raw[:256], digest_size=8
+    ).digest()
     return int.from_bytes(digest, "big")
 
 
@@ -426,8 +454,16 @@ class SessionPolicy:
 
     name = "session"
 
-    def __init__(self, gauge: LoadGauge, fallback: LeastLoadedPolicy, rng: random.Random, *,
-                 load_factor: float, vnodes: int, slack: float = 1.0) -> None:
+    def __init__(
+        self,
+        gauge: LoadGauge,
+        fallback: LeastLoadedPolicy,
+        rng: random.Random,
+        *,
+        load_factor: float,
+        vnodes: int,
+        slack: float = 1.0,
+    ) -> None:
         self._gauge, self._fallback, self._random = gauge, fallback, rng.random
         self._load_factor, self._slack = load_factor, slack
         self._ring = _HashRing(vnodes)
@@ -440,8 +476,9 @@ class SessionPolicy:
 
     hash = staticmethod(key_hash)  # the key's place on the ring
 
-    def choose(self, candidates: Sequence[Engine], request: RequestInfo,
-               exclude: Collection[str] = ()) -> tuple[Engine, str]:
+    def choose(
+        self, candidates: Sequence[Engine], request: RequestInfo, exclude: Collection[str] = ()
+    ) -> tuple[Engine, str]:
         now = self._gauge.now()
         key = self.key(request)
         if key is None or not candidates:
@@ -479,14 +516,18 @@ class SessionPolicy:
             if len(visited) == n:
                 break
         engine, load, how = self._fallback.pick(candidates, exclude, now, request.model)
-        return engine, (f"{self.name}: {passed} ring engine(s) over the load bound "
-                        f"{bound or 0:.3g}; least loaded ({how}): load {load:.3g}")
+        return engine, (
+            f"{self.name}: {passed} ring engine(s) over the load bound "
+            f"{bound or 0:.3g}; least loaded ({how}): load {load:.3g}"
+        )
 
     def _why(self, passed: int, load: float, bound: float | None) -> str:
         if not passed:
             return f"{self.name}: ring owner, load {load:.3g}"
-        return (f"{self.name}: next on the ring after {passed} over the load bound "
-                f"{bound or 0:.3g}, load {load:.3g}")
+        return (
+            f"{self.name}: next on the ring after {passed} over the load bound "
+            f"{bound or 0:.3g}, load {load:.3g}"
+        )
 
     def _average(self, view: _View, now: float) -> float:
         """The candidates' average load: exact for a few, else sampled and briefly reused."""
@@ -548,30 +589,47 @@ class PrefixAwarePolicy(SessionPolicy):
     hash = staticmethod(opening_hash)
 
 
-def make_policy(config: RoutingConfig, *, stats_ttl: float | None = None,
-                clock: Callable[[], float] | None = None,
-                rng: random.Random | None = None) -> Policy:
+def make_policy(
+    config: RoutingConfig,
+    *,
+    stats_ttl: float | None = None,
+    clock: Callable[[], float] | None = None,
+    rng: random.Random | None = None,
+) -> Policy:
     """Build the policy `config.policy` names. Its `forget` must hear of every engine that
     leaves the table (`RoutingTable.add_remove_listener`, which returns the way to stop).
     `stats_ttl`: seconds after which scraped stats are ignored (None: the `stale_after` the
     scraper stores with them, 3 * stats.interval_s). `clock` defaults to `trio.current_time`
     (so `choose` must then run inside Trio); `rng` to a fresh Random."""
     rng = rng if rng is not None else random.Random()
-    gauge = LoadGauge(queue_weight=config.load_queue_weight, kv_weight=config.load_kv_weight,
-                      stats_ttl=stats_ttl, clock=clock if clock is not None else trio.current_time)
+    gauge = LoadGauge(
+        queue_weight=config.load_queue_weight,
+        kv_weight=config.load_kv_weight,
+        stats_ttl=stats_ttl,
+        clock=clock if clock is not None else trio.current_time,
+    )
     least = LeastLoadedPolicy(gauge, rng)
     if config.policy == "round_robin":
         return RoundRobinPolicy()
     if config.policy == "least_loaded":
         return least
     if config.policy == "session":
-        return SessionPolicy(gauge, least, rng, load_factor=config.session_load_factor,
-                             vnodes=config.session_vnodes)
+        return SessionPolicy(
+            gauge, least, rng, load_factor=config.session_load_factor, vnodes=config.session_vnodes
+        )
     if config.policy == "prefix_aware":
         if config.prefix_cache_entries != _UNUSED_DEFAULT:
-            logger.warning("routing.prefix_cache_entries is no longer used: prefix_aware keeps "
-                           "no memory (its choice depends on the request, the engines and "
-                           "their load only)")
-        return PrefixAwarePolicy(gauge, least, rng, load_factor=config.prefix_balance_rel,
-                                 slack=config.prefix_balance_abs, vnodes=config.session_vnodes)
+            logger.warning(
+                "routing.prefix_cache_entries is no longer used: prefix_aware keeps "
+                "no memory (its choice depends on the request, the engines and "
+                "their load only)"
+            )
+        return PrefixAwarePolicy(
+            gauge,
+            least,
+            rng,
+            load_factor=config.prefix_balance_rel,
+            slack=config.prefix_balance_abs,
+            vnodes=config.session_vnodes,
+        )
     raise ValueError(f"unknown routing policy {config.policy!r}")  # RoutingConfig validates

@@ -58,8 +58,16 @@ class Reconciler:
         if (reason := pod.unroutable_reason()) is not None:
             self._supervisors.stop(pod.uid)  # same synchronous step: out of routing now
             if engine is None:
-                self._table.put(Engine(uid=pod.uid, name=pod.name, url=url, pod=pod,
-                                       state=EngineState.PENDING, reason=reason))
+                self._table.put(
+                    Engine(
+                        uid=pod.uid,
+                        name=pod.name,
+                        url=url,
+                        pod=pod,
+                        state=EngineState.PENDING,
+                        reason=reason,
+                    )
+                )
             else:
                 was_routable = engine.routable
                 engine.pod, engine.url = pod, url or engine.url
@@ -68,10 +76,15 @@ class Reconciler:
                     logger.info("pod %s out of routing: %s", pod.name, reason)
             return
         if engine is None:
-            engine = Engine(uid=pod.uid, name=pod.name, url=url, pod=pod,
-                            reason="waiting for first probe")
-        elif (engine.state is not EngineState.PENDING and engine.url == url
-              and old is not None and pod.restart_count <= old.restart_count):
+            engine = Engine(
+                uid=pod.uid, name=pod.name, url=url, pod=pod, reason="waiting for first probe"
+            )
+        elif (
+            engine.state is not EngineState.PENDING
+            and engine.url == url
+            and old is not None
+            and pod.restart_count <= old.restart_count
+        ):
             engine.pod = pod  # nothing that routing depends on changed: no new probe
             return
         else:
@@ -88,12 +101,12 @@ def engine_url(ip: str, port: int) -> str:
     return f"http://[{ip}]:{port}" if ":" in ip else f"http://{ip}:{port}"
 
 
-def add_static_engines(table: RoutingTable, supervisors: Supervisors,
-                       urls: Iterable[str]) -> None:
+def add_static_engines(table: RoutingTable, supervisors: Supervisors, urls: Iterable[str]) -> None:
     """Static discovery: one engine per fixed URL, probed by the same supervisors."""
     for url in urls:
         url = url.rstrip("/")
-        engine = Engine(uid=url, name=urlsplit(url).netloc or url, url=url,
-                        reason="waiting for first probe")
+        engine = Engine(
+            uid=url, name=urlsplit(url).netloc or url, url=url, reason="waiting for first probe"
+        )
         table.put(engine)
         supervisors.start(engine)

@@ -40,8 +40,7 @@ class Runtime:
         """What `previous` held that this runtime no longer uses: its upstream pool (to close
         once its exchanges are done) and its policy's subscription (to end), each or None."""
         pool = previous.pool if previous.pool is not self.pool else None
-        unsubscribe = previous.unsubscribe if previous.unsubscribe is not self.unsubscribe \
-            else None
+        unsubscribe = previous.unsubscribe if previous.unsubscribe is not self.unsubscribe else None
         return pool, unsubscribe
 
 
@@ -59,12 +58,12 @@ def tenant_keys(config: Config) -> dict[str, str]:
 
 def new_pool(config: Config) -> UpstreamPool:
     """The upstream pool of requests to engines, as `config.proxy` says."""
-    return UpstreamPool(connect_timeout=config.proxy.connect_timeout_s,
-                        read_timeout=config.proxy.read_timeout_s)
+    return UpstreamPool(
+        connect_timeout=config.proxy.connect_timeout_s, read_timeout=config.proxy.read_timeout_s
+    )
 
 
-def build_runtime(config: Config, table: RoutingTable,
-                  previous: Runtime | None = None) -> Runtime:
+def build_runtime(config: Config, table: RoutingTable, previous: Runtime | None = None) -> Runtime:
     """The runtime of `config`. With `previous` (a reload), its policy is kept when
     `[routing]` is unchanged and its pool when the proxy timeouts are. Raises ConfigError (a
     key variable unset) before anything is built or subscribed."""
@@ -72,9 +71,12 @@ def build_runtime(config: Config, table: RoutingTable,
     engine_key = env_key(config.proxy.api_key_env, "proxy.api_key_env")
     keys = tenant_keys(config)
     old = previous.config if previous is not None else None
-    if old is not None and previous is not None and (
-            config.proxy.connect_timeout_s, config.proxy.read_timeout_s) == (
-            old.proxy.connect_timeout_s, old.proxy.read_timeout_s):
+    if (
+        old is not None
+        and previous is not None
+        and (config.proxy.connect_timeout_s, config.proxy.read_timeout_s)
+        == (old.proxy.connect_timeout_s, old.proxy.read_timeout_s)
+    ):
         pool = previous.pool
     else:
         pool = new_pool(config)
@@ -98,5 +100,10 @@ def build_runtime(config: Config, table: RoutingTable,
         eject_on_5xx=config.proxy.eject_on_5xx,
         access_log=config.server.access_log,
     )
-    return Runtime(config=config, settings=settings, engine_key=engine_key, tenant_keys=keys,
-                   unsubscribe=unsubscribe)
+    return Runtime(
+        config=config,
+        settings=settings,
+        engine_key=engine_key,
+        tenant_keys=keys,
+        unsubscribe=unsubscribe,
+    )

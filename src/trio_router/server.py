@@ -45,8 +45,7 @@ KEEP_ALIVE_S: Final = 75.0  # idle client connections are kept longer than commo
 LIVE_SECTIONS: Final = ("server", "routing", "proxy", "probe", "stats", "admission", "tenants")
 RESTART_SECTIONS: Final = ("discovery", "tracing")
 # Keys of [server] that shape the listening server itself: they need a restart.
-SERVER_RESTART_KEYS: Final = ("bind", "backlog", "max_connections", "write_timeout_s",
-                                "log_format")
+SERVER_RESTART_KEYS: Final = ("bind", "backlog", "max_connections", "write_timeout_s", "log_format")
 POOL_SWEEP_S: Final = 2.0  # how often idle engine connections the engine closed are dropped
 
 
@@ -108,11 +107,19 @@ class Reloader:
     variable, changes nothing.
     """
 
-    def __init__(self, load: Callable[[], Config], runtime: Runtime, *, app: RouterApp,
-                 table: RoutingTable, metrics: Metrics, prober: Prober,
-                 supervisors: Supervisors,
-                 stats_workers: Callable[[StatsConfig], list[EngineWorker]],
-                 on_reload: Callable[[ReloadOutcome], None] | None = None) -> None:
+    def __init__(
+        self,
+        load: Callable[[], Config],
+        runtime: Runtime,
+        *,
+        app: RouterApp,
+        table: RoutingTable,
+        metrics: Metrics,
+        prober: Prober,
+        supervisors: Supervisors,
+        stats_workers: Callable[[StatsConfig], list[EngineWorker]],
+        on_reload: Callable[[ReloadOutcome], None] | None = None,
+    ) -> None:
         self._load, self.runtime = load, runtime
         self._prober = prober
         self._supervisors, self._stats_workers = supervisors, stats_workers
@@ -132,8 +139,7 @@ class Reloader:
         except ConfigError as exc:
             logger.error("config reload failed; keeping the running config: %s", exc)
             outcome, retired = ReloadOutcome(error=str(exc)), None
-        self._metrics.reload("error" if outcome.error else "ok" if outcome.applied
-                             else "unchanged")
+        self._metrics.reload("error" if outcome.error else "ok" if outcome.applied else "unchanged")
         if self._on_reload is not None:
             self._on_reload(outcome)
         if retired is not None:
@@ -146,31 +152,50 @@ class Reloader:
         replaced. Raises ConfigError, having changed nothing."""
         previous = self.runtime
         old = previous.config
-        restart = [f"server.{key} ({getattr(old.server, key)} -> {getattr(new.server, key)})"
-                   for key in SERVER_RESTART_KEYS
-                   if getattr(new.server, key) != getattr(old.server, key)]
-        restart += [f"[{section}]" for section in RESTART_SECTIONS
-                    if getattr(new, section) != getattr(old, section)]
+        restart = [
+            f"server.{key} ({getattr(old.server, key)} -> {getattr(new.server, key)})"
+            for key in SERVER_RESTART_KEYS
+            if getattr(new.server, key) != getattr(old.server, key)
+        ]
+        restart += [
+            f"[{section}]"
+            for section in RESTART_SECTIONS
+            if getattr(new, section) != getattr(old, section)
+        ]
         effective = dataclasses.replace(
-            new, server=dataclasses.replace(new.server, **{
-                key: getattr(old.server, key) for key in SERVER_RESTART_KEYS}),
-            **{section: getattr(old, section) for section in RESTART_SECTIONS})
-        applied = tuple(f"[{section}]" for section in LIVE_SECTIONS
-                        if getattr(effective, section) != getattr(old, section))
+            new,
+            server=dataclasses.replace(
+                new.server, **{key: getattr(old.server, key) for key in SERVER_RESTART_KEYS}
+            ),
+            **{section: getattr(old, section) for section in RESTART_SECTIONS},
+        )
+        applied = tuple(
+            f"[{section}]"
+            for section in LIVE_SECTIONS
+            if getattr(effective, section) != getattr(old, section)
+        )
         if restart:
-            logger.warning("config reload: %s changed, which needs a restart; ignored until "
-                           "then", ", ".join(restart))
+            logger.warning(
+                "config reload: %s changed, which needs a restart; ignored until then",
+                ", ".join(restart),
+            )
         runtime = build_runtime(effective, self._table, previous)
         self._app.settings, self.runtime = runtime.settings, runtime
         self._prober.api_key = runtime.engine_key
         self._supervisors.update_ejection(effective.proxy)
         self._app.admission.configure(
-            effective.admission, max_per_engine=effective.proxy.max_connections_per_engine,
-            tenants=effective.tenants, keys=runtime.tenant_keys)
+            effective.admission,
+            max_per_engine=effective.proxy.max_connections_per_engine,
+            tenants=effective.tenants,
+            keys=runtime.tenant_keys,
+        )
         if effective.probe != old.probe or effective.stats != old.stats:
             self._supervisors.update_config(
-                effective.probe, workers=None if effective.stats == old.stats
-                else self._stats_workers(effective.stats))
+                effective.probe,
+                workers=None
+                if effective.stats == old.stats
+                else self._stats_workers(effective.stats),
+            )
         retired_pool, unsubscribe = runtime.retired(previous)
         if unsubscribe is not None:
             unsubscribe()
@@ -181,10 +206,14 @@ class Reloader:
         return ReloadOutcome(applied=applied, needs_restart=tuple(restart)), retired_pool
 
 
-async def _handle_signals(stop: trio.Event, reloader: Reloader | None, config: Config,
-                          server_scope: trio.CancelScope, *,
-                          task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
-                          ) -> None:
+async def _handle_signals(
+    stop: trio.Event,
+    reloader: Reloader | None,
+    config: Config,
+    server_scope: trio.CancelScope,
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
     """SIGTERM/SIGINT: start the drain (a second one cancels it). SIGHUP: reload. Runs until
     cancelled; meanwhile these signals do not reach Python's default handlers."""
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
@@ -198,18 +227,26 @@ async def _handle_signals(stop: trio.Event, reloader: Reloader | None, config: C
                     await reloader.reload()
                     config = reloader.config
             elif not stop.is_set():
-                logger.warning("%s: no new connections; in-flight requests get up to %g s",
-                               name, config.server.drain_s)
+                logger.warning(
+                    "%s: no new connections; in-flight requests get up to %g s",
+                    name,
+                    config.server.drain_s,
+                )
                 stop.set()
             else:
                 logger.warning("%s again: cancelling in-flight requests now", name)
                 server_scope.cancel(reason=f"second {name}")
 
 
-async def run(config: Config, *, load: Callable[[], Config] | None = None,
-              table: RoutingTable | None = None, handle_signals: bool = True,
-              on_reload: Callable[[ReloadOutcome], None] | None = None,
-              task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
+async def run(
+    config: Config,
+    *,
+    load: Callable[[], Config] | None = None,
+    table: RoutingTable | None = None,
+    handle_signals: bool = True,
+    on_reload: Callable[[ReloadOutcome], None] | None = None,
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+) -> None:
     """Serve the router described by `config` until a shutdown signal (or cancellation).
 
     Args:
@@ -232,67 +269,110 @@ async def run(config: Config, *, load: Callable[[], Config] | None = None,
     prober = Prober(timeout=config.probe.timeout_s, api_key=runtime.engine_key)
     source: KubernetesPodSource | None = None
 
-    admission = Admission(table, config.admission,
-                          max_per_engine=config.proxy.max_connections_per_engine,
-                          tenants=config.tenants, keys=runtime.tenant_keys)
+    admission = Admission(
+        table,
+        config.admission,
+        max_per_engine=config.proxy.max_connections_per_engine,
+        tenants=config.tenants,
+        keys=runtime.tenant_keys,
+    )
 
     def stats_workers(stats: StatsConfig) -> list[EngineWorker]:
         if stats.interval_s <= 0:
             return []
-        return [lambda engine, generation, pool: run_stats_scraper(
-            engine, table, pool, interval=stats.interval_s, timeout=stats.timeout_s,
-            generation=generation, headers=prober.headers, on_change=admission.load_changed)]
+        return [
+            lambda engine, generation, pool: run_stats_scraper(
+                engine,
+                table,
+                pool,
+                interval=stats.interval_s,
+                timeout=stats.timeout_s,
+                generation=generation,
+                headers=prober.headers,
+                on_change=admission.load_changed,
+            )
+        ]
 
     tracing = open_tracing(config.tracing)  # last: nothing after it raises before `try`
     try:
-        async with (open_relay(write_timeout=config.server.write_timeout_s) as relay,
-                    open_supervisors(table, prober, config.probe,
-                                     workers=stats_workers(config.stats),
-                                     ejection=config.proxy) as supervisors,
-                    trio.open_nursery() as nursery):
+        async with (
+            open_relay(write_timeout=config.server.write_timeout_s) as relay,
+            open_supervisors(
+                table,
+                prober,
+                config.probe,
+                workers=stats_workers(config.stats),
+                ejection=config.proxy,
+            ) as supervisors,
+            trio.open_nursery() as nursery,
+        ):
             status: DiscoveryStatus
             if config.discovery.mode == "static":
                 status = DiscoveryStatus.static()
                 add_static_engines(table, supervisors, config.discovery.static.urls)
             else:
                 status = DiscoveryStatus()
-                reconciler = Reconciler(table, supervisors,
-                                        port=config.discovery.kubernetes.port)
+                reconciler = Reconciler(table, supervisors, port=config.discovery.kubernetes.port)
                 source = KubernetesPodSource(config.discovery.kubernetes)
-                await nursery.start(partial(
-                    run_kubernetes_discovery, source, reconciler, status,
-                    config.discovery.kubernetes))
-            readiness = Readiness(status, table,
-                                  strict=config.discovery.kubernetes.strict_health)
-            metrics = Metrics(table, discovery_snapshot=lambda: status.snapshot(
-                trio.current_time()), relayed=lambda: relay.relayed,
-                admission=lambda: (admission.queued(), len(admission.saturated)))
+                await nursery.start(
+                    partial(
+                        run_kubernetes_discovery,
+                        source,
+                        reconciler,
+                        status,
+                        config.discovery.kubernetes,
+                    )
+                )
+            readiness = Readiness(status, table, strict=config.discovery.kubernetes.strict_health)
+            metrics = Metrics(
+                table,
+                discovery_snapshot=lambda: status.snapshot(trio.current_time()),
+                relayed=lambda: relay.relayed,
+                admission=lambda: (admission.queued(), len(admission.saturated)),
+            )
             admission.observe(on_wait=metrics.queue_wait, on_reject=metrics.rejected)
             table.add_remove_listener(lambda engine: metrics.forget_engine(engine.name))
-            app = RouterApp(settings=runtime.settings, table=table, supervisors=supervisors,
-                            metrics=metrics,
-                            health=lambda: readiness.check(trio.current_time()),
-                            relay=relay, client_socket=connection.current_client,
-                            disconnect_check=connection.disconnect_check,
-                            admission=admission, tracing=tracing)
+            app = RouterApp(
+                settings=runtime.settings,
+                table=table,
+                supervisors=supervisors,
+                metrics=metrics,
+                health=lambda: readiness.check(trio.current_time()),
+                relay=relay,
+                client_socket=connection.current_client,
+                disconnect_check=connection.disconnect_check,
+                admission=admission,
+                tracing=tracing,
+            )
             stop = trio.Event()
             if handle_signals:
                 reloader = None
                 if load is not None:
-                    reloader = Reloader(load, runtime, app=app, table=table, metrics=metrics,
-                                        prober=prober, supervisors=supervisors,
-                                        stats_workers=stats_workers, on_reload=on_reload)
-                await nursery.start(_handle_signals, stop, reloader, config,
-                                    nursery.cancel_scope)
+                    reloader = Reloader(
+                        load,
+                        runtime,
+                        app=app,
+                        table=table,
+                        metrics=metrics,
+                        prober=prober,
+                        supervisors=supervisors,
+                        stats_workers=stats_workers,
+                        on_reload=on_reload,
+                    )
+                await nursery.start(_handle_signals, stop, reloader, config, nursery.cancel_scope)
             asgi: Any = app  # plain-dict ASGI typing, not hypercorn's TypedDicts
             served = app
             nursery.start_soon(_sweep_pool, lambda: served.settings.pool)
             await nursery.start(admission.run)
-            await connection.serve(asgi, hconfig, shutdown_trigger=stop.wait,
-                                   max_connections=config.server.max_connections,
-                                   write_timeout=config.server.write_timeout_s,
-                                   drain_s=lambda: served.settings.config.server.drain_s,
-                                   task_status=task_status)
+            await connection.serve(
+                asgi,
+                hconfig,
+                shutdown_trigger=stop.wait,
+                max_connections=config.server.max_connections,
+                write_timeout=config.server.write_timeout_s,
+                drain_s=lambda: served.settings.config.server.drain_s,
+                task_status=task_status,
+            )
             logger.info("server stopped; stopping discovery and probes")
             nursery.cancel_scope.cancel(reason="server stopped")
     finally:
@@ -304,8 +384,9 @@ async def run(config: Config, *, load: Callable[[], Config] | None = None,
                     async with source.limiter:
                         pass
                 if waited.cancelled_caught:
-                    logger.warning("a Kubernetes client thread is still running after %g s",
-                                   THREAD_EXIT_S)
+                    logger.warning(
+                        "a Kubernetes client thread is still running after %g s", THREAD_EXIT_S
+                    )
             if tracing is not None:  # the last spans are exported, within FLUSH_S
                 with trio.move_on_after(FLUSH_S + 1):
                     await trio.to_thread.run_sync(tracing.shutdown, abandon_on_cancel=True)

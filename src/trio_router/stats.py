@@ -27,15 +27,15 @@ STALE_INTERVALS: Final = 3  # scraped stats older than this many intervals are i
 MAX_METRICS_BYTES: Final = 8 * 1024 * 1024  # a larger /metrics body is not read
 JITTER: Final = 0.1  # scrape period drawn from interval * [1 - JITTER, 1 + JITTER]
 
-_COUNTS: Final = {b"vllm:num_requests_running": "running",
-                   b"vllm:num_requests_waiting": "waiting"}
+_COUNTS: Final = {b"vllm:num_requests_running": "running", b"vllm:num_requests_waiting": "waiting"}
 _KV_USAGE: Final = (b"vllm:kv_cache_usage_perc", b"vllm:gpu_cache_usage_perc")  # newest first
 _NAMES: Final = (*_COUNTS, *_KV_USAGE)
 # One sample line of the Prometheus text format, after its metric name: optional labels
 # (name="value" pairs, values with \\, \" and \n escapes), the value, an optional timestamp.
 _SAMPLE_REST: Final = re.compile(
     rb'(?:\{(?:[a-zA-Z_][a-zA-Z0-9_]*[ \t]*=[ \t]*"(?:[^"\\\n]|\\.)*"[ \t]*,?[ \t]*)*\})?'
-    rb"[ \t]+([^ \t]+)(?:[ \t]+-?[0-9]+)?[ \t]*")
+    rb"[ \t]+([^ \t]+)(?:[ \t]+-?[0-9]+)?[ \t]*"
+)
 
 
 def _samples(body: bytes, name: bytes) -> list[float] | None:
@@ -51,7 +51,7 @@ def _samples(body: bytes, name: bytes) -> list[float] | None:
         start = end
         # A sample of this metric starts a line and the name ends there; anything else is
         # another metric with a longer name, or a comment (# HELP / # TYPE).
-        if (at and body[at - 1] != 10) or body[after:after + 1] not in (b"{", b" ", b"\t"):
+        if (at and body[at - 1] != 10) or body[after : after + 1] not in (b"{", b" ", b"\t"):
             continue
         match = _SAMPLE_REST.fullmatch(body, after, end)
         if match is None:
@@ -89,11 +89,17 @@ def parse_vllm_metrics(text: str | bytes) -> dict[str, float]:
     return out
 
 
-async def run_stats_scraper(engine: Engine, table: RoutingTable, pool: UpstreamPool, *,
-                            interval: float, timeout: float,  # noqa: ASYNC109 (per scrape)
-                            generation: int,
-                            headers: Callable[[], list[tuple[bytes, bytes]]] = list,
-                            on_change: Callable[[Engine], None] | None = None) -> None:
+async def run_stats_scraper(
+    engine: Engine,
+    table: RoutingTable,
+    pool: UpstreamPool,
+    *,
+    interval: float,
+    timeout: float,  # noqa: ASYNC109 (per scrape)
+    generation: int,
+    headers: Callable[[], list[tuple[bytes, bytes]]] = list,
+    on_change: Callable[[Engine], None] | None = None,
+) -> None:
     """Scrape `engine`'s /metrics about every `interval` seconds (±10% jitter) while it is
     routable, over `pool` (the engine's own connections, kept alive between scrapes), and
     store its gauges in `engine.stats`, with "scraped_at" (trio time) and "stale_after"
@@ -128,14 +134,19 @@ async def run_stats_scraper(engine: Engine, table: RoutingTable, pool: UpstreamP
                 if on_change is not None:
                     on_change(engine)
                 if failing:
-                    logger.info("metrics of engine %s at %s are readable again", engine.name,
-                                engine.url)
+                    logger.info(
+                        "metrics of engine %s at %s are readable again", engine.name, engine.url
+                    )
                 failing = False
             else:
                 error = error or "no vLLM load gauges in the response"
                 if not failing:
-                    logger.info("cannot read the metrics of engine %s at %s: %s", engine.name,
-                                engine.url, error)
+                    logger.info(
+                        "cannot read the metrics of engine %s at %s: %s",
+                        engine.name,
+                        engine.url,
+                        error,
+                    )
                 failing = True
         elif table.current(engine.uid, generation) is not engine:
             return
@@ -145,13 +156,13 @@ async def run_stats_scraper(engine: Engine, table: RoutingTable, pool: UpstreamP
         await trio.sleep_until(started + jittered(interval, JITTER))
 
 
-async def _fetch(pool: UpstreamPool, url: str,
-                 headers: list[tuple[bytes, bytes]]) -> tuple[bytes | None, str]:
+async def _fetch(
+    pool: UpstreamPool, url: str, headers: list[tuple[bytes, bytes]]
+) -> tuple[bytes | None, str]:
     """The body of GET `url`/metrics, or None and why not. The caller bounds it with a
     deadline."""
     try:
-        status, body = await fetch(pool, url, b"/metrics", headers,
-                                   max_bytes=MAX_METRICS_BYTES)
+        status, body = await fetch(pool, url, b"/metrics", headers, max_bytes=MAX_METRICS_BYTES)
     except (UpstreamError, UpstreamTimeoutError) as exc:
         return None, str(exc)
     if status != 200:

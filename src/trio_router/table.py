@@ -67,9 +67,14 @@ class Model:
     created: int = 0
 
     def as_openai(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"id": self.id, "object": "model", "created": self.created,
-                               "owned_by": self.owned_by, "root": self.root or self.id,
-                               "parent": self.parent}
+        out: dict[str, Any] = {
+            "id": self.id,
+            "object": "model",
+            "created": self.created,
+            "owned_by": self.owned_by,
+            "root": self.root or self.id,
+            "parent": self.parent,
+        }
         if self.max_model_len is not None:
             out["max_model_len"] = self.max_model_len
         return out
@@ -92,8 +97,9 @@ class RequestStats:
     _rate: float = 0.0  # requests/s as of `_rate_at`
     _rate_at: float = 0.0
 
-    def record(self, ttfb: float | None, latency: float, *, ok: bool = True,
-               now: float | None = None) -> None:
+    def record(
+        self, ttfb: float | None, latency: float, *, ok: bool = True, now: float | None = None
+    ) -> None:
         """Count one finished request: `ttfb` None if no byte came back; `ok` False for an
         error answer or a failure."""
         now = trio.current_time() if now is None else now
@@ -102,8 +108,11 @@ class RequestStats:
             self.errors += 1
         if ttfb is not None:
             self.ttfb = ttfb if self.ttfb is None else self.ttfb + self.alpha * (ttfb - self.ttfb)
-        self.latency = (latency if self.latency is None
-                        else self.latency + self.alpha * (latency - self.latency))
+        self.latency = (
+            latency
+            if self.latency is None
+            else self.latency + self.alpha * (latency - self.latency)
+        )
         self._rate = self.requests_per_s(now) + 1.0 / self.rate_window
         self._rate_at = now
 
@@ -115,9 +124,13 @@ class RequestStats:
 
     def snapshot(self, now: float | None = None) -> dict[str, float | int | None]:
         """The figures as shown in /engines."""
-        return {"requests": self.count, "errors": self.errors,
-                "requests_per_s": self.requests_per_s(now), "ttfb_s": self.ttfb,
-                "latency_s": self.latency}
+        return {
+            "requests": self.count,
+            "errors": self.errors,
+            "requests_per_s": self.requests_per_s(now),
+            "ttfb_s": self.ttfb,
+            "latency_s": self.latency,
+        }
 
 
 class EngineState(enum.StrEnum):
@@ -217,8 +230,11 @@ class RoutingTable:
     def engines_with_unknown_models(self) -> int:
         """Engines Kubernetes lets through whose models are not known: no probe has ever
         answered (not probed yet, or unreachable since they started)."""
-        return sum(1 for e in self._engines.values()
-                   if not e.models and e.state in (EngineState.PROBING, EngineState.UNHEALTHY))
+        return sum(
+            1
+            for e in self._engines.values()
+            if not e.models and e.state in (EngineState.PROBING, EngineState.UNHEALTHY)
+        )
 
     def models(self) -> list[Model]:
         """The union of the models of routable engines, first reporter wins, sorted by id."""
@@ -269,8 +285,9 @@ class RoutingTable:
             engine.state, engine.reason = EngineState.PENDING, reason
             self._touch()
 
-    def mark_routable(self, uid: str, generation: int, models: Sequence[Model], *,
-                      now: float) -> bool:
+    def mark_routable(
+        self, uid: str, generation: int, models: Sequence[Model], *, now: float
+    ) -> bool:
         """Record a successful probe; False (and no change) if the entry is gone or newer."""
         engine = self.current(uid, generation)
         if engine is None or engine.state is EngineState.PENDING:

@@ -49,14 +49,33 @@ logger = logging.getLogger(__name__)
 
 
 REPLY_WORDS: Final = (
-    "Hello", " from", " a", " fake", " OpenAI-compatible", " engine", " behind", " trio_router",
-    ".", " This", " reply", " is", " streamed", " one", " token", " at", " a", " time", ".",
+    "Hello",
+    " from",
+    " a",
+    " fake",
+    " OpenAI-compatible",
+    " engine",
+    " behind",
+    " trio_router",
+    ".",
+    " This",
+    " reply",
+    " is",
+    " streamed",
+    " one",
+    " token",
+    " at",
+    " a",
+    " time",
+    ".",
 )
 EMBEDDING_DIM: Final = 8
 SSE_DONE: Final = b"data: [DONE]\n\n"
 _JSON_HEADERS: Final = [(b"content-type", b"application/json")]
-_SSE_HEADERS: Final = [(b"content-type", b"text/event-stream; charset=utf-8"),
-                       (b"cache-control", b"no-cache")]
+_SSE_HEADERS: Final = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+]
 
 
 class FakeEngineAbort(Exception):
@@ -153,45 +172,83 @@ class FakeEngine:
         """GET /v1/models as vLLM answers it; adapters carry their `parent`."""
         created = 1_700_000_000
         data: list[dict[str, Any]] = [
-            {"id": m, "object": "model", "created": created, "owned_by": "vllm", "root": m,
-             "parent": None, "max_model_len": self.max_model_len, "permission": []}
-            for m in self.models]
+            {
+                "id": m,
+                "object": "model",
+                "created": created,
+                "owned_by": "vllm",
+                "root": m,
+                "parent": None,
+                "max_model_len": self.max_model_len,
+                "permission": [],
+            }
+            for m in self.models
+        ]
         data += [
-            {"id": a, "object": "model", "created": created, "owned_by": "vllm",
-             "root": f"/adapters/{a}", "parent": parent, "max_model_len": None,
-             "permission": []}
-            for a, parent in self.adapters.items()]
+            {
+                "id": a,
+                "object": "model",
+                "created": created,
+                "owned_by": "vllm",
+                "root": f"/adapters/{a}",
+                "parent": parent,
+                "max_model_len": None,
+                "permission": [],
+            }
+            for a, parent in self.adapters.items()
+        ]
         return {"object": "list", "data": data}
 
     def metrics_text(self) -> str:
         """GET /metrics in vLLM's Prometheus text format, one series per base model."""
-        running = float(self.in_flight if self.num_requests_running is None
-                        else self.num_requests_running)
+        running = float(
+            self.in_flight if self.num_requests_running is None else self.num_requests_running
+        )
         gauges = (
-            ("vllm:num_requests_running", "Number of requests in model execution batches.",
-             running),
-            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
-             float(self.num_requests_waiting)),
-            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-             float(self.kv_cache_usage_perc)),
-            ("vllm:gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage.",
-             float(self.kv_cache_usage_perc)),
+            (
+                "vllm:num_requests_running",
+                "Number of requests in model execution batches.",
+                running,
+            ),
+            (
+                "vllm:num_requests_waiting",
+                "Number of requests waiting to be processed.",
+                float(self.num_requests_waiting),
+            ),
+            (
+                "vllm:kv_cache_usage_perc",
+                "KV-cache usage. 1 means 100 percent usage.",
+                float(self.kv_cache_usage_perc),
+            ),
+            (
+                "vllm:gpu_cache_usage_perc",
+                "GPU KV-cache usage. 1 means 100 percent usage.",
+                float(self.kv_cache_usage_perc),
+            ),
         )
         lines: list[str] = []
         for metric, help_text, value in gauges:
             lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} gauge"]
             lines += [f'{metric}{{engine="0",model_name="{m}"}} {value!r}' for m in self.models]
-        lines += ["# HELP vllm:request_success_total Count of successfully processed requests.",
-                  "# TYPE vllm:request_success_total counter"]
-        lines += [f'vllm:request_success_total{{engine="0",finished_reason="stop",'
-                  f'model_name="{m}"}} {float(self.completed)!r}' for m in self.models]
+        lines += [
+            "# HELP vllm:request_success_total Count of successfully processed requests.",
+            "# TYPE vllm:request_success_total counter",
+        ]
+        lines += [
+            f'vllm:request_success_total{{engine="0",finished_reason="stop",'
+            f'model_name="{m}"}} {float(self.completed)!r}'
+            for m in self.models
+        ]
         return "\n".join(lines) + "\n"
 
 
 def _error_body(status: int, message: str) -> dict[str, Any]:
-    kind = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowed",
-            429: "RateLimitError"}.get(status, "InternalServerError" if status >= 500
-                                       else "BadRequestError")
+    kind = {
+        400: "BadRequestError",
+        404: "NotFoundError",
+        405: "MethodNotAllowed",
+        429: "RateLimitError",
+    }.get(status, "InternalServerError" if status >= 500 else "BadRequestError")
     return {"error": {"message": message, "type": kind, "param": None, "code": status}}
 
 
@@ -200,8 +257,7 @@ class _Reply:
 
     __slots__ = ("events", "payload", "status")
 
-    def __init__(self, status: int, payload: Any = None,
-                 events: list[bytes] | None = None) -> None:
+    def __init__(self, status: int, payload: Any = None, events: list[bytes] | None = None) -> None:
         self.status, self.payload, self.events = status, payload, events
 
 
@@ -237,8 +293,11 @@ def _prompt_text(body: dict[str, Any]) -> str:
             if isinstance(content, str):
                 parts.append(content)
             elif isinstance(content, list):
-                parts += [p.get("text", "") for p in content
-                          if isinstance(p, dict) and isinstance(p.get("text"), str)]
+                parts += [
+                    p.get("text", "")
+                    for p in content
+                    if isinstance(p, dict) and isinstance(p.get("text"), str)
+                ]
         return " ".join(parts)
     for key in ("prompt", "input", "query", "text"):
         value = body.get(key)
@@ -285,11 +344,16 @@ class FakeEngineApp:
             if not message.get("more_body", False):
                 break
         client = scope.get("client")
-        engine._record(SeenRequest(
-            method=scope["method"], path=scope["path"],
-            query=dict(parse_qsl(scope.get("query_string", b"").decode("latin-1"))),
-            headers=list(scope["headers"]), body=bytes(body),
-            client=(client[0], client[1]) if client else None))
+        engine._record(
+            SeenRequest(
+                method=scope["method"],
+                path=scope["path"],
+                query=dict(parse_qsl(scope.get("query_string", b"").decode("latin-1"))),
+                headers=list(scope["headers"]),
+                body=bytes(body),
+                client=(client[0], client[1]) if client else None,
+            )
+        )
         inference = scope["path"] in _POST_HANDLERS
         finished = False  # the last body message was handed to the server
 
@@ -337,8 +401,11 @@ class FakeEngineApp:
         engine = self.engine
         method, path = scope["method"], scope["path"]
         if engine.fail_status is not None:
-            await self._send_json(send, engine.fail_status,
-                                  _error_body(engine.fail_status, f"{engine.name} is failing"))
+            await self._send_json(
+                send,
+                engine.fail_status,
+                _error_body(engine.fail_status, f"{engine.name} is failing"),
+            )
             return False
         if method == "GET" and path in ("/v1/models", "/metrics", "/health", "/version"):
             if path == "/v1/models":
@@ -346,8 +413,12 @@ class FakeEngineApp:
                     await trio.sleep_forever()
                 await self._send_json(send, 200, engine.models_payload())
             elif path == "/metrics":
-                await self._send_bytes(send, 200, engine.metrics_text().encode(),
-                                       b"text/plain; version=0.0.4; charset=utf-8")
+                await self._send_bytes(
+                    send,
+                    200,
+                    engine.metrics_text().encode(),
+                    b"text/plain; version=0.0.4; charset=utf-8",
+                )
             elif path == "/health":
                 await self._send_bytes(send, 200, b"", None)
             else:
@@ -375,8 +446,9 @@ class FakeEngineApp:
         if model is None:
             model = engine.models[0] if engine.models else ""
         elif model not in engine.model_ids:
-            await self._send_json(send, 404, _error_body(
-                404, f"The model `{model}` does not exist."))
+            await self._send_json(
+                send, 404, _error_body(404, f"The model `{model}` does not exist.")
+            )
             return False
         self._counter += 1
         reply = handler(self, request, str(model), f"{self._counter:08x}")
@@ -390,7 +462,10 @@ class FakeEngineApp:
         engine = self.engine
         delay = engine.ttft_s
         if isinstance(reply.payload, dict) and reply.payload.get("object") in (
-                "chat.completion", "text_completion", "response"):
+            "chat.completion",
+            "text_completion",
+            "response",
+        ):
             delay += engine.inter_token_s * max(0, engine.tokens - 1)
         if delay > 0:
             await trio.sleep(delay)
@@ -399,8 +474,13 @@ class FakeEngineApp:
 
     async def _stream(self, send: Send, events: list[bytes]) -> bool:
         engine = self.engine
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [*_SSE_HEADERS, *self._common_headers()]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [*_SSE_HEADERS, *self._common_headers()],
+            }
+        )
         if engine.ttft_s > 0:
             await trio.sleep(engine.ttft_s)
         for i, event in enumerate(events):
@@ -426,8 +506,9 @@ class FakeEngineApp:
         body = json.dumps(payload, separators=(",", ":")).encode()
         await self._send_bytes(send, status, body, b"application/json")
 
-    async def _send_bytes(self, send: Send, status: int, body: bytes,
-                          content_type: bytes | None) -> None:
+    async def _send_bytes(
+        self, send: Send, status: int, body: bytes, content_type: bytes | None
+    ) -> None:
         headers = [(b"content-length", b"%d" % len(body)), *self._common_headers()]
         if content_type is not None:
             headers.append((b"content-type", content_type))
@@ -444,11 +525,13 @@ class FakeEngineApp:
 
     @staticmethod
     def _usage(prompt: int, completion: int) -> dict[str, int]:
-        return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
 
-    def _generation(self, request: dict[str, Any], model: str, rid: str, *,
-                    chat: bool) -> _Reply:
+    def _generation(self, request: dict[str, Any], model: str, rid: str, *, chat: bool) -> _Reply:
         n, finish = self._n_tokens(request)
         words = [REPLY_WORDS[i % len(REPLY_WORDS)] for i in range(n)]
         prompt_tokens = len(_words(_prompt_text(request)))
@@ -458,12 +541,24 @@ class FakeEngineApp:
         if not request.get("stream"):
             choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
             if chat:
-                choice["message"] = {"role": "assistant", "content": "".join(words),
-                                     "tool_calls": []}
+                choice["message"] = {
+                    "role": "assistant",
+                    "content": "".join(words),
+                    "tool_calls": [],
+                }
             else:
                 choice["text"] = "".join(words)
-            return _Reply(200, {"id": ident, "object": obj, "created": created, "model": model,
-                                "choices": [choice], "usage": self._usage(prompt_tokens, n)})
+            return _Reply(
+                200,
+                {
+                    "id": ident,
+                    "object": obj,
+                    "created": created,
+                    "model": model,
+                    "choices": [choice],
+                    "usage": self._usage(prompt_tokens, n),
+                },
+            )
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(delta: dict[str, Any] | str, reason: str | None) -> bytes:
@@ -472,17 +567,33 @@ class FakeEngineApp:
                 choice["delta"] = delta
             else:
                 choice["text"] = delta
-            return _sse({"id": ident, "object": chunk_obj, "created": created, "model": model,
-                         "choices": [choice]})
+            return _sse(
+                {
+                    "id": ident,
+                    "object": chunk_obj,
+                    "created": created,
+                    "model": model,
+                    "choices": [choice],
+                }
+            )
 
         events = [chunk({"role": "assistant", "content": ""} if chat else "", None)]
         events += [chunk({"content": w} if chat else w, None) for w in words]
         events.append(chunk({} if chat else "", finish))
         options = request.get("stream_options")
         if isinstance(options, dict) and options.get("include_usage"):
-            events.append(_sse({"id": ident, "object": chunk_obj, "created": created,
-                                "model": model, "choices": [],
-                                "usage": self._usage(prompt_tokens, n)}))
+            events.append(
+                _sse(
+                    {
+                        "id": ident,
+                        "object": chunk_obj,
+                        "created": created,
+                        "model": model,
+                        "choices": [],
+                        "usage": self._usage(prompt_tokens, n),
+                    }
+                )
+            )
         events.append(SSE_DONE)
         return _Reply(200, events=events)
 
@@ -499,17 +610,32 @@ class FakeEngineApp:
     def _embeddings(self, request: dict[str, Any], model: str, rid: str) -> _Reply:
         texts = _texts(request.get("input"))
         tokens = sum(len(_words(t)) for t in texts)
-        return _Reply(200, {
-            "id": f"embd-{rid}", "object": "list", "created": int(time.time()), "model": model,
-            "data": [{"object": "embedding", "index": i, "embedding": _embedding(t)}
-                     for i, t in enumerate(texts)],
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens,
-                      "completion_tokens": 0}})
+        return _Reply(
+            200,
+            {
+                "id": f"embd-{rid}",
+                "object": "list",
+                "created": int(time.time()),
+                "model": model,
+                "data": [
+                    {"object": "embedding", "index": i, "embedding": _embedding(t)}
+                    for i, t in enumerate(texts)
+                ],
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0},
+            },
+        )
 
     def _tokenize(self, request: dict[str, Any], model: str, rid: str) -> _Reply:
         ids = _token_ids(_prompt_text(request))
-        return _Reply(200, {"count": len(ids), "max_model_len": self.engine.max_model_len,
-                            "tokens": ids, "token_strs": None})
+        return _Reply(
+            200,
+            {
+                "count": len(ids),
+                "max_model_len": self.engine.max_model_len,
+                "tokens": ids,
+                "token_strs": None,
+            },
+        )
 
     def _detokenize(self, request: dict[str, Any], model: str, rid: str) -> _Reply:
         tokens = request.get("tokens")
@@ -521,14 +647,23 @@ class FakeEngineApp:
         query = str(request.get("query", ""))
         docs = _texts(request.get("documents", []))
         ranked = sorted(range(len(docs)), key=lambda i: -_score(query, docs[i]))
-        results = [{"index": i, "document": {"text": docs[i]},
-                    "relevance_score": _score(query, docs[i])} for i in ranked]
+        results = [
+            {"index": i, "document": {"text": docs[i]}, "relevance_score": _score(query, docs[i])}
+            for i in ranked
+        ]
         top_n = request.get("top_n")
         if isinstance(top_n, int) and top_n > 0:
             results = results[:top_n]
         tokens = len(_words(query)) + sum(len(_words(d)) for d in docs)
-        return _Reply(200, {"id": f"rerank-{rid}", "model": model,
-                            "usage": {"total_tokens": tokens}, "results": results})
+        return _Reply(
+            200,
+            {
+                "id": f"rerank-{rid}",
+                "model": model,
+                "usage": {"total_tokens": tokens},
+                "results": results,
+            },
+        )
 
     def _score(self, request: dict[str, Any], model: str, rid: str) -> _Reply:
         first = _texts(request.get("text_1", request.get("queries", "")))
@@ -537,12 +672,20 @@ class FakeEngineApp:
             first = first * len(second)
         pairs = list(zip(first, second, strict=False))
         tokens = sum(len(_words(a)) + len(_words(b)) for a, b in pairs)
-        return _Reply(200, {
-            "id": f"score-{rid}", "object": "list", "created": int(time.time()), "model": model,
-            "data": [{"index": i, "object": "score", "score": _score(a, b)}
-                     for i, (a, b) in enumerate(pairs)],
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens,
-                      "completion_tokens": 0}})
+        return _Reply(
+            200,
+            {
+                "id": f"score-{rid}",
+                "object": "list",
+                "created": int(time.time()),
+                "model": model,
+                "data": [
+                    {"index": i, "object": "score", "score": _score(a, b)}
+                    for i, (a, b) in enumerate(pairs)
+                ],
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0},
+            },
+        )
 
     def _responses(self, request: dict[str, Any], model: str, rid: str) -> _Reply:
         n, _ = self._n_tokens({"max_tokens": request.get("max_output_tokens")})
@@ -552,30 +695,77 @@ class FakeEngineApp:
         created = int(time.time())
 
         def response(status: str, text: str | None) -> dict[str, Any]:
-            output = [] if text is None else [{
-                "type": "message", "id": msg_id, "status": "completed", "role": "assistant",
-                "content": [{"type": "output_text", "text": text, "annotations": []}]}]
-            return {"id": ident, "object": "response", "created_at": created, "model": model,
-                    "status": status, "output": output, "parallel_tool_calls": True,
-                    "tool_choice": "auto", "tools": [],
-                    "usage": None if text is None else {
-                        "input_tokens": prompt_tokens, "output_tokens": n,
-                        "total_tokens": prompt_tokens + n,
-                        "input_tokens_details": {"cached_tokens": 0,
-                                                 "cache_write_tokens": 0},
-                        "output_tokens_details": {"reasoning_tokens": 0}}}
+            output = (
+                []
+                if text is None
+                else [
+                    {
+                        "type": "message",
+                        "id": msg_id,
+                        "status": "completed",
+                        "role": "assistant",
+                        "content": [{"type": "output_text", "text": text, "annotations": []}],
+                    }
+                ]
+            )
+            return {
+                "id": ident,
+                "object": "response",
+                "created_at": created,
+                "model": model,
+                "status": status,
+                "output": output,
+                "parallel_tool_calls": True,
+                "tool_choice": "auto",
+                "tools": [],
+                "usage": None
+                if text is None
+                else {
+                    "input_tokens": prompt_tokens,
+                    "output_tokens": n,
+                    "total_tokens": prompt_tokens + n,
+                    "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                    "output_tokens_details": {"reasoning_tokens": 0},
+                },
+            }
 
         if not request.get("stream"):
             return _Reply(200, response("completed", "".join(words)))
-        events = [_sse({"type": "response.created", "sequence_number": 0,
-                        "response": response("in_progress", None)}, "response.created")]
+        events = [
+            _sse(
+                {
+                    "type": "response.created",
+                    "sequence_number": 0,
+                    "response": response("in_progress", None),
+                },
+                "response.created",
+            )
+        ]
         for i, w in enumerate(words):
-            events.append(_sse({"type": "response.output_text.delta", "sequence_number": i + 1,
-                                "item_id": msg_id, "output_index": 0, "content_index": 0,
-                                "delta": w, "logprobs": []}, "response.output_text.delta"))
-        events.append(_sse({"type": "response.completed", "sequence_number": n + 1,
-                            "response": response("completed", "".join(words))},
-                           "response.completed"))
+            events.append(
+                _sse(
+                    {
+                        "type": "response.output_text.delta",
+                        "sequence_number": i + 1,
+                        "item_id": msg_id,
+                        "output_index": 0,
+                        "content_index": 0,
+                        "delta": w,
+                        "logprobs": [],
+                    },
+                    "response.output_text.delta",
+                )
+            )
+        events.append(
+            _sse(
+                {
+                    "type": "response.completed",
+                    "sequence_number": n + 1,
+                    "response": response("completed", "".join(words)),
+                },
+                "response.completed",
+            )
+        )
         return _Reply(200, events=events)
 
 
@@ -610,9 +800,13 @@ def _hypercorn_config(host: str, port: int) -> hypercorn.config.Config:
     return config
 
 
-async def serve_fake_engine(engine: FakeEngine, host: str = "127.0.0.1", port: int = 0, *,
-                            task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
-                            ) -> None:
+async def serve_fake_engine(
+    engine: FakeEngine,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> None:
     """Serve `engine` over HTTP/1.1 with Hypercorn until cancelled.
 
     Reports the bound URL (like "http://127.0.1.3:40123") through `task_status`, so
@@ -621,24 +815,33 @@ async def serve_fake_engine(engine: FakeEngine, host: str = "127.0.0.1", port: i
     """
     app: Any = fake_engine_app(engine)  # plain-dict ASGI typing, not hypercorn's TypedDicts
     async with trio.open_nursery() as nursery:
-        urls: list[str] = await nursery.start(partial(
-            hypercorn.trio.serve, app, _hypercorn_config(host, port),
-            shutdown_trigger=trio.sleep_forever))
+        urls: list[str] = await nursery.start(
+            partial(
+                hypercorn.trio.serve,
+                app,
+                _hypercorn_config(host, port),
+                shutdown_trigger=trio.sleep_forever,
+            )
+        )
         task_status.started(urls[0])
 
 
 @asynccontextmanager
-async def open_fake_engines(engines: Sequence[FakeEngine], *,
-                            hosts: Iterable[str] | None = None) -> AsyncIterator[list[str]]:
+async def open_fake_engines(
+    engines: Sequence[FakeEngine], *, hosts: Iterable[str] | None = None
+) -> AsyncIterator[list[str]]:
     """Serve several fake engines, by default on 127.0.1.1, 127.0.1.2, ... (port 0), and
     yield their URLs in order. Leaving the block stops them all."""
-    host_list = list(hosts) if hosts is not None else [
-        f"127.0.1.{i + 1}" for i in range(len(engines))]
+    host_list = (
+        list(hosts) if hosts is not None else [f"127.0.1.{i + 1}" for i in range(len(engines))]
+    )
     if len(host_list) < len(engines):
         raise ValueError(f"{len(engines)} engines but only {len(host_list)} hosts")
     async with trio.open_nursery() as nursery:
-        urls = [await nursery.start(serve_fake_engine, engine, host)
-                for engine, host in zip(engines, host_list, strict=False)]
+        urls = [
+            await nursery.start(serve_fake_engine, engine, host)
+            for engine, host in zip(engines, host_list, strict=False)
+        ]
         yield urls
         nursery.cancel_scope.cancel(reason="fake engines closed")
 
@@ -650,14 +853,22 @@ def fake_engine_transport(engine: FakeEngine) -> httpx.MockTransport:
     deadline ends it. Every request is recorded in `engine.requests`."""
 
     async def handler(request: httpx.Request) -> httpx.Response:
-        engine._record(SeenRequest(
-            method=request.method, path=request.url.path,
-            query=dict(request.url.params), body=request.content,
-            headers=[(k.lower(), v) for k, v in request.headers.raw]))
+        engine._record(
+            SeenRequest(
+                method=request.method,
+                path=request.url.path,
+                query=dict(request.url.params),
+                body=request.content,
+                headers=[(k.lower(), v) for k, v in request.headers.raw],
+            )
+        )
         headers = {"x-fake-engine": engine.name}
         if engine.fail_status is not None:
-            return httpx.Response(engine.fail_status, headers=headers, json=_error_body(
-                engine.fail_status, f"{engine.name} is failing"))
+            return httpx.Response(
+                engine.fail_status,
+                headers=headers,
+                json=_error_body(engine.fail_status, f"{engine.name} is failing"),
+            )
         path = request.url.path
         if request.method == "GET" and path == "/v1/models":
             if engine.hang_models:

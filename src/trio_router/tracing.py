@@ -38,8 +38,7 @@ CONTEXT_HEADERS: Final = frozenset({b"traceparent", b"tracestate", b"baggage"})
 FLUSH_S: Final = 5.0  # at exit: longest wait for the last spans to be exported
 
 
-def check_environment(config: TracingConfig,
-                      environ: dict[str, str] | None = None) -> None:
+def check_environment(config: TracingConfig, environ: dict[str, str] | None = None) -> None:
     """Raise ConfigError, as starting would, if the OTEL_* variables ask for what is not
     supported (another protocol than OTLP/HTTP protobuf, an unknown exporter)."""
     if not config.enabled:
@@ -47,12 +46,16 @@ def check_environment(config: TracingConfig,
     env = os.environ if environ is None else environ
     exporter = env.get("OTEL_TRACES_EXPORTER", "otlp").strip() or "otlp"
     if exporter not in EXPORTERS:
-        raise ConfigError(f"OTEL_TRACES_EXPORTER={exporter!r} is not supported with "
-                          f"[tracing] enabled: use one of {list(EXPORTERS)}")
+        raise ConfigError(
+            f"OTEL_TRACES_EXPORTER={exporter!r} is not supported with "
+            f"[tracing] enabled: use one of {list(EXPORTERS)}"
+        )
     for name in ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
         if (protocol := env.get(name, "").strip()) and protocol != PROTOCOL:
-            raise ConfigError(f"{name}={protocol!r} is not supported: trio_router exports "
-                              f"spans over OTLP/HTTP ({PROTOCOL!r})")
+            raise ConfigError(
+                f"{name}={protocol!r} is not supported: trio_router exports "
+                f"spans over OTLP/HTTP ({PROTOCOL!r})"
+            )
         if protocol:
             break
 
@@ -71,20 +74,34 @@ class Tracing:
         self._status, self._error = Status, Status(StatusCode.ERROR)
         self._error_code = StatusCode.ERROR
 
-    def start_request(self, method: str, path: str,
-                      headers: Sequence[tuple[bytes, bytes]]) -> Span:
+    def start_request(self, method: str, path: str, headers: Sequence[tuple[bytes, bytes]]) -> Span:
         """The server span of a proxied request, a child of the client's trace context."""
         parent = self._propagator.extract(
-            {name.decode("latin-1"): value.decode("latin-1") for name, value in headers})
+            {name.decode("latin-1"): value.decode("latin-1") for name, value in headers}
+        )
         return self._tracer.start_span(
-            f"{method} {path}", context=parent, kind=self._server,
-            attributes={"http.request.method": method, "url.path": path})
+            f"{method} {path}",
+            context=parent,
+            kind=self._server,
+            attributes={"http.request.method": method, "url.path": path},
+        )
 
-    def end_request(self, span: Span, *, status: int, request_id: str, model: str,
-                    tenant: str, engine: str, retries: int) -> None:
+    def end_request(
+        self,
+        span: Span,
+        *,
+        status: int,
+        request_id: str,
+        model: str,
+        tenant: str,
+        engine: str,
+        retries: int,
+    ) -> None:
         attributes: dict[str, Any] = {
-            "http.response.status_code": status, "trio_router.request_id": request_id,
-            "trio_router.retries": retries}
+            "http.response.status_code": status,
+            "trio_router.request_id": request_id,
+            "trio_router.retries": retries,
+        }
         if model:
             attributes["gen_ai.request.model"] = model
         if tenant:
@@ -98,18 +115,31 @@ class Tracing:
             span.set_status(self._error)
         span.end()
 
-    def start_attempt(self, parent: Span, engine: str, attempt: int, target: bytes,
-                      headers: Iterable[tuple[bytes, bytes]]
-                      ) -> tuple[Span, list[tuple[bytes, bytes]]]:
+    def start_attempt(
+        self,
+        parent: Span,
+        engine: str,
+        attempt: int,
+        target: bytes,
+        headers: Iterable[tuple[bytes, bytes]],
+    ) -> tuple[Span, list[tuple[bytes, bytes]]]:
         """A client span for one engine attempt (the `attempt`th), and the request headers
         for it: the client's trace context headers replaced by this span's."""
         path = target.partition(b"?")[0].decode("latin-1")
         host, _, port = engine.rpartition(":")
         span = self._tracer.start_span(
-            f"POST {path}", context=self._in_context(parent), kind=self._client,
-            attributes={"http.request.method": "POST", "url.path": path,
-                        "server.address": host, "server.port": int(port) if port else 80,
-                        "trio_router.engine": engine, "trio_router.attempt": attempt})
+            f"POST {path}",
+            context=self._in_context(parent),
+            kind=self._client,
+            attributes={
+                "http.request.method": "POST",
+                "url.path": path,
+                "server.address": host,
+                "server.port": int(port) if port else 80,
+                "trio_router.engine": engine,
+                "trio_router.attempt": attempt,
+            },
+        )
         carrier: dict[str, str] = {}
         self._propagator.inject(carrier, context=self._in_context(span))
         out = [h for h in headers if h[0] not in CONTEXT_HEADERS]
@@ -162,8 +192,11 @@ def open_tracing(config: TracingConfig) -> Tracing | None:
 
         exporter, target = OTLPSpanExporter(), _otlp_endpoint(os.environ)
     provider.add_span_processor(BatchSpanProcessor(exporter))
-    logger.info("tracing on: spans of proxied requests go to %s as service %r", target,
-                resource.attributes["service.name"])
+    logger.info(
+        "tracing on: spans of proxied requests go to %s as service %r",
+        target,
+        resource.attributes["service.name"],
+    )
     return Tracing(provider, provider.get_tracer("trio_router", __version__))
 
 

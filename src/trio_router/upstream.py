@@ -50,8 +50,16 @@ from .http11 import TARGET_CHARS, ProtocolError, ResponseParser, encode_request_
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ClientGoneError", "EngineUnreachableError", "Relay", "RelayTarget", "UpstreamPool",
-           "UpstreamResponse", "fetch", "open_relay"]
+__all__ = [
+    "ClientGoneError",
+    "EngineUnreachableError",
+    "Relay",
+    "RelayTarget",
+    "UpstreamPool",
+    "UpstreamResponse",
+    "fetch",
+    "open_relay",
+]
 
 READ_SIZE: Final = 65536  # bytes asked of the socket per receive
 CHECKPOINT_EVERY: Final = 16  # body chunks returned at once, at most, between two checkpoints
@@ -224,9 +232,15 @@ class UpstreamPool:
             default is TCP (`open_tcp_socket`). Tests pass one end of a socket pair.
     """
 
-    def __init__(self, *, connect_timeout: float, read_timeout: float,
-                 max_idle_per_origin: int = 64, max_idle_s: float = 4.0,
-                 connect: Connector = open_tcp_socket) -> None:
+    def __init__(
+        self,
+        *,
+        connect_timeout: float,
+        read_timeout: float,
+        max_idle_per_origin: int = 64,
+        max_idle_s: float = 4.0,
+        connect: Connector = open_tcp_socket,
+    ) -> None:
         if connect_timeout <= 0 or read_timeout <= 0 or max_idle_s < 0:
             raise ValueError("connect_timeout and read_timeout must be > 0, max_idle_s >= 0")
         if max_idle_per_origin < 0:
@@ -243,8 +257,12 @@ class UpstreamPool:
     async def __aenter__(self) -> UpstreamPool:
         return self
 
-    async def __aexit__(self, exc_type: type[BaseException] | None,
-                        exc: BaseException | None, tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         await self.aclose()
 
     async def aclose(self) -> None:
@@ -289,10 +307,16 @@ class UpstreamPool:
             return 0 if origin is None else len(origin.idle)
         return sum(len(o.idle) for o in self._origins.values())
 
-    def request(self, base_url: str, method: bytes, target: bytes,
-                headers: list[tuple[bytes, bytes]], body: bytes | bytearray, *,
-                client_gone: Callable[[], bool] | None = None
-                ) -> AbstractAsyncContextManager[UpstreamResponse]:
+    def request(
+        self,
+        base_url: str,
+        method: bytes,
+        target: bytes,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes | bytearray,
+        *,
+        client_gone: Callable[[], bool] | None = None,
+    ) -> AbstractAsyncContextManager[UpstreamResponse]:
         """One exchange with the engine at `base_url` (like "http://10.0.0.7:8000").
 
         `target` is the path with its query string. `headers` are the end-to-end headers to
@@ -356,11 +380,13 @@ class UpstreamPool:
                 raw = await self._open(origin.host, origin.port)
             except socket.gaierror as exc:
                 raise EngineUnreachableError(
-                    f"cannot resolve engine {origin.url}: {exc}", connect_failed=True) from exc
+                    f"cannot resolve engine {origin.url}: {exc}", connect_failed=True
+                ) from exc
             except OSError as exc:
                 if exc.errno in _LOCAL_LIMITS:  # the router's own limit, not the engine's fault
-                    raise OverloadedError(f"the router cannot open a connection to engine "
-                                          f"{origin.url} now: {exc}") from exc
+                    raise OverloadedError(
+                        f"the router cannot open a connection to engine {origin.url} now: {exc}"
+                    ) from exc
                 raise EngineUnreachableError(
                     f"cannot connect to engine {origin.url}: {exc}", connect_failed=True
                 ) from exc
@@ -368,7 +394,8 @@ class UpstreamPool:
             return _Connection(trio.socket.from_stdlib_socket(raw), raw)
         raise EngineUnreachableError(
             f"cannot connect to engine {origin.url}: no answer within "
-            f"{self._connect_timeout:g} s (proxy.connect_timeout_s)")
+            f"{self._connect_timeout:g} s (proxy.connect_timeout_s)"
+        )
 
 
 class UpstreamResponse:
@@ -385,13 +412,33 @@ class UpstreamResponse:
     `async with` close the connection.
     """
 
-    __slots__ = ("_base_url", "_body", "_client_gone", "_conn", "_done", "_method", "_origin",
-                 "_parser", "_pool", "_req_headers", "_target", "_unchecked", "headers",
-                 "status")
+    __slots__ = (
+        "_base_url",
+        "_body",
+        "_client_gone",
+        "_conn",
+        "_done",
+        "_method",
+        "_origin",
+        "_parser",
+        "_pool",
+        "_req_headers",
+        "_target",
+        "_unchecked",
+        "headers",
+        "status",
+    )
 
-    def __init__(self, pool: UpstreamPool, base_url: str, method: bytes, target: bytes,
-                 headers: list[tuple[bytes, bytes]], body: bytes | bytearray,
-                 client_gone: Callable[[], bool] | None = None) -> None:
+    def __init__(
+        self,
+        pool: UpstreamPool,
+        base_url: str,
+        method: bytes,
+        target: bytes,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes | bytearray,
+        client_gone: Callable[[], bool] | None = None,
+    ) -> None:
         self._pool = pool
         self._client_gone = client_gone
         self._base_url = base_url
@@ -412,8 +459,9 @@ class UpstreamResponse:
         pool = self._pool
         origin = self._origin = pool._origin(self._base_url)
         try:
-            head = encode_request_head(self._method, self._target, origin.host_header,
-                                       self._req_headers, len(self._body))
+            head = encode_request_head(
+                self._method, self._target, origin.host_header, self._req_headers, len(self._body)
+            )
         except ValueError as exc:
             raise UpstreamError(f"cannot send request to engine {origin.url}: {exc}") from exc
         if self._client_gone is not None and self._client_gone():
@@ -433,11 +481,16 @@ class UpstreamResponse:
         except _StaleConnectionError as exc:
             raise EngineUnreachableError(
                 f"engine {origin.url} closed the connection before answering: "
-                f"{exc.__cause__ or 'EOF'}") from exc.__cause__
+                f"{exc.__cause__ or 'EOF'}"
+            ) from exc.__cause__
         return self
 
-    async def __aexit__(self, exc_type: type[BaseException] | None,
-                        exc: BaseException | None, tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         conn, parser = self._conn, self._parser
         if conn is None or parser is None:
             return
@@ -468,14 +521,16 @@ class UpstreamResponse:
                 if len(body) <= INLINE_BODY_BYTES:
                     sent = await conn.send_all(head + body if body else head, read_timeout)
                 else:
-                    sent = (await conn.send_all(head, read_timeout)
-                            and await conn.send_all(body, read_timeout))
+                    sent = await conn.send_all(head, read_timeout) and await conn.send_all(
+                        body, read_timeout
+                    )
             except OSError as exc:
                 raise _StaleConnectionError from exc
             if not sent:
                 raise UpstreamTimeoutError(
                     f"engine {url} stopped taking the request for {read_timeout:g} s "
-                    "(proxy.read_timeout_s)")
+                    "(proxy.read_timeout_s)"
+                )
             received = False
             while True:
                 try:
@@ -484,17 +539,17 @@ class UpstreamResponse:
                     if not received:
                         raise _StaleConnectionError from exc
                     raise UpstreamError(
-                        f"engine {url} reset the connection while sending the response "
-                        f"head: {exc}") from exc
+                        f"engine {url} reset the connection while sending the response head: {exc}"
+                    ) from exc
                 if data is None:
                     raise UpstreamTimeoutError(
                         f"engine {url} sent no response within {read_timeout:g} s "
-                        "(proxy.read_timeout_s)")
+                        "(proxy.read_timeout_s)"
+                    )
                 if not data:
                     if not received:
                         raise _StaleConnectionError
-                    raise UpstreamError(
-                        f"engine {url} closed the connection in the response head")
+                    raise UpstreamError(f"engine {url} closed the connection in the response head")
                 received = True
                 parser.feed(data)
                 if parser.read_head():
@@ -517,8 +572,9 @@ class UpstreamResponse:
         gone = self._client_gone
         deadline = trio.current_time() + silence_s
         while gone is None or not gone():
-            with trio.move_on_at(deadline if gone is None
-                                 else min(deadline, trio.current_time() + CLIENT_CHECK_S)):
+            with trio.move_on_at(
+                deadline if gone is None else min(deadline, trio.current_time() + CLIENT_CHECK_S)
+            ):
                 return await conn.recv()
             if trio.current_time() >= deadline:
                 return None
@@ -563,7 +619,8 @@ class UpstreamResponse:
                     self._unchecked = 0
         except ProtocolError as exc:
             raise UpstreamError(
-                f"engine {self._base_url} broke off the response body: {exc}") from exc
+                f"engine {self._base_url} broke off the response body: {exc}"
+            ) from exc
 
     async def _receive(self, parser: ResponseParser) -> bool:
         """Feed the parser what the socket holds, waiting for it if need be; True if it
@@ -580,10 +637,12 @@ class UpstreamResponse:
                 if data is None:
                     raise UpstreamTimeoutError(
                         f"engine {self._base_url} was silent for {read_timeout:g} s "
-                        "mid-response (proxy.read_timeout_s)")
+                        "mid-response (proxy.read_timeout_s)"
+                    )
         except OSError as exc:
             raise UpstreamError(
-                f"engine {self._base_url} reset the connection mid-response: {exc}") from exc
+                f"engine {self._base_url} reset the connection mid-response: {exc}"
+            ) from exc
         if data:
             parser.feed(data)
         else:
@@ -591,8 +650,14 @@ class UpstreamResponse:
         return waited
 
 
-async def fetch(pool: UpstreamPool, base_url: str, target: bytes,
-                headers: list[tuple[bytes, bytes]], *, max_bytes: int) -> tuple[int, bytes]:
+async def fetch(
+    pool: UpstreamPool,
+    base_url: str,
+    target: bytes,
+    headers: list[tuple[bytes, bytes]],
+    *,
+    max_bytes: int,
+) -> tuple[int, bytes]:
     """GET `target` from the engine at `base_url` on `pool`: the status and the whole body.
 
     For the router's own small requests to an engine (health probes, metrics scrapes): the
@@ -606,8 +671,10 @@ async def fetch(pool: UpstreamPool, base_url: str, target: bytes,
         async for chunk in response:
             size += len(chunk)
             if size > max_bytes:
-                raise UpstreamError(f"engine {base_url} answered {target.decode()!r} with "
-                                    f"more than {max_bytes} bytes")
+                raise UpstreamError(
+                    f"engine {base_url} answered {target.decode()!r} with "
+                    f"more than {max_bytes} bytes"
+                )
             parts.append(chunk)
         return response.status, b"".join(parts)
 
@@ -661,8 +728,12 @@ class Relay:
     def __len__(self) -> int:
         return len(self._streams)
 
-    async def relay(self, response: UpstreamResponse, client: RelayTarget,
-                    client_gone: Callable[[], bool] | None = None) -> tuple[bytes, int]:
+    async def relay(
+        self,
+        response: UpstreamResponse,
+        client: RelayTarget,
+        client_gone: Callable[[], bool] | None = None,
+    ) -> tuple[bytes, int]:
         """Move the rest of `response`'s body (`response.relayable`) to `client`. Returns
         when the engine's last chunk has been read and everything before it written (the
         caller then ends its response, which writes the last chunk), with the end of what
@@ -683,8 +754,7 @@ class Relay:
             raise stream.error
         return stream.before_last[-4096:] + stream.last[-4096:], stream.sent
 
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
-                  ) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve every relayed stream until cancelled."""
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._check_forever)
@@ -755,8 +825,13 @@ class _Relayed:
         "write_deadline",
     )
 
-    def __init__(self, relay: Relay, response: UpstreamResponse, client: RelayTarget,
-                 client_gone: Callable[[], bool] | None) -> None:
+    def __init__(
+        self,
+        relay: Relay,
+        response: UpstreamResponse,
+        client: RelayTarget,
+        client_gone: Callable[[], bool] | None,
+    ) -> None:
         if response._conn is None or response._parser is None or not response.relayable:
             raise ValueError("relay() needs a chunked response whose body is not over")
         self._relay = relay
@@ -791,30 +866,39 @@ class _Relayed:
         except BlockingIOError:
             return
         except OSError as exc:
-            self._finish(UpstreamError(
-                f"engine {self._url} reset the connection mid-response: {exc}"))
+            self._finish(
+                UpstreamError(f"engine {self._url} reset the connection mid-response: {exc}")
+            )
             return
         if data:
             self._parser.feed(data)
             self.deadline = now + self._read_timeout
             self._forward(now)
         else:
-            self._finish(UpstreamError(
-                f"engine {self._url} broke off the response body: connection closed "
-                "before the end of the response body"))
+            self._finish(
+                UpstreamError(
+                    f"engine {self._url} broke off the response body: connection closed "
+                    "before the end of the response body"
+                )
+            )
 
     def check(self, now: float) -> None:
         """The periodic check: a client that left, an engine silent for too long."""
         if self._client_gone is not None and self._client_gone():
             self._finish(ClientGoneError())
         elif now >= self.write_deadline:
-            logger.info("a client took nothing of a relayed stream for %g s; dropping it",
-                        self._relay.write_timeout)
+            logger.info(
+                "a client took nothing of a relayed stream for %g s; dropping it",
+                self._relay.write_timeout,
+            )
             self._finish(ClientGoneError())
         elif now >= self.deadline:
-            self._finish(UpstreamTimeoutError(
-                f"engine {self._url} was silent for {self._read_timeout:g} s mid-response "
-                "(proxy.read_timeout_s)"))
+            self._finish(
+                UpstreamTimeoutError(
+                    f"engine {self._url} was silent for {self._read_timeout:g} s mid-response "
+                    "(proxy.read_timeout_s)"
+                )
+            )
 
     def _forward(self, now: float) -> None:
         try:
