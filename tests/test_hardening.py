@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import math
 import socket
 from typing import Any, Final
@@ -156,6 +157,56 @@ async def test_bodies_beyond_the_buffer_budget_get_503_with_retry_after() -> Non
                 await first.send_all(big[1000:])
                 answer = await receive_until(first, b"}}")
             assert answer.startswith(b"HTTP/1.1 200 ")
+
+
+class AccessRecords(logging.Handler):
+    """The access records the router writes, with a way to wait for the next one."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.fields: list[dict[str, Any]] = []
+        self._changed = trio.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.fields.append(record.fields)  # type: ignore[attr-defined]
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def wait_for(self, count: int) -> list[dict[str, Any]]:
+        while len(self.fields) < count:
+            await self._changed.wait()
+        return self.fields
+
+
+async def test_a_client_that_leaves_mid_body_gives_its_budget_back() -> None:
+    """A declared body takes its share of the budget at once; a client that disconnects
+    before sending all of it gives that share back (and the request is logged as 499), so
+    the next bodies fit."""
+    records = AccessRecords()
+    logger = logging.getLogger("trio_router.access")
+    logger.addHandler(records)
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        with trio.fail_after(LIMIT):
+            async with open_router(
+                [FakeEngine()], server={"max_body_bytes": 2000, "max_buffered_body_bytes": 2000}
+            ) as router:
+                for _ in range(3):  # each would leak 1,400 of the 2,000 bytes
+                    leaving = await open_raw(router.url)
+                    async with leaving:
+                        await leaving.send_all(
+                            b"POST /v1/chat/completions HTTP/1.1\r\nhost: r\r\n"
+                            b"content-length: 1400\r\n\r\n" + b"{" * 100
+                        )
+                        await trio.testing.wait_all_tasks_blocked()
+                left = await records.wait_for(3)
+                assert [r["status"] for r in left] == [499] * 3
+                response = await router.client.post(CHAT, json=chat(pad="z" * 1000))
+                assert response.status_code == 200
+    finally:
+        logger.removeHandler(records)
+        logger.setLevel(old_level)
 
 
 async def test_a_large_body_is_parsed_off_the_event_loop_and_served() -> None:

@@ -250,3 +250,27 @@ async def _post(url: str, headers: dict[str, str]) -> tuple[int, bytes]:
     async with httpx.AsyncClient(base_url=url) as client:
         response = await client.post(CHAT, json=chat(), headers=headers)
     return response.status_code, response.content
+
+
+async def test_attempt_spans_of_pod_named_engines(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Engines found through Kubernetes are named after their pods: the attempt span takes
+    the address from the engine's URL, and every attempt gives its engine slot back."""
+    engine = FakeEngine()
+    with trio.fail_after(LIMIT):
+        async with open_collector() as collector:
+            for name, value in otel_env(collector).items():
+                monkeypatch.setenv(name, value)
+            async with open_router([engine], tracing=TracingConfig(enabled=True)) as router:
+                (routed,) = router.table.routable("fake-model")
+                routed.name = "vllm-7c9f-abcde"
+                for _ in range(3):
+                    response = await router.client.post(CHAT, json=chat())
+                    assert response.status_code == 200
+                assert routed.in_flight == 0
+                spans = await collector.wait_for(6)
+    attempts = [s for s in spans if s.kind == 3]
+    host, port = router.engine_urls[0].removeprefix("http://").rsplit(":", 1)
+    assert {(a.attributes["server.address"], a.attributes["server.port"]) for a in attempts} == {
+        (host, int(port))
+    }
+    assert {a.attributes["trio_router.engine"] for a in attempts} == {"vllm-7c9f-abcde"}

@@ -6,7 +6,8 @@ needs, sent to one routable engine through the `UpstreamPool`, and the engine's 
 streamed back chunk by chunk. The only place a `RouterError` becomes an HTTP response is here.
 
 The hot path keeps to what it must do: one pass over the headers, one `json.loads`, one dict
-lookup per metric, precomputed header bytes, and no logging below WARNING.
+lookup per metric, precomputed header bytes, and one access record per request at INFO
+(`server.access_log`); other logging on it is at WARNING or debug level.
 """
 
 from __future__ import annotations
@@ -98,8 +99,8 @@ _END_BODY: Final[Message] = {"type": "http.response.body", "body": b"", "more_bo
 
 @dataclass(frozen=True, slots=True)
 class Settings:
-    """What a request reads from the config, precomputed. Swapped whole by `reconfigure`, so a
-    request keeps the settings it started with."""
+    """What a request reads from the config, precomputed (`runtime.build_runtime`). Swapped
+    whole on a reload, so a request keeps the settings it started with."""
 
     config: Config
     policy: Policy
@@ -276,62 +277,63 @@ class RouterApp:
         body: bytes | bytearray | None = None
         self._bodies.limit = settings.max_buffered_body_bytes
         held = _Held(self._bodies)
+        tenant: Tenant | None = None  # admitted: its admission is left at the end
+        status, engine_name = 0, NO_LABEL  # 0: no answer (cancelled: the drain deadline)
         try:
-            if chunked and content_length is not None:
-                # RFC 9112 §6.1: a request with both may be an attempt to smuggle another one.
-                raise BadRequestError(
-                    "a request must not have both Content-Length and Transfer-Encoding"
+            try:
+                if chunked and content_length is not None:
+                    # RFC 9112 §6.1: a request with both may be an attempt to smuggle another.
+                    raise BadRequestError(
+                        "a request must not have both Content-Length and Transfer-Encoding"
+                    )
+                if bad_header is not None:
+                    raise BadRequestError(
+                        f"header {bad_header.decode('latin-1')!r} has control characters in "
+                        "its value"
+                    )
+                caller = self._authenticate(settings, authorization)
+                note.tenant = caller.name
+                body = await _read_body(
+                    receive,
+                    content_length,
+                    settings.max_body_bytes,
+                    stall_s=settings.body_timeout,
+                    held=held,
                 )
-            if bad_header is not None:
-                raise BadRequestError(
-                    f"header {bad_header.decode('latin-1')!r} has control characters in its value"
+                if body is None:
+                    status = CLIENT_CLOSED  # the client left while sending
+                    return
+                if len(body) > LARGE_BODY_BYTES:  # parsed in a worker thread
+                    payload = await trio.to_thread.run_sync(
+                        partial(_parse_large, body, model_only=not settings.needs_request_info),
+                        limiter=self._parse_limiter,
+                    )
+                else:
+                    payload = _parse(body)
+                model = note.model = payload["model"]
+                candidates = self._table.routable(model)
+                if not candidates:
+                    error = self._missing_model(model)
+                    if isinstance(error, UnknownModelError):
+                        model = NO_LABEL  # clients choose unknown names: no label
+                    raise error
+                info = (
+                    request_info(payload, scope["headers"], settings.config.routing)
+                    if settings.needs_request_info
+                    else RequestInfo(model=model)
                 )
-            tenant = self._authenticate(settings, authorization)
-            note.tenant = tenant.name
-            body = await _read_body(
-                receive,
-                content_length,
-                settings.max_body_bytes,
-                stall_s=settings.body_timeout,
-                held=held,
-            )
-            if body is None:
-                return  # the client left while sending
-            if len(body) > LARGE_BODY_BYTES:  # parsed in a worker thread, off the event loop
-                payload = await trio.to_thread.run_sync(
-                    partial(_parse_large, body, model_only=not settings.needs_request_info),
-                    limiter=self._parse_limiter,
-                )
-            else:
-                payload = _parse(body)
-            model = note.model = payload["model"]
-            candidates = self._table.routable(model)
-            if not candidates:
-                error = self._missing_model(model)
-                if isinstance(error, UnknownModelError):
-                    model = NO_LABEL  # clients choose unknown names: no label
-                raise error
-            info = (
-                request_info(payload, scope["headers"], settings.config.routing)
-                if settings.needs_request_info
-                else RequestInfo(model=model)
-            )
-            self._admission.admit(tenant)
-        except RouterError as exc:
-            held.release()
-            # Answered before the body was read: the connection cannot carry another request.
-            await self._send_error(send, exc, request_id, close=body is None)
-            duration = trio.current_time() - started
-            self._metrics.observe_request(model, NO_LABEL, exc.status, duration)
-            note.status = exc.status
-            if settings.access_log and access_logger.isEnabledFor(logging.INFO):
-                _log_access(scope, settings.policy.name, duration, note)
-            return
+                self._admission.admit(caller)
+                tenant = caller
+            except RouterError as exc:
+                held.release()
+                status = exc.status
+                # Answered before the body was read: the connection cannot carry another one.
+                await self._send_error(send, exc, request_id, close=body is None)
+                return
 
-        target = scope["raw_path"]
-        if query := scope["query_string"]:
-            target += b"?" + query
-        try:
+            target = scope["raw_path"]
+            if query := scope["query_string"]:
+                target += b"?" + query
             status, engine_name = await self._forward(
                 settings,
                 send,
@@ -349,13 +351,17 @@ class RouterApp:
                 note,
             )
         finally:
+            # However the request ended: the body budget and the admission are given back,
+            # and the request is counted and logged once.
             held.release()
-            self._admission.leave(tenant)
-        duration = trio.current_time() - started
-        self._metrics.observe_request(model, engine_name, status, duration)
-        note.status, note.engine = status, engine_name
-        if settings.access_log and access_logger.isEnabledFor(logging.INFO):
-            _log_access(scope, settings.policy.name, duration, note)
+            if tenant is not None:
+                self._admission.leave(tenant)
+            duration = trio.current_time() - started
+            if status:
+                self._metrics.observe_request(model, engine_name, status, duration)
+            note.status, note.engine = status, engine_name
+            if settings.access_log and access_logger.isEnabledFor(logging.INFO):
+                _log_access(scope, settings.policy.name, duration, note)
 
     async def _forward(
         self,
@@ -437,11 +443,11 @@ class RouterApp:
             attempt: Span | None = None  # its client span, with tracing on
             failure: str | None = None
             sent_headers = headers
-            if note.span is not None and self._tracing is not None:
-                attempt, sent_headers = self._tracing.start_attempt(
-                    note.span, engine.name, note.attempts, target, headers
-                )
             try:
+                if note.span is not None and self._tracing is not None:
+                    attempt, sent_headers = self._tracing.start_attempt(
+                        note.span, engine.name, engine.url, note.attempts, target, headers
+                    )
                 async with pool.request(
                     engine.url, b"POST", target, sent_headers, body, client_gone=client_gone
                 ) as response:

@@ -97,14 +97,15 @@ def hypercorn_config(config: Config) -> hypercorn.config.Config:
 class Reloader:
     """Applies a re-read config to the running process (SIGHUP).
 
-    Live: [routing], [proxy], and [server] except `bind`: new requests use the new settings;
-    requests in flight keep the ones they started with (a new upstream pool replaces the old
-    one when a proxy timeout changes; the old one's exchanges finish on their connections).
-    A new `proxy.api_key_env` key also goes to the next probes and scrapes. [probe]: each
-    engine's next probe uses the new settings. [stats]: every engine's supervisor restarts
-    with the new scraper settings (routing state kept). `server.bind` and [discovery] need a
-    restart: logged and ignored. A file that does not load, or names an unset API key
-    variable, changes nothing.
+    Live: [routing], [proxy], [admission], [[tenants]] and [server] except the keys in
+    SERVER_RESTART_KEYS: new requests use the new settings (`build_runtime`); requests in
+    flight keep the ones they started with (a new upstream pool replaces the old one when a
+    proxy timeout changes; the old one's exchanges finish on their connections). A new
+    `proxy.api_key_env` key also goes to the next probes and scrapes. [probe]: each engine's
+    next probe uses the new settings. [stats]: every engine's supervisor restarts with the
+    new scraper settings (routing state kept). SERVER_RESTART_KEYS and RESTART_SECTIONS
+    ([discovery], [tracing]) need a restart: logged and ignored. A file that does not load,
+    or names an unset key variable, changes nothing.
     """
 
     def __init__(

@@ -20,6 +20,7 @@ import logging
 import os
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Final
+from urllib.parse import urlsplit
 
 from .config import TracingConfig
 from .errors import ConfigError
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME: Final = "trio-router"
-EXPORTERS: Final = ("otlp", "console")
+EXPORTERS: Final = ("otlp", "console", "none")
 PROTOCOL: Final = "http/protobuf"
 # Trace context headers the client sent: replaced by the router's own in engine requests.
 CONTEXT_HEADERS: Final = frozenset({b"traceparent", b"tracestate", b"baggage"})
@@ -119,14 +120,17 @@ class Tracing:
         self,
         parent: Span,
         engine: str,
+        url: str,
         attempt: int,
         target: bytes,
         headers: Iterable[tuple[bytes, bytes]],
     ) -> tuple[Span, list[tuple[bytes, bytes]]]:
-        """A client span for one engine attempt (the `attempt`th), and the request headers
-        for it: the client's trace context headers replaced by this span's."""
+        """A client span for one attempt (the `attempt`th) at the engine named `engine`
+        (its pod name, or host:port) at base `url`, and the request headers for it: the
+        client's trace context headers replaced by this span's."""
         path = target.partition(b"?")[0].decode("latin-1")
-        host, _, port = engine.rpartition(":")
+        parts = urlsplit(url)
+        host, port = parts.hostname or "", parts.port or 80
         span = self._tracer.start_span(
             f"POST {path}",
             context=self._in_context(parent),
@@ -135,7 +139,7 @@ class Tracing:
                 "http.request.method": "POST",
                 "url.path": path,
                 "server.address": host,
-                "server.port": int(port) if port else 80,
+                "server.port": port,
                 "trio_router.engine": engine,
                 "trio_router.attempt": attempt,
             },
@@ -170,6 +174,9 @@ def open_tracing(config: TracingConfig) -> Tracing | None:
     if not config.enabled:
         return None
     check_environment(config)
+    if os.environ.get("OTEL_TRACES_EXPORTER", "").strip() == "none":
+        logger.info("[tracing] is enabled but OTEL_TRACES_EXPORTER=none: no spans")
+        return None
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import (
