@@ -266,7 +266,7 @@ async def run(
     table = table if table is not None else RoutingTable()
     hconfig = hypercorn_config(config)
     runtime = build_runtime(config, table)
-    app: RouterApp | None = None
+    reloader: Reloader | None = None
     prober = Prober(timeout=config.probe.timeout_s, api_key=runtime.engine_key)
     source: KubernetesPodSource | None = None
 
@@ -347,7 +347,6 @@ async def run(
             )
             stop = trio.Event()
             if handle_signals:
-                reloader = None
                 if load is not None:
                     reloader = Reloader(
                         load,
@@ -378,7 +377,9 @@ async def run(
             nursery.cancel_scope.cancel(reason="server stopped")
     finally:
         with trio.CancelScope(shield=True):
-            await (app.settings.pool if app is not None else runtime.pool).aclose()
+            current = reloader.runtime if reloader is not None else runtime
+            current.unsubscribe()  # the table may outlive this run (a caller's)
+            await current.pool.aclose()
             if source is not None:
                 # An abandoned watch thread holds the source's limiter until it has ended.
                 with trio.move_on_after(THREAD_EXIT_S) as waited:
