@@ -34,14 +34,12 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import re
 import signal
 import subprocess
 import sys
 import tempfile
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
@@ -49,9 +47,12 @@ from typing import Final
 import httpx
 import trio
 
-from trio_router.testing import FakeEngine, serve_fake_engine
-
 REPO: Final = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+
+from test_main import Output, open_process  # noqa: E402
+from trio_router.testing import FakeEngine, open_fake_engines  # noqa: E402
+
 ENGINES: Final = 4
 REPLICAS: Final = 2
 MODEL: Final = "fake-model"
@@ -96,97 +97,22 @@ WORDS: Final = (
 )
 
 
-class Output:
-    """Everything a child writes to one pipe, read continuously (the pipe never fills)."""
-
-    def __init__(self) -> None:
-        self.text = ""
-        self.closed = False
-        self._changed = trio.Event()
-
-    async def pump(self, stream: trio.abc.ReceiveStream) -> None:
-        async with stream:
-            while data := await stream.receive_some():
-                self.text += data.decode(errors="replace")
-                self._changed.set()
-                self._changed = trio.Event()
-        self.closed = True
-        self._changed.set()
-
-    async def wait_for(self, pattern: str, count: int = 1) -> list[re.Match[str]]:
-        """Block until `pattern` has occurred `count` times; the first `count` matches."""
-        while len(matches := list(re.finditer(pattern, self.text))) < count:
-            if self.closed:
-                raise RuntimeError(f"router output ended without {pattern!r}:\n{self.text}")
-            await self._changed.wait()
-        return matches[:count]
-
-
 @dataclass
 class Replica:
     process: trio.Process
     stderr: Output
-    url: str = ""
+    url: str
 
 
-@asynccontextmanager
-async def open_replicas(
-    config: Path, env: dict[str, str]
-) -> AsyncIterator[Callable[[], Awaitable[Replica]]]:
-    """`start()`, which runs one more router process on `config` and returns it once it
-    listens and every engine is routable. Every process still running at the end of the block
-    is killed."""
-    processes: list[trio.Process] = []
-    async with trio.open_nursery() as nursery:
-
-        async def start() -> Replica:
-            replica = Replica(
-                await trio.lowlevel.open_process(
-                    [
-                        sys.executable,
-                        "-m",
-                        "trio_router",
-                        "--config",
-                        str(config),
-                        "--log-level",
-                        "info",
-                    ],
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.PIPE,
-                    cwd=REPO,
-                    env=env,
-                ),
-                Output(),
-            )
-            processes.append(replica.process)
-            assert replica.process.stderr is not None
-            nursery.start_soon(replica.stderr.pump, replica.process.stderr)
-            replica.url = (await replica.stderr.wait_for(r"Running on (http://\S+)"))[0].group(1)
-            await replica.stderr.wait_for(r"is routable", ENGINES)
-            return replica
-
-        try:
-            yield start
-        finally:
-            for process in processes:
-                if process.returncode is None:
-                    process.kill()
-            with trio.CancelScope(shield=True):
-                for process in processes:
-                    await process.wait()
-
-
-@asynccontextmanager
-async def open_engines(engines: list[FakeEngine], port: int) -> AsyncIterator[list[str]]:
-    """`engines` served on 127.0.1.1, 127.0.1.2, ..., each on `port`; their URLs."""
-    async with trio.open_nursery() as nursery:
-        urls = [
-            await nursery.start(serve_fake_engine, engine, f"127.0.1.{i + 1}", port)
-            for i, engine in enumerate(engines)
-        ]
-        yield urls
-        nursery.cancel_scope.cancel()
+async def start_replica(stack: AsyncExitStack, config: Path, env: dict[str, str]) -> Replica:
+    """One more router process on `config`, once it listens and every engine is routable;
+    `stack` kills it, if it still runs, when it closes."""
+    process, _, stderr = await stack.enter_async_context(
+        open_process("--config", str(config), "--log-level", "info", env=env)
+    )
+    url = (await stderr.wait_for(r"Running on (http://\S+)")).group(1)
+    await stderr.wait_for(rf"(?:[\s\S]*?is routable){{{ENGINES}}}")
+    return Replica(process, stderr, url)
 
 
 def write_config(path: Path, engine_urls: list[str]) -> Path:
@@ -319,26 +245,19 @@ async def bench(args: argparse.Namespace, env: dict[str, str]) -> Run:
     began = trio.current_time()
     with tempfile.TemporaryDirectory() as tmp, trio.fail_after(args.limit):
         async with (
-            open_engines(engines, args.engine_port) as urls,
-            open_replicas(write_config(Path(tmp) / "router.toml", urls), env) as start,
+            open_fake_engines(engines, port=args.engine_port) as urls,
+            AsyncExitStack() as stack,
             httpx.AsyncClient(timeout=10.0) as client,
         ):
-            started: dict[int, Replica] = {}
-
-            async def start_at(i: int) -> None:
-                started[i] = await start()
-
-            async with trio.open_nursery() as nursery:  # all at once
-                for i in range(REPLICAS):
-                    nursery.start_soon(start_at, i)
-            replicas = [started[i] for i in range(REPLICAS)]
+            config = write_config(Path(tmp) / "router.toml", urls)
+            replicas = [await start_replica(stack, config, env) for _ in range(REPLICAS)]
             for k in range(args.turns):
                 await run_turn(client, replicas[k % REPLICAS], conversations)
             turns = [list(c.engines) for c in conversations]
             replicas[0].process.send_signal(signal.SIGTERM)
             with trio.fail_after(10):
                 exit_code = await replicas[0].process.wait()
-            replicas[0] = await start()
+            replicas[0] = await start_replica(stack, config, env)
             after = await run_turn(client, replicas[0], conversations)
     return Run(
         [u.removeprefix("http://") for u in urls],

@@ -21,7 +21,7 @@ from trio_router.policy import (
     Policy,
     RequestInfo,
     make_policy,
-    render_prompt,
+    render_opening,
     request_info,
 )
 from trio_router.runtime import build_runtime
@@ -129,18 +129,23 @@ def test_every_turn_of_a_conversation_has_the_same_opening() -> None:
     assert session.opening is None  # read only for prefix_aware
     parts = [{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": "u"}}]
     body = {"model": MODEL, "messages": [{"role": "user", "content": parts}]}
-    assert render_prompt(body, limit=1000) == "user\x1flook<image_url:u>\x1e"
+    assert render_opening(body, limit=1000, text_limit=10) == "user\x1flook<image_url:u>\x1e"
 
 
-def test_rendered_prompt_forms_and_bound() -> None:
-    assert render_prompt({"prompt": "abc"}, limit=10) == "abc"
-    assert render_prompt({"prompt": [1, 2, 3]}, limit=10) == "1,2,3"
-    assert render_prompt({"prompt": ["a", "b"]}, limit=10) == "a\x1eb\x1e"
-    assert render_prompt({"prompt": "x" * 100}, limit=10) == "x" * 10
-    long_chat = {"messages": [{"role": "user", "content": "y" * 50}] * 1000}
-    assert len(render_prompt(long_chat, limit=120) or "") == 120
-    assert render_prompt({"prompt": None}, limit=10) is None
-    assert render_prompt({"messages": "nonsense"}, limit=10) is None
+def test_rendered_openings_forms_and_bounds() -> None:
+    def opening(body: dict[str, Any], limit: int = 10) -> str | None:
+        return render_opening(body, limit=1000, text_limit=limit)
+
+    assert opening({"prompt": "abc"}) == "abc"
+    assert opening({"prompt": [1, 2, 3]}) == "1,2,3"
+    assert opening({"prompt": ["a", "b"]}) == "a\x1eb\x1e"
+    assert opening({"prompt": "x" * 100}) == "x" * 10
+    assert opening({"prompt": list(range(100))}) == "0,1,2,3,4,"
+    long_header = {"messages": [{"role": "system", "content": "y" * 50}] * 1000}
+    assert len(render_opening(long_header, limit=120, text_limit=10) or "") == 120
+    assert opening({"prompt": None}) is None
+    assert opening({"prompt": ""}) == ""  # a key like any other
+    assert opening({"messages": "nonsense"}) is None
 
 
 # -- round robin -------------------------------------------------------------------------------

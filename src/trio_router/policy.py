@@ -124,7 +124,7 @@ def render_opening(body: Mapping[str, Any], *, limit: int, text_limit: int) -> s
     differ in their first user message. None when the body has neither."""
     messages = body.get("messages")
     if not isinstance(messages, list):
-        return render_prompt(body, limit=text_limit)
+        return _render_text_prompt(body.get("prompt"), text_limit)
     parts: list[str] = []
     size = 0
     for message in messages:
@@ -135,29 +135,6 @@ def render_opening(body: Mapping[str, Any], *, limit: int, text_limit: int) -> s
             if size >= limit or message.get("role") not in _HEADER_ROLES:
                 break
     return "".join(parts)[:limit] if parts else None
-
-
-def render_prompt(body: Mapping[str, Any], *, limit: int) -> str | None:
-    """The request's prompt as one string, at most `limit` characters: chat `messages` rendered
-    in order (role, text parts, tool calls), else `prompt` (text, texts or token ids). A later
-    turn of a conversation renders to an extension of the earlier turn's rendering, which is
-    what prefix affinity needs. None when the body has neither."""
-    parts: list[str] = []
-    messages = body.get("messages")
-    if isinstance(messages, list):
-        size = 0
-        for message in messages:
-            if isinstance(message, dict):
-                text = _render_message(message)
-                parts.append(text)
-                size += len(text)
-                if size >= limit:
-                    break
-    else:
-        _render_prompt_value(body.get("prompt"), parts, limit)
-    if not parts:
-        return None
-    return "".join(parts)[:limit]
 
 
 def _render_message(message: Mapping[str, Any]) -> str:
@@ -192,27 +169,31 @@ def _render_message(message: Mapping[str, Any]) -> str:
     return "".join(pieces)
 
 
-def _render_prompt_value(prompt: Any, parts: list[str], limit: int) -> None:
+def _render_text_prompt(prompt: Any, limit: int) -> str | None:
+    """A completions `prompt` (text, texts, or token ids) as one string of at most `limit`
+    characters; None when there is none."""
     if isinstance(prompt, str):
-        parts.append(prompt[:limit])
-    elif isinstance(prompt, list) and prompt:
-        items = prompt[:limit]
-        if all(isinstance(t, int) for t in items):  # token ids
-            parts.append(",".join(map(str, items)))
-            return
-        size = 0  # a batch: texts or token-id lists, each followed by a separator
-        for item in items:
-            text = (
-                item[:limit]
-                if isinstance(item, str)
-                else ",".join(map(str, item[:limit]))
-                if isinstance(item, list)
-                else ""
-            )
-            parts += (text, _MESSAGE_SEP)
-            size += len(text) + 1
-            if size >= limit:
-                break
+        return prompt[:limit]
+    if not isinstance(prompt, list) or not prompt:
+        return None
+    items = prompt[:limit]
+    if all(isinstance(t, int) for t in items):  # token ids
+        return ",".join(map(str, items))[:limit]
+    parts: list[str] = []  # a batch: texts or token-id lists, each followed by a separator
+    size = 0
+    for item in items:
+        text = (
+            item[:limit]
+            if isinstance(item, str)
+            else ",".join(map(str, item[:limit]))
+            if isinstance(item, list)
+            else ""
+        )
+        parts += (text, _MESSAGE_SEP)
+        size += len(text) + 1
+        if size >= limit:
+            break
+    return "".join(parts)[:limit]
 
 
 # -- load ------------------------------------------------------------------------------------

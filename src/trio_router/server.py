@@ -361,8 +361,7 @@ async def run(
                     )
                 await nursery.start(_handle_signals, stop, reloader, config, nursery.cancel_scope)
             asgi: Any = app  # plain-dict ASGI typing, not hypercorn's TypedDicts
-            served = app
-            nursery.start_soon(_sweep_pool, lambda: served.settings.pool)
+            nursery.start_soon(_sweep_pool, lambda: app.settings.pool)
             await nursery.start(admission.run)
             await connection.serve(
                 asgi,
@@ -370,7 +369,7 @@ async def run(
                 shutdown_trigger=stop.wait,
                 max_connections=config.server.max_connections,
                 write_timeout=config.server.write_timeout_s,
-                drain_s=lambda: served.settings.config.server.drain_s,
+                drain_s=lambda: app.settings.config.server.drain_s,
                 task_status=task_status,
             )
             logger.info("server stopped; stopping discovery and probes")

@@ -828,10 +828,10 @@ async def serve_fake_engine(
 
 @asynccontextmanager
 async def open_fake_engines(
-    engines: Sequence[FakeEngine], *, hosts: Iterable[str] | None = None
+    engines: Sequence[FakeEngine], *, hosts: Iterable[str] | None = None, port: int = 0
 ) -> AsyncIterator[list[str]]:
-    """Serve several fake engines, by default on 127.0.1.1, 127.0.1.2, ... (port 0), and
-    yield their URLs in order. Leaving the block stops them all."""
+    """Serve several fake engines, by default on 127.0.1.1, 127.0.1.2, ..., each on `port`
+    (0: an ephemeral one), and yield their URLs in order. Leaving the block stops them all."""
     host_list = (
         list(hosts) if hosts is not None else [f"127.0.1.{i + 1}" for i in range(len(engines))]
     )
@@ -839,7 +839,7 @@ async def open_fake_engines(
         raise ValueError(f"{len(engines)} engines but only {len(host_list)} hosts")
     async with trio.open_nursery() as nursery:
         urls = [
-            await nursery.start(serve_fake_engine, engine, host)
+            await nursery.start(serve_fake_engine, engine, host, port)
             for engine, host in zip(engines, host_list, strict=False)
         ]
         yield urls
