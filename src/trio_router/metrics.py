@@ -154,6 +154,7 @@ class Metrics:
             registry=self.registry,
         )
         self._decisions: dict[tuple[str, str, str], Any] = {}
+        self._token_children: dict[str, tuple[Any, Any]] = {}
         self._tokens = Counter(
             "trio_router_tokens",
             "Tokens of answered requests, by model and kind (prompt, "
@@ -204,8 +205,15 @@ class Metrics:
         child.inc()
 
     def tokens(self, model: str, prompt: int, completion: int) -> None:
-        self._tokens.labels(model, "prompt").inc(prompt)
-        self._tokens.labels(model, "completion").inc(completion)
+        """Count the tokens of one answered request (its series looked up once per model)."""
+        pair = self._token_children.get(model)
+        if pair is None:
+            pair = self._token_children[model] = (
+                self._tokens.labels(model, "prompt"),
+                self._tokens.labels(model, "completion"),
+            )
+        pair[0].inc(prompt)
+        pair[1].inc(completion)
 
     def engine_unreachable(self, engine: str) -> None:
         self._unreachable.labels(engine).inc()
