@@ -346,11 +346,26 @@ async def test_model_routing_including_lora_adapters() -> None:
                 assert router.engine_named(response.headers["x-trio-router-engine"]) is engine
                 assert engine.requests_to(CHAT)[-1].json()["model"] == model
             models = (await router.client.get("/v1/models")).json()
+            listed = {m["id"]: m for e in (llama, mistral) for m in e.models_payload()["data"]}
     assert models["object"] == "list"
     by_id = {m["id"]: m for m in models["data"]}
     assert sorted(by_id) == ["llama", "mistral", "sql-lora"]
     assert by_id["sql-lora"]["parent"] == "llama"
+    # Each card as its engine listed it: every field (vLLM's permission list too) kept.
+    for card in by_id.values():
+        assert card.keys() == listed[card["id"]].keys()
+        assert card["permission"][0]["object"] == "model_permission"
+        assert undated(card) == undated(listed[card["id"]])
     assert len(llama.requests_to(CHAT)) == 3 and len(mistral.requests_to(CHAT)) == 1
+
+
+def undated(value: Any) -> Any:
+    """`value` without its "created" fields (vLLM stamps a listing with its own time)."""
+    if isinstance(value, dict):
+        return {k: undated(v) for k, v in value.items() if k != "created"}
+    if isinstance(value, list):
+        return [undated(v) for v in value]
+    return value
 
 
 async def test_round_robin_spreads_requests_over_engines() -> None:

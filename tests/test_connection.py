@@ -61,6 +61,16 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         )
         await send({"type": "http.response.body", "body": body})
         return
+    if path.startswith("/status/"):
+        await send(
+            {
+                "type": "http.response.start",
+                "status": int(path.removeprefix("/status/")),
+                "headers": [(b"content-length", b"0")],
+            }
+        )
+        await send({"type": "http.response.body", "body": b""})
+        return
     if path.startswith("/sleep/"):
         await trio.sleep(float(path.removeprefix("/sleep/")))
     if path == "/big":
@@ -219,6 +229,25 @@ async def idle_and_busy(
     await read_response(idle)
     await request(busy, f"/sleep/{busy_for:g}")
     return idle, busy
+
+
+# -- the status line ------------------------------------------------------------------------
+async def test_status_lines_carry_their_reason_phrase() -> None:
+    """As vLLM's server writes them (Hypercorn alone writes `HTTP/1.1 200 `); a status with no
+    registered phrase keeps an empty one."""
+    async with serve() as served:
+        client = await served.connect()
+        heads = []
+        for path in ("/", "/status/404", "/status/503", "/status/599", "/stream/1"):
+            await request(client, path)
+            heads.append((await read_response(client))[0].split(b"\r\n", 1)[0])
+    assert heads == [
+        b"HTTP/1.1 200 OK",
+        b"HTTP/1.1 404 Not Found",
+        b"HTTP/1.1 503 Service Unavailable",
+        b"HTTP/1.1 599 ",
+        b"HTTP/1.1 200 OK",
+    ]
 
 
 # -- keep-alive -----------------------------------------------------------------------------

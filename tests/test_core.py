@@ -15,7 +15,7 @@ import trio.testing
 from core_fakes import FakeEngines, added, deleted, make_pod, modified, open_core
 from trio_router.config import ProbeConfig
 from trio_router.health import ProbeFailed, Prober, parse_models
-from trio_router.table import EngineState, Model, RoutingTable
+from trio_router.table import Engine, EngineState, Model, RoutingTable
 from trio_router.upstream import UpstreamPool
 
 
@@ -418,3 +418,28 @@ async def test_healthy_engines_are_never_ejected_because_others_hang(
             assert healthy.routable and healthy.consecutive_failures == 0, healthy.reason
         assert engines.probes["127.0.1.1"] >= 10
         assert max(engines.probes[ip] for ip in hanging) >= 3  # the others are still probed
+
+
+def test_a_relisting_that_only_restamps_its_cards_changes_nothing() -> None:
+    """vLLM stamps every /v1/models listing with the time of the request: a re-probe that finds
+    the same models must not count as a change of the table (every cache keyed on its version
+    would be rebuilt on every probe of every engine)."""
+    table = RoutingTable()
+    table.put(Engine(uid="u", name="e", url="http://127.0.1.1:8000"))
+
+    def listing(created: int, *ids: str) -> list[Model]:
+        cards = [{"id": i, "object": "model", "created": created, "permission": []} for i in ids]
+        return parse_models({"object": "list", "data": cards})
+
+    assert table.mark_routable("u", 0, listing(1, "m"), now=0.0)
+    version = table.version
+    assert table.mark_routable("u", 0, listing(2, "m"), now=1.0)
+    assert table.version == version
+    assert table.models()[0].as_openai() == {
+        "id": "m",
+        "object": "model",
+        "created": 1,
+        "permission": [],
+    }  # the card as the engine first listed it
+    assert table.mark_routable("u", 0, listing(3, "m", "lora"), now=2.0)
+    assert table.version > version

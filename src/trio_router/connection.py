@@ -28,13 +28,16 @@ import os
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
 from functools import partial
-from typing import Any
+from http import HTTPStatus
+from typing import Any, Final
 
+import h11
 import hypercorn.config
 import hypercorn.trio
 import trio
 from hypercorn.app_wrappers import ASGIWrapper
 from hypercorn.events import Closed, Event, RawData
+from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio.lifespan import Lifespan
 from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
 from hypercorn.trio.worker_context import TrioSingleTask, WorkerContext
@@ -103,6 +106,22 @@ def disconnect_check(receive: Callable[[], Awaitable[dict[str, Any]]]) -> Callab
         return left
 
     return gone
+
+
+_PHRASES: Final = {status.value: status.phrase.encode() for status in HTTPStatus}
+
+
+class PhrasedH11Protocol(H11Protocol):
+    """Hypercorn's HTTP/1.1 protocol, with the reason phrase in the status line
+    (`HTTP/1.1 200 OK`, as vLLM's server sends it: Hypercorn writes `HTTP/1.1 200 `, which
+    some clients and log parsers take for a malformed line). HTTP/2 has no reason phrase."""
+
+    async def _send_h11_event(self, event: Any) -> None:
+        if type(event) is h11.Response and not event.reason:
+            # h11's events are frozen dataclasses; building a new one would check every
+            # header again.
+            object.__setattr__(event, "reason", _PHRASES.get(event.status_code, b""))
+        await super()._send_h11_event(event)
 
 
 class KeepAliveTimer(TrioSingleTask):
@@ -175,7 +194,8 @@ class KeepAliveConnection(TCPServer):
       reading) closes the connection, and a write can be cancelled (the drain deadline at
       shutdown): Hypercorn shields its writes, so a client that never reads held a shutdown
       for as long as it stayed connected;
-    - reads have no timeout scope when `read_timeout` is unset (Hypercorn's default, ours).
+    - reads have no timeout scope when `read_timeout` is unset (Hypercorn's default, ours);
+    - HTTP/1.1 status lines carry their reason phrase (`PhrasedH11Protocol`).
 
     The timer ends with the connection, where Hypercorn's outlived a connection the client
     closed until the keep-alive timeout. `slots`, if given, is released when the connection
@@ -265,6 +285,10 @@ class KeepAliveConnection(TCPServer):
                 sock.close()  # synchronous: also when cancelled
 
     async def _read_data(self) -> None:
+        # Called once the connection's protocol exists and before any request is read.
+        protocol = self.protocol.protocol
+        if type(protocol) is H11Protocol:
+            protocol.__class__ = PhrasedH11Protocol
         try:
             if self.config.read_timeout is not None:
                 await super()._read_data()
@@ -285,7 +309,11 @@ class KeepAliveConnection(TCPServer):
 
 def _checked() -> bool:
     """This Hypercorn is one the connection class was written for (0.17, 0.18)."""
-    if not hasattr(TCPServer, "_initiate_server_close") or not hasattr(TCPServer, "_close"):
+    if (
+        not hasattr(TCPServer, "_initiate_server_close")
+        or not hasattr(TCPServer, "_close")
+        or not hasattr(H11Protocol, "_send_h11_event")
+    ):
         logger.warning(
             "this Hypercorn (%s) is not the one trio_router's connection class "
             "was written for; serving with Hypercorn's own",

@@ -69,6 +69,7 @@ def parse_models(payload: Any) -> list[Model]:
                 owned_by=str(item.get("owned_by") or "vllm"),
                 max_model_len=max_len if isinstance(max_len, int) else None,
                 created=created if isinstance(created, int) else 0,
+                card=item,
             )
         )
     if not models:

@@ -57,16 +57,23 @@ class PodEvent:
 
 @dataclass(frozen=True, slots=True)
 class Model:
-    """One entry of an engine's /v1/models: a base model or a LoRA adapter (with `parent`)."""
+    """One entry of an engine's /v1/models: a base model or a LoRA adapter (with `parent`).
+    `card` is the entry as the engine listed it, every field kept (vLLM's `permission`,
+    fields of later releases): GET /v1/models answers with it. Neither it nor `created`
+    (vLLM stamps each listing with the time of the request) tells two entries apart, so a
+    re-probe that finds the same models changes nothing."""
 
     id: str
     parent: str | None = None
     root: str | None = None
     owned_by: str = "vllm"
     max_model_len: int | None = None
-    created: int = 0
+    created: int = field(default=0, compare=False)
+    card: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def as_openai(self) -> dict[str, Any]:
+        if self.card:
+            return self.card
         out: dict[str, Any] = {
             "id": self.id,
             "object": "model",

@@ -32,7 +32,7 @@ import hypercorn.config
 import hypercorn.trio
 import trio
 
-from .asgi import Message, Receive, Scope, Send, answer_lifespan
+from ..asgi import Message, Receive, Scope, Send, answer_lifespan
 
 __all__ = [
     "FakeEngine",
@@ -169,34 +169,39 @@ class FakeEngine:
 
     # -- bodies ----------------------------------------------------------------------------
     def models_payload(self) -> dict[str, Any]:
-        """GET /v1/models as vLLM answers it; adapters carry their `parent`."""
-        created = 1_700_000_000
-        data: list[dict[str, Any]] = [
-            {
-                "id": m,
+        """GET /v1/models as vLLM answers it: adapters carry their `parent`, every card a
+        `permission` list, and `created` is the time of the listing."""
+        created = int(time.time())
+
+        def card(model_id: str, root: str, parent: str | None, max_len: int | None) -> Any:
+            return {
+                "id": model_id,
                 "object": "model",
                 "created": created,
                 "owned_by": "vllm",
-                "root": m,
-                "parent": None,
-                "max_model_len": self.max_model_len,
-                "permission": [],
-            }
-            for m in self.models
-        ]
-        data += [
-            {
-                "id": a,
-                "object": "model",
-                "created": created,
-                "owned_by": "vllm",
-                "root": f"/adapters/{a}",
+                "root": root,
                 "parent": parent,
-                "max_model_len": None,
-                "permission": [],
+                "max_model_len": max_len,
+                "permission": [
+                    {
+                        "id": f"modelperm-{zlib.crc32(model_id.encode()):08x}",
+                        "object": "model_permission",
+                        "created": created,
+                        "allow_create_engine": False,
+                        "allow_sampling": True,
+                        "allow_logprobs": True,
+                        "allow_search_indices": False,
+                        "allow_view": True,
+                        "allow_fine_tuning": False,
+                        "organization": "*",
+                        "group": None,
+                        "is_blocking": False,
+                    }
+                ],
             }
-            for a, parent in self.adapters.items()
-        ]
+
+        data = [card(m, m, None, self.max_model_len) for m in self.models]
+        data += [card(a, f"/adapters/{a}", parent, None) for a, parent in self.adapters.items()]
         return {"object": "list", "data": data}
 
     def metrics_text(self) -> str:

@@ -1,0 +1,421 @@
+"""The real-engine tier: trio_router in front of real vLLM engines (vLLM's CPU build, the tiny
+local model of `trio_router.testing.vllm_engines`), in static mode and in Kubernetes mode over
+the wire-level fake API server.
+
+What is asserted is behaviour — what reached the engine, what the client received, what the
+engine counted — never timing beyond generous bounds: on 2 cores a generating engine can take
+both for seconds (see the README's real-engine tier). Every wait is on an answer or an event,
+bounded by `LIMIT`; the engine's own state (its `/metrics`) is an external process's, which
+tells no one when it changes, so it is asked again every `POLL_S` until a deadline.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+from functools import partial
+from pathlib import Path
+from typing import Any, Final
+
+import httpx
+import pytest
+import trio
+
+from fake_apiserver import FakeApiServer
+from test_app import router_config, undated
+from trio_router import server
+from trio_router.config import (
+    Config,
+    DiscoveryConfig,
+    KubernetesConfig,
+    ProbeConfig,
+    ServerConfig,
+    StatsConfig,
+)
+from trio_router.stats import parse_vllm_metrics
+from trio_router.table import RoutingTable
+from trio_router.testing.vllm_engines import MODEL_NAME, EngineProcess
+
+pytestmark = pytest.mark.real_vllm
+
+LIMIT: Final = 120.0  # seconds: bounds a hang; a machine busy with two engines is slow
+POLL_S: Final = 0.05  # how often an engine's own /metrics is asked again
+CHAT: Final = "/v1/chat/completions"
+LONG: Final = 1500  # tokens of an answer long enough to be still running seconds later
+
+
+def messages(text: str = "say a few words") -> list[dict[str, str]]:
+    return [{"role": "system", "content": "you are a test"}, {"role": "user", "content": text}]
+
+
+@asynccontextmanager
+async def open_router(config: Config, engines: int) -> AsyncIterator[tuple[str, RoutingTable]]:
+    """`server.run(config)` on 127.0.0.1; yields (url, table) once `engines` serve the model."""
+    table = RoutingTable()
+    async with trio.open_nursery() as nursery:
+        (url,) = await nursery.start(partial(server.run, config, table=table, handle_signals=False))
+        while len(table.routable(MODEL_NAME)) < engines:
+            await table.wait_changed()
+        yield url, table
+        nursery.cancel_scope.cancel()
+
+
+def static(engines: Sequence[EngineProcess], **sections: Any) -> Config:
+    return router_config([e.url for e in engines], **sections)
+
+
+async def engine_gauges(client: httpx.AsyncClient, engine: EngineProcess) -> dict[str, float]:
+    return parse_vllm_metrics((await client.get(f"{engine.url}/metrics")).content)
+
+
+async def poll(check: Callable[[], Awaitable[bool]], *, within: float, what: str) -> float:
+    """Seconds until `check()` is true, asked every POLL_S; fails after `within`. Only for
+    state of another process (an engine's /metrics, or what the router scraped from it on its
+    own schedule), which no event announces."""
+    started = trio.current_time()
+    with trio.move_on_after(within):
+        while True:
+            if await check():
+                return trio.current_time() - started
+            await trio.sleep(POLL_S)
+    raise AssertionError(f"not within {within} s: {what}")
+
+
+async def wait_running(
+    client: httpx.AsyncClient, engine: EngineProcess, want: int, *, within: float
+) -> float:
+    """Seconds until `engine` reports `want` requests running; fails after `within`."""
+
+    async def check() -> bool:
+        return (await engine_gauges(client, engine)).get("running") == want
+
+    return await poll(check, within=within, what=f"{engine.url} reports {want} running")
+
+
+async def read_head(stream: trio.SocketStream) -> tuple[bytes, bytes]:
+    """The head of a response on a raw connection, and what came after it."""
+    buffer = b""
+    while b"\r\n\r\n" not in buffer:
+        data = await stream.receive_some()
+        assert data, f"closed in the head: {buffer!r}"
+        buffer += data
+    head, _, rest = buffer.partition(b"\r\n\r\n")
+    return head, rest
+
+
+async def read_chunks(stream: trio.SocketStream, rest: bytes) -> list[bytes]:
+    """The chunks of a chunked body, as framed on the wire (the last, empty one excluded)."""
+    chunks: list[bytes] = []
+    while True:
+        while b"\r\n" not in rest:
+            data = await stream.receive_some()
+            assert data, "closed in the body"
+            rest += data
+        size_line, _, rest = rest.partition(b"\r\n")
+        size = int(size_line.split(b";")[0], 16)
+        while len(rest) < size + 2:
+            data = await stream.receive_some()
+            assert data, "closed in the body"
+            rest += data
+        if not size:
+            return chunks
+        chunks.append(rest[:size])
+        rest = rest[size + 2 :]
+
+
+async def post_raw(url: str, path: str, body: dict[str, Any]) -> trio.SocketStream:
+    """A raw HTTP/1.1 connection to `url` with `body` POSTed on it: a client that can leave
+    at any moment (by closing it)."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    data = json.dumps(body).encode()
+    stream = await trio.open_tcp_stream(host, int(port))
+    await stream.send_all(
+        f"POST {path} HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
+    return stream
+
+
+async def raw_stream(url: str, path: str, body: dict[str, Any]) -> tuple[bytes, list[bytes]]:
+    """POST `body` on a raw HTTP/1.1 connection; (head, chunks as framed)."""
+    async with await post_raw(url, path, body) as stream:
+        head, rest = await read_head(stream)
+        return head, await read_chunks(stream, rest)
+
+
+def events_of(chunks: list[bytes]) -> list[Any]:
+    """The SSE events of a chunked stream body: every event `data: ...\n\n`, JSON but the
+    last. (vLLM sends one event per HTTP chunk; the router may pass events that arrived
+    together in one chunk, which SSE allows.)"""
+    body = b"".join(chunks)
+    assert body.endswith(b"\n\n"), body[-200:]
+    events: list[Any] = []
+    for event in body.split(b"\n\n")[:-1]:
+        assert event.startswith(b"data: "), event
+        payload = event.removeprefix(b"data: ")
+        events.append("[DONE]" if payload == b"[DONE]" else json.loads(payload))
+    return events
+
+
+# -- discovery and the model list --------------------------------------------------------------
+async def test_kubernetes_discovery_probes_real_engines_and_lists_their_cards(
+    real_engines: list[EngineProcess], apiserver: FakeApiServer, kubeconfig: Path
+) -> None:
+    port = real_engines[0].spec.port
+    for i, engine in enumerate(real_engines):
+        apiserver.add_pod(f"vllm-{i}", ip=engine.spec.host)
+    config = Config(
+        server=ServerConfig(bind="127.0.0.1:0", drain_s=1.0),
+        discovery=DiscoveryConfig(
+            mode="kubernetes",
+            kubernetes=KubernetesConfig(
+                namespace=apiserver.namespace, port=port, kubeconfig=str(kubeconfig)
+            ),
+        ),
+        probe=ProbeConfig(interval_s=60.0),
+        stats=StatsConfig(interval_s=0.0),
+    )
+    with trio.fail_after(LIMIT):
+        async with (
+            open_router(config, len(real_engines)) as (url, _),
+            httpx.AsyncClient(timeout=LIMIT) as client,
+        ):
+            listed = (await client.get(f"{url}/v1/models")).json()
+            direct = (await client.get(f"{real_engines[0].url}/v1/models")).json()
+            shown = (await client.get(f"{url}/engines")).json()["engines"]
+    # The engine's card, every field kept (vLLM stamps each listing: a new time, and a new id
+    # for its permission entry).
+    assert undated(listed) == undated(direct) | {"data": undated(listed)["data"]}
+    ((card,), (direct_card,)) = (undated(listed)["data"], undated(direct)["data"])
+    for entry in (card, direct_card):
+        for permission in entry["permission"]:
+            del permission["id"]
+    assert card == direct_card
+    assert listed["data"][0]["permission"][0]["object"] == "model_permission"
+    assert sorted((e["name"], e["url"], e["models"], e["healthy"]) for e in shown) == [
+        (f"vllm-{i}", e.url, [MODEL_NAME], True) for i, e in enumerate(real_engines)
+    ]
+
+
+# -- answers pass unchanged --------------------------------------------------------------------
+async def test_non_streamed_answers_and_tokenize_are_the_engines(
+    real_engines: list[EngineProcess],
+) -> None:
+    engine = real_engines[0]
+    body = {"model": MODEL_NAME, "messages": messages(), "max_tokens": 8, "temperature": 0}
+    tokenize = {"model": MODEL_NAME, "messages": messages()}
+    with trio.fail_after(LIMIT):
+        async with (
+            open_router(static([engine]), 1) as (url, _),
+            httpx.AsyncClient(timeout=LIMIT) as client,
+        ):
+            routed = await client.post(f"{url}{CHAT}", json=body)
+            direct = await client.post(f"{engine.url}{CHAT}", json=body)
+            routed_tokens = await client.post(f"{url}/tokenize", json=tokenize)
+            direct_tokens = await client.post(f"{engine.url}/tokenize", json=tokenize)
+            host, port = url.removeprefix("http://").rsplit(":", 1)
+            async with await trio.open_tcp_stream(host, int(port)) as raw:
+                await raw.send_all(b"GET /v1/models HTTP/1.1\r\nhost: r\r\n\r\n")
+                status_line = (await read_head(raw))[0].split(b"\r\n", 1)[0]
+    assert routed.status_code == direct.status_code == 200
+    assert routed.headers["x-trio-router-engine"] == engine.url.removeprefix("http://")
+    assert routed.headers["server"] == direct.headers["server"] == "uvicorn"  # the engine's head
+
+    def comparable(answer: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in answer.items() if k not in ("id", "created")}
+
+    assert comparable(routed.json()) == comparable(direct.json())  # greedy: the same answer
+    assert routed.json()["usage"]["prompt_tokens"] == direct_tokens.json()["count"]
+    assert routed_tokens.content == direct_tokens.content  # the chat template applied
+    assert status_line == b"HTTP/1.1 200 OK"  # with its reason phrase, as vLLM's server
+
+
+async def test_vllms_own_400_reaches_the_client_as_sent(
+    real_engines: list[EngineProcess],
+) -> None:
+    engine = real_engines[0]
+    too_long = {"model": MODEL_NAME, "messages": messages(), "max_tokens": 100_000}
+    with trio.fail_after(LIMIT):
+        async with (
+            open_router(static([engine]), 1) as (url, _),
+            httpx.AsyncClient(timeout=LIMIT) as client,
+        ):
+            answers = [
+                (
+                    await client.post(f"{url}{CHAT}", json={**too_long, "stream": stream}),
+                    await client.post(f"{engine.url}{CHAT}", json={**too_long, "stream": stream}),
+                )
+                for stream in (False, True)
+            ]
+    for routed, direct in answers:
+        assert routed.status_code == direct.status_code == 400
+        assert routed.headers["content-type"] == direct.headers["content-type"]
+        assert routed.content == direct.content  # vLLM's JSON error, not SSE, even streamed
+        assert "max_tokens" in routed.json()["error"]["message"]
+
+
+# -- streams -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("path", [CHAT, "/v1/completions"])
+async def test_streams_pass_through_event_for_event(
+    real_engines: list[EngineProcess], path: str
+) -> None:
+    engine = real_engines[0]
+    prompt: dict[str, Any] = (
+        {"messages": messages()} if path == CHAT else {"prompt": "say a few words"}
+    )
+    body = {
+        "model": MODEL_NAME,
+        **prompt,
+        "max_tokens": 24,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with trio.fail_after(LIMIT):
+        async with open_router(static([engine]), 1) as (url, _):
+            routed_head, routed = await raw_stream(url, path, body)
+            direct_head, direct = await raw_stream(engine.url, path, body)
+    assert routed_head.split(b"\r\n", 1)[0] == direct_head.split(b"\r\n", 1)[0]
+    assert b"content-type: text/event-stream; charset=utf-8" in routed_head.lower()
+    routed_events, direct_events = events_of(routed), events_of(direct)
+    assert len(routed_events) == len(direct_events)  # every event, none lost or split
+    assert all(chunk.endswith(b"\n\n") for chunk in direct)  # vLLM: whole events per chunk
+    assert routed_events[-1] == "[DONE]"
+    *data, usage, _ = routed_events
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 24
+    assert all(event["choices"] for event in data)
+    if path == CHAT:
+        assert data[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert data[-1]["choices"][0]["finish_reason"] == "length"
+
+
+async def test_a_client_leaving_mid_stream_makes_the_engine_abort(
+    real_engines: list[EngineProcess],
+) -> None:
+    """The router closes the engine connection when its client goes: vLLM aborts the
+    generation (its `num_requests_running` back to 0) long before the answer would end."""
+    engine = real_engines[0]
+    body = {
+        "model": MODEL_NAME,
+        "messages": messages(),
+        "max_tokens": LONG,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with trio.fail_after(LIMIT):
+        async with (
+            open_router(static([engine]), 1) as (url, _),
+            httpx.AsyncClient(timeout=LIMIT) as client,
+        ):
+            async with await post_raw(url, CHAT, body) as stream:
+                head, _ = await read_head(stream)
+                assert head.startswith(b"HTTP/1.1 200 OK")
+                await wait_running(client, engine, 1, within=10.0)  # the engine is generating
+            # The client has closed its connection; a LONG answer takes the engine seconds.
+            took = await wait_running(client, engine, 0, within=5.0)
+    assert took < 5.0
+
+
+async def test_engines_shows_the_load_scraped_from_real_metrics(
+    real_engines: list[EngineProcess],
+) -> None:
+    engine = real_engines[0]
+    body = {
+        "model": MODEL_NAME,
+        "messages": messages(),
+        "max_tokens": LONG,
+        "ignore_eos": True,
+        "stream": True,
+    }
+
+    seen: list[dict[str, float]] = []
+
+    async def shows(client: httpx.AsyncClient, url: str, running: int) -> bool:
+        (shown,) = (await client.get(f"{url}/engines")).json()["engines"]
+        stats: dict[str, float] = shown["stats"]
+        seen.append(stats)
+        return stats.get("running") == running
+
+    with trio.fail_after(LIMIT):
+        async with (
+            open_router(static([engine], stats={"interval_s": 0.2}), 1) as (url, _),
+            httpx.AsyncClient(timeout=LIMIT) as client,
+        ):
+            async with trio.open_nursery() as streams:
+                started = [trio.Event(), trio.Event()]
+
+                async def stream(started: trio.Event) -> None:
+                    async with await post_raw(url, CHAT, body) as stream:
+                        await read_head(stream)
+                        started.set()
+                        await trio.sleep_forever()  # holds the stream until cancelled
+
+                for event in started:
+                    streams.start_soon(stream, event)
+                for event in started:
+                    await event.wait()
+                await poll(partial(shows, client, url, 2), within=30, what="2 running shown")
+                stats = seen[-1]
+                streams.cancel_scope.cancel()
+            # The streams are aborted: the next scrape says so.
+            await poll(partial(shows, client, url, 0), within=30, what="0 running shown")
+    assert stats["running"] == 2 and stats["waiting"] == 0
+    assert 0 < stats["kv_cache_usage"] <= 1  # vllm:kv_cache_usage_perc, read from the engine
+
+
+async def test_a_pod_deleted_during_a_stream_finishes_it_while_new_requests_go_elsewhere(
+    real_engines: list[EngineProcess], apiserver: FakeApiServer, kubeconfig: Path
+) -> None:
+    port = real_engines[0].spec.port
+    names = {f"vllm-{i}": engine for i, engine in enumerate(real_engines)}
+    for name, engine in names.items():
+        apiserver.add_pod(name, ip=engine.spec.host)
+    config = Config(
+        server=ServerConfig(bind="127.0.0.1:0", drain_s=1.0),
+        discovery=DiscoveryConfig(
+            mode="kubernetes",
+            kubernetes=KubernetesConfig(
+                namespace=apiserver.namespace, port=port, kubeconfig=str(kubeconfig)
+            ),
+        ),
+        probe=ProbeConfig(interval_s=60.0),
+        stats=StatsConfig(interval_s=0.0),
+    )
+    body = {
+        "model": MODEL_NAME,
+        "messages": messages(),
+        "max_tokens": LONG,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with trio.fail_after(LIMIT):
+        async with (
+            open_router(config, len(real_engines)) as (url, table),
+            httpx.AsyncClient(timeout=LIMIT) as client,
+            client.stream("POST", f"{url}{CHAT}", json=body) as answer,
+        ):
+            serving = answer.headers["x-trio-router-engine"]
+            chunks = answer.aiter_raw()
+            received = await chunks.__anext__()
+            apiserver.delete_pod(serving)
+            while any(e.name == serving for e in table):
+                await table.wait_changed()
+            others = {
+                (
+                    await client.post(
+                        f"{url}{CHAT}",
+                        json={"model": MODEL_NAME, "messages": messages(), "max_tokens": 2},
+                    )
+                ).headers["x-trio-router-engine"]
+                for _ in range(3)
+            }
+            before = received.count(b"\n\n")  # events that arrived while the pod was listed
+            async for chunk in chunks:
+                received += chunk
+    assert others == set(names) - {serving}
+    events = [e for e in received.split(b"\n\n") if e]
+    assert before < len(events) - 100  # most of the stream came after the pod was deleted
+    assert events[-1] == b"data: [DONE]"
+    assert json.loads(events[-2].removeprefix(b"data: "))["usage"]["completion_tokens"] == LONG
