@@ -50,8 +50,8 @@ import trio
 REPO: Final = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
-from test_main import Output, open_process  # noqa: E402
 from trio_router.testing import FakeEngine, open_fake_engines  # noqa: E402
+from trio_router.testing.processes import Output, open_process  # noqa: E402
 
 ENGINES: Final = 4
 REPLICAS: Final = 2

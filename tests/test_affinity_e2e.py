@@ -14,8 +14,9 @@ from typing import Final
 import httpx
 import trio
 
-from test_main import LIMIT, Output, open_process
+from test_main import LIMIT
 from trio_router.testing import FakeEngine, open_fake_engines
+from trio_router.testing.processes import Output, open_process
 
 ENGINES: Final = 4
 CONVERSATIONS: Final = 8  # the first half with their own system prompts, the rest share one

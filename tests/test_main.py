@@ -4,7 +4,6 @@ codes) and the demo, each run the way an operator runs it -- most as a real subp
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
 import signal
@@ -24,6 +23,7 @@ from trio_router.__main__ import load_with_overrides, main
 from trio_router.config import config_as_dict, load_config
 from trio_router.errors import ConfigError
 from trio_router.testing import FakeEngine, open_fake_engines
+from trio_router.testing.processes import Output, open_process
 
 REPO: Final = Path(__file__).resolve().parent.parent
 LIMIT: Final = 20.0  # bounds a hang; a subprocess needs ~1 s to import and start
@@ -109,63 +109,6 @@ def test_console_script_is_installed() -> None:
 
 
 # -- the served process -----------------------------------------------------------------------
-class Output:
-    """Everything a subprocess writes to one pipe, read continuously (so the pipe never
-    fills), with `wait_for` to block until a pattern has appeared."""
-
-    def __init__(self) -> None:
-        self.text = ""
-        self._changed = trio.Event()
-        self.closed = False
-
-    async def pump(self, stream: trio.abc.ReceiveStream) -> None:
-        async with stream:
-            while data := await stream.receive_some():
-                self.text += data.decode(errors="replace")
-                self._changed.set()
-                self._changed = trio.Event()
-        self.closed = True
-        self._changed.set()
-
-    async def wait_for(self, pattern: str) -> re.Match[str]:
-        while (match := re.search(pattern, self.text)) is None:
-            assert not self.closed, f"output ended without {pattern!r}:\n{self.text}"
-            await self._changed.wait()
-        return match
-
-
-@asynccontextmanager
-async def open_process(
-    *args: str, env: dict[str, str] | None = None
-) -> AsyncIterator[tuple[trio.Process, Output, Output]]:
-    """Run `python -m trio_router *args` (with `env` added to the environment); yields the
-    process and its stdout and stderr. The process is killed if it is still running when the
-    block ends."""
-    stdout, stderr = Output(), Output()
-    process = await trio.lowlevel.open_process(
-        [sys.executable, "-m", "trio_router", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        cwd=REPO,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-    )
-    try:
-        async with trio.open_nursery() as nursery:
-            assert process.stdout is not None and process.stderr is not None
-            nursery.start_soon(stdout.pump, process.stdout)
-            nursery.start_soon(stderr.pump, process.stderr)
-            try:
-                yield process, stdout, stderr
-            finally:
-                if process.returncode is None:
-                    process.kill()
-                with trio.CancelScope(shield=True):
-                    await process.wait()
-    finally:
-        if process.returncode is None:
-            process.kill()
-
-
 def write_config(path: Path, engine_url: str, *, drain_s: float, extra: str = "") -> Path:
     path.write_text(f"""
 [server]

@@ -36,6 +36,10 @@ async def http_engine(engine: FakeEngine) -> AsyncIterator[httpx.AsyncClient]:
             yield client
 
 
+def chat_body() -> dict[str, Any]:
+    return {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
+
+
 def sse_events(raw: bytes) -> list[bytes]:
     assert raw.endswith(b"\n\n")
     return [event for event in raw.split(b"\n\n") if event]
@@ -166,7 +170,28 @@ async def test_adapter_is_served_and_unknown_model_is_404() -> None:
         missing = await client.post("/v1/completions", json={"model": "nope", "prompt": "p"})
     assert ok.status_code == 200 and ok.json()["model"] == "lora-a"
     assert missing.status_code == 404
-    assert missing.json()["error"]["message"] == "The model `nope` does not exist."
+    assert missing.json()["error"] == {
+        "message": "The model `nope` does not exist. Valid aliases: base, lora-a.",
+        "type": "NotFoundError",
+        "param": "model",
+        "code": 404,
+    }  # as vLLM answers it
+
+
+async def test_more_tokens_than_the_context_is_a_json_400_even_for_a_stream() -> None:
+    async with http_engine(FakeEngine(max_model_len=1024)) as client:
+        answers = [
+            await client.post(
+                "/v1/chat/completions",
+                json={**chat_body(), "max_tokens": 5000, "stream": stream},
+            )
+            for stream in (False, True)
+        ]
+    for answer in answers:
+        assert answer.status_code == 400
+        assert answer.headers["content-type"] == "application/json"
+        error = answer.json()["error"]
+        assert error["param"] == "max_tokens" and "max_model_len=1024" in error["message"]
 
 
 async def test_bad_requests() -> None:
@@ -270,7 +295,9 @@ async def test_metrics_in_vllm_format() -> None:
     assert 'vllm:num_requests_running{engine="0",model_name="m1"} 1.0' in lines  # live count
     assert 'vllm:num_requests_waiting{engine="0",model_name="m1"} 3.0' in lines
     assert 'vllm:kv_cache_usage_perc{engine="0",model_name="m1"} 0.25' in lines
-    assert 'vllm:gpu_cache_usage_perc{engine="0",model_name="m1"} 0.25' in lines
+    assert not any(line.startswith("vllm:gpu_cache_usage_perc") for line in lines)  # gone in 0.32
+    assert 'vllm:prefix_cache_queries_total{engine="0",model_name="m1"} 1.0' in lines  # "p"
+    assert any(line.startswith('vllm:cache_config_info{block_size="128"') for line in lines)
     assert "# TYPE vllm:num_requests_running gauge" in lines
     engine.num_requests_running = 7
     assert 'vllm:num_requests_running{engine="0",model_name="m1"} 7.0' in (

@@ -6,8 +6,12 @@ metrics) plus what it observed (requests with headers and body, client disconnec
 Hypercorn over real TCP, and `fake_engine_transport(engine)` answers the probe and scrape
 endpoints (GET /v1/models, /metrics, /health) through an `httpx.MockTransport`, without sockets.
 
-Streaming replies follow vLLM's OpenAI server: `text/event-stream`, one `data: {...}\\n\\n` event
-per token (each sent as its own HTTP chunk), then `data: [DONE]\\n\\n`. All waits use
+What a router sees follows vLLM 0.32's OpenAI server, as the real-engine tier checks it: streams
+are `text/event-stream`, a role-only first event, one `data: {...}\\n\\n` event per token (each
+sent as its own HTTP chunk), then `data: [DONE]\\n\\n`; a request asking for more tokens than the
+context holds gets a JSON 400 (also when it asked for a stream); model cards carry a
+`permission` list and the time of the listing; `/metrics` has `vllm:kv_cache_usage_perc`, the
+prefix-cache counters and `vllm:cache_config_info`. All waits use
 `trio.sleep`, so the engines run on virtual time under `autojump_clock` (through the transport)
 as well as on the real clock.
 """
@@ -138,6 +142,7 @@ class FakeEngine:
     max_in_flight: int = field(init=False, default=0)  # the most ever answered at once
     disconnects: int = field(init=False, default=0)  # clients gone before their reply ended
     completed: int = field(init=False, default=0)  # POST replies sent to the end
+    prompt_tokens: int = field(init=False, default=0)  # of every generation request
     _changed: trio.Event = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -225,17 +230,31 @@ class FakeEngine:
                 "KV-cache usage. 1 means 100 percent usage.",
                 float(self.kv_cache_usage_perc),
             ),
-            (
-                "vllm:gpu_cache_usage_perc",
-                "GPU KV-cache usage. 1 means 100 percent usage.",
-                float(self.kv_cache_usage_perc),
-            ),
         )
         lines: list[str] = []
         for metric, help_text, value in gauges:
             lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} gauge"]
             lines += [f'{metric}{{engine="0",model_name="{m}"}} {value!r}' for m in self.models]
+        counters = (
+            (
+                "vllm:prefix_cache_queries_total",
+                "Prefix cache queries, in terms of number of queried tokens.",
+                float(self.prompt_tokens),
+            ),
+            (
+                "vllm:prefix_cache_hits_total",
+                "Prefix cache hits, in terms of number of cached tokens.",
+                0.0,
+            ),
+        )
+        for metric, help_text, value in counters:
+            lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} counter"]
+            lines += [f'{metric}{{engine="0",model_name="{m}"}} {value!r}' for m in self.models]
         lines += [
+            "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
+            "# TYPE vllm:cache_config_info gauge",
+            'vllm:cache_config_info{block_size="128",enable_prefix_caching="True",engine="0",'
+            'prefix_caching_hash_algo="sha256"} 1.0',
             "# HELP vllm:request_success_total Count of successfully processed requests.",
             "# TYPE vllm:request_success_total counter",
         ]
@@ -247,14 +266,15 @@ class FakeEngine:
         return "\n".join(lines) + "\n"
 
 
-def _error_body(status: int, message: str) -> dict[str, Any]:
+def _error_body(status: int, message: str, *, param: str | None = None) -> dict[str, Any]:
+    """An error as vLLM's OpenAI server answers it."""
     kind = {
         400: "BadRequestError",
         404: "NotFoundError",
         405: "MethodNotAllowed",
         429: "RateLimitError",
     }.get(status, "InternalServerError" if status >= 500 else "BadRequestError")
-    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
 class _Reply:
@@ -452,7 +472,29 @@ class FakeEngineApp:
             model = engine.models[0] if engine.models else ""
         elif model not in engine.model_ids:
             await self._send_json(
-                send, 404, _error_body(404, f"The model `{model}` does not exist.")
+                send,
+                404,
+                _error_body(
+                    404,
+                    f"The model `{model}` does not exist. Valid aliases: "
+                    f"{', '.join(engine.model_ids)}.",
+                    param="model",
+                ),
+            )
+            return False
+        limit = request.get("max_completion_tokens", request.get("max_tokens"))
+        if isinstance(limit, int) and limit > engine.max_model_len:
+            # vLLM's answer, as JSON also to a request for a stream.
+            await self._send_json(
+                send,
+                400,
+                _error_body(
+                    400,
+                    f"max_tokens={limit} cannot be greater than max_model_len="
+                    f"{engine.max_model_len}. Please request fewer output tokens. "
+                    f"(parameter=max_tokens, value={limit})",
+                    param="max_tokens",
+                ),
             )
             return False
         self._counter += 1
@@ -540,6 +582,7 @@ class FakeEngineApp:
         n, finish = self._n_tokens(request)
         words = [REPLY_WORDS[i % len(REPLY_WORDS)] for i in range(n)]
         prompt_tokens = len(_words(_prompt_text(request)))
+        self.engine.prompt_tokens += prompt_tokens
         created = int(time.time())
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{self.engine.name}-{rid}"
         obj = "chat.completion" if chat else "text_completion"

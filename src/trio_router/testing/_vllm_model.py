@@ -7,7 +7,8 @@ generation config. The weights are not written: engines load them with `--load-f
 (random), so answers are random text, while tokenization, chat templates, prefix caching,
 metrics, streaming and KV-cache events are vLLM's own.
 
-Imports only the standard library and `tokenizers` (a dependency of vLLM's).
+Imports only the standard library, and `tokenizers` (a dependency of vLLM's) when it writes:
+the word lists (`WORDS`: one token each) also serve benchmarks that write prompts for it.
 """
 
 from __future__ import annotations
@@ -16,8 +17,6 @@ import json
 import random
 import sys
 from pathlib import Path
-
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 VOCAB_SIZE = 4096
 MAX_POSITIONS = 2048
@@ -43,12 +42,12 @@ _ENGLISH_TEXT = (
     "house picture try us again animal point mother world near build self earth father"
 )
 _SYLLABLES = _SYLLABLE_TEXT.split()
-_ENGLISH = _ENGLISH_TEXT.split()
+WORDS = tuple(_ENGLISH_TEXT.split())  # common words of the corpus
 
 
 def _corpus(rng: random.Random) -> list[str]:
     made = {"".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 3))) for _ in range(3000)}
-    vocab = sorted(made) + _ENGLISH
+    vocab = sorted(made) + list(WORDS)
     lines = [
         " ".join(rng.choice(vocab) for _ in range(rng.randint(5, 30))) + rng.choice(".?!,")
         for _ in range(20_000)
@@ -57,6 +56,8 @@ def _corpus(rng: random.Random) -> list[str]:
 
 
 def write_model(folder: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = Tokenizer(models.BPE(unk_token=None))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

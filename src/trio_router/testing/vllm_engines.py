@@ -461,10 +461,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     specs = specs_for(
         args.engines, port=args.port, kv_cache_bytes=args.kv_cache_bytes, block_size=args.block_size
     )
+    # SIGTERM stops the engines too (their process groups are not this one's).
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     with running_engines(env, specs, log_dir=args.log_dir) as engines:
         for engine in engines:
-            print(f"{engine.url}  serving {MODEL_NAME}  (log: {engine.log_path})")
-        print("Ctrl-C stops them.")
+            print(f"{engine.url}  serving {MODEL_NAME}  (log: {engine.log_path})", flush=True)
+        print("Ctrl-C (or SIGTERM) stops them.", flush=True)
         with contextlib.suppress(KeyboardInterrupt):
             signal.pause()
     return 0

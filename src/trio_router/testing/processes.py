@@ -1,0 +1,90 @@
+"""Subprocesses for tests and benchmarks: a router process (`python -m trio_router ...`) or any
+other command, with everything it writes read continuously and searchable while it runs."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from pathlib import Path
+
+import trio
+
+__all__ = ["Output", "open_command", "open_process"]
+
+
+class Output:
+    """Everything a subprocess writes to one pipe, read continuously (so the pipe never
+    fills), with `wait_for` to block until a pattern has appeared."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self._changed = trio.Event()
+        self.closed = False
+
+    async def pump(self, stream: trio.abc.ReceiveStream) -> None:
+        async with stream:
+            while data := await stream.receive_some():
+                self.text += data.decode(errors="replace")
+                self._changed.set()
+                self._changed = trio.Event()
+        self.closed = True
+        self._changed.set()
+
+    async def wait_for(self, pattern: str) -> re.Match[str]:
+        """The first match of `pattern` in the output, once it has appeared; AssertionError
+        (with the output) if the pipe closes first."""
+        while (match := re.search(pattern, self.text)) is None:
+            assert not self.closed, f"output ended without {pattern!r}:\n{self.text}"
+            await self._changed.wait()
+        return match
+
+
+@asynccontextmanager
+async def open_command(
+    command: Sequence[str], *, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> AsyncIterator[tuple[trio.Process, Output, Output]]:
+    """Run `command` (with `env` added to the environment) in a process group of its own;
+    yields the process and its stdout and stderr. The process group is killed if the process
+    is still running when the block ends."""
+    stdout, stderr = Output(), Output()
+    process = await trio.lowlevel.open_process(
+        list(command),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=cwd,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        start_new_session=True,
+    )
+
+    def kill() -> None:
+        if process.returncode is None:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                process.kill()
+
+    try:
+        async with trio.open_nursery() as nursery:
+            assert process.stdout is not None and process.stderr is not None
+            nursery.start_soon(stdout.pump, process.stdout)
+            nursery.start_soon(stderr.pump, process.stderr)
+            try:
+                yield process, stdout, stderr
+            finally:
+                kill()
+                with trio.CancelScope(shield=True):
+                    await process.wait()
+    finally:
+        kill()
+
+
+def open_process(
+    *args: str, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> AbstractAsyncContextManager[tuple[trio.Process, Output, Output]]:
+    """`open_command` of `python -m trio_router *args` with this interpreter."""
+    return open_command([sys.executable, "-m", "trio_router", *args], env=env, cwd=cwd)
