@@ -229,7 +229,7 @@ async def test_a_large_body_is_parsed_off_the_event_loop_and_served() -> None:
 async def test_a_client_that_stops_reading_is_dropped_after_the_write_timeout() -> None:
     """A streamed answer to a client that takes nothing: after `write_timeout_s` without
     progress the router drops the client (status 499) and closes the engine's connection."""
-    engine = FakeEngine(tokens=100_000, inter_token_s=0.0)
+    engine = FakeEngine(tokens=100_000, inter_token_s=0.0, max_model_len=1 << 20)
     with trio.fail_after(LIMIT):
         async with open_router([engine], server={"write_timeout_s": 0.5}) as router:
             stream = await open_raw(router.url)
