@@ -17,7 +17,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -27,8 +26,6 @@ from typing import Any
 import httpx
 import trio
 import trio.lowlevel
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_scale import free_port, router_command
 from trio_router.testing import FakeEngine, serve_fake_engine

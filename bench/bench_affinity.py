@@ -47,11 +47,11 @@ from typing import Final
 import httpx
 import trio
 
-REPO: Final = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
+from trio_router.testing import FakeEngine, open_fake_engines
+from trio_router.testing.processes import Output, open_process
 
-from trio_router.testing import FakeEngine, open_fake_engines  # noqa: E402
-from trio_router.testing.processes import Output, open_process  # noqa: E402
+REPO: Final = Path(__file__).resolve().parent.parent
+
 
 ENGINES: Final = 4
 REPLICAS: Final = 2

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import trio
 
-from trio_router.health import Prober
-from trio_router.stats import parse_vllm_metrics
-from trio_router.upstream import UpstreamPool, fetch
+from trio_router.discovery.stats import parse_vllm_metrics
+from trio_router.discovery.supervision import Prober
+from trio_router.http import UpstreamPool, fetch
 
 ROOT = Path(__file__).resolve().parent.parent
 ADDRESS, PORT = "127.0.9.1", 18899

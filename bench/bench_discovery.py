@@ -15,17 +15,14 @@ from __future__ import annotations
 
 import gc
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import trio
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-from core_fakes import FakeEngines, added, deleted, make_pod, modified, open_core
 from trio_router.config import ProbeConfig
 from trio_router.table import Pod, PodEvent
+from trio_router.testing.core import FakeEngines, added, deleted, make_pod, modified, open_core
 
 
 def ip_of(n: int) -> str:

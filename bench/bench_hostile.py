@@ -38,8 +38,6 @@ import httpx
 import trio
 import trio.lowlevel
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 from bench_scale import ROOT, free_port, router_command, rss_mib
 
 ENGINE_PORT = 18810

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from trio_router.config import POLICIES, RoutingConfig
-from trio_router.policy import Policy, RequestInfo, make_policy, request_info
-from trio_router.stats import parse_vllm_metrics
+from trio_router.discovery.stats import parse_vllm_metrics
+from trio_router.routing.policy import Policy, RequestInfo, make_policy, request_info
 from trio_router.table import Engine, EngineState, Model, RoutingTable
 
 MODEL = "llama"

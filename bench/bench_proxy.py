@@ -190,7 +190,7 @@ async def _serve_baseline(kind: str) -> None:
     import hypercorn.config
     import hypercorn.trio
 
-    from trio_router import connection
+    from trio_router.serving import hypercorn_seam as connection
 
     # "lean": Hypercorn with trio_router's connection class, nothing else of it.
     serve = connection.serve if kind == "lean" else hypercorn.trio.serve

@@ -56,10 +56,10 @@ import httpx
 import trio
 import trio.lowlevel
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+from trio_router.testing.fake_apiserver import FakeApiServer
 
-from fake_apiserver import FakeApiServer  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
+
 
 ENGINE_PORT = 18800
 TICK = os.sysconf("SC_CLK_TCK")

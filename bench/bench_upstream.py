@@ -29,8 +29,8 @@ import httpx
 import trio
 
 from trio_router.errors import RouterError
+from trio_router.http import UpstreamPool
 from trio_router.testing import FakeEngine, serve_fake_engine
-from trio_router.upstream import UpstreamPool
 
 CHAT = "/v1/chat/completions"
 HEADERS = [

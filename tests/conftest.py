@@ -18,8 +18,8 @@ from typing import Final
 import pytest
 import trio
 
-from fake_apiserver import FakeApiServer
 from trio_router.testing import vllm_engines
+from trio_router.testing.fake_apiserver import FakeApiServer
 
 REAL_VLLM: Final = os.environ.get("TRIO_ROUTER_REAL_VLLM", "auto")
 REAL_ENGINES: Final = 2  # engines of the tier, on 127.0.1.11 and 127.0.1.12, one port

@@ -14,14 +14,13 @@ import pytest
 import trio
 import trio.testing
 
-from test_app import CHAT, LIMIT, chat, open_router
-from trio_router.admission import Admission, Tenant
 from trio_router.config import AdmissionConfig, RoutingConfig, TenantConfig
 from trio_router.errors import NoEngineError, QueueTimeoutError, RateLimitedError
-from trio_router.policy import RequestInfo, make_policy
+from trio_router.routing.policy import RequestInfo, make_policy
+from trio_router.serving.admission import Admission, Tenant
 from trio_router.table import Engine, EngineState, Model, RoutingTable
 from trio_router.testing import FakeEngine
-from trio_router.upstream import CLIENT_CHECK_S, ClientGoneError
+from trio_router.testing.harness import CHAT, LIMIT, chat, open_router
 
 
 def routable(uid: str) -> Engine:
@@ -226,23 +225,24 @@ async def test_token_bucket_and_concurrency_limits(autojump_clock: trio.testing.
 async def test_a_queued_client_that_leaves_leaves_the_queue(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
+    """The client leaving cancels its request (the server's disconnect hook): the wait ends
+    at once and the request is out of the queue."""
     bench = Bench(AdmissionConfig(max_in_flight_per_engine=1), engines=1)
     held = await bench.acquire()
-    gone = False
     async with trio.open_nursery() as nursery:
+        request = trio.CancelScope()
 
         async def wait() -> None:
-            with pytest.raises(ClientGoneError):
-                await bench.acquire(client_gone=lambda: gone)
+            with request:
+                await bench.acquire()
 
         nursery.start_soon(wait)
         await trio.sleep(3)
-        left = trio.current_time()
-        gone = True
+        assert bench.admission.queued() == {"m": 1}
+        request.cancel()
         await trio.testing.wait_all_tasks_blocked()
-        await trio.sleep(CLIENT_CHECK_S)
-    assert trio.current_time() - left <= CLIENT_CHECK_S + 0.01
-    assert bench.admission.queued() == {}
+        assert bench.admission.queued() == {}
+    assert request.cancelled_caught and trio.current_time() == 3
     bench.admission.release(held)
     assert held.in_flight == 0
 

@@ -28,8 +28,8 @@ from hypercorn.events import Closed, RawData
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 
-from trio_router import connection
 from trio_router.asgi import answer_lifespan
+from trio_router.serving import hypercorn_seam as connection
 
 KEEP_ALIVE: Final = 5.0
 BIG: Final = 16 * 1024 * 1024  # more than the kernel takes in one write on loopback
@@ -38,6 +38,8 @@ VIRTUAL_LIMIT: Final = 600.0  # bounds every test, in virtual seconds on the aut
 
 
 DISCONNECTS: list[tuple[int, float]] = []  # /paced/N: (messages sent, when) at a disconnect
+HOOKED: list[tuple[str, bool]] = []  # /hook/...: (what, whether the hook cancelled the request)
+HOOKED_DONE = [trio.Event(), trio.Event()]  # set as each /hook request ends (in order)
 
 
 async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -50,6 +52,9 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     while (await receive()).get("more_body"):
         pass
     path = scope["path"]
+    if path.startswith("/hook/"):
+        await hooked(scope, receive, send, path.removeprefix("/hook/"))
+        return
     if path == "/client":  # what the connection seam tells the app about its client
         body = type(connection.current_client()).__name__.encode()
         await send(
@@ -103,6 +108,30 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
             {"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]}
         )
         await send({"type": "http.response.body", "body": b"ok"})
+
+
+async def hooked(scope: dict[str, Any], receive: Any, send: Any, what: str) -> None:
+    """/hook/hold: the request armed with the disconnect hook, a first chunk sent, then held
+    until cancelled. /hook/finish: armed, then disarmed before the last message."""
+    hook = connection.disconnect_hook(scope)
+    assert hook is not None
+    done = HOOKED_DONE[len(HOOKED)]
+    with trio.CancelScope() as cancel:
+        hook.arm(cancel)
+        if what == "hold":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"first", "more_body": True})
+            await trio.sleep_forever()
+        hook.disarm()
+        await send(
+            {"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"4")]}
+        )
+        await send({"type": "http.response.body", "body": b"done"})
+        # The end of the exchange is reported to the app as a disconnect; the hook is not.
+        while (await receive())["type"] != "http.disconnect":
+            pass
+    HOOKED.append((what, cancel.cancelled_caught))
+    done.set()
 
 
 def pattern(size: int, seed: int = 0) -> bytes:
@@ -479,23 +508,21 @@ async def test_installed_for_this_server_only(
     assert "serving with Hypercorn's own" in caplog.text
 
 
-async def test_disconnect_check_reads_the_disconnect_from_hypercorns_channel() -> None:
-    """The check the app's exchange polls: Hypercorn's `receive` is a memory channel's receive
-    method; anything else gets no check (the exchange then runs to its end)."""
-    send_channel, receive_channel = trio.open_memory_channel[dict[str, Any]](10)
-    gone = connection.disconnect_check(receive_channel.receive)
-    assert gone is not None
-    assert not gone()  # nothing queued
-    await send_channel.send({"type": "http.disconnect"})
-    assert gone()
-    assert gone()  # and stays so, though the message was taken
-    send_channel, receive_channel = trio.open_memory_channel[dict[str, Any]](10)
-    gone = connection.disconnect_check(receive_channel.receive)
-    assert gone is not None
-    await send_channel.aclose()
-    assert gone()  # the sending side is gone: so is the client
-
-    async def other_receive() -> dict[str, Any]:
-        raise AssertionError("never called")
-
-    assert connection.disconnect_check(other_receive) is None
+async def test_the_disconnect_hook_cancels_an_armed_request_when_its_client_leaves() -> None:
+    """The app arms the hook with its request's cancel scope: the client closing its
+    connection cancels it (no task of the app watched); a request that disarmed it before its
+    last message is not cancelled by the end of its exchange, which Hypercorn also reports as
+    a disconnect."""
+    HOOKED.clear()
+    async with serve() as served:
+        client = await served.connect()
+        await request(client, "/hook/hold")
+        assert b"first" in await client.receive_some()
+        await client.aclose()
+        await HOOKED_DONE[0].wait()
+        kept = await served.connect()
+        await request(kept, "/hook/finish")
+        assert (await read_response(kept))[1] == b"done"
+        await HOOKED_DONE[1].wait()
+    assert HOOKED == [("hold", True), ("finish", False)]
+    assert connection.disconnect_hook({"type": "http", "extensions": {}}) is None

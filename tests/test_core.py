@@ -12,11 +12,11 @@ import pytest
 import trio
 import trio.testing
 
-from core_fakes import FakeEngines, added, deleted, make_pod, modified, open_core
 from trio_router.config import ProbeConfig
-from trio_router.health import ProbeFailed, Prober, parse_models
+from trio_router.discovery.supervision import ProbeFailed, Prober, parse_models
+from trio_router.http import UpstreamPool
 from trio_router.table import Engine, EngineState, Model, RoutingTable
-from trio_router.upstream import UpstreamPool
+from trio_router.testing.core import FakeEngines, added, deleted, make_pod, modified, open_core
 
 
 async def test_deleted_is_never_stuck_behind_probes(autojump_clock: trio.testing.MockClock) -> None:
@@ -326,7 +326,7 @@ def test_parse_models_rejects_bad_answers() -> None:
 
 async def test_static_engines(autojump_clock: trio.testing.MockClock) -> None:
     """Static discovery: the same supervisors for fixed URLs."""
-    from trio_router.reconcile import add_static_engines
+    from trio_router.discovery.reconcile import add_static_engines
 
     async with open_core() as core:
         add_static_engines(

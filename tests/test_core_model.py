@@ -18,9 +18,9 @@ import trio.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from core_fakes import FakeEngines, added, deleted, modified, open_core
 from trio_router.config import ProbeConfig
 from trio_router.table import Pod
+from trio_router.testing.core import FakeEngines, added, deleted, modified, open_core
 
 PODS = 6
 SETTLE_S = 120.0  # > the longest path to routable: capped backoff + deadline + interval

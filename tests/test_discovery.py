@@ -20,9 +20,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kubernetes.client.exceptions import ApiException
 
-from fake_apiserver import FakePodSource, FakeWatch, RecordingSink, pod_json
 from trio_router.config import KubernetesConfig
-from trio_router.discovery import (
+from trio_router.discovery.kubernetes import _decode_event, pod_from_dict, watch_event_from_dict
+from trio_router.discovery.loop import (
     FAILING_AFTER_ERRORS,
     Backoff,
     DiscoveryStatus,
@@ -33,8 +33,8 @@ from trio_router.discovery import (
     WatchTuning,
     run_kubernetes_discovery,
 )
-from trio_router.kubernetes_source import _decode_event, pod_from_dict, watch_event_from_dict
 from trio_router.table import Engine, EventType, RoutingTable
+from trio_router.testing.fake_apiserver import FakePodSource, FakeWatch, RecordingSink, pod_json
 
 CONFIG = KubernetesConfig(relist_interval_s=3600.0, stale_after_s=180.0)
 REFUSED = KubernetesConnectionError("Kubernetes API unreachable: connection refused")

@@ -14,18 +14,18 @@ from pathlib import Path
 import pytest
 import trio
 
-from core_fakes import open_core
-from fake_apiserver import FakeApiServer, RecordingSink, WatchPlan
 from trio_router.config import KubernetesConfig
-from trio_router.discovery import (
+from trio_router.discovery.kubernetes import WATCH_THREAD_NAME, KubernetesPodSource, _WatchStream
+from trio_router.discovery.loop import (
     DiscoveryStatus,
     PodSink,
     WatchEvent,
     WatchTuning,
     run_kubernetes_discovery,
 )
-from trio_router.kubernetes_source import WATCH_THREAD_NAME, KubernetesPodSource, _WatchStream
 from trio_router.table import EventType
+from trio_router.testing.core import open_core
+from trio_router.testing.fake_apiserver import FakeApiServer, RecordingSink, WatchPlan
 
 FAST = WatchTuning(backoff_initial_s=0.05, backoff_max_s=0.4)
 LIMIT_S = 10  # every test ends well within this many real seconds

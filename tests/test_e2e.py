@@ -22,8 +22,6 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fake_apiserver import FakeApiServer
-from test_app import CHAT, LIMIT, chat, open_router
 from trio_router import server
 from trio_router.config import (
     Config,
@@ -33,9 +31,11 @@ from trio_router.config import (
     ServerConfig,
     StatsConfig,
 )
-from trio_router.kubernetes_source import LIST_THREAD_NAME, WATCH_THREAD_NAME
+from trio_router.discovery.kubernetes import LIST_THREAD_NAME, WATCH_THREAD_NAME
 from trio_router.table import RoutingTable
 from trio_router.testing import FakeEngine, serve_fake_engine
+from trio_router.testing.fake_apiserver import FakeApiServer
+from trio_router.testing.harness import CHAT, LIMIT, chat, open_router
 
 
 # -- the openai SDK ---------------------------------------------------------------------------

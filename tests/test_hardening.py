@@ -16,12 +16,13 @@ import pytest
 import trio
 import trio.testing
 
-from test_app import CHAT, LIMIT, chat, open_raw, open_router, receive_until
 from test_relay import ScriptedEngine, open_scripted_router
-from trio_router.app import _BodyBudget, _Held, _read_body
 from trio_router.errors import OverloadedError, RequestTimeoutError
+from trio_router.http import LocalLimitError, UpstreamPool
+from trio_router.serving.errors import from_transport
+from trio_router.serving.intake import BodyBudget, Held, read_body
 from trio_router.testing import FakeEngine, open_fake_engines
-from trio_router.upstream import UpstreamPool
+from trio_router.testing.harness import CHAT, LIMIT, chat, open_raw, open_router, receive_until
 
 BODY: Final = json.dumps(chat()).encode()
 CHAT_PATH: Final = CHAT.encode()
@@ -102,11 +103,11 @@ async def test_a_stalled_body_is_408_at_the_body_timeout(
     as a channel, as the server delivers body parts)."""
     send, receive = trio.open_memory_channel[dict[str, Any]](10)
     await send.send({"type": "http.request", "body": b"{", "more_body": True})
-    budget = _BodyBudget(1000)
-    held = _Held(budget)
+    budget = BodyBudget(1000)
+    held = Held(budget)
     start = trio.current_time()
     with pytest.raises(RequestTimeoutError, match="stopped arriving for 60 s"):
-        await _read_body(receive.receive, b"100", 1000, stall_s=60.0, held=held)
+        await read_body(receive.receive, b"100", 1000, stall_s=60.0, held=held)
     assert trio.current_time() - start == pytest.approx(60.0)
     assert budget.used == 100  # the declared length was held until the caller releases it
     held.release()
@@ -318,10 +319,11 @@ async def test_out_of_descriptors_is_a_503_not_an_engine_fault() -> None:
         raise OSError(errno.EMFILE, "Too many open files")
 
     pool = UpstreamPool(connect_timeout=1.0, read_timeout=1.0, connect=no_descriptors)
-    with pytest.raises(OverloadedError, match="Too many open files") as caught:
+    with pytest.raises(LocalLimitError, match="Too many open files") as caught:
         async with pool.request("http://10.0.0.1:8000", b"POST", CHAT_PATH, [], BODY):
             pass
-    assert caught.value.status == 503
+    answer = from_transport(caught.value)  # what the client is told
+    assert isinstance(answer, OverloadedError) and answer.status == 503
 
 
 async def test_idle_engine_connections_closed_by_the_engine_are_swept() -> None:

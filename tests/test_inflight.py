@@ -27,10 +27,10 @@ import trio.testing
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from test_app import CHAT, open_raw, open_router, receive_until, send_request
 from trio_router.config import POLICIES
 from trio_router.table import RoutingTable
 from trio_router.testing import FakeEngine
+from trio_router.testing.harness import CHAT, open_raw, open_router, receive_until, send_request
 
 LIMIT: Final = 10.0  # seconds; bounds one example (it takes well under one)
 READ_TIMEOUT_S: Final = 0.3  # proxy.read_timeout_s: a silent engine costs this much per group

@@ -9,9 +9,9 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from test_app import CHAT, LIMIT, chat, open_router, sample
 from trio_router import __version__
 from trio_router.testing import FakeEngine
+from trio_router.testing.harness import CHAT, LIMIT, chat, open_router, sample
 
 
 async def scrape_after_traffic() -> tuple[str, str]:

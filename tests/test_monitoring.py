@@ -29,8 +29,6 @@ import trio.testing
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from fake_apiserver import FakeApiServer
-from test_app import CHAT, LIMIT, chat
 from trio_router import server
 from trio_router.config import (
     AdmissionConfig,
@@ -41,9 +39,11 @@ from trio_router.config import (
     ServerConfig,
     StatsConfig,
 )
-from trio_router.server import ReloadOutcome
+from trio_router.serving.reload import ReloadOutcome
 from trio_router.table import RoutingTable
 from trio_router.testing import FakeEngine, serve_fake_engine
+from trio_router.testing.fake_apiserver import FakeApiServer
+from trio_router.testing.harness import CHAT, LIMIT, chat
 
 REPO: Final = Path(__file__).resolve().parents[1]
 MONITORING: Final = REPO / "config" / "monitoring"

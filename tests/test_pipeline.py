@@ -9,14 +9,14 @@ from functools import partial
 import trio
 import trio.testing
 
-from core_fakes import FakeEngines, open_core
-from fake_apiserver import FakePodSource, FakeWatch, pod_json
 from trio_router.config import KubernetesConfig
-from trio_router.discovery import (
+from trio_router.discovery.loop import (
     DiscoveryStatus,
     KubernetesConnectionError,
     run_kubernetes_discovery,
 )
+from trio_router.testing.core import FakeEngines, open_core
+from trio_router.testing.fake_apiserver import FakePodSource, FakeWatch, pod_json
 
 CONFIG = KubernetesConfig(relist_interval_s=3600.0, stale_after_s=180.0)
 REFUSED = KubernetesConnectionError("Kubernetes API unreachable: connection refused")

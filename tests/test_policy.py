@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from trio_router.config import POLICIES, Config, RoutingConfig, parse_config
 from trio_router.errors import BadRequestError, ConfigError, NoEngineError
-from trio_router.policy import (
+from trio_router.routing.policy import (
     EXACT_SCAN_MAX,
     Policy,
     RequestInfo,
@@ -24,7 +24,7 @@ from trio_router.policy import (
     render_opening,
     request_info,
 )
-from trio_router.runtime import build_runtime
+from trio_router.serving.runtime import build_runtime
 from trio_router.table import Engine, EngineState, Model, RoutingTable
 
 MODEL = "llama"

@@ -22,8 +22,6 @@ import httpx
 import pytest
 import trio
 
-from fake_apiserver import FakeApiServer
-from test_app import router_config, undated
 from trio_router import server
 from trio_router.config import (
     Config,
@@ -33,8 +31,10 @@ from trio_router.config import (
     ServerConfig,
     StatsConfig,
 )
-from trio_router.stats import parse_vllm_metrics
+from trio_router.discovery.stats import parse_vllm_metrics
 from trio_router.table import RoutingTable
+from trio_router.testing.fake_apiserver import FakeApiServer
+from trio_router.testing.harness import router_config, undated
 from trio_router.testing.vllm_engines import MODEL_NAME, EngineProcess
 
 pytestmark = pytest.mark.real_vllm

@@ -21,13 +21,13 @@ import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fake_network import FakeNetwork, FakeReply, FakeRequest
-from test_app import router_config, sample
 from trio_router import server
-from trio_router.errors import UpstreamTimeoutError
-from trio_router.http11 import ResponseParser
+from trio_router.http import ClientGoneError, EngineTimeoutError, UpstreamPool, open_relay
+from trio_router.http.codec import ResponseParser
+from trio_router.http.relay import CHECK_S
 from trio_router.table import RoutingTable
-from trio_router.upstream import CLIENT_CHECK_S, ClientGoneError, UpstreamPool, open_relay
+from trio_router.testing.fake_network import FakeNetwork, FakeReply, FakeRequest
+from trio_router.testing.harness import router_config, sample
 
 LIMIT: Final = 10.0
 HEAD: Final = (
@@ -156,7 +156,6 @@ class Client:
 
     ours: socket.socket
     theirs: socket.socket
-    gone: bool = False
     received: bytearray = field(default_factory=bytearray)
 
     @classmethod
@@ -225,29 +224,33 @@ async def test_relay_ends_a_silent_engine_at_the_read_timeout(
         _,
     ):
         start = trio.current_time()
-        with pytest.raises(UpstreamTimeoutError, match="silent for 5 s"):
+        with pytest.raises(EngineTimeoutError, match="silent for 5 s"):
             await relay.relay(response, client)
-        assert 5.0 <= trio.current_time() - start <= 5.0 + CLIENT_CHECK_S + 0.01
+        assert 5.0 <= trio.current_time() - start <= 5.0 + CHECK_S + 0.01
         assert len(relay) == 0
     assert decode_chunked(client.drain() + b"0\r\n\r\n") == b"data: 1\n\n"
     client.close()
 
 
-async def test_relay_notices_a_client_that_left(autojump_clock: trio.testing.MockClock) -> None:
+async def test_a_relayed_stream_whose_client_left_leaves_the_relay(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     client = Client.make()
     async with (
         relayed_exchange(EngineScript([b"data: 1\n\n"], hang=True)) as (relay, response, network),
         trio.open_nursery() as nursery,
     ):
+        request = trio.CancelScope()
 
         async def leave() -> None:
             await trio.sleep(10)
-            client.gone = True
+            request.cancel()  # as the server's disconnect hook does
 
         nursery.start_soon(leave)
-        with pytest.raises(ClientGoneError):
-            await relay.relay(response, client, lambda: client.gone)
-        assert 10.0 <= trio.current_time() <= 10.0 + CLIENT_CHECK_S + 0.01
+        with request:
+            await relay.relay(response, client)
+        assert request.cancelled_caught and trio.current_time() == 10.0
+        assert len(relay) == 0  # out of the relay at once
     # Leaving the exchange closed the engine's connection: the engine saw it.
     with trio.fail_after(1):
         await network.wait_for(lambda: network.open_now["10.0.0.1"] == 0)

@@ -19,12 +19,12 @@ import httpx
 import pytest
 import trio
 
-from test_app import CHAT, LIMIT, chat, open_raw, sample, send_raw
 from trio_router import server
 from trio_router.config import load_config
-from trio_router.server import ReloadOutcome
+from trio_router.serving.reload import ReloadOutcome
 from trio_router.table import RoutingTable
 from trio_router.testing import FakeEngine, open_fake_engines
+from trio_router.testing.harness import CHAT, LIMIT, chat, open_raw, sample, send_raw
 
 
 def config_text(

@@ -16,13 +16,13 @@ import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fake_network import FakeNetwork, FakeReply, FakeRequest, Handler
-from trio_router import stats as stats_module
 from trio_router.config import RoutingConfig
-from trio_router.policy import RequestInfo, make_policy
-from trio_router.stats import parse_vllm_metrics, run_stats_scraper
+from trio_router.discovery import stats as stats_module
+from trio_router.discovery.stats import parse_vllm_metrics, run_stats_scraper
+from trio_router.http import UpstreamPool
+from trio_router.routing.policy import RequestInfo, make_policy
 from trio_router.table import Engine, EngineState, Model, RequestStats, RoutingTable
-from trio_router.upstream import UpstreamPool
+from trio_router.testing.fake_network import FakeNetwork, FakeReply, FakeRequest, Handler
 
 FIXTURE = (Path(__file__).parent / "fixtures" / "vllm_metrics.txt").read_text()
 KEYS = {"running", "waiting", "kv_cache_usage"}

@@ -21,13 +21,13 @@ import pytest
 import trio
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from test_app import CHAT, LIMIT, chat, open_router
 from test_main import write_config
 from trio_router.asgi import answer_lifespan
 from trio_router.config import Config, TracingConfig
 from trio_router.errors import ConfigError
 from trio_router.server import check_keys
 from trio_router.testing import FakeEngine, open_fake_engines
+from trio_router.testing.harness import CHAT, LIMIT, chat, open_router
 from trio_router.testing.processes import open_process
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"

@@ -1,10 +1,32 @@
-"""The exception hierarchy of trio_router: every error carries the HTTP status it maps to."""
+"""trio_router's own errors.
+
+`RouterError` is the root. `ConfigError` (a bad config file or value) and `DiscoveryError`
+(the Kubernetes API cannot be used) are reported to operators, in logs, exit codes and
+`/health`, never as the answer to a request. `RequestError` and its subclasses are what a
+client is answered: each carries the HTTP status, OpenAI-style `type` and `code`, and any
+extra headers; the serving layer turns them into responses in one place
+(`serving.errors.error_response`). Failures of the exchange with an engine are transport facts
+(`http.errors`) until the serving layer maps them to a `RequestError`
+(`serving.errors.from_transport`).
+"""
 
 from __future__ import annotations
 
 
 class RouterError(Exception):
-    """Root of trio_router's errors; `status`, `type` and `code` shape the OpenAI-style reply."""
+    """Root of trio_router's errors."""
+
+
+class ConfigError(RouterError):
+    """A configuration file or value is invalid; the message names the key and the file."""
+
+
+class DiscoveryError(RouterError):
+    """The Kubernetes API could not be used (bad credentials, unreachable, bad answers)."""
+
+
+class RequestError(RouterError):
+    """What a client is answered: `status`, and `type` and `code` for the OpenAI-style body."""
 
     status: int = 500
     type: str = "server_error"
@@ -12,54 +34,25 @@ class RouterError(Exception):
     headers: tuple[tuple[bytes, bytes], ...] = ()  # extra response headers (Retry-After, ...)
 
 
-class ConfigError(RouterError):
-    """A configuration file or value is invalid; the message names the key and the file."""
-
-    code = "invalid_config"
-
-
-class BadRequestError(RouterError):
+class BadRequestError(RequestError):
     status = 400
     type = "invalid_request_error"
     code = "bad_request"
 
 
-class AuthError(RouterError):
+class AuthError(RequestError):
     status = 401
     type = "authentication_error"
     code = "invalid_api_key"
 
 
-class UnknownModelError(RouterError):
+class UnknownModelError(RequestError):
     status = 404
     type = "invalid_request_error"
     code = "model_not_found"
 
 
-class BodyTooLargeError(RouterError):
-    status = 413
-    type = "invalid_request_error"
-    code = "body_too_large"
-
-
-class NoEngineError(RouterError):
-    """The model is known but no engine serving it is routable right now."""
-
-    status = 503
-    type = "server_error"
-    code = "no_routable_engine"
-
-
-class OverloadedError(RouterError):
-    """The router itself cannot take the request now (out of descriptors, its request body
-    budget spent): the client should retry shortly."""
-
-    status = 503
-    type = "server_error"
-    code = "router_overloaded"
-
-
-class RequestTimeoutError(RouterError):
+class RequestTimeoutError(RequestError):
     """The client stopped sending its request body."""
 
     status = 408
@@ -67,7 +60,13 @@ class RequestTimeoutError(RouterError):
     code = "request_timeout"
 
 
-class RateLimitedError(RouterError):
+class BodyTooLargeError(RequestError):
+    status = 413
+    type = "invalid_request_error"
+    code = "body_too_large"
+
+
+class RateLimitedError(RequestError):
     """A tenant is over its request rate or its concurrency, or the router's queue is full:
     retry later (the headers say when)."""
 
@@ -87,7 +86,27 @@ class RateLimitedError(RouterError):
         self.headers = headers
 
 
-class QueueTimeoutError(RouterError):
+class EngineFailedError(RequestError):
+    """The engine(s) chosen for a request failed it before answering: unreachable (502
+    `engine_unreachable`), silent (504 `engine_timeout`) or broken or malformed answers (502
+    `bad_engine_response`)."""
+
+    type = "server_error"
+
+    def __init__(self, message: str, *, status: int, code: str) -> None:
+        super().__init__(message)
+        self.status, self.code = status, code
+
+
+class NoEngineError(RequestError):
+    """The model is known but no engine serving it is routable right now."""
+
+    status = 503
+    type = "server_error"
+    code = "no_routable_engine"
+
+
+class QueueTimeoutError(RequestError):
     """A request waited in the router's queue for `admission.queue_timeout_s`: every engine
     for its model stayed saturated."""
 
@@ -96,22 +115,10 @@ class QueueTimeoutError(RouterError):
     code = "queue_timeout"
 
 
-class UpstreamError(RouterError):
-    """The chosen engine(s) could not be reached."""
-
-    status = 502
-    type = "server_error"
-    code = "engine_unreachable"
-
-
-class UpstreamTimeoutError(RouterError):
-    status = 504
-    type = "server_error"
-    code = "engine_timeout"
-
-
-class DiscoveryError(RouterError):
-    """The Kubernetes API could not be used (bad credentials, unreachable, bad answers)."""
+class OverloadedError(RequestError):
+    """The router itself cannot take the request now (out of descriptors, its request body
+    budget spent): the client should retry shortly."""
 
     status = 503
-    code = "discovery_unavailable"
+    type = "server_error"
+    code = "router_overloaded"

@@ -11,56 +11,36 @@ file (see `Reloader`).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import signal
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from typing import Any, Final
 
 import hypercorn.config
 import trio
 
-from . import connection
-from .admission import Admission
-from .app import RouterApp
 from .config import Config, StatsConfig, env_key, parse_bind
-from .discovery import DiscoveryStatus, Readiness, run_kubernetes_discovery
-from .errors import ConfigError
-from .health import EngineWorker, Prober, Supervisors, open_supervisors
-from .kubernetes_source import KubernetesPodSource
+from .discovery.kubernetes import KubernetesPodSource
+from .discovery.loop import DiscoveryStatus, Readiness, run_kubernetes_discovery
+from .discovery.reconcile import Reconciler, add_static_engines
+from .discovery.stats import run_stats_scraper
+from .discovery.supervision import EngineWorker, Prober, open_supervisors
+from .http import UpstreamPool, open_relay
 from .metrics import Metrics
-from .reconcile import Reconciler, add_static_engines
-from .runtime import Runtime, build_runtime, tenant_keys
-from .stats import run_stats_scraper
+from .serving import hypercorn_seam as connection
+from .serving.admission import Admission
+from .serving.app import RouterApp
+from .serving.reload import Reloader, ReloadOutcome
+from .serving.runtime import build_runtime, tenant_keys
 from .table import RoutingTable
 from .tracing import FLUSH_S, check_environment, open_tracing
-from .upstream import UpstreamPool, open_relay
 
 logger = logging.getLogger(__name__)
 
 THREAD_EXIT_S: Final = 10.0  # bound on waiting for an abandoned Kubernetes thread at exit
 KEEP_ALIVE_S: Final = 75.0  # idle client connections are kept longer than common LB timeouts
-LIVE_SECTIONS: Final = ("server", "routing", "proxy", "probe", "stats", "admission", "tenants")
-RESTART_SECTIONS: Final = ("discovery", "tracing")
-# Keys of [server] that shape the listening server itself: they need a restart.
-SERVER_RESTART_KEYS: Final = ("bind", "backlog", "max_connections", "write_timeout_s", "log_format")
 POOL_SWEEP_S: Final = 2.0  # how often idle engine connections the engine closed are dropped
-
-
-@dataclass(frozen=True, slots=True)
-class ReloadOutcome:
-    """What one SIGHUP did: the sections applied, the changes that need a restart (ignored),
-    or the error that kept the old config."""
-
-    applied: tuple[str, ...] = ()
-    needs_restart: tuple[str, ...] = ()
-    error: str = ""
-
-    @property
-    def ok(self) -> bool:
-        return not self.error
 
 
 def check_keys(config: Config) -> None:
@@ -92,119 +72,6 @@ def hypercorn_config(config: Config) -> hypercorn.config.Config:
     hc.accesslog = None  # no per-request logging on the hot path
     hc.errorlog = logging.getLogger("hypercorn.error")  # configured by __main__, like ours
     return hc
-
-
-class Reloader:
-    """Applies a re-read config to the running process (SIGHUP).
-
-    Live: [routing], [proxy], [admission], [[tenants]] and [server] except the keys in
-    SERVER_RESTART_KEYS: new requests use the new settings (`build_runtime`); requests in
-    flight keep the ones they started with (a new upstream pool replaces the old one when a
-    proxy timeout changes; the old one's exchanges finish on their connections). A new
-    `proxy.api_key_env` key also goes to the next probes and scrapes. [probe]: each engine's
-    next probe uses the new settings. [stats]: every engine's supervisor restarts with the
-    new scraper settings (routing state kept). SERVER_RESTART_KEYS and RESTART_SECTIONS
-    ([discovery], [tracing]) need a restart: logged and ignored. A file that does not load,
-    or names an unset key variable, changes nothing.
-    """
-
-    def __init__(
-        self,
-        load: Callable[[], Config],
-        runtime: Runtime,
-        *,
-        app: RouterApp,
-        table: RoutingTable,
-        metrics: Metrics,
-        prober: Prober,
-        supervisors: Supervisors,
-        stats_workers: Callable[[StatsConfig], list[EngineWorker]],
-        on_reload: Callable[[ReloadOutcome], None] | None = None,
-    ) -> None:
-        self._load, self.runtime = load, runtime
-        self._prober = prober
-        self._supervisors, self._stats_workers = supervisors, stats_workers
-        self._app, self._table = app, table
-        self._metrics, self._on_reload = metrics, on_reload
-
-    @property
-    def config(self) -> Config:
-        return self.runtime.config
-
-    async def reload(self) -> ReloadOutcome:
-        """Re-read and apply the config file. The file is read in a worker thread; the swap
-        itself is one synchronous step. Cancellation before the swap changes nothing."""
-        try:
-            new = await trio.to_thread.run_sync(self._load)
-            outcome, retired = self._apply(new)
-        except ConfigError as exc:
-            logger.error("config reload failed; keeping the running config: %s", exc)
-            outcome, retired = ReloadOutcome(error=str(exc)), None
-        self._metrics.reload("error" if outcome.error else "ok" if outcome.applied else "unchanged")
-        if self._on_reload is not None:
-            self._on_reload(outcome)
-        if retired is not None:
-            await retired.aclose()  # idle connections only; busy ones close when done
-        return outcome
-
-    def _apply(self, new: Config) -> tuple[ReloadOutcome, UpstreamPool | None]:
-        """Build the runtime of `new` and swap it in (no await: a request sees all old or all
-        new settings). Returns the outcome and the upstream pool to retire, if one was
-        replaced. Raises ConfigError, having changed nothing."""
-        previous = self.runtime
-        old = previous.config
-        restart = [
-            f"server.{key} ({getattr(old.server, key)} -> {getattr(new.server, key)})"
-            for key in SERVER_RESTART_KEYS
-            if getattr(new.server, key) != getattr(old.server, key)
-        ]
-        restart += [
-            f"[{section}]"
-            for section in RESTART_SECTIONS
-            if getattr(new, section) != getattr(old, section)
-        ]
-        effective = dataclasses.replace(
-            new,
-            server=dataclasses.replace(
-                new.server, **{key: getattr(old.server, key) for key in SERVER_RESTART_KEYS}
-            ),
-            **{section: getattr(old, section) for section in RESTART_SECTIONS},
-        )
-        applied = tuple(
-            f"[{section}]"
-            for section in LIVE_SECTIONS
-            if getattr(effective, section) != getattr(old, section)
-        )
-        if restart:
-            logger.warning(
-                "config reload: %s changed, which needs a restart; ignored until then",
-                ", ".join(restart),
-            )
-        runtime = build_runtime(effective, self._table, previous)
-        self._app.settings, self.runtime = runtime.settings, runtime
-        self._prober.api_key = runtime.engine_key
-        self._supervisors.update_ejection(effective.proxy)
-        self._app.admission.configure(
-            effective.admission,
-            max_per_engine=effective.proxy.max_connections_per_engine,
-            tenants=effective.tenants,
-            keys=runtime.tenant_keys,
-        )
-        if effective.probe != old.probe or effective.stats != old.stats:
-            self._supervisors.update_config(
-                effective.probe,
-                workers=None
-                if effective.stats == old.stats
-                else self._stats_workers(effective.stats),
-            )
-        retired_pool, unsubscribe = runtime.retired(previous)
-        if unsubscribe is not None:
-            unsubscribe()
-        if applied:
-            logger.warning("config reload applied: %s", ", ".join(applied))
-        elif not restart:
-            logger.warning("config reload: nothing changed")
-        return ReloadOutcome(applied=applied, needs_restart=tuple(restart)), retired_pool
 
 
 async def _handle_signals(
@@ -341,7 +208,7 @@ async def run(
                 health=lambda: readiness.check(trio.current_time()),
                 relay=relay,
                 client_socket=connection.current_client,
-                disconnect_check=connection.disconnect_check,
+                disconnect_hook=connection.disconnect_hook,
                 admission=admission,
                 tracing=tracing,
             )

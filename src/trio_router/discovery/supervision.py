@@ -20,11 +20,11 @@ from typing import Any, Final
 
 import trio
 
-from .asgi import jittered
-from .config import ProbeConfig, ProxyConfig
-from .errors import UpstreamError, UpstreamTimeoutError
-from .table import Engine, EngineState, Model, RoutingTable
-from .upstream import Connector, EngineUnreachableError, UpstreamPool, fetch, open_tcp_socket
+from ..asgi import jittered
+from ..config import ProbeConfig, ProxyConfig
+from ..http import EngineUnreachableError, TransportError, UpstreamPool, fetch
+from ..http.connection import Connector, open_tcp_socket
+from ..table import Engine, EngineState, Model, RoutingTable
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class Prober:
                 )
             except EngineUnreachableError as exc:
                 raise ProbeFailed(str(exc), refused=exc.connect_failed) from exc
-            except (UpstreamError, UpstreamTimeoutError) as exc:
+            except TransportError as exc:
                 raise ProbeFailed(str(exc)) from exc
         if scope.cancelled_caught:
             raise ProbeFailed(f"no answer within {timeout:g} s")

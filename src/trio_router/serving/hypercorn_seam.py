@@ -1,10 +1,10 @@
 """trio_router's seam into Hypercorn's trio worker: how its own server is run.
 
 The only module that touches Hypercorn's internals (its trio `TCPServer`, keep-alive task,
-lifespan and worker context). Checked against Hypercorn 0.17 and 0.18, the releases
-`pyproject.toml` allows; on any other layout `serve` logs a warning and serves with
-`hypercorn.trio.serve` as released, correctly but without the bounds below and at a higher CPU
-cost.
+lifespan, worker context, per-connection task group and HTTP/1.1 protocol). Checked against
+Hypercorn 0.17 and 0.18, the releases `pyproject.toml` allows; on any other layout `serve` logs
+a warning and serves with `hypercorn.trio.serve` as released, correctly but without the bounds
+below, the reason phrases and the disconnect hook, and at a higher CPU cost.
 
 - `serve(app, config, ...)`: what `hypercorn.trio.serve` does, with trio_router's connection
   class (`KeepAliveConnection`) handed to the accept loop directly (nothing global is
@@ -14,8 +14,8 @@ cost.
 - `current_client()`: for the request being handled, its client connection's socket as a
   `ClientSocket` (plain TCP only), so that the app can write a relayed body to it without
   knowing how Hypercorn is built.
-- `disconnect_check(receive)`: a synchronous check that the client of a request has left,
-  for the app to poll while it waits for an engine, without a watcher task per request.
+- `disconnect_hook(scope)`: the request's `Disconnect`, which cancels the cancel scope the app
+  arms it with when the client goes away, without a watcher task per request.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from hypercorn.app_wrappers import ASGIWrapper
 from hypercorn.events import Closed, Event, RawData
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio.lifespan import Lifespan
+from hypercorn.trio.task_group import TaskGroup
 from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
 from hypercorn.trio.worker_context import TrioSingleTask, WorkerContext
 from hypercorn.typing import ConnectionState
@@ -46,7 +47,14 @@ from hypercorn.utils import ShutdownError, raise_shutdown, repr_socket_addr
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ClientSocket", "KeepAliveConnection", "current_client", "disconnect_check", "serve"]
+__all__ = [
+    "ClientSocket",
+    "Disconnect",
+    "KeepAliveConnection",
+    "current_client",
+    "disconnect_hook",
+    "serve",
+]
 
 
 class ClientSocket:
@@ -82,30 +90,62 @@ def current_client() -> ClientSocket | None:
     return _client.get()
 
 
-def disconnect_check(receive: Callable[[], Awaitable[dict[str, Any]]]) -> Callable[[], bool] | None:
-    """A synchronous check that the client of a request has disconnected, or None when
-    `receive` is not Hypercorn's. Hypercorn's `receive` is the receive method of a Trio memory
-    channel where it queues `http.disconnect` when the connection (or, over HTTP/2, the
-    stream) closes; once the request body is read nothing else arrives there, so a
-    non-blocking receive tells whether the client left."""
-    channel = getattr(receive, "__self__", None)
-    if not isinstance(channel, trio.MemoryReceiveChannel):
-        return None
+class Disconnect:
+    """One request's disconnect hook: `arm(scope)` makes the client's leaving cancel `scope`
+    (Hypercorn queues `http.disconnect` for the request when its connection, or its HTTP/2
+    stream, closes), at once if it has left already; `disarm()` ends that, before the
+    request's last message goes out (Hypercorn reports the end of every exchange as a
+    disconnect too)."""
 
-    left = False
+    __slots__ = ("_gone", "_scope")
 
-    def gone() -> bool:
-        nonlocal left
-        if not left:
-            try:
-                left = channel.receive_nowait()["type"] == "http.disconnect"
-            except trio.WouldBlock:
-                pass
-            except (trio.EndOfChannel, trio.ClosedResourceError):
-                left = True
-        return left
+    def __init__(self) -> None:
+        self._scope: trio.CancelScope | None = None
+        self._gone = False
 
-    return gone
+    def arm(self, scope: trio.CancelScope) -> None:
+        self._scope = scope
+        if self._gone:
+            self.fire()
+
+    def disarm(self) -> None:
+        self._scope = None
+
+    def fire(self) -> None:
+        """The client went away (called by the connection's task, synchronously)."""
+        self._gone = True
+        if (scope := self._scope) is not None:
+            self._scope = None
+            scope.cancel(reason="the client went away")
+
+
+_HOOK: Final = "trio_router.disconnect"  # where a request's Disconnect is in its scope
+
+
+def disconnect_hook(scope: dict[str, Any]) -> Disconnect | None:
+    """The disconnect hook of a request served by `serve`, or None (another server)."""
+    extensions = scope.get("extensions")
+    return extensions.get(_HOOK) if extensions else None
+
+
+class DisconnectingTaskGroup(TaskGroup):
+    """Hypercorn's per-connection task group, whose requests each get a `Disconnect` (in
+    their scope's extensions) fired when Hypercorn queues their `http.disconnect`: no task
+    per request watches for it."""
+
+    async def spawn_app(
+        self, app: Any, config: hypercorn.config.Config, scope: Any, send: Any
+    ) -> Callable[[Any], Awaitable[None]]:
+        hook = Disconnect()
+        scope["extensions"][_HOOK] = hook
+        put = await super().spawn_app(app, config, scope, send)
+
+        async def put_and_watch(message: Any) -> None:
+            if message["type"] == "http.disconnect":
+                hook.fire()
+            await put(message)
+
+        return put_and_watch
 
 
 _PHRASES: Final = {status.value: status.phrase.encode() for status in HTTPStatus}
@@ -178,7 +218,7 @@ class KeepAliveTimer(TrioSingleTask):
             # The deadline passed just as a request began: keep serving it, with a new scope.
             self._scope = trio.CancelScope(deadline=math.inf)
         with trio.CancelScope(shield=True):
-            await self._connection._initiate_server_close()
+            await self._connection.close_idle()
 
 
 class KeepAliveConnection(TCPServer):
@@ -221,6 +261,11 @@ class KeepAliveConnection(TCPServer):
         # way). Its fileno() is -1 once it is closed, so a write never reaches a descriptor
         # number the process has reused since.
         self._socket = stream.socket if isinstance(stream, trio.SocketStream) else None
+
+    async def close_idle(self) -> None:
+        """Close the connection from the server's side (it is idle past its timeout, or the
+        server is shutting down), as Hypercorn's own timer does."""
+        await self._initiate_server_close()
 
     async def run(self) -> None:
         try:
@@ -285,7 +330,10 @@ class KeepAliveConnection(TCPServer):
                 sock.close()  # synchronous: also when cancelled
 
     async def _read_data(self) -> None:
-        # Called once the connection's protocol exists and before any request is read.
+        # Called once the connection's task group and protocol exist, before any request is
+        # read: both become this seam's subclasses (no state of theirs changes).
+        if type(self._task_group) is TaskGroup:
+            self._task_group.__class__ = DisconnectingTaskGroup
         protocol = self.protocol.protocol
         if type(protocol) is H11Protocol:
             protocol.__class__ = PhrasedH11Protocol
@@ -313,6 +361,7 @@ def _checked() -> bool:
         not hasattr(TCPServer, "_initiate_server_close")
         or not hasattr(TCPServer, "_close")
         or not hasattr(H11Protocol, "_send_h11_event")
+        or not hasattr(TaskGroup, "spawn_app")
     ):
         logger.warning(
             "this Hypercorn (%s) is not the one trio_router's connection class "

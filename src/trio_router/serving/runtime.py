@@ -14,12 +14,29 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from .app import MODEL_ONLY_POLICIES, Settings
-from .config import Config, env_key
-from .errors import ConfigError
-from .policy import make_policy
-from .table import RoutingTable
-from .upstream import UpstreamPool
+from ..config import Config, env_key
+from ..errors import ConfigError
+from ..http import UpstreamPool
+from ..routing.policy import Policy, make_policy
+from ..table import RoutingTable
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """What a request reads from the config, precomputed. Swapped whole on a reload, so a
+    request keeps the settings it started with."""
+
+    config: Config
+    policy: Policy
+    pool: UpstreamPool
+    retries: int
+    max_body_bytes: int
+    client_key: bytes | None  # the Bearer token clients must send, or None (no auth)
+    upstream_authorization: bytes | None  # the Authorization value sent to engines, or None
+    body_timeout: float  # seconds a request body may stop arriving
+    max_buffered_body_bytes: int  # request bodies held at once, in all
+    eject_on_5xx: bool  # an engine's 5xx answer counts as a failed request
+    access_log: bool  # an access record per proxied request (logger trio_router.access)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +111,6 @@ def build_runtime(config: Config, table: RoutingTable, previous: Runtime | None 
         max_body_bytes=config.server.max_body_bytes,
         client_key=client_key.encode() if client_key else None,
         upstream_authorization=b"Bearer " + engine_key.encode() if engine_key else None,
-        needs_request_info=policy.name not in MODEL_ONLY_POLICIES,
         body_timeout=config.server.request_body_timeout_s,
         max_buffered_body_bytes=config.server.max_buffered_body_bytes,
         eject_on_5xx=config.proxy.eject_on_5xx,

@@ -20,10 +20,10 @@ from typing import Any, Final, Protocol
 
 import trio
 
-from .asgi import jittered
-from .config import KubernetesConfig
-from .errors import DiscoveryError
-from .table import EngineState, EventType, Pod, PodEvent, RoutingTable
+from ..asgi import jittered
+from ..config import KubernetesConfig
+from ..errors import DiscoveryError
+from ..table import EngineState, EventType, Pod, PodEvent, RoutingTable
 
 logger = logging.getLogger(__name__)
 

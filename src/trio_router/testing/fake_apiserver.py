@@ -27,10 +27,10 @@ from urllib.parse import parse_qsl, urlsplit
 import h11
 import trio
 
-from trio_router.discovery import PodListing, WatchObserver
-from trio_router.errors import DiscoveryError
-from trio_router.kubernetes_source import pod_from_dict, watch_event_from_dict
-from trio_router.table import EventType, Pod, PodEvent
+from ..discovery.kubernetes import pod_from_dict, watch_event_from_dict
+from ..discovery.loop import PodListing, WatchObserver
+from ..errors import DiscoveryError
+from ..table import EventType, Pod, PodEvent
 
 RawObject = dict[str, Any]
 TRUE: Final = ("true", "True", "1")
@@ -593,6 +593,19 @@ class FakeApiServer(_Changes):
         )
         return True
 
+    async def _end_of_epoch(self, stream: trio.SocketStream, conn: h11.Connection) -> bool:
+        """The stream under way ends as the last reset, end or expiry asked; True if the
+        connection may be kept."""
+        if self._epoch_action == "end":
+            await stream.send_all(conn.send(h11.EndOfMessage()))
+            return False  # and close the connection
+        if self._epoch_action == "rst":
+            stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            return False
+        if self._epoch_action == "reset" or not self.expired_as_event:
+            return False
+        return await self._end_with_error(stream, conn, 410, "Expired", "too old resource version")
+
     async def _stream_events(
         self,
         stream: trio.SocketStream,
@@ -623,19 +636,7 @@ class FakeApiServer(_Changes):
         while True:
             changed = self._changed  # captured before the checks: no change is missed
             if self._epoch != epoch:  # before sending: changes made with a reset stay unsent
-                if self._epoch_action == "end":
-                    await stream.send_all(conn.send(h11.EndOfMessage()))
-                    return False  # and close the connection
-                if self._epoch_action == "rst":
-                    stream.socket.setsockopt(
-                        socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
-                    )
-                    return False
-                if self._epoch_action == "reset" or not self.expired_as_event:
-                    return False
-                return await self._end_with_error(
-                    stream, conn, 410, "Expired", "too old resource version"
-                )
+                return await self._end_of_epoch(stream, conn)
             batch: list[bytes] = []
             index = bisect.bisect_right(self._history_rvs, cursor)
             for entry in self._history[index:]:

@@ -36,10 +36,9 @@ from typing import Final
 
 import trio
 
-from .config import AdmissionConfig, TenantConfig
-from .errors import NoEngineError, QueueTimeoutError, RateLimitedError
-from .table import Engine, RoutingTable
-from .upstream import CLIENT_CHECK_S, ClientGoneError
+from ..config import AdmissionConfig, TenantConfig
+from ..errors import NoEngineError, QueueTimeoutError, RateLimitedError
+from ..table import Engine, RoutingTable
 
 __all__ = ["Admission", "Tenant"]
 
@@ -296,52 +295,32 @@ class Admission:
         pick: Pick,
         *,
         tried: Collection[str] = (),
-        client_gone: Callable[[], bool] | None = None,
     ) -> Engine:
         """An engine for a request, with a slot held on it for the caller (give it back with
         `release`). When every engine for `model` not in `tried` is saturated, wait in the
         queue. Raises NoEngineError when every routable engine for it has been tried
         (failover is over), RateLimitedError (429 `queue_full`) when the queue is full,
-        QueueTimeoutError after `admission.queue_timeout_s`, and ClientGoneError when
-        `client_gone` says so while waiting (asked every CLIENT_CHECK_S). Cancellation takes
-        the request out of the queue (and gives back a slot it was just given)."""
-        excluded = _Excluded(tried, self.saturated)
+        QueueTimeoutError after `admission.queue_timeout_s`. Cancellation (the client left, a
+        deadline) takes the request out of the queue (and gives back a slot it was just
+        given)."""
         if not self._queues.get(model):  # nobody waits for this model: no one to overtake
-            try:
-                engine = pick(excluded)
-            except NoEngineError:
-                if all(e.uid in tried for e in self._table.routable(model)):
-                    raise
-            else:
-                self._take(engine)
+            engine = self._take_now(model, pick, tried)
+            if engine is not None:
                 return engine
         if self._waiting >= self._config.queue_size and not self._make_room(tenant):
             self._reject("queue_full", tenant)
             raise _queue_full(self._config.queue_size)
-        now = trio.current_time()
-        waiter = _Waiter(tenant, model, pick, tried, now)
-        queue = self._queues.get(model)
-        if queue is None:
-            queue = self._queues[model] = _ModelQueue(fair=self._fair)
-        queue.push(waiter)
-        self._by_tenant.setdefault(tenant, []).append(waiter)
-        self._waiting += 1
+        waiter, queue = self._enqueue(tenant, model, pick, tried)
         queued = True
         try:
-            deadline = now + self._config.queue_timeout_s
+            deadline = waiter.queued_at + self._config.queue_timeout_s
             while waiter.engine is None:
-                with trio.move_on_at(
-                    deadline
-                    if client_gone is None
-                    else min(deadline, trio.current_time() + CLIENT_CHECK_S)
-                ):
+                with trio.move_on_at(deadline):
                     await waiter.event.wait()
                 if waiter.engine is not None:
                     break
                 if waiter.evicted:
                     raise _queue_full(self._config.queue_size)
-                if client_gone is not None and client_gone():
-                    raise ClientGoneError
                 if trio.current_time() >= deadline:
                     self._reject("queue_timeout", tenant)
                     raise QueueTimeoutError(
@@ -354,15 +333,44 @@ class Admission:
                 self._on_wait(model, trio.current_time() - waiter.queued_at)
             return engine
         finally:
-            if queued and waiter.engine is None and not waiter.evicted:
-                self._unqueue(waiter, queue)
-            mine = self._by_tenant.get(tenant)
-            if mine is not None and waiter in mine:
-                mine.remove(waiter)
-                if not mine:
-                    del self._by_tenant[tenant]
-            if waiter.engine is not None:  # dispatched just as it left: give the slot back
-                self.release(waiter.engine)
+            self._left(waiter, queue, queued=queued)
+
+    def _take_now(self, model: str, pick: Pick, tried: Collection[str]) -> Engine | None:
+        """An unsaturated engine for `model`, its slot taken, or None (all saturated).
+        NoEngineError when every routable engine for it has been tried."""
+        try:
+            engine = pick(_Excluded(tried, self.saturated))
+        except NoEngineError:
+            if all(e.uid in tried for e in self._table.routable(model)):
+                raise
+            return None
+        self._take(engine)
+        return engine
+
+    def _enqueue(
+        self, tenant: Tenant, model: str, pick: Pick, tried: Collection[str]
+    ) -> tuple[_Waiter, _ModelQueue]:
+        waiter = _Waiter(tenant, model, pick, tried, trio.current_time())
+        queue = self._queues.get(model)
+        if queue is None:
+            queue = self._queues[model] = _ModelQueue(fair=self._fair)
+        queue.push(waiter)
+        self._by_tenant.setdefault(tenant, []).append(waiter)
+        self._waiting += 1
+        return waiter, queue
+
+    def _left(self, waiter: _Waiter, queue: _ModelQueue, *, queued: bool) -> None:
+        """`waiter` is done waiting, however it ended (dispatched, turned away, cancelled)."""
+        if queued and waiter.engine is None and not waiter.evicted:
+            self._unqueue(waiter, queue)
+        tenant = waiter.tenant
+        mine = self._by_tenant.get(tenant)
+        if mine is not None and waiter in mine:
+            mine.remove(waiter)
+            if not mine:
+                del self._by_tenant[tenant]
+        if waiter.engine is not None:  # dispatched just as it left: give the slot back
+            self.release(waiter.engine)
 
     def _make_room(self, tenant: Tenant) -> bool:
         """The queue is full: when `tenant` has fewer requests waiting than the tenant with

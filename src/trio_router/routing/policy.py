@@ -31,9 +31,9 @@ from typing import Any, Final, Protocol
 
 import trio
 
-from .config import RoutingConfig
-from .errors import BadRequestError, NoEngineError
-from .table import Engine
+from ..config import RoutingConfig
+from ..errors import BadRequestError, NoEngineError
+from ..table import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +63,9 @@ class Policy(Protocol):
     """A routing policy. `choose` is pure and synchronous; `forget` drops per-engine memory."""
 
     name: str
+    # It reads more of a request than its model (the session key, the opening): the request
+    # is parsed whole and `request_info` rendered for it.
+    needs_request_info: bool
 
     def choose(
         self, candidates: Sequence[Engine], request: RequestInfo, exclude: Collection[str] = ()
@@ -265,6 +268,7 @@ class RoundRobinPolicy:
     """Each model's candidates in turn; excluded engines are skipped."""
 
     name = "round_robin"
+    needs_request_info = False
 
     def __init__(self) -> None:
         self._next: dict[str, int] = {}  # per model: a shared counter would alias models
@@ -291,6 +295,7 @@ class LeastLoadedPolicy:
     Ties go to a random one."""
 
     name = "least_loaded"
+    needs_request_info = False
 
     def __init__(self, gauge: LoadGauge, rng: random.Random) -> None:
         self._gauge, self._random = gauge, rng.random
@@ -434,6 +439,7 @@ class SessionPolicy:
     WALK_MAX of them, then least_loaded). Without a key: least_loaded."""
 
     name = "session"
+    needs_request_info = True
 
     def __init__(
         self,

@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 
 import trio
 
-from fake_network import CloseConnection, FakeNetwork, FakeReply, FakeRequest
-from trio_router.config import ProbeConfig
-from trio_router.health import Prober, Supervisors, open_supervisors
-from trio_router.reconcile import Reconciler
-from trio_router.table import EventType, Pod, PodEvent, RoutingTable
+from ..config import ProbeConfig
+from ..discovery.reconcile import Reconciler
+from ..discovery.supervision import Prober, Supervisors, open_supervisors
+from ..table import EventType, Pod, PodEvent, RoutingTable
+from .fake_network import CloseConnection, FakeNetwork, FakeReply, FakeRequest
 
 PORT = 8000
 

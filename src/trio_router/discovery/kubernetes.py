@@ -26,8 +26,11 @@ import trio
 import urllib3
 from kubernetes.client.exceptions import ApiException
 
-from .config import KubernetesConfig
-from .discovery import (
+from ..config import KubernetesConfig
+from ..errors import DiscoveryError
+from ..http.codec import ChunkedDecoder
+from ..table import Pod
+from .loop import (
     EVENT_TYPES,
     CredentialsError,
     KubernetesConnectionError,
@@ -38,9 +41,6 @@ from .discovery import (
     WatchObserver,
     WatchStalledError,
 )
-from .errors import DiscoveryError
-from .http11 import ChunkedDecoder
-from .table import Pod
 
 logger = logging.getLogger(__name__)
 
@@ -223,8 +223,8 @@ class KubernetesPodSource:
     def __init__(
         self, config: KubernetesConfig, *, api_client_factory: Callable[[], Any] | None = None
     ) -> None:
-        self._config = config
-        self._namespace = config.namespace or own_namespace()
+        self.config = config
+        self.namespace = config.namespace or own_namespace()
         self._new_api_client = api_client_factory or partial(new_api_client, config.kubeconfig)
         self._limiter = trio.CapacityLimiter(1)
         self._api: Any = None  # CoreV1Api; made and used only in this source's worker threads
@@ -269,19 +269,20 @@ class KubernetesPodSource:
             stream.stop()
 
     # -- worker-thread side ----------------------------------------------------------------
-    def _core_api(self) -> Any:
+    def core_api(self) -> Any:
+        """The Kubernetes client's CoreV1Api (built on first use, again after a 401/403)."""
         if self._api is None:
             self._api = kubernetes.client.CoreV1Api(self._new_api_client())
         return self._api
 
     def _list_blocking(self) -> PodListing:
-        api = self._core_api()
+        api = self.core_api()
         kwargs: dict[str, Any] = {}
-        if self._config.label_selector:
-            kwargs["label_selector"] = self._config.label_selector
+        if self.config.label_selector:
+            kwargs["label_selector"] = self.config.label_selector
         try:
             response = api.list_namespaced_pod(
-                self._namespace,
+                self.namespace,
                 _request_timeout=(CONNECT_TIMEOUT_S, LIST_READ_TIMEOUT_S),
                 _preload_content=False,
                 **kwargs,
@@ -291,7 +292,7 @@ class KubernetesPodSource:
             finally:
                 response.release_conn()
         except Exception as exc:
-            if (translated := self._translate(exc)) is None:
+            if (translated := self.translate(exc)) is None:
                 raise
             raise translated from exc
         try:
@@ -311,7 +312,7 @@ class KubernetesPodSource:
             raise DiscoveryError("LIST of pods answered without items or resourceVersion")
         return PodListing(tuple(pod_from_dict(i) for i in items if isinstance(i, dict)), version)
 
-    def _translate(self, exc: Exception) -> DiscoveryError | None:
+    def translate(self, exc: Exception) -> DiscoveryError | None:
         """The DiscoveryError for what the client raised, or None for anything unexpected."""
         if isinstance(exc, ApiException) and exc.status:
             if exc.status in (401, 403):
@@ -367,7 +368,7 @@ class _WatchStream:
     def run(self) -> None:
         """Worker thread: stream the events to the observer until the server ends the
         stream. Returns quietly when stopped or when the Trio side has gone."""
-        config = self._source._config
+        config = self._source.config
         try:
             self._stream(config)
         except _Stopped:
@@ -381,7 +382,7 @@ class _WatchStream:
                 raise WatchStalledError(
                     f"watch silent for {config.read_timeout_s:g} s (read timeout)"
                 ) from exc
-            if (translated := self._source._translate(exc)) is None:
+            if (translated := self._source.translate(exc)) is None:
                 raise
             raise translated from exc
 
@@ -407,12 +408,12 @@ class _WatchStream:
             return False
 
     def _stream(self, config: KubernetesConfig) -> None:
-        api = self._source._core_api()
+        api = self._source.core_api()
         kwargs: dict[str, Any] = {}
         if config.label_selector:
             kwargs["label_selector"] = config.label_selector
         response = api.list_namespaced_pod(
-            self._source._namespace,
+            self._source.namespace,
             watch=True,
             resource_version=self._rv,
             allow_watch_bookmarks=True,

@@ -11,8 +11,8 @@ import logging
 from collections.abc import Iterable
 from urllib.parse import urlsplit
 
-from .health import Supervisors
-from .table import Engine, EngineState, EventType, Pod, PodEvent, RoutingTable
+from ..table import Engine, EngineState, EventType, Pod, PodEvent, RoutingTable
+from .supervision import Supervisors
 
 logger = logging.getLogger(__name__)
 

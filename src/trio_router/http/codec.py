@@ -325,54 +325,79 @@ class ResponseParser:
                 self._remaining -= take
                 if not self._remaining:
                     self._chunk = _CHUNK_DATA_END
-            elif state == _CHUNK_DATA_END:
-                if buf[pos : pos + 2] != b"\r\n"[: end - pos]:
-                    raise ProtocolError("chunk data not followed by CRLF")
-                if end - pos < 2:
-                    break
-                pos += 2
-                self._chunk = _CHUNK_SIZE
+                continue
+            if state == _CHUNK_DATA_END:
+                after = self._data_end(buf, pos, end)
             elif state == _CHUNK_SIZE:
-                eol = buf.find(b"\r\n", pos)
-                if eol < 0:
-                    if end - pos > MAX_CHUNK_LINE:
-                        raise ProtocolError("chunk-size line too long")
-                    break
-                line = buf[pos:eol]
-                size, semicolon, _ = line.partition(b";")  # extensions are ignored
-                if not semicolon:  # whitespace may trail the size, not precede the ';'
-                    size = size.rstrip(b" \t")
-                if (
-                    not size
-                    or len(size) > 16
-                    or size.translate(None, _HEX)
-                    or line.translate(None, _FIELD_VALUE)
-                ):
-                    raise ProtocolError(f"bad chunk size line {line[:100]!r}")
-                pos = eol + 2
-                self._remaining = int(size, 16)
-                self._chunk = _CHUNK_DATA if self._remaining else _CHUNK_TRAILER
-            else:  # trailer section, ended by an empty line; trailers are dropped
-                eol = buf.find(b"\r\n", pos)
-                if eol < 0:
-                    if self._trailer_bytes + end - pos > MAX_HEAD_BYTES:
-                        raise ProtocolError("trailer section too large")
-                    break
-                if eol == pos:
-                    pos += 2
-                    self._mode = _DONE
-                    self.done = True
-                    break
-                line = buf[pos:eol]
-                name, colon, _ = line.partition(b":")
-                if not colon or not is_token(name) or line.translate(None, _FIELD_VALUE):
-                    raise ProtocolError(f"bad trailer line {line[:100]!r}")
-                self._trailer_bytes += eol + 2 - pos
-                pos = eol + 2
+                after = self._size_line(buf, pos, end)
+            else:
+                after = self._trailer_line(buf, pos, end)
+            if after is None:  # the rest of the line has not arrived
+                break
+            pos = after
+            if self.done:
+                break
         self._pos = pos
         if len(parts) == 1:
             return parts[0]
         return b"".join(parts)
+
+    def _data_end(self, buf: bytes, pos: int, end: int) -> int | None:
+        """The CRLF after a chunk's data: where the next size line starts."""
+        if buf[pos : pos + 2] != b"\r\n"[: end - pos]:
+            raise ProtocolError("chunk data not followed by CRLF")
+        if end - pos < 2:
+            return None
+        self._chunk = _CHUNK_SIZE
+        return pos + 2
+
+    def _size_line(self, buf: bytes, pos: int, end: int) -> int | None:
+        """A chunk-size line (extensions ignored): where the chunk's data starts."""
+        eol = buf.find(b"\r\n", pos)
+        if eol < 0:
+            if end - pos > MAX_CHUNK_LINE:
+                raise ProtocolError("chunk-size line too long")
+            return None
+        line = buf[pos:eol]
+        size, semicolon, _ = line.partition(b";")
+        if not semicolon:  # whitespace may trail the size, not precede the ';'
+            size = size.rstrip(b" \t")
+        if (
+            not size
+            or len(size) > 16
+            or size.translate(None, _HEX)
+            or line.translate(None, _FIELD_VALUE)
+        ):
+            raise ProtocolError(f"bad chunk size line {line[:100]!r}")
+        self._remaining = int(size, 16)
+        self._chunk = _CHUNK_DATA if self._remaining else _CHUNK_TRAILER
+        return eol + 2
+
+    def _trailer_line(self, buf: bytes, pos: int, end: int) -> int | None:
+        """One line of the trailer section (trailers are dropped); the empty one ends the
+        body."""
+        eol = buf.find(b"\r\n", pos)
+        if eol < 0:
+            if self._trailer_bytes + end - pos > MAX_HEAD_BYTES:
+                raise ProtocolError("trailer section too large")
+            return None
+        if eol == pos:
+            self._mode = _DONE
+            self.done = True
+            return pos + 2
+        line = buf[pos:eol]
+        name, colon, _ = line.partition(b":")
+        if not colon or not is_token(name) or line.translate(None, _FIELD_VALUE):
+            raise ProtocolError(f"bad trailer line {line[:100]!r}")
+        self._trailer_bytes += eol + 2 - pos
+        return eol + 2
+
+    @classmethod
+    def in_chunked_body(cls) -> ResponseParser:
+        """A parser positioned at the start of a chunked body whose head was read elsewhere."""
+        parser = cls()
+        parser._mode = _CHUNKED
+        return parser
 
     def eof(self) -> None:
         """The engine closed the connection: the end of an until-close body, else an error."""
@@ -393,8 +418,7 @@ class ChunkedDecoder:
     __slots__ = ("_parser",)
 
     def __init__(self) -> None:
-        self._parser = ResponseParser()
-        self._parser._mode = _CHUNKED
+        self._parser = ResponseParser.in_chunked_body()
 
     @property
     def done(self) -> bool:

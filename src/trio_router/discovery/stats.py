@@ -16,10 +16,9 @@ from typing import Final
 
 import trio
 
-from .asgi import jittered
-from .errors import UpstreamError, UpstreamTimeoutError
-from .table import Engine, RoutingTable
-from .upstream import UpstreamPool, fetch
+from ..asgi import jittered
+from ..http import TransportError, UpstreamPool, fetch
+from ..table import Engine, RoutingTable
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +162,7 @@ async def _fetch(
     deadline."""
     try:
         status, body = await fetch(pool, url, b"/metrics", headers, max_bytes=MAX_METRICS_BYTES)
-    except (UpstreamError, UpstreamTimeoutError) as exc:
+    except TransportError as exc:
         return None, str(exc)
     if status != 200:
         return None, f"HTTP {status}"

@@ -1,0 +1,39 @@
+"""The upstream client: HTTP/1.1 to engines, in the layers httpcore has.
+
+- `codec`: bytes to events and back (response parsing, chunk framing, request heads); no I/O.
+- `connection`: one TCP connection, driven without a trip through the scheduler when ready.
+- `pool`: keep-alive connections per engine and one exchange on them (`UpstreamPool`,
+  `UpstreamResponse`, `fetch`).
+- `relay`: the bodies of chunked answers moved to their clients from one task (`Relay`).
+- `errors`: what can go wrong, as transport facts without HTTP statuses (`TransportError`).
+"""
+
+from .errors import (
+    ClientGoneError,
+    EngineBrokeOffError,
+    EngineTimeoutError,
+    EngineUnreachableError,
+    InvalidRequestError,
+    LocalLimitError,
+    MalformedResponseError,
+    TransportError,
+)
+from .pool import UpstreamPool, UpstreamResponse, fetch
+from .relay import Relay, RelayTarget, open_relay
+
+__all__ = [
+    "ClientGoneError",
+    "EngineBrokeOffError",
+    "EngineTimeoutError",
+    "EngineUnreachableError",
+    "InvalidRequestError",
+    "LocalLimitError",
+    "MalformedResponseError",
+    "Relay",
+    "RelayTarget",
+    "TransportError",
+    "UpstreamPool",
+    "UpstreamResponse",
+    "fetch",
+    "open_relay",
+]

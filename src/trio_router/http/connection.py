@@ -1,0 +1,112 @@
+"""One TCP connection to an engine, driven without a trip through Trio's scheduler when the
+socket is ready: the connection layer under the pool and the relay (`http.pool`,
+`http.relay`), above the codec (`http.codec`)."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Awaitable, Callable
+from contextlib import suppress
+from typing import Final
+
+import trio
+
+__all__ = ["READ_SIZE", "Connection", "Connector", "open_tcp_socket"]
+
+READ_SIZE: Final = 65536  # bytes asked of the socket per receive
+
+# Opens a connected stream socket to (host, port); raises OSError.
+Connector = Callable[[str, int], Awaitable[socket.socket]]
+
+
+class Connection:
+    """One TCP connection with exactly one user at a time.
+
+    I/O is tried synchronously on the non-blocking socket first and waits on Trio
+    (`wait_readable`/`wait_writable`) only when it would block: a receive that finds data
+    already there costs no trip through the scheduler, which is most of the CPU of a small
+    exchange. The waits are checkpoints, so cancellation and deadlines apply to them.
+    """
+
+    __slots__ = ("idle_since", "raw", "sock")
+
+    def __init__(self, sock: trio.socket.SocketType, raw: socket.socket) -> None:
+        self.sock = sock  # the Trio socket: closing it wakes any task waiting on it
+        self.raw = raw  # the same socket, for synchronous non-blocking calls
+        self.idle_since = 0.0
+
+    async def send_all(self, data: bytes | bytearray, stall_s: float) -> bool:
+        """Send all of `data`, waiting at most `stall_s` at a time for the socket to take more
+        (a budget of silence, not of the whole send); False if it stalled that long. OSError
+        if the connection is broken."""
+        raw = self.raw
+        try:
+            sent = raw.send(data)
+        except BlockingIOError:
+            sent = 0
+        if sent < len(data):
+            with trio.move_on_after(stall_s) as scope, memoryview(data) as view:
+                while sent < len(data):
+                    await trio.lowlevel.wait_writable(raw)
+                    with suppress(BlockingIOError):
+                        sent += raw.send(view[sent:])
+                    scope.deadline = trio.current_time() + stall_s
+            return not scope.cancelled_caught
+        return True
+
+    def recv_nowait(self) -> bytes | None:
+        """What the socket holds now (b"" at EOF), or None if nothing is there yet."""
+        try:
+            return self.raw.recv(READ_SIZE)
+        except BlockingIOError:
+            return None
+
+    async def recv(self) -> bytes:
+        """Wait for data (b"" at EOF); OSError if the connection is broken."""
+        while True:
+            await trio.lowlevel.wait_readable(self.raw)
+            try:
+                return self.raw.recv(READ_SIZE)
+            except BlockingIOError:
+                pass
+
+    def readable(self) -> bool:
+        """Data, EOF or an error is waiting: for an idle connection, that means it cannot be
+        reused. A peek (one system call) rather than a poll object per check."""
+        try:
+            self.raw.recv(1, socket.MSG_PEEK)
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
+        return True
+
+    def close_now(self) -> None:
+        """Close the socket. Synchronous, so it also completes in a cancelled task, at once,
+        with nothing to shield or bound; the engine sees the connection end (FIN, or RST if
+        unread data was pending)."""
+        self.sock.close()
+
+
+async def open_tcp_socket(host: str, port: int) -> socket.socket:
+    """A TCP connection to `host`:`port` (each resolved address tried in turn), as a
+    non-blocking socket with TCP_NODELAY. Raises OSError (socket.gaierror if `host` does not
+    resolve). Cancellation closes the socket being connected."""
+    addresses = await trio.socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    error: OSError | None = None
+    for family, kind, proto, _, address in addresses:
+        raw = socket.socket(family, kind, proto)
+        sock = trio.socket.from_stdlib_socket(raw)  # makes it non-blocking
+        connected = False
+        try:
+            await sock.connect(address)
+            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            connected = True
+        except OSError as exc:
+            error = exc
+        finally:
+            if not connected:
+                sock.close()
+        if connected:
+            return raw
+    raise error or OSError(f"no address for {host}")

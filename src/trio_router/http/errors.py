@@ -1,0 +1,64 @@
+"""What can go wrong in an exchange with an engine, as the upstream client reports it.
+
+These are transport facts, not answers: they carry no HTTP status. The serving layer alone
+decides what a client is told (`serving.errors.from_transport`), and discovery what a failed
+probe means. Every failure of a socket, a deadline or the codec inside this package leaves it
+as one of these; nothing else escapes but cancellation.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ClientGoneError",
+    "EngineBrokeOffError",
+    "EngineTimeoutError",
+    "EngineUnreachableError",
+    "InvalidRequestError",
+    "LocalLimitError",
+    "MalformedResponseError",
+    "TransportError",
+]
+
+
+class TransportError(Exception):
+    """An exchange with an engine failed; the message names the engine and what happened."""
+
+
+class EngineUnreachableError(TransportError):
+    """The request never reached the engine (connect failed, or the connection closed before
+    any response byte): the one failure after which it may go to another engine.
+    `connect_failed`: no connection could be opened at all (refused, unreachable,
+    unresolvable)."""
+
+    def __init__(self, message: str, *, connect_failed: bool = False) -> None:
+        super().__init__(message)
+        self.connect_failed = connect_failed
+
+
+class EngineTimeoutError(TransportError):
+    """The engine was silent for longer than the read timeout: while the request was being
+    sent, while its head was awaited, or between two pieces of its body."""
+
+
+class EngineBrokeOffError(TransportError):
+    """The engine had the request and then broke the exchange off: a reset, or a close before
+    the end of its answer."""
+
+
+class MalformedResponseError(TransportError):
+    """The engine's answer is not valid HTTP/1.1 (or larger than the caller allowed)."""
+
+
+class InvalidRequestError(TransportError):
+    """The request cannot be written as HTTP/1.1 (a character its target or headers may not
+    hold): nothing was sent."""
+
+
+class LocalLimitError(TransportError):
+    """The router itself could not open a connection now (out of file descriptors, buffers or
+    memory): not the engine's fault."""
+
+
+class ClientGoneError(TransportError):
+    """The client of a relayed stream went away (its socket refused a write, or took nothing
+    for the write timeout)."""

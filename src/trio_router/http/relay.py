@@ -1,0 +1,326 @@
+"""The relay: the chunked bodies of engine answers moved to their clients, for every relayed
+stream at once, from one task, with the codec's framing check in between."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import select
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager, suppress
+from typing import Final, Protocol
+
+import trio
+
+from .codec import ProtocolError
+from .connection import READ_SIZE
+from .errors import ClientGoneError, EngineBrokeOffError, EngineTimeoutError, TransportError
+from .pool import RelaySource, UpstreamResponse
+
+__all__ = ["CHECK_S", "Relay", "RelayTarget", "open_relay"]
+
+CHECK_S: Final = 0.25  # how often the relayed streams' deadlines are checked
+
+logger = logging.getLogger(__name__)
+
+
+class RelayTarget(Protocol):
+    """Where a relayed body goes: a client connection speaking HTTP/1.1 with a chunked
+    response body under way, whose socket nothing else writes to meanwhile (see
+    `connection.ClientSocket`). `fileno()` is -1 once the socket is closed."""
+
+    def fileno(self) -> int: ...
+
+
+class Relay:
+    """Moves the chunked bodies of engine answers to their clients, for every relayed stream
+    at once, in one task: what a token stream costs per event is a `recv` from the engine and
+    a `write` to the client, with nothing in between but the chunk framing check.
+
+    An HTTP/1.1 client with a chunked response under way can take the engine's chunks as they
+    are. `relay()` hands such a body over: the engine's socket joins this relay's own epoll
+    set (level-triggered, registered once per stream), and when it is readable, what it holds
+    is read, its chunk framing checked by the codec (`ResponseParser.read_body_framed`:
+    complete chunks in h11's form pass as they came, anything else is framed anew) and written
+    to the client's socket at once; the last chunk is left to the client connection's own
+    codec. Every socket ready at a wake-up is served in the same pass, so a burst of events
+    on many streams costs one trip through the scheduler.
+
+    - Backpressure: when the client's socket does not take everything, the engine's socket is
+      no longer read until the rest is written (the client's socket joins the set for
+      writability meanwhile): at most one read of an engine's bytes is held per stream. A
+      client that takes nothing for `write_timeout` ends its stream with ClientGoneError.
+    - Every CHECK_S the relayed streams' deadlines are checked: an engine silent for
+      `read_timeout` with EngineTimeoutError. A write that fails (reset, closed) is a gone
+      client; an engine that resets, closes early or breaks the framing ends its stream with
+      EngineBrokeOffError.
+    - The task that called `relay()` owns its stream: cancelling it takes the stream out of
+      the set at once (and the exchange then closes the engine's connection).
+
+    Use from the Trio thread; run it with `open_relay()`.
+    """
+
+    def __init__(self, *, write_timeout: float = math.inf) -> None:
+        self.write_timeout = write_timeout  # a client taking nothing this long is dropped
+        self._epoll = select.epoll()
+        self._by_fd: dict[int, _Relayed] = {}  # engine sockets, and client sockets being waited on
+        self._streams: set[_Relayed] = set()
+        self._streams_changed = trio.Event()
+        self.relayed = 0  # streams handed over in all; for metrics and tests
+
+    def __len__(self) -> int:
+        return len(self._streams)
+
+    async def relay(
+        self,
+        response: UpstreamResponse,
+        client: RelayTarget,
+    ) -> tuple[bytes, int]:
+        """Move the rest of `response`'s body (`response.relayable`) to `client`. Returns
+        when the engine's last chunk has been read and everything before it written (the
+        caller then ends its response, which writes the last chunk), with the end of what
+        was relayed (up to 8 KiB: where the engine's usage summary would be) and how many
+        bytes were relayed. Raises
+        ClientGoneError, EngineTimeoutError or EngineBrokeOffError (then the client's response
+        cannot be ended cleanly). Cancellation takes the stream out of the relay at once."""
+        stream = _Relayed(
+            response.relay_source(),
+            client,
+            epoll=self._epoll,
+            by_fd=self._by_fd,
+            streams=self._streams,
+            write_timeout=self.write_timeout,
+        )
+        self._streams.add(stream)
+        self.relayed += 1
+        self._wake_ticker()
+        try:
+            stream.start(trio.current_time())
+            await stream.finished.wait()
+        finally:
+            stream.detach()
+        if stream.error is not None:
+            raise stream.error
+        return stream.before_last[-4096:] + stream.last[-4096:], stream.sent
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve every relayed stream until cancelled."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._check_forever)
+            task_status.started()
+            epoll, by_fd = self._epoll, self._by_fd
+            while True:
+                await trio.lowlevel.wait_readable(epoll.fileno())
+                ready = epoll.poll(0)
+                now = trio.current_time()
+                for fd, flags in ready:
+                    stream = by_fd.get(fd)
+                    if stream is not None:  # None: its stream ended earlier in this pass
+                        stream.ready(fd, flags, now)
+
+    def close(self) -> None:
+        """Release the epoll set (streams still relayed were ended by their owners)."""
+        self._epoll.close()
+
+    async def _check_forever(self) -> None:
+        while True:
+            if not self._streams:
+                await self._streams_changed.wait()
+            await trio.sleep(CHECK_S)
+            now = trio.current_time()
+            for stream in list(self._streams):
+                stream.check(now)
+
+    def _wake_ticker(self) -> None:
+        self._streams_changed.set()
+        self._streams_changed = trio.Event()
+
+
+@asynccontextmanager
+async def open_relay(*, write_timeout: float = math.inf) -> AsyncIterator[Relay]:
+    """A running `Relay`; leaving the block stops it (streams still relayed end with their
+    owners' cancellation)."""
+    relay = Relay(write_timeout=write_timeout)
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(relay.run)
+            yield relay
+            nursery.cancel_scope.cancel()
+    finally:
+        relay.close()
+
+
+class _Relayed:
+    """One stream in a `Relay`: the engine's side (socket, parser), the client's socket, and
+    the bytes read but not yet written."""
+
+    __slots__ = (
+        "_by_fd",
+        "_client",
+        "_client_fd",
+        "_conn",
+        "_engine_fd",
+        "_epoll",
+        "_parser",
+        "_pending",
+        "_read_timeout",
+        "_streams",
+        "_url",
+        "_write_timeout",
+        "before_last",
+        "deadline",
+        "error",
+        "finished",
+        "last",
+        "sent",
+        "write_deadline",
+    )
+
+    def __init__(
+        self,
+        source: RelaySource,
+        client: RelayTarget,
+        *,
+        epoll: select.epoll,
+        by_fd: dict[int, _Relayed],
+        streams: set[_Relayed],
+        write_timeout: float,
+    ) -> None:
+        # The relay's epoll set, its fd -> stream map and its set of streams, shared by its
+        # streams (each registers and unregisters its own sockets there).
+        self._epoll, self._by_fd, self._streams = epoll, by_fd, streams
+        self._write_timeout = write_timeout
+        self._conn, self._parser = source.conn, source.parser
+        self._url = source.url
+        self._read_timeout = source.read_timeout
+        self._client = client
+        self._engine_fd = -1
+        self._client_fd = -1  # registered for writability while a write waits
+        self._pending = b""
+        self.deadline = math.inf  # the engine's silence budget
+        self.write_deadline = math.inf  # the client's, while a write waits
+        self.error: TransportError | None = None
+        self.finished = trio.Event()
+        self.before_last = self.last = b""  # the last two pieces: where a usage summary is
+        self.sent = 0  # bytes handed to the client's socket
+
+    def start(self, now: float) -> None:
+        """Watch the engine's socket, and relay what was already received."""
+        self.deadline = now + self._read_timeout
+        self._engine_fd = self._conn.raw.fileno()
+        self._epoll.register(self._engine_fd, select.EPOLLIN)
+        self._by_fd[self._engine_fd] = self
+        self._forward(now)
+
+    def ready(self, fd: int, flags: int, now: float) -> None:
+        if fd == self._client_fd:
+            self._flush(now)
+            return
+        try:
+            data = self._conn.raw.recv(READ_SIZE)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            self._finish(
+                EngineBrokeOffError(f"engine {self._url} reset the connection mid-response: {exc}")
+            )
+            return
+        if data:
+            self._parser.feed(data)
+            self.deadline = now + self._read_timeout
+            self._forward(now)
+        else:
+            self._finish(
+                EngineBrokeOffError(
+                    f"engine {self._url} broke off the response body: connection closed "
+                    "before the end of the response body"
+                )
+            )
+
+    def check(self, now: float) -> None:
+        """The periodic check: a client that takes nothing, an engine silent for too long."""
+        if now >= self.write_deadline:
+            logger.info(
+                "a client took nothing of a relayed stream for %g s; dropping it",
+                self._write_timeout,
+            )
+            self._finish(ClientGoneError())
+        elif now >= self.deadline:
+            self._finish(
+                EngineTimeoutError(
+                    f"engine {self._url} was silent for {self._read_timeout:g} s mid-response "
+                    "(proxy.read_timeout_s)"
+                )
+            )
+
+    def _forward(self, now: float) -> None:
+        try:
+            out = self._parser.read_body_framed()
+        except ProtocolError as exc:
+            self._finish(
+                EngineBrokeOffError(f"engine {self._url} broke off the response body: {exc}")
+            )
+            return
+        if out:
+            self.before_last, self.last = self.last, out
+            self.sent += len(out)
+            self._pending = out
+            self._flush(now)
+        elif self._parser.done:
+            self._finish(None)
+
+    def _flush(self, now: float) -> None:
+        """Write what is pending; wait for the client's socket if it does not take it all."""
+        data = self._pending
+        try:
+            written = os.write(self._client.fileno(), data)
+        except BlockingIOError:
+            written = 0
+        except OSError:  # reset, broken pipe, or closed by the server (fileno() is -1)
+            self._finish(ClientGoneError())
+            return
+        epoll = self._epoll
+        if written < len(data):
+            self._pending = data[written:]
+            self.deadline = math.inf  # the client is slow, not the engine
+            if written or self.write_deadline == math.inf:
+                self.write_deadline = now + self._write_timeout
+            if self._client_fd < 0:
+                if self._engine_fd >= 0:
+                    epoll.modify(self._engine_fd, 0)  # read no more until this is written
+                self._client_fd = self._client.fileno()
+                epoll.register(self._client_fd, select.EPOLLOUT)
+                self._by_fd[self._client_fd] = self
+            return
+        self._pending = b""
+        self.write_deadline = math.inf
+        if self._client_fd >= 0:
+            self._unregister(self._client_fd)
+            self._client_fd = -1
+            if self._engine_fd >= 0:
+                epoll.modify(self._engine_fd, select.EPOLLIN)
+            self.deadline = now + self._read_timeout
+        if self._parser.done:
+            self._finish(None)
+
+    def _finish(self, error: TransportError | None) -> None:
+        if self.finished.is_set():
+            return
+        self.error = error
+        self.detach()
+        self.finished.set()
+
+    def detach(self) -> None:
+        """Leave the relay (synchronous; idempotent)."""
+        for fd in (self._engine_fd, self._client_fd):
+            if fd >= 0:
+                self._unregister(fd)
+        self._engine_fd = self._client_fd = -1
+        self._streams.discard(self)
+
+    def _unregister(self, fd: int) -> None:
+        if self._by_fd.get(fd) is self:
+            del self._by_fd[fd]
+            with suppress(OSError, ValueError):  # closed meanwhile: the kernel dropped it
+                self._epoll.unregister(fd)

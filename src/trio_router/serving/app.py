@@ -1,0 +1,145 @@
+"""The ASGI application: dispatch only.
+
+A POST to a proxied path becomes a `ProxyExchange` (intake, routing, the engine's answer,
+everything it leaves behind); every other request goes to the admin endpoints; the lifespan
+is answered; a WebSocket upgrade is refused. The app holds no tasks of its own (each request
+runs in the task its server gives it) and no global state; `settings` is swapped whole on a
+reload, so a request keeps the settings it started with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Final
+
+from ..asgi import Receive, Scope, Send, answer_lifespan
+from ..config import Config
+from ..discovery.supervision import Supervisors
+from ..http import Relay
+from ..metrics import Metrics
+from ..table import RoutingTable
+from ..tracing import Tracing
+from .admin import AdminEndpoints, missing_model
+from .admission import Admission, Tenant
+from .errors import error_body
+from .exchange import ClientConnection, DisconnectHook, ProxyExchange, Services, request_ids
+from .intake import BodyBudget, BodyParser, authenticate
+from .runtime import Settings
+
+__all__ = ["PROXIED_PATHS", "DisconnectHooks", "RouterApp", "no_disconnect_hook"]
+
+PROXIED_PATHS: Final = frozenset(
+    {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/embeddings",
+        "/v1/responses",
+        "/tokenize",
+        "/detokenize",
+        "/v1/rerank",
+        "/rerank",
+        "/v1/score",
+        "/score",
+    }
+)
+
+# The server's disconnect detection for one request's scope, or None where it has none.
+DisconnectHooks = Callable[[Scope], DisconnectHook | None]
+
+
+def no_disconnect_hook(scope: Scope) -> None:
+    """For a server that gives no way to see a client leave while the app waits: the exchange
+    then runs to its end."""
+    return None
+
+
+class RouterApp:
+    """The ASGI callable. Built by `server.run` with every collaborator."""
+
+    def __init__(
+        self,
+        *,
+        settings: Settings,
+        table: RoutingTable,
+        supervisors: Supervisors,
+        metrics: Metrics,
+        health: Callable[[], tuple[bool, str, str]],
+        admission: Admission,
+        relay: Relay | None = None,
+        client_socket: Callable[[], ClientConnection | None] = lambda: None,
+        disconnect_hook: DisconnectHooks = no_disconnect_hook,
+        tracing: Tracing | None = None,
+    ) -> None:
+        self.settings = settings
+        self.admission = admission
+        new_request_id = request_ids()
+        self._services = Services(
+            table=table,
+            admission=admission,
+            supervisors=supervisors,
+            metrics=metrics,
+            tracing=tracing,
+            relay=relay,
+            client_socket=client_socket,
+            bodies=BodyBudget(settings.max_buffered_body_bytes),
+            parser=BodyParser(),
+            missing_model=lambda model: missing_model(table, model),
+            new_request_id=new_request_id,
+        )
+        self._disconnect_hook = disconnect_hook
+        self._admin = AdminEndpoints(
+            table,
+            metrics,
+            health,
+            proxied=PROXIED_PATHS,
+            authenticate=self._authenticate,
+            new_request_id=new_request_id,
+        )
+
+    @property
+    def config(self) -> Config:
+        return self.settings.config
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            if scope["method"] == "POST" and scope["path"] in PROXIED_PATHS:
+                exchange = ProxyExchange(
+                    self._services, self.settings, scope, send, self._disconnect_hook(scope)
+                )
+                await exchange.run(receive)
+            else:
+                await self._admin(scope, send)
+        elif kind == "lifespan":
+            await answer_lifespan(receive, send)
+        elif kind == "websocket":
+            await _refuse_websocket(scope, receive, send)
+
+    def _authenticate(self, authorization: bytes | None) -> Tenant:
+        return authenticate(self.admission, self.settings.client_key, authorization)
+
+
+async def _refuse_websocket(scope: Scope, receive: Receive, send: Send) -> None:
+    """A WebSocket upgrade: the OpenAI API here is HTTP (streams are SSE). Answered with a 400
+    that says so, where the server can send one, else refused (403)."""
+    if (await receive())["type"] != "websocket.connect":
+        return
+    if "websocket.http.response" in scope.get("extensions", {}):
+        body = error_body(
+            "WebSocket is not supported: use HTTP (streaming answers are server-sent events)",
+            type="invalid_request_error",
+            code="websocket_not_supported",
+        )
+        await send(
+            {
+                "type": "websocket.http.response.start",
+                "status": 400,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", b"%d" % len(body)),
+                ],
+            }
+        )
+        await send({"type": "websocket.http.response.body", "body": body})
+    else:
+        await send({"type": "websocket.close", "code": 1003})

@@ -1,0 +1,530 @@
+"""The proxy exchange: one proxied request, from its head to its last byte.
+
+`ProxyExchange.run` reads the request (`intake`), routes it through admission and the policy,
+tries engines until one answers (failover only while nothing has reached the client), and
+streams the engine's answer back, relayed when it can be. The exchange owns what the request
+leaves behind: its status, timings and bytes (metrics), the engine's health (outlier ejection
+through the supervisors), its trace spans, and its access record, each written once however
+the request ends.
+
+The request runs in its own cancel scope. The server's disconnect hook (`DisconnectHook`)
+cancels it when the client goes away, at any await: in the body, in the router's queue, while
+the engine is awaited or its answer relayed; leaving the scope closes the engine's connection
+(vLLM then aborts the generation), and the request is counted with status 499. No task per
+request watches for that, and nothing below the exchange takes a "client gone" check.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import re
+import secrets
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final, Protocol
+
+import trio
+
+from ..asgi import Message, Receive, Scope, Send
+from ..discovery.supervision import Supervisors
+from ..errors import EngineFailedError, NoEngineError, RequestError, UnknownModelError
+from ..http import (
+    ClientGoneError,
+    EngineUnreachableError,
+    LocalLimitError,
+    Relay,
+    RelayTarget,
+    TransportError,
+    UpstreamResponse,
+)
+from ..metrics import NO_LABEL, Metrics
+from ..routing.policy import RequestInfo, request_info
+from ..table import Engine, RoutingTable
+from ..tracing import Tracing
+from .admission import Admission, Tenant
+from .errors import (
+    CLIENT_CLOSED,
+    ENGINE_HEADER,
+    REQUEST_ID_HEADER,
+    error_response,
+    from_transport,
+    http_date,
+)
+from .intake import BodyBudget, BodyParser, Held, authenticate, read_body, read_head
+from .runtime import Settings
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
+
+__all__ = ["ClientConnection", "DisconnectHook", "ProxyExchange", "Services"]
+
+logger = logging.getLogger(__name__)
+access_logger = logging.getLogger("trio_router.access")  # one record per proxied request
+
+# Response headers of the engine replaced by the router's own (the pool already dropped the
+# hop-by-hop ones). The engine's Date passes through, as a gateway's should; the router dates
+# only the answers it makes itself, or an engine's answer that came without one.
+_RESPONSE_REPLACED: Final = frozenset({ENGINE_HEADER, REQUEST_ID_HEADER})
+_END_BODY: Final[Message] = {"type": "http.response.body", "body": b"", "more_body": False}
+_USAGE: Final = re.compile(
+    rb'"usage"\s*:\s*\{[^{}]*"prompt_tokens"\s*:\s*(\d+)[^{}]*'
+    rb'"completion_tokens"\s*:\s*(\d+)'
+)
+
+
+class ClientConnection(RelayTarget, Protocol):
+    """The client socket of the request being handled, as the server tells it: where a
+    relayed body is written."""
+
+    def writes_pending(self) -> bool: ...
+
+
+class DisconnectHook(Protocol):
+    """Cancels a request's scope when its client goes away (the server's own detection)."""
+
+    def arm(self, scope: trio.CancelScope) -> None: ...
+
+    def disarm(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Services:
+    """The router-wide collaborators of every exchange (built once by the app)."""
+
+    table: RoutingTable
+    admission: Admission
+    supervisors: Supervisors
+    metrics: Metrics
+    tracing: Tracing | None
+    relay: Relay | None
+    client_socket: Callable[[], ClientConnection | None]
+    bodies: BodyBudget
+    parser: BodyParser
+    missing_model: Callable[[str], RequestError]
+    new_request_id: Callable[[], bytes]
+
+
+def request_ids() -> Callable[[], bytes]:
+    """Request ids for requests that came without one: this process's random prefix and a
+    counter."""
+    prefix, counter = secrets.token_hex(4).encode(), itertools.count(1)
+    return lambda: b"%s-%d" % (prefix, next(counter))
+
+
+class _Failed(Exception):
+    """An attempt ended the exchange with this error answered (or the response cut)."""
+
+    def __init__(self, error: RequestError) -> None:
+        self.error = error
+
+
+class ProxyExchange:
+    """One proxied request (see the module's docstring). Build one per request and `run` it
+    in the request's task; every field is the request's own."""
+
+    def __init__(
+        self,
+        services: Services,
+        settings: Settings,
+        scope: Scope,
+        send: Send,
+        hook: DisconnectHook | None,
+    ) -> None:
+        self._services, self._settings = services, settings
+        self._scope, self._send, self._hook = scope, send, hook
+        self.started = trio.current_time()
+        self.request_id = ""  # decoded, for logs and records
+        self._request_id = b""  # as sent on
+        self.tenant_name = ""
+        self.model = ""  # as the client asked for it
+        self.model_label = NO_LABEL  # the metrics' label: client-chosen unknown names are not one
+        self.engine = ""  # the engine that answered (or was tried last)
+        self.status = 0  # 0: no answer (cancelled: the drain deadline)
+        self.attempts = 0  # engines tried
+        self.sent = 0  # response body bytes handed on
+        self.ttfb: float | None = None
+        self._span: Span | None = None  # the server span, with tracing on
+        self._tenant: Tenant | None = None  # admitted: its admission is left at the end
+
+    async def run(self, receive: Receive) -> None:
+        """Serve the request to its end. A cancellation from outside (the drain deadline)
+        propagates; the client leaving ends it quietly with status 499."""
+        tracing = self._services.tracing
+        scope = self._scope
+        if tracing is not None:
+            self._span = tracing.start_request(scope["method"], scope["path"], scope["headers"])
+        held = Held(self._services.bodies)
+        try:
+            with trio.CancelScope() as cancel:
+                if self._hook is not None:
+                    self._hook.arm(cancel)
+                await self._serve(receive, held)
+            if cancel.cancelled_caught:  # only the client leaving cancels this scope
+                self.status = CLIENT_CLOSED
+        finally:
+            self._disarm()
+            held.release()
+            if self._tenant is not None:
+                self._services.admission.leave(self._tenant)
+            self._finish()
+
+    def _disarm(self) -> None:
+        """From now on the client leaving no longer cancels the request: its last message is
+        about to go out (the server reports the end of every exchange as a disconnect too)."""
+        if self._hook is not None:
+            self._hook.disarm()
+            self._hook = None
+
+    async def _end(self, message: Message) -> None:
+        """Send the last message of the answer."""
+        self._disarm()
+        await self._send(message)
+
+    # -- intake -------------------------------------------------------------------------------
+    async def _serve(self, receive: Receive, held: Held) -> None:
+        """Read the request and route it."""
+        services, settings = self._services, self._settings
+        head = read_head(
+            self._scope["headers"], services.new_request_id, settings.upstream_authorization
+        )
+        request_id = self._request_id = head.request_id
+        self.request_id = request_id.decode(errors="replace")
+        services.bodies.limit = settings.max_buffered_body_bytes
+        body = None
+        try:
+            if head.invalid is not None:
+                raise head.invalid
+            tenant = authenticate(services.admission, settings.client_key, head.authorization)
+            self.tenant_name = tenant.name
+            body = await read_body(
+                receive,
+                head.content_length,
+                settings.max_body_bytes,
+                stall_s=settings.body_timeout,
+                held=held,
+            )
+            if body is None:
+                self.status = CLIENT_CLOSED  # the client left while sending
+                return
+            payload = await services.parser.parse(
+                body, model_only=not settings.policy.needs_request_info
+            )
+            info = self._route_info(payload)
+            services.admission.admit(tenant)
+            self._tenant = tenant
+        except RequestError as exc:
+            held.release()
+            # Answered before the body was read: the connection cannot carry another one.
+            await self._answer_error(exc, close=body is None)
+            return
+        target = self._scope["raw_path"]
+        if query := self._scope["query_string"]:
+            target += b"?" + query
+        try:
+            await self._forward(tenant, info, target, head.headers, body, request_id)
+        except _Failed as failed:
+            await self._answer_error(failed.error)
+
+    def _route_info(self, payload: dict[str, Any]) -> RequestInfo:
+        """What the policy may know of the request; RequestError for a model no routable
+        engine serves."""
+        model = self.model = payload["model"]
+        if not self._services.table.routable(model):
+            error = self._services.missing_model(model)
+            if not isinstance(error, UnknownModelError):
+                self.model_label = model  # clients choose unknown names: those get no label
+            raise error
+        self.model_label = model
+        settings = self._settings
+        if settings.policy.needs_request_info:
+            return request_info(payload, self._scope["headers"], settings.config.routing)
+        return RequestInfo(model=model)
+
+    # -- attempts -----------------------------------------------------------------------------
+    async def _forward(
+        self,
+        tenant: Tenant,
+        info: RequestInfo,
+        target: bytes,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes | bytearray,
+        request_id: bytes,
+    ) -> None:
+        """Try engines until one answers: another after each that cannot be reached, up to
+        `proxy.retries` more, and never once an engine has answered."""
+        tried: list[str] = []
+        unreachable: EngineUnreachableError | None = None
+        while True:
+            engine = await self._choose(tenant, info, tried, unreachable)
+            generation = engine.generation
+            try:
+                await self._attempt(engine, generation, target, headers, body, request_id)
+                return
+            except EngineUnreachableError as exc:
+                self._services.supervisors.report_unreachable(
+                    engine, generation, str(exc), refused=exc.connect_failed
+                )
+                self._services.metrics.engine_unreachable(engine.name)
+                tried.append(engine.uid)
+                unreachable = exc
+                if len(tried) > self._settings.retries:
+                    raise _Failed(
+                        EngineFailedError(
+                            f"engine {engine.name} for model {self.model!r} could not be "
+                            f"reached ({len(tried)} attempt(s)): {exc}",
+                            status=502,
+                            code="engine_unreachable",
+                        )
+                    ) from exc
+            finally:
+                self._services.admission.release(engine)
+
+    async def _choose(
+        self,
+        tenant: Tenant,
+        info: RequestInfo,
+        tried: Collection[str],
+        unreachable: EngineUnreachableError | None,
+    ) -> Engine:
+        """An engine for the next attempt, its admission slot held; _Failed when there is none
+        (every engine tried, the queue full or its wait over)."""
+        services, policy, model = self._services, self._settings.policy, self.model
+        why = ""
+
+        def pick(exclude: Collection[str]) -> Engine:
+            nonlocal why
+            engine, why = policy.choose(services.table.routable(model), info, exclude=exclude)
+            return engine
+
+        try:
+            engine = await services.admission.acquire(tenant, model, pick, tried=tried)
+        except NoEngineError as exc:
+            if unreachable is None:
+                raise _Failed(exc) from exc
+            raise _Failed(
+                EngineFailedError(
+                    f"no engine for model {model!r} could be reached after {len(tried)} "
+                    f"attempt(s); last: {unreachable}",
+                    status=502,
+                    code="engine_unreachable",
+                )
+            ) from exc
+        except RequestError as exc:  # the queue: full, or waited too long
+            raise _Failed(exc) from exc
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "request %s for %s (tenant %r): policy %s chose %s (excluded %s): %s",
+                self.request_id,
+                model,
+                tenant.name,
+                policy.name,
+                engine.name,
+                list(tried),
+                why,
+            )
+        services.metrics.routed(policy.name, "failover" if tried else "first", engine.name)
+        self.attempts = len(tried) + 1
+        self.engine = engine.name
+        return engine
+
+    async def _attempt(
+        self,
+        engine: Engine,
+        generation: int,
+        target: bytes,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes | bytearray,
+        request_id: bytes,
+    ) -> None:
+        """One attempt at `engine`: the answer streamed back. EngineUnreachableError when the
+        request never reached it (the caller may try another); _Failed for other failures."""
+        services = self._services
+        span = None
+        failure: str | None = "cancelled"
+        response: UpstreamResponse | None = None
+        if self._span is not None and services.tracing is not None:
+            span, headers = services.tracing.start_attempt(
+                self._span, engine.name, engine.url, self.attempts, target, headers
+            )
+        try:
+            async with self._settings.pool.request(
+                engine.url, b"POST", target, headers, body
+            ) as response:
+                await self._respond(response, engine, request_id)
+            failure = None
+            self._record(engine, generation, response.status)
+        except EngineUnreachableError as exc:
+            failure = str(exc)
+            raise
+        except TransportError as exc:
+            failure = str(exc)
+            self._broken(engine, generation, exc, answered=response is not None)
+        finally:
+            if span is not None and services.tracing is not None:
+                services.tracing.end_attempt(
+                    span, status=response.status if response is not None else None, error=failure
+                )
+
+    def _record(self, engine: Engine, generation: int, status: int) -> None:
+        """An answer went out whole: the engine's figures and health."""
+        engine.requests.record(self.ttfb, trio.current_time() - self.started, ok=status < 500)
+        if status >= 500 and self._settings.eject_on_5xx:
+            self._services.supervisors.request_failed(engine, generation, f"answered {status}")
+        else:
+            self._services.supervisors.request_succeeded(engine)
+
+    def _broken(
+        self, engine: Engine, generation: int, exc: TransportError, *, answered: bool
+    ) -> None:
+        """An attempt failed after the engine had the request (or the router could not open a
+        connection, which is not the engine's fault). Before any byte of the answer: _Failed
+        with what the client is told. After: the client's connection is cut (the answer
+        cannot be ended cleanly), and the status counted is the error's."""
+        if isinstance(exc, ClientGoneError):  # the relay found the client gone
+            self.status = CLIENT_CLOSED
+            return
+        error = from_transport(exc)
+        if not isinstance(exc, LocalLimitError):  # the router's own limits: not the engine's
+            engine.requests.record(self.ttfb, trio.current_time() - self.started, ok=False)
+            self._services.supervisors.request_failed(engine, generation, str(exc))
+        if not answered:
+            raise _Failed(error) from exc
+        logger.warning(
+            "request %s for %s on engine %s broke off mid-response: %s",
+            self.request_id,
+            self.model,
+            engine.name,
+            exc,
+        )
+        self.status = error.status
+
+    # -- the answer ---------------------------------------------------------------------------
+    async def _respond(self, response: UpstreamResponse, engine: Engine, request_id: bytes) -> None:
+        """Send the engine's answer to the client: its head, then its body as it comes,
+        relayed after the first chunk when the client connection allows it."""
+        services, send = self._services, self._send
+        out = []
+        dated = False
+        for header in response.headers:
+            name = header[0]
+            if name not in _RESPONSE_REPLACED:
+                out.append(header)
+                dated = dated or name == b"date"
+        if not dated:
+            out.append((b"date", http_date()))
+        out.append((ENGINE_HEADER, engine.name.encode()))
+        out.append((REQUEST_ID_HEADER, request_id))
+        self.status = response.status
+        await send({"type": "http.response.start", "status": response.status, "headers": out})
+        relay = services.relay if self._scope["http_version"] == "1.1" else None
+        previous = chunk = b""
+        ended = False  # the end of the response was sent
+        async for chunk in response:
+            if self.ttfb is None:
+                self.ttfb = trio.current_time() - self.started
+                services.metrics.observe_ttfb(self.model, self.ttfb)
+            ended = response.complete  # the last chunk ends the response
+            message = {"type": "http.response.body", "body": chunk, "more_body": not ended}
+            await (self._end(message) if ended else send(message))
+            self.sent += len(chunk)
+            previous = chunk
+            if relay is not None and not ended:
+                tail = await self._relay(relay, response)
+                if tail is not None:
+                    previous, chunk = b"", tail
+                    ended = True
+                    break
+                relay = None  # the general path, to the end
+        if not ended:
+            await self._end(_END_BODY)
+        if response.status == 200 and (usage := _usage(previous[-4096:] + chunk[-4096:])):
+            services.metrics.tokens(self.model, *usage)
+
+    async def _relay(self, relay: Relay, response: UpstreamResponse) -> bytes | None:
+        """The rest of the body relayed and the answer ended; the end of what was relayed
+        (where a usage summary is), or None if this connection cannot be relayed to now. The
+        head and the first chunk went out through the server, which frames the body as
+        chunked; the rest can go around it."""
+        client = self._services.client_socket()
+        if client is None or not response.relayable or client.writes_pending():
+            return None
+        tail, relayed = await relay.relay(response, client)
+        self.sent += relayed
+        await self._end(_END_BODY)
+        return tail
+
+    # -- the end ------------------------------------------------------------------------------
+    async def _answer_error(self, exc: RequestError, *, close: bool = False) -> None:
+        self.status = exc.status
+        logger.warning(
+            "request %s for %s failed with %d: %s",
+            self.request_id,
+            self.model or "-",
+            exc.status,
+            exc,
+        )
+        self._disarm()
+        await error_response(self._send, exc, self._request_id, self.engine, close=close)
+
+    def _finish(self) -> None:
+        """However the request ended: it is counted, traced and logged once."""
+        duration = trio.current_time() - self.started
+        engine = self.engine or NO_LABEL
+        if self.status:
+            self._services.metrics.observe_request(self.model_label, engine, self.status, duration)
+        tracing = self._services.tracing
+        if tracing is not None and self._span is not None:
+            tracing.end_request(
+                self._span,
+                status=self.status,
+                request_id=self.request_id,
+                model=self.model,
+                tenant=self.tenant_name,
+                engine=self.engine,
+                retries=max(0, self.attempts - 1),
+            )
+        if self._settings.access_log and access_logger.isEnabledFor(logging.INFO):
+            self._log_access(duration)
+
+    def _log_access(self, duration: float) -> None:
+        """One access record: a line of text, or with `server.log_format = "json"` these
+        fields in a JSON object."""
+        scope = self._scope
+        client = scope.get("client")
+        fields = {
+            "request_id": self.request_id,
+            "method": scope["method"],
+            "path": scope["path"],
+            "tenant": self.tenant_name,
+            "model": self.model,
+            "engine": self.engine,
+            "policy": self._settings.policy.name,
+            "status": self.status,
+            "duration_ms": round(duration * 1000, 2),
+            "ttfb_ms": None if self.ttfb is None else round(self.ttfb * 1000, 2),
+            "bytes": self.sent,
+            "retries": max(0, self.attempts - 1),
+            "client": f"{client[0]}:{client[1]}" if client else "",
+        }
+        access_logger.info(
+            "%s %s %s %s %s -> %s %d in %.1f ms",
+            fields["client"],
+            self.request_id,
+            scope["method"],
+            scope["path"],
+            self.model or "-",
+            self.engine or "-",
+            self.status,
+            duration * 1000,
+            extra={"fields": fields},
+        )
+
+
+def _usage(tail: bytes) -> tuple[int, int] | None:
+    """(prompt, completion) tokens from the `usage` summary at the end of an engine's answer
+    (a JSON body, or a stream's last events), if it has one; only the last 4 KiB are read."""
+    found = None
+    for found in _USAGE.finditer(tail[-4096:]):  # noqa: B007 (the last one counts)
+        pass
+    return (int(found.group(1)), int(found.group(2))) if found is not None else None

@@ -1,0 +1,284 @@
+"""Request intake: what the serving path reads of a request before it routes it.
+
+- `read_head`: one pass over the request headers: the headers to forward (the client's
+  `Authorization` replaced by the engines' key when one is configured, an `x-request-id`
+  added when the client sent none), and what makes the request invalid as it stands (both
+  `Content-Length` and `Transfer-Encoding`, control characters in a header value).
+- `read_body`: the body, bounded by `server.max_body_bytes`, timed by
+  `server.request_body_timeout_s`, and held within the router-wide body budget
+  (`BodyBudget`, `server.max_buffered_body_bytes`).
+- `BodyParser`: the JSON of a body; large bodies are parsed in a worker thread, and only
+  their model when routing needs no more.
+- `authenticate`: the tenant a request's key belongs to.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Final
+
+import msgspec
+import trio
+
+from ..asgi import Receive
+from ..errors import (
+    AuthError,
+    BadRequestError,
+    BodyTooLargeError,
+    OverloadedError,
+    RequestError,
+    RequestTimeoutError,
+)
+from ..http.codec import FIELD_VALUE_CHARS
+from .admission import Admission, Tenant
+from .errors import REQUEST_ID_HEADER
+
+__all__ = [
+    "LARGE_BODY_BYTES",
+    "BodyBudget",
+    "BodyParser",
+    "Held",
+    "RequestHead",
+    "authenticate",
+    "read_body",
+    "read_head",
+]
+
+LARGE_BODY_BYTES: Final = 1 << 20  # larger request bodies are parsed in a worker thread
+LARGE_PARSES: Final = 2  # large bodies parsed at once, at most
+
+
+@dataclass(slots=True)
+class RequestHead:
+    """What the serving path takes from a request's headers."""
+
+    request_id: bytes
+    authorization: bytes | None  # the client's, as sent
+    content_length: bytes | None
+    headers: list[tuple[bytes, bytes]]  # to forward to the engine
+    invalid: RequestError | None  # why the request cannot be served as it stands
+
+
+def read_head(
+    raw: Iterable[tuple[bytes, bytes]],
+    new_id: Callable[[], bytes],
+    upstream_authorization: bytes | None,
+) -> RequestHead:
+    """One pass over the request's headers (see the module's docstring)."""
+    request_id = authorization = content_length = bad_header = None
+    chunked = False
+    headers: list[tuple[bytes, bytes]] = []
+    for name, value in raw:
+        if value.translate(None, FIELD_VALUE_CHARS):
+            bad_header = name
+        if name == b"authorization":
+            authorization = value
+            continue  # replaced below
+        if name == b"x-request-id":
+            request_id = value
+        elif name == b"content-length":
+            content_length = value
+        elif name == b"transfer-encoding":
+            chunked = True
+        headers.append((name, value))
+    if request_id is None:
+        request_id = new_id()
+        headers.append((REQUEST_ID_HEADER, request_id))
+    if (sent := upstream_authorization or authorization) is not None:
+        headers.append((b"authorization", sent))
+    invalid: RequestError | None = None
+    if chunked and content_length is not None:
+        # RFC 9112 §6.1: a request with both may be an attempt to smuggle another.
+        invalid = BadRequestError(
+            "a request must not have both Content-Length and Transfer-Encoding"
+        )
+    elif bad_header is not None:
+        invalid = BadRequestError(
+            f"header {bad_header.decode('latin-1')!r} has control characters in its value"
+        )
+    return RequestHead(request_id, authorization, content_length, headers, invalid)
+
+
+# -- the body ---------------------------------------------------------------------------------
+class BodyBudget:
+    """Bytes of request bodies held in memory at once, across all requests, at most
+    `limit` (`server.max_buffered_body_bytes`): a request whose body would go beyond it gets
+    503 instead, so many large bodies at once cannot exhaust memory."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.used = limit, 0
+
+
+class Held:
+    """The part of the body budget one request holds; `release()` gives it back."""
+
+    __slots__ = ("_budget", "size")
+
+    def __init__(self, budget: BodyBudget) -> None:
+        self._budget, self.size = budget, 0
+
+    def grow(self, size: int) -> None:
+        budget = self._budget
+        if budget.used + size > budget.limit:
+            raise OverloadedError(
+                f"request bodies being handled already hold {budget.used} bytes; this one "
+                f"would go beyond {budget.limit} (server.max_buffered_body_bytes)"
+            )
+        budget.used += size
+        self.size += size
+
+    def release(self) -> None:
+        self._budget.used -= self.size
+        self.size = 0
+
+
+def _declared_length(content_length: bytes | None, limit: int) -> int | None:
+    if content_length is None:
+        return None
+    try:
+        declared = int(content_length)
+    except ValueError:
+        raise BadRequestError(f"invalid Content-Length {content_length!r}") from None
+    if declared > limit:
+        raise BodyTooLargeError(
+            f"request body of {declared} bytes exceeds the limit of {limit} bytes "
+            "(server.max_body_bytes)"
+        )
+    if declared < 0:
+        raise BadRequestError(f"invalid Content-Length {content_length!r}")
+    return declared
+
+
+async def _next_part(receive: Receive, stall_s: float) -> dict[str, Any]:
+    with trio.move_on_after(stall_s) as waited:
+        message = await receive()
+    if waited.cancelled_caught:
+        raise RequestTimeoutError(
+            f"the request body stopped arriving for {stall_s:g} s (server.request_body_timeout_s)"
+        )
+    return message
+
+
+async def read_body(
+    receive: Receive, content_length: bytes | None, limit: int, *, stall_s: float, held: Held
+) -> bytes | bytearray | None:
+    """The whole request body, or None if the client disconnected first. Raises
+    BodyTooLargeError past `limit` (declared or counted), BadRequestError for a bad
+    Content-Length, RequestTimeoutError when no part of it arrives for `stall_s` seconds, and
+    OverloadedError when it would take the body budget past its limit (`held` records what
+    it takes: all of a declared length at once, as it arrives otherwise)."""
+    declared = _declared_length(content_length, limit)
+    if declared is not None:
+        held.grow(declared)
+    too_large = f"request body exceeds the limit of {limit} bytes (server.max_body_bytes)"
+    message = await _next_part(receive, stall_s)
+    if message["type"] != "http.request":
+        return None
+    first: bytes = message.get("body", b"")
+    if len(first) > limit:
+        raise BodyTooLargeError(too_large)
+    if declared is None:
+        held.grow(len(first))
+    if not message.get("more_body", False):
+        return first  # the common case: one message, no copy
+    body = bytearray(first)
+    while True:
+        message = await _next_part(receive, stall_s)
+        if message["type"] != "http.request":
+            return None
+        chunk = message.get("body", b"")
+        if len(body) + len(chunk) > limit:
+            raise BodyTooLargeError(too_large)
+        if declared is None:
+            held.grow(len(chunk))
+        body += chunk  # grows in place: no second copy of a large body
+        if not message.get("more_body", False):
+            return body
+
+
+# -- the JSON ---------------------------------------------------------------------------------
+class _ModelOnly(msgspec.Struct):
+    model: str
+
+
+_decode_model_only: Final = msgspec.json.Decoder(_ModelOnly).decode
+
+
+class BodyParser:
+    """Parses request bodies: small ones at once, large ones (over LARGE_BODY_BYTES) in a
+    worker thread, LARGE_PARSES at a time."""
+
+    def __init__(self) -> None:
+        self._limiter = trio.CapacityLimiter(LARGE_PARSES)
+
+    async def parse(self, body: bytes | bytearray, *, model_only: bool) -> dict[str, Any]:
+        """The JSON object of `body` (with `model_only`, of a large body only its model:
+        msgspec skips the rest without building it, so a 30 MB request costs no more than its
+        bytes). BadRequestError if it is not an object with a string model."""
+        if len(body) <= LARGE_BODY_BYTES:
+            return parse_json(body)
+        return await trio.to_thread.run_sync(
+            partial(_parse_large, body, model_only=model_only), limiter=self._limiter
+        )
+
+
+def _parse_large(body: bytes | bytearray, *, model_only: bool) -> dict[str, Any]:
+    if not model_only:
+        return parse_json(body)
+    try:
+        model = _decode_model_only(body).model
+    except msgspec.DecodeError as exc:
+        raise BadRequestError(f"request body is not valid JSON: {exc}") from None
+    except msgspec.ValidationError as exc:
+        raise BadRequestError(f'request body has no "model" string: {exc}') from None
+    if not model:
+        raise BadRequestError('request body has no "model" string')
+    return {"model": model}
+
+
+def parse_json(body: bytes | bytearray) -> dict[str, Any]:
+    """The JSON object of a request; BadRequestError if it is not one or has no string
+    model."""
+    try:
+        payload = json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        raise BadRequestError(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(payload, dict):
+        raise BadRequestError(f"request body must be a JSON object, got {type(payload).__name__}")
+    model = payload.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequestError('request body has no "model" string')
+    return payload
+
+
+# -- the caller -------------------------------------------------------------------------------
+def authenticate(
+    admission: Admission, client_key: bytes | None, authorization: bytes | None
+) -> Tenant:
+    """The tenant a request's key belongs to. With `[[tenants]]`, one of their keys (or
+    `server.api_key_env`'s, for the anonymous tenant) is needed; with only
+    `server.api_key_env`, that key; with neither, nothing. AuthError otherwise; keys are
+    compared in constant time."""
+    if admission.tenants_configured:
+        token = _bearer(authorization)
+        if (tenant := admission.tenant_of_key(token)) is not None:
+            return tenant
+        if client_key is None or not hmac.compare_digest(token, client_key):
+            raise AuthError("invalid API key")
+    elif client_key is not None and not hmac.compare_digest(_bearer(authorization), client_key):
+        raise AuthError("invalid API key")
+    return admission.anonymous
+
+
+def _bearer(authorization: bytes | None) -> bytes:
+    """The token of "Bearer <token>"; AuthError if there is none."""
+    if authorization is None:
+        raise AuthError("missing API key: send it as 'Authorization: Bearer <key>'")
+    scheme, _, token = authorization.partition(b" ")
+    if scheme.lower() != b"bearer":
+        raise AuthError("invalid API key")
+    return token.strip()

@@ -1,0 +1,558 @@
+"""Fake vLLM-compatible engines, for tests, benchmarks and `trio-router demo`.
+
+`FakeEngine` is the engine's state and knobs (models and LoRA adapters, latency, failures,
+metrics) plus what it observed (requests with headers and body, client disconnects).
+`fake_engine_app(engine)` serves it as an ASGI app, `serve_fake_engine(engine)` runs that app on
+Hypercorn over real TCP, and `fake_engine_transport(engine)` answers the probe and scrape
+endpoints (GET /v1/models, /metrics, /health) through an `httpx.MockTransport`, without sockets.
+
+What a router sees follows vLLM 0.32's OpenAI server, as the real-engine tier checks it: streams
+are `text/event-stream`, a role-only first event, one `data: {...}\\n\\n` event per token (each
+sent as its own HTTP chunk), then `data: [DONE]\\n\\n`; a request asking for more tokens than the
+context holds gets a JSON 400 (also when it asked for a stream); model cards carry a
+`permission` list and the time of the listing; `/metrics` has `vllm:kv_cache_usage_perc`, the
+prefix-cache counters and `vllm:cache_config_info`. All waits use
+`trio.sleep`, so the engines run on virtual time under `autojump_clock` (through the transport)
+as well as on the real clock.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import json
+import logging
+import time
+import zlib
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Final
+from urllib.parse import parse_qsl
+
+import httpx
+import hypercorn.config
+import hypercorn.trio
+import trio
+
+from ..asgi import Message, Receive, Scope, Send, answer_lifespan
+from .fake_replies import POST_HANDLERS, SSE_DONE, Reply, error_body
+
+__all__ = [
+    "FakeEngine",
+    "FakeEngineAbort",
+    "FakeEngineApp",
+    "SeenRequest",
+    "fake_engine_app",
+    "fake_engine_transport",
+    "open_fake_engines",
+    "serve_fake_engine",
+]
+
+logger = logging.getLogger(__name__)
+
+
+_JSON_HEADERS: Final = [(b"content-type", b"application/json")]
+_SSE_HEADERS: Final = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+]
+
+
+class FakeEngineAbort(Exception):
+    """Raised inside the fake engine's app to break off a response mid-body."""
+
+
+@dataclass(slots=True)
+class SeenRequest:
+    """One request as the fake engine received it."""
+
+    method: str
+    path: str
+    query: dict[str, str]
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+    client: tuple[str, int] | None = None  # the peer's (host, port): tells connections apart
+
+    def header(self, name: str) -> str | None:
+        """The first value of header `name` (case-insensitive), decoded, or None."""
+        key = name.lower().encode("latin-1")
+        for k, v in self.headers:
+            if k.lower() == key:
+                return v.decode("latin-1")
+        return None
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+@dataclass(eq=False)
+class FakeEngine:
+    """A fake vLLM engine: knobs (change them at any time; they are read per request) and
+    observations (read them, or wait for them with `wait_until`)."""
+
+    name: str = "fake-engine"
+    models: list[str] = field(default_factory=lambda: ["fake-model"])
+    adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapter id -> parent model id
+    max_model_len: int = 4096
+    ttft_s: float = 0.0  # delay before the first token (non-streamed: before the reply)
+    inter_token_s: float = 0.0  # delay between streamed tokens (non-streamed: added up)
+    tokens: int = 8  # tokens per completion, capped by the request's max_tokens
+    fail_status: int | None = None  # answer every request (probes too) with this status
+    inference_fail_status: int | None = None  # answer only the POST endpoints with this status
+    hang_models: bool = False  # GET /v1/models never answers
+    abort_after_first_event: bool = False  # streams break off (connection closed) after 1 event
+    # Until this event is set, streams hold after their first event and non-streamed
+    # replies wait before answering.
+    gate: trio.Event | None = None
+    num_requests_running: float | None = None  # None: the number of requests in progress
+    num_requests_waiting: float = 0.0
+    kv_cache_usage_perc: float = 0.0
+    extra_headers: list[tuple[bytes, bytes]] = field(default_factory=list)  # on every reply
+    send_date: bool = True  # a Date header on every reply (unless extra_headers has one)
+    keep_requests: int = 10_000  # newest requests kept in `requests`
+
+    # -- observations ----------------------------------------------------------------------
+    requests: deque[SeenRequest] = field(init=False)
+    request_count: int = field(init=False, default=0)  # every request, kept or not
+    in_flight: int = field(init=False, default=0)  # POST requests being answered now
+    max_in_flight: int = field(init=False, default=0)  # the most ever answered at once
+    disconnects: int = field(init=False, default=0)  # clients gone before their reply ended
+    completed: int = field(init=False, default=0)  # POST replies sent to the end
+    prompt_tokens: int = field(init=False, default=0)  # of every generation request
+    _changed: trio.Event = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.requests = deque(maxlen=self.keep_requests)
+        self._changed = trio.Event()
+
+    @property
+    def model_ids(self) -> list[str]:
+        """Base models, then adapters: every id a request may name."""
+        return [*self.models, *self.adapters]
+
+    def requests_to(self, path: str) -> list[SeenRequest]:
+        return [r for r in self.requests if r.path == path]
+
+    async def wait_until(self, predicate: Callable[[], bool]) -> None:
+        """Block until `predicate()` is true; it is re-checked whenever an observation changes.
+        Cancellation just stops the wait."""
+        while not predicate():
+            await self._changed.wait()
+
+    def notify(self) -> None:
+        """An observation changed: wake `wait_until`."""
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def record(self, seen: SeenRequest) -> None:
+        """One request received."""
+        self.requests.append(seen)
+        self.request_count += 1
+        self.notify()
+
+    # -- bodies ----------------------------------------------------------------------------
+    def models_payload(self) -> dict[str, Any]:
+        """GET /v1/models as vLLM answers it: adapters carry their `parent`, every card a
+        `permission` list, and `created` is the time of the listing."""
+        created = int(time.time())
+
+        def card(model_id: str, root: str, parent: str | None, max_len: int | None) -> Any:
+            return {
+                "id": model_id,
+                "object": "model",
+                "created": created,
+                "owned_by": "vllm",
+                "root": root,
+                "parent": parent,
+                "max_model_len": max_len,
+                "permission": [
+                    {
+                        "id": f"modelperm-{zlib.crc32(model_id.encode()):08x}",
+                        "object": "model_permission",
+                        "created": created,
+                        "allow_create_engine": False,
+                        "allow_sampling": True,
+                        "allow_logprobs": True,
+                        "allow_search_indices": False,
+                        "allow_view": True,
+                        "allow_fine_tuning": False,
+                        "organization": "*",
+                        "group": None,
+                        "is_blocking": False,
+                    }
+                ],
+            }
+
+        data = [card(m, m, None, self.max_model_len) for m in self.models]
+        data += [card(a, f"/adapters/{a}", parent, None) for a, parent in self.adapters.items()]
+        return {"object": "list", "data": data}
+
+    def metrics_text(self) -> str:
+        """GET /metrics in vLLM's Prometheus text format, one series per base model."""
+        running = float(
+            self.in_flight if self.num_requests_running is None else self.num_requests_running
+        )
+        gauges = (
+            (
+                "vllm:num_requests_running",
+                "Number of requests in model execution batches.",
+                running,
+            ),
+            (
+                "vllm:num_requests_waiting",
+                "Number of requests waiting to be processed.",
+                float(self.num_requests_waiting),
+            ),
+            (
+                "vllm:kv_cache_usage_perc",
+                "KV-cache usage. 1 means 100 percent usage.",
+                float(self.kv_cache_usage_perc),
+            ),
+        )
+        lines: list[str] = []
+        for metric, help_text, value in gauges:
+            lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} gauge"]
+            lines += [f'{metric}{{engine="0",model_name="{m}"}} {value!r}' for m in self.models]
+        counters = (
+            (
+                "vllm:prefix_cache_queries_total",
+                "Prefix cache queries, in terms of number of queried tokens.",
+                float(self.prompt_tokens),
+            ),
+            (
+                "vllm:prefix_cache_hits_total",
+                "Prefix cache hits, in terms of number of cached tokens.",
+                0.0,
+            ),
+        )
+        for metric, help_text, value in counters:
+            lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} counter"]
+            lines += [f'{metric}{{engine="0",model_name="{m}"}} {value!r}' for m in self.models]
+        lines += [
+            "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
+            "# TYPE vllm:cache_config_info gauge",
+            'vllm:cache_config_info{block_size="128",enable_prefix_caching="True",engine="0",'
+            'prefix_caching_hash_algo="sha256"} 1.0',
+            "# HELP vllm:request_success_total Count of successfully processed requests.",
+            "# TYPE vllm:request_success_total counter",
+        ]
+        lines += [
+            f'vllm:request_success_total{{engine="0",finished_reason="stop",'
+            f'model_name="{m}"}} {float(self.completed)!r}'
+            for m in self.models
+        ]
+        return "\n".join(lines) + "\n"
+
+
+class FakeEngineApp:
+    """The ASGI app of one `FakeEngine` (lifespan and HTTP)."""
+
+    def __init__(self, engine: FakeEngine) -> None:
+        self.engine = engine
+        self._counter = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await answer_lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        engine = self.engine
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                engine.disconnects += 1
+                engine.notify()
+                return
+            body += message.get("body", b"")
+            if not message.get("more_body", False):
+                break
+        client = scope.get("client")
+        engine.record(
+            SeenRequest(
+                method=scope["method"],
+                path=scope["path"],
+                query=dict(parse_qsl(scope.get("query_string", b"").decode("latin-1"))),
+                headers=list(scope["headers"]),
+                body=bytes(body),
+                client=(client[0], client[1]) if client else None,
+            )
+        )
+        inference = scope["path"] in POST_HANDLERS
+        finished = False  # the last body message was handed to the server
+
+        async def tracked_send(message: Message) -> None:
+            nonlocal finished
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                finished = True
+                # Hypercorn's trio worker closes a connection whose client went away with
+                # send_eof() outside its send lock; if that races the final (empty) write of a
+                # finished reply, the write fails with BusyResourceError. The client has its
+                # answer, so that is not an error of this engine.
+                with suppress(trio.BusyResourceError):
+                    await send(message)
+                return
+            await send(message)
+
+        async def watch_disconnect(scope: trio.CancelScope) -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            if not finished:  # the server also reports the end of a finished exchange
+                engine.disconnects += 1
+                scope.cancel(reason="client disconnected")
+
+        if inference:
+            engine.in_flight += 1
+            engine.max_in_flight = max(engine.max_in_flight, engine.in_flight)
+        aborted = False
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(watch_disconnect, nursery.cancel_scope)
+                aborted = await self._answer(scope, bytes(body), tracked_send)
+                nursery.cancel_scope.cancel(reason="reply sent")
+        finally:
+            if inference:
+                engine.in_flight -= 1
+                if finished and not aborted:
+                    engine.completed += 1
+            engine.notify()
+        if aborted:
+            raise FakeEngineAbort(f"{engine.name}: stream broken off on purpose")
+
+    # -- dispatch ----------------------------------------------------------------------------
+    async def _answer(self, scope: Scope, body: bytes, send: Send) -> bool:
+        """Send the whole reply; True if a stream was broken off on purpose."""
+        engine = self.engine
+        method, path = scope["method"], scope["path"]
+        if engine.fail_status is not None:
+            await self._send_json(
+                send,
+                engine.fail_status,
+                error_body(engine.fail_status, f"{engine.name} is failing"),
+            )
+            return False
+        if method == "GET" and path in ("/v1/models", "/metrics", "/health", "/version"):
+            await self._answer_get(path, send)
+            return False
+        reply = self._refusal(method, path, body)
+        if reply is None:
+            request = json.loads(body)
+            model = request.get("model") or (engine.models[0] if engine.models else "")
+            self._counter += 1
+            reply = POST_HANDLERS[path](engine, request, str(model), f"{self._counter:08x}")
+        if reply.events is None:
+            await self._delay_whole_reply(reply)
+            await self._send_json(send, reply.status, reply.payload)
+            return False
+        return await self._stream(send, reply.events)
+
+    async def _answer_get(self, path: str, send: Send) -> None:
+        engine = self.engine
+        if path == "/v1/models":
+            if engine.hang_models:
+                await trio.sleep_forever()
+            await self._send_json(send, 200, engine.models_payload())
+        elif path == "/metrics":
+            await self._send_bytes(
+                send,
+                200,
+                engine.metrics_text().encode(),
+                b"text/plain; version=0.0.4; charset=utf-8",
+            )
+        elif path == "/health":
+            await self._send_bytes(send, 200, b"", None)
+        else:
+            await self._send_json(send, 200, {"version": "0.0.0-fake"})
+
+    def _refusal(self, method: str, path: str, body: bytes) -> Reply | None:
+        """The error reply to a request the engine refuses (as vLLM's server would), or None
+        when it is answered."""
+        engine = self.engine
+        if path not in POST_HANDLERS:
+            return Reply(404, {"detail": "Not Found"})
+        if method != "POST":
+            return Reply(405, {"detail": "Method Not Allowed"})
+        if (status := engine.inference_fail_status) is not None:
+            return Reply(status, error_body(status, f"{engine.name} refuses"))
+        try:
+            request = json.loads(body)
+            if not isinstance(request, dict):
+                raise ValueError("the body must be a JSON object")
+        except ValueError as exc:
+            return Reply(400, error_body(400, f"invalid JSON body: {exc}"))
+        model = request.get("model")
+        if model is not None and model not in engine.model_ids:
+            message = (
+                f"The model `{model}` does not exist. Valid aliases: {', '.join(engine.model_ids)}."
+            )
+            return Reply(404, error_body(404, message, param="model"))
+        limit = request.get("max_completion_tokens", request.get("max_tokens"))
+        if isinstance(limit, int) and limit > engine.max_model_len:
+            # vLLM's answer, as JSON also to a request for a stream.
+            message = (
+                f"max_tokens={limit} cannot be greater than max_model_len="
+                f"{engine.max_model_len}. Please request fewer output tokens. "
+                f"(parameter=max_tokens, value={limit})"
+            )
+            return Reply(400, error_body(400, message, param="max_tokens"))
+        return None
+
+    async def _delay_whole_reply(self, reply: Reply) -> None:
+        engine = self.engine
+        delay = engine.ttft_s
+        if isinstance(reply.payload, dict) and reply.payload.get("object") in (
+            "chat.completion",
+            "text_completion",
+            "response",
+        ):
+            delay += engine.inter_token_s * max(0, engine.tokens - 1)
+        if delay > 0:
+            await trio.sleep(delay)
+        if engine.gate is not None:
+            await engine.gate.wait()
+
+    async def _stream(self, send: Send, events: list[bytes]) -> bool:
+        engine = self.engine
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [*_SSE_HEADERS, *self._common_headers()],
+            }
+        )
+        if engine.ttft_s > 0:
+            await trio.sleep(engine.ttft_s)
+        for i, event in enumerate(events):
+            if i == 1:
+                if engine.abort_after_first_event:
+                    return True
+                if engine.gate is not None:
+                    await engine.gate.wait()
+            if i > 0 and engine.inter_token_s > 0 and event is not SSE_DONE:
+                await trio.sleep(engine.inter_token_s)
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return False
+
+    def _common_headers(self) -> list[tuple[bytes, bytes]]:
+        engine = self.engine
+        headers = [(b"x-fake-engine", engine.name.encode()), *engine.extra_headers]
+        if engine.send_date and not any(name == b"date" for name, _ in engine.extra_headers):
+            headers.append((b"date", email.utils.formatdate(usegmt=True).encode()))
+        return headers
+
+    async def _send_json(self, send: Send, status: int, payload: Any) -> None:
+        body = json.dumps(payload, separators=(",", ":")).encode()
+        await self._send_bytes(send, status, body, b"application/json")
+
+    async def _send_bytes(
+        self, send: Send, status: int, body: bytes, content_type: bytes | None
+    ) -> None:
+        headers = [(b"content-length", b"%d" % len(body)), *self._common_headers()]
+        if content_type is not None:
+            headers.append((b"content-type", content_type))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def fake_engine_app(engine: FakeEngine) -> FakeEngineApp:
+    """The ASGI app serving `engine`."""
+    return FakeEngineApp(engine)
+
+
+def _hypercorn_config(host: str, port: int) -> hypercorn.config.Config:
+    config = hypercorn.config.Config()
+    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    config.accesslog = None
+    config.errorlog = logging.getLogger(f"{__name__}.hypercorn")  # quiet unless configured
+    config.graceful_timeout = 0.5
+    config.backlog = 2048  # like vLLM's uvicorn
+    config.keep_alive_max_requests = 1 << 30  # like vLLM's uvicorn: no per-connection cap
+    config.include_date_header = False  # the app sends its own Date (FakeEngine.send_date)
+    return config
+
+
+async def serve_fake_engine(
+    engine: FakeEngine,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve `engine` over HTTP/1.1 with Hypercorn until cancelled.
+
+    Reports the bound URL (like "http://127.0.1.3:40123") through `task_status`, so
+    `url = await nursery.start(serve_fake_engine, engine)` returns once it accepts
+    connections. Cancellation closes the listener and every connection.
+    """
+    app: Any = fake_engine_app(engine)  # plain-dict ASGI typing, not hypercorn's TypedDicts
+    async with trio.open_nursery() as nursery:
+        urls: list[str] = await nursery.start(
+            partial(
+                hypercorn.trio.serve,
+                app,
+                _hypercorn_config(host, port),
+                shutdown_trigger=trio.sleep_forever,
+            )
+        )
+        task_status.started(urls[0])
+
+
+@asynccontextmanager
+async def open_fake_engines(
+    engines: Sequence[FakeEngine], *, hosts: Iterable[str] | None = None, port: int = 0
+) -> AsyncIterator[list[str]]:
+    """Serve several fake engines, by default on 127.0.1.1, 127.0.1.2, ..., each on `port`
+    (0: an ephemeral one), and yield their URLs in order. Leaving the block stops them all."""
+    host_list = (
+        list(hosts) if hosts is not None else [f"127.0.1.{i + 1}" for i in range(len(engines))]
+    )
+    if len(host_list) < len(engines):
+        raise ValueError(f"{len(engines)} engines but only {len(host_list)} hosts")
+    async with trio.open_nursery() as nursery:
+        urls = [
+            await nursery.start(serve_fake_engine, engine, host, port)
+            for engine, host in zip(engines, host_list, strict=False)
+        ]
+        yield urls
+        nursery.cancel_scope.cancel(reason="fake engines closed")
+
+
+def fake_engine_transport(engine: FakeEngine) -> httpx.MockTransport:
+    """An httpx transport answering GET /v1/models, /metrics and /health from `engine`,
+    without sockets, for probe and scrape tests (use it with `httpx.AsyncClient`). With
+    `hang_models` the /v1/models handler awaits `trio.sleep_forever()`, so only the caller's
+    deadline ends it. Every request is recorded in `engine.requests`."""
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        engine.record(
+            SeenRequest(
+                method=request.method,
+                path=request.url.path,
+                query=dict(request.url.params),
+                body=request.content,
+                headers=[(k.lower(), v) for k, v in request.headers.raw],
+            )
+        )
+        headers = {"x-fake-engine": engine.name}
+        if engine.fail_status is not None:
+            return httpx.Response(
+                engine.fail_status,
+                headers=headers,
+                json=error_body(engine.fail_status, f"{engine.name} is failing"),
+            )
+        path = request.url.path
+        if request.method == "GET" and path == "/v1/models":
+            if engine.hang_models:
+                await trio.sleep_forever()
+            return httpx.Response(200, headers=headers, json=engine.models_payload())
+        if request.method == "GET" and path == "/metrics":
+            return httpx.Response(200, headers=headers, text=engine.metrics_text())
+        if request.method == "GET" and path == "/health":
+            return httpx.Response(200, headers=headers)
+        return httpx.Response(404, headers=headers, json={"detail": "Not Found"})
+
+    return httpx.MockTransport(handler)
