@@ -25,7 +25,7 @@ from typing import Any
 from trio_router.config import POLICIES, RoutingConfig
 from trio_router.discovery.stats import parse_vllm_metrics
 from trio_router.routing.policy import Policy, RequestInfo, make_policy, request_info
-from trio_router.table import Engine, EngineState, Model, RoutingTable
+from trio_router.table import Engine, EngineState, EngineStats, Model, RoutingTable
 
 MODEL = "llama"
 SIZES = (4, 10, 100, 1000)  # engines
@@ -71,13 +71,15 @@ def make_table(n: int, rng: random.Random, *, adapter_every: int = 0) -> Routing
             model_ids=frozenset(models),
         )
         engine.in_flight = rng.randrange(4)
-        engine.stats = {
-            "running": float(rng.randrange(16)),
-            "waiting": float(rng.randrange(3)),
-            "kv_cache_usage": rng.random(),
-            "scraped_at": NOW - 1,
-            "stale_after": 15.0,
-        }
+        engine.stats = EngineStats.scraped(
+            {
+                "running": float(rng.randrange(16)),
+                "waiting": float(rng.randrange(3)),
+                "kv_cache_usage": rng.random(),
+            },
+            now=NOW - 1,
+            stale_after=15.0,
+        )
         table.put(engine)
     return table
 

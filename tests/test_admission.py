@@ -18,7 +18,7 @@ from trio_router.config import AdmissionConfig, RoutingConfig, TenantConfig
 from trio_router.errors import NoEngineError, QueueTimeoutError, RateLimitedError
 from trio_router.routing.policy import RequestInfo, make_policy
 from trio_router.serving.admission import Admission, Tenant
-from trio_router.table import Engine, EngineState, Model, RoutingTable
+from trio_router.table import Engine, EngineState, EngineStats, Model, RoutingTable
 from trio_router.testing import FakeEngine
 from trio_router.testing.harness import CHAT, LIMIT, chat, open_router
 
@@ -302,7 +302,7 @@ async def test_an_engine_whose_own_queue_is_long_is_saturated(
 ) -> None:
     bench = Bench(AdmissionConfig(max_waiting_per_engine=4), engines=1)
     (engine,) = bench.table
-    engine.stats = {"waiting": 6.0, "scraped_at": trio.current_time(), "stale_after": 15.0}
+    engine.stats = EngineStats.scraped({"waiting": 6.0}, now=trio.current_time(), stale_after=15.0)
     bench.admission.load_changed(engine)
     assert bench.admission.saturated == {"e0"}
     got: list[Engine] = []
@@ -314,7 +314,9 @@ async def test_an_engine_whose_own_queue_is_long_is_saturated(
         nursery.start_soon(wait)
         await trio.sleep(2)
         assert got == []
-        engine.stats = {"waiting": 1.0, "scraped_at": trio.current_time(), "stale_after": 15.0}
+        engine.stats = EngineStats.scraped(
+            {"waiting": 1.0}, now=trio.current_time(), stale_after=15.0
+        )
         bench.admission.load_changed(engine)  # the scraper saw the queue shrink
     assert got == [engine]
 

@@ -80,8 +80,8 @@ async def test_no_resurrection(autojump_clock: trio.testing.MockClock) -> None:
         core.reconciler.apply(modified(make_pod(2)))  # back to Ready: a new generation
         engine = table.get("uid-2")
         assert engine is not None and engine.generation == 1
-        assert not table.mark_routable("uid-2", 0, [Model("m")], now=0.0)
-        assert not table.mark_routable("uid-gone", 0, [Model("m")], now=0.0)
+        assert not table.mark_routable("uid-2", 0, [Model("m")])
+        assert not table.mark_routable("uid-gone", 0, [Model("m")])
         assert engine.state is EngineState.PROBING
 
 
@@ -431,9 +431,9 @@ def test_a_relisting_that_only_restamps_its_cards_changes_nothing() -> None:
         cards = [{"id": i, "object": "model", "created": created, "permission": []} for i in ids]
         return parse_models({"object": "list", "data": cards})
 
-    assert table.mark_routable("u", 0, listing(1, "m"), now=0.0)
+    assert table.mark_routable("u", 0, listing(1, "m"))
     version = table.version
-    assert table.mark_routable("u", 0, listing(2, "m"), now=1.0)
+    assert table.mark_routable("u", 0, listing(2, "m"))
     assert table.version == version
     assert table.models()[0].as_openai() == {
         "id": "m",
@@ -441,5 +441,5 @@ def test_a_relisting_that_only_restamps_its_cards_changes_nothing() -> None:
         "created": 1,
         "permission": [],
     }  # the card as the engine first listed it
-    assert table.mark_routable("u", 0, listing(3, "m", "lora"), now=2.0)
+    assert table.mark_routable("u", 0, listing(3, "m", "lora"))
     assert table.version > version

@@ -25,7 +25,7 @@ from trio_router.routing.policy import (
     request_info,
 )
 from trio_router.serving.runtime import build_runtime
-from trio_router.table import Engine, EngineState, Model, RoutingTable
+from trio_router.table import Engine, EngineState, EngineStats, Model, RoutingTable
 
 MODEL = "llama"
 
@@ -212,18 +212,15 @@ def test_least_loaded_spreads_equal_engines_and_prefers_light_ones_at_scale() ->
 def test_least_loaded_reacts_to_scraped_queues_and_ignores_stale_ones() -> None:
     clock = Clock()
     engines = [make_engine(i) for i in range(2)]
-    engines[0].stats = {
-        "running": 6.0,
-        "waiting": 4.0,
-        "scraped_at": clock.now,
-        "stale_after": 15.0,
-    }
+    engines[0].stats = EngineStats.scraped(
+        {"running": 6.0, "waiting": 4.0}, now=clock.now, stale_after=15.0
+    )
     table = make_table(engines)
     policy = make("least_loaded", table, clock)
     for _ in range(50):
         assert policy.choose(table.routable(MODEL), RequestInfo(MODEL))[0] is engines[1]
-    engines[1].stats = {"kv_cache_usage": 0.9, "scraped_at": clock.now, "stale_after": 15.0}
-    engines[0].stats = {"kv_cache_usage": 0.1, "scraped_at": clock.now, "stale_after": 15.0}
+    engines[1].stats = EngineStats.scraped({"kv_cache_usage": 0.9}, now=clock.now, stale_after=15.0)
+    engines[0].stats = EngineStats.scraped({"kv_cache_usage": 0.1}, now=clock.now, stale_after=15.0)
     for _ in range(50):
         assert policy.choose(table.routable(MODEL), RequestInfo(MODEL))[0] is engines[0]
     clock.now += 15.5  # both stale: only in-flight counts, and they are equal
@@ -231,18 +228,6 @@ def test_least_loaded_reacts_to_scraped_queues_and_ignores_stale_ones() -> None:
         policy.choose(table.routable(MODEL), RequestInfo(MODEL))[0].uid for _ in range(200)
     )
     assert min(chosen.values()) > 50
-
-
-def test_stats_ttl_given_to_the_policy_wins_over_the_recorded_one() -> None:
-    clock = Clock()
-    engines = [make_engine(i) for i in range(2)]
-    engines[0].stats = {"waiting": 50.0, "scraped_at": clock.now - 5, "stale_after": 15.0}
-    table = make_table(engines)
-    policy = make_policy(
-        RoutingConfig(policy="least_loaded"), clock=clock, stats_ttl=4.0, rng=random.Random(3)
-    )
-    chosen = {policy.choose(table.routable(MODEL), RequestInfo(MODEL))[0].uid for _ in range(40)}
-    assert chosen == {"uid-0000", "uid-0001"}  # 5 s old > 4 s: ignored
 
 
 def test_no_engine_error_when_nothing_is_left() -> None:

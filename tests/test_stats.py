@@ -21,7 +21,7 @@ from trio_router.discovery import stats as stats_module
 from trio_router.discovery.stats import parse_vllm_metrics, run_stats_scraper
 from trio_router.http import UpstreamPool
 from trio_router.routing.policy import RequestInfo, make_policy
-from trio_router.table import Engine, EngineState, Model, RequestStats, RoutingTable
+from trio_router.table import NO_STATS, Engine, EngineState, Model, RequestStats, RoutingTable
 from trio_router.testing.fake_network import FakeNetwork, FakeReply, FakeRequest, Handler
 
 FIXTURE = (Path(__file__).parent / "fixtures" / "vllm_metrics.txt").read_text()
@@ -235,7 +235,7 @@ async def test_scraper_stores_fresh_gauges_every_interval(
             )
         )
         await trio.sleep(1)
-        assert engine.stats == {
+        assert engine.stats.describe() == {
             "running": 7.0,
             "waiting": 0.0,
             "kv_cache_usage": 0.4219,
@@ -245,7 +245,7 @@ async def test_scraper_stores_fresh_gauges_every_interval(
         assert fake.headers["authorization"] == "Bearer engine-key"
         fake.running = 2
         await trio.sleep(59)
-        assert engine.stats["running"] == 2.0
+        assert engine.stats.running == 2.0
         gaps = [b - a for a, b in zip(fake.requests, fake.requests[1:], strict=False)]
         assert 11 <= len(fake.requests) <= 14 and all(4.5 <= g <= 5.5 for g in gaps)
         assert network.connections == {"10.0.0.1": 1}  # one connection, kept alive
@@ -270,10 +270,10 @@ async def test_scraper_skips_an_engine_that_is_not_routable(
         assert len(fake.requests) == 1
         table.mark_failed(engine.uid, 0, "probe failed", eject=True)
         await trio.sleep(60)
-        assert len(fake.requests) == 1 and engine.stats == {}  # expired, not refreshed
-        table.mark_routable(engine.uid, 0, [Model("m")], now=trio.current_time())
+        assert len(fake.requests) == 1 and engine.stats is NO_STATS  # expired, not refreshed
+        table.mark_routable(engine.uid, 0, [Model("m")])
         await trio.sleep(6)  # within one jittered interval: scraped again
-        assert len(fake.requests) >= 2 and engine.stats["running"] == 0.0
+        assert len(fake.requests) >= 2 and engine.stats.running == 0.0
         nursery.cancel_scope.cancel()
 
 
@@ -288,22 +288,22 @@ async def test_scraper_deadline_failures_and_expiry(autojump_clock: trio.testing
             )
         )
         await trio.sleep(1)
-        scraped_at = engine.stats["scraped_at"]
+        scraped_at = engine.stats.scraped_at
         fake.mode = "hang"  # every later scrape hits its 2 s deadline
         await trio.sleep(12)
-        assert engine.stats["scraped_at"] == scraped_at  # kept while not stale
+        assert engine.stats.scraped_at == scraped_at  # kept while not stale
         assert len(fake.requests) == 3  # the scraper was not stuck behind a hung request
         await trio.sleep(10)
-        assert engine.stats == {}  # more than 3 intervals old: expired
+        assert engine.stats is NO_STATS  # more than 3 intervals old: expired
         fake.mode = "garbage"
         await trio.sleep(6)
-        assert engine.stats == {}
+        assert engine.stats is NO_STATS
         fake.mode = "500"
         await trio.sleep(6)
-        assert engine.stats == {}
+        assert engine.stats is NO_STATS
         fake.mode = "ok"
         await trio.sleep(6)
-        assert engine.stats["running"] == 0.0
+        assert engine.stats.running == 0.0
         nursery.cancel_scope.cancel()
 
 
@@ -317,7 +317,7 @@ async def test_scraper_ignores_an_oversized_body(
     async with engine_pool(fake) as (client, _network):
         with trio.move_on_after(1):
             await run_stats_scraper(engine, table, client, interval=5.0, timeout=2.0, generation=0)
-    assert fake.requests and engine.stats == {}
+    assert fake.requests and engine.stats is NO_STATS
 
 
 async def test_scraper_ends_when_its_entry_is_gone_or_newer(
@@ -342,7 +342,7 @@ async def test_scraper_ends_when_its_entry_is_gone_or_newer(
                 )
                 await trio.sleep(1)
                 engine.generation = 1  # e.g. a restart: probed afresh under a new generation
-                written = dict(engine.stats)
+                written = engine.stats
                 fake.running = 9
             # the nursery closed by itself: the scraper returned at its next scrape
         assert engine.stats == written
@@ -366,7 +366,7 @@ async def test_scraper_ends_when_its_entry_is_gone_or_newer(
                 )
                 await trio.sleep(1)  # a scrape is in flight, to succeed at 1.5 s...
                 table.remove(other.uid)  # ...when the engine is deleted
-        assert other.stats == {} and len(fake.requests) == before + 1
+        assert other.stats is NO_STATS and len(fake.requests) == before + 1
 
 
 async def test_scraper_is_disabled_by_a_zero_interval() -> None:

@@ -184,7 +184,9 @@ class RoutingConfig:
     prefix_chunk_chars: int = 256
     prefix_max_chunks: int = 256
     prefix_text_chars: int = 1024
-    prefix_cache_entries: int = 131072  # no longer used (accepted: older files still load)
+    # No longer used: accepted so that older files still load (with a warning), and left out
+    # of the effective config.
+    prefix_cache_entries: int = field(default=131072, metadata={"deprecated": True})
     prefix_balance_abs: float = 8.0  # prefix_aware: skip an engine whose load is above
     prefix_balance_rel: float = 1.5  # rel * average + abs, for the next on the ring
 
@@ -406,9 +408,12 @@ def load_config(path: str | Path) -> Config:
 
 
 def config_as_dict(config: Any) -> dict[str, Any]:
-    """The effective config as plain TOML-able values (tuples become lists)."""
+    """The effective config as plain TOML-able values (tuples become lists); keys that are no
+    longer used are left out."""
     out: dict[str, Any] = {}
     for f in fields(config):
+        if f.metadata.get("deprecated"):
+            continue
         value = getattr(config, f.name)
         if dataclasses.is_dataclass(value):
             out[f.name] = config_as_dict(value)

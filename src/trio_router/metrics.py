@@ -12,6 +12,7 @@ import contextlib
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Final
 
+import trio
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -291,6 +292,7 @@ class _TableCollector:
             )
         }
         counts = dict.fromkeys(EngineState, 0)
+        now = trio.current_time()
         for engine in self._table:
             counts[engine.state] += 1
             name = engine.name
@@ -300,9 +302,11 @@ class _TableCollector:
                 latency.add_metric([name], figures.latency)
             if figures.ttfb is not None:
                 ttfb.add_metric([name], figures.ttfb)
-            for key, family in load.items():
-                if (value := engine.stats.get(key)) is not None:
-                    family.add_metric([name], value)
+            stats = engine.stats
+            if stats.fresh(now):
+                for key, family in load.items():
+                    if (value := getattr(stats, key)) is not None:
+                        family.add_metric([name], value)
         for state, count in counts.items():
             states.add_metric([state.value], count)
         routable.add_metric([], counts[EngineState.ROUTABLE])

@@ -147,6 +147,56 @@ class EngineState(enum.StrEnum):
     UNHEALTHY = "unhealthy"  # eligible but probes fail; re-probed with backoff
 
 
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """An engine's own load, as last scraped from its /metrics (`discovery.stats`): requests
+    running and waiting, and KV-cache usage (0..1), each None when the engine does not export
+    it. The figures hold until `expires` (Trio time); `fresh(now)` is the one rule by which
+    admission, the policies and the metrics decide whether to believe them. Replaced whole
+    by each scrape (no await between the check and the write)."""
+
+    running: float | None = None
+    waiting: float | None = None
+    kv_cache_usage: float | None = None
+    scraped_at: float = -math.inf
+    expires: float = -math.inf
+
+    @classmethod
+    def scraped(cls, gauges: dict[str, float], *, now: float, stale_after: float) -> EngineStats:
+        """The figures of one scrape (`discovery.stats.parse_vllm_metrics`), believed for
+        `stale_after` seconds."""
+        return cls(
+            running=gauges.get("running"),
+            waiting=gauges.get("waiting"),
+            kv_cache_usage=gauges.get("kv_cache_usage"),
+            scraped_at=now,
+            expires=now + stale_after,
+        )
+
+    def fresh(self, now: float) -> bool:
+        return now <= self.expires
+
+    def describe(self) -> dict[str, float]:
+        """As GET /engines shows it: the gauges the engine exports, when they were scraped
+        and for how long they hold; {} when there are none."""
+        if self.scraped_at == -math.inf:
+            return {}
+        out = {
+            key: value
+            for key, value in (
+                ("running", self.running),
+                ("waiting", self.waiting),
+                ("kv_cache_usage", self.kv_cache_usage),
+            )
+            if value is not None
+        }
+        out["scraped_at"], out["stale_after"] = self.scraped_at, self.expires - self.scraped_at
+        return out
+
+
+NO_STATS: Final = EngineStats()  # an engine whose load is not known (not scraped, or stale)
+
+
 @dataclass(slots=True, eq=False)
 class Engine:
     """One engine (a pod, or a static URL). Identity is `uid`; `generation` changes whenever
@@ -163,10 +213,9 @@ class Engine:
     model_ids: frozenset[str] = frozenset()
     pod: Pod | None = None
     consecutive_failures: int = 0
-    last_probe_ok: float | None = None  # trio.current_time() of the last successful probe
     in_flight: int = 0  # requests from this router being served right now
     request_failures: int = 0  # requests in a row that failed after reaching the engine
-    stats: dict[str, float] = field(default_factory=dict)  # scraped engine gauges
+    stats: EngineStats = NO_STATS  # the engine's own load, as scraped
     requests: RequestStats = field(default_factory=RequestStats)  # this router's figures
 
     @property
@@ -187,7 +236,7 @@ class Engine:
             "consecutive_failures": self.consecutive_failures,
             "in_flight": self.in_flight,
             "requests": self.requests.snapshot(),
-            "stats": dict(self.stats),
+            "stats": self.stats.describe(),
         }
 
 
@@ -292,9 +341,7 @@ class RoutingTable:
             engine.state, engine.reason = EngineState.PENDING, reason
             self._touch()
 
-    def mark_routable(
-        self, uid: str, generation: int, models: Sequence[Model], *, now: float
-    ) -> bool:
+    def mark_routable(self, uid: str, generation: int, models: Sequence[Model]) -> bool:
         """Record a successful probe; False (and no change) if the entry is gone or newer."""
         engine = self.current(uid, generation)
         if engine is None or engine.state is EngineState.PENDING:
@@ -302,7 +349,7 @@ class RoutingTable:
         models = tuple(models)
         changed = engine.state is not EngineState.ROUTABLE or engine.models != models
         engine.state, engine.reason = EngineState.ROUTABLE, ""
-        engine.consecutive_failures, engine.last_probe_ok = 0, now
+        engine.consecutive_failures = 0
         if changed:
             engine.models = models
             engine.model_ids = frozenset(m.id for m in models)

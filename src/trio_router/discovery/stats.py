@@ -2,8 +2,9 @@
 per-engine request figures.
 
 `run_stats_scraper` runs inside an engine's supervisor (its cancel scope), writes
-`engine.stats` on the Trio thread with no await between the check and the write, and lets
-stale figures expire. Policies read `engine.stats` and ignore it once stale (policy.LoadGauge).
+`engine.stats` (a `table.EngineStats`) on the Trio thread with no await between the check and
+the write, and lets stale figures expire. Admission, the policies and the metrics read them
+only while `EngineStats.fresh`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import trio
 
 from ..asgi import jittered
 from ..http import TransportError, UpstreamPool, fetch
-from ..table import Engine, RoutingTable
+from ..table import NO_STATS, Engine, EngineStats, RoutingTable
 
 logger = logging.getLogger(__name__)
 
@@ -101,9 +102,9 @@ async def run_stats_scraper(
 ) -> None:
     """Scrape `engine`'s /metrics about every `interval` seconds (±10% jitter) while it is
     routable, over `pool` (the engine's own connections, kept alive between scrapes), and
-    store its gauges in `engine.stats`, with "scraped_at" (trio time) and "stale_after"
-    (3 * `interval`). An engine that is not routable is not scraped: its figures would route
-    nothing, and a hanging engine would cost a connection per scrape. `headers()` gives the
+    store its gauges in `engine.stats`, believed for 3 * `interval`. An engine that is not
+    routable is not scraped: its figures would route nothing, and a hanging engine would
+    cost a connection per scrape. `headers()` gives the
     request's headers (the engine API key); `on_change(engine)` is called after each stored
     result (admission checks saturation). Each scrape has the hard deadline `timeout`
     (connect, headers and the whole body): a deadline per scrape, not a bound on this
@@ -126,10 +127,9 @@ async def run_stats_scraper(
             if table.current(engine.uid, generation) is not engine:
                 return
             now = trio.current_time()
-            stats = parse_vllm_metrics(body) if body is not None else {}
-            if stats:
-                stats["scraped_at"], stats["stale_after"] = now, stale_after
-                engine.stats = stats
+            gauges = parse_vllm_metrics(body) if body is not None else {}
+            if gauges:
+                engine.stats = EngineStats.scraped(gauges, now=now, stale_after=stale_after)
                 if on_change is not None:
                     on_change(engine)
                 if failing:
@@ -149,9 +149,8 @@ async def run_stats_scraper(
                 failing = True
         elif table.current(engine.uid, generation) is not engine:
             return
-        now = trio.current_time()
-        if engine.stats and not now - engine.stats.get("scraped_at", -math.inf) <= stale_after:
-            engine.stats = {}
+        if engine.stats is not NO_STATS and not engine.stats.fresh(trio.current_time()):
+            engine.stats = NO_STATS
         await trio.sleep_until(started + jittered(interval, JITTER))
 
 

@@ -305,7 +305,7 @@ class Supervisors:
                         [m.id for m in models],
                     )
                     current.request_failures = 0
-                table.mark_routable(engine.uid, generation, models, now=trio.current_time())
+                table.mark_routable(engine.uid, generation, models)
                 failures = 0
                 delay = config.interval_s
             else:

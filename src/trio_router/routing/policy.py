@@ -205,22 +205,15 @@ def _render_text_prompt(prompt: Any, limit: int) -> str | None:
 class LoadGauge:
     """How busy an engine looks, in "requests": its in-flight count from this router, plus
     `queue_weight` per request the engine itself reports running or waiting, plus
-    `kv_weight` times its KV-cache usage (0..1). Scraped figures count only while fresh: when
-    their `scraped_at` is at most `stats_ttl` seconds old, or, with `stats_ttl` None, at most
-    the `stale_after` seconds the scraper recorded with them."""
+    `kv_weight` times its KV-cache usage (0..1), the scraped figures only while they are
+    fresh (`EngineStats.fresh`)."""
 
-    __slots__ = ("_clock", "_kv_weight", "_queue_weight", "_stats_ttl")
+    __slots__ = ("_clock", "_kv_weight", "_queue_weight")
 
     def __init__(
-        self,
-        *,
-        queue_weight: float,
-        kv_weight: float,
-        stats_ttl: float | None,
-        clock: Callable[[], float],
+        self, *, queue_weight: float, kv_weight: float, clock: Callable[[], float]
     ) -> None:
-        self._queue_weight, self._kv_weight = queue_weight, kv_weight
-        self._stats_ttl, self._clock = stats_ttl, clock
+        self._queue_weight, self._kv_weight, self._clock = queue_weight, kv_weight, clock
 
     def now(self) -> float:
         return self._clock()
@@ -228,14 +221,9 @@ class LoadGauge:
     def of(self, engine: Engine, now: float) -> float:
         load: float = engine.in_flight
         stats = engine.stats
-        if stats:
-            scraped_at = stats.get("scraped_at")
-            ttl = self._stats_ttl if self._stats_ttl is not None else stats.get("stale_after", 0.0)
-            if scraped_at is not None and now - scraped_at <= ttl:
-                queue = stats.get("running", 0.0) + stats.get("waiting", 0.0)
-                load += self._queue_weight * queue + self._kv_weight * stats.get(
-                    "kv_cache_usage", 0.0
-                )
+        if stats.fresh(now):
+            queue = (stats.running or 0.0) + (stats.waiting or 0.0)
+            load += self._queue_weight * queue + self._kv_weight * (stats.kv_cache_usage or 0.0)
         return load
 
 
@@ -579,20 +567,17 @@ class PrefixAwarePolicy(SessionPolicy):
 def make_policy(
     config: RoutingConfig,
     *,
-    stats_ttl: float | None = None,
     clock: Callable[[], float] | None = None,
     rng: random.Random | None = None,
 ) -> Policy:
     """Build the policy `config.policy` names. Its `forget` must hear of every engine that
     leaves the table (`RoutingTable.add_remove_listener`, which returns the way to stop).
-    `stats_ttl`: seconds after which scraped stats are ignored (None: the `stale_after` the
-    scraper stores with them, 3 * stats.interval_s). `clock` defaults to `trio.current_time`
+    `clock` defaults to `trio.current_time`
     (so `choose` must then run inside Trio); `rng` to a fresh Random."""
     rng = rng if rng is not None else random.Random()
     gauge = LoadGauge(
         queue_weight=config.load_queue_weight,
         kv_weight=config.load_kv_weight,
-        stats_ttl=stats_ttl,
         clock=clock if clock is not None else trio.current_time,
     )
     least = LeastLoadedPolicy(gauge, rng)

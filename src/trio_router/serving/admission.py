@@ -428,10 +428,8 @@ class Admission:
         if self._cap and engine.in_flight >= self._cap:
             return True
         limit = self._config.max_waiting_per_engine
-        if limit and (stats := engine.stats):
-            fresh = now - stats.get("scraped_at", -math.inf) <= stats.get("stale_after", 0.0)
-            return fresh and stats.get("waiting", 0.0) >= limit
-        return False
+        stats = engine.stats
+        return bool(limit) and stats.fresh(now) and (stats.waiting or 0.0) >= limit
 
     def _update_saturation(self, engine: Engine, now: float) -> None:
         if self._is_saturated(engine, now):
