@@ -236,7 +236,7 @@ async def test_unreachable_on_the_wire(autojump_clock: trio.testing.MockClock) -
         count = engines.probes["127.0.1.2"]
         engines.mode["127.0.1.2"] = "refuse"
         start = trio.current_time()
-        core.supervisors.report_unreachable(engine2, engine2.generation, "connect refused")
+        core.supervisors.outliers.report_unreachable(engine2, engine2.generation, "connect refused")
         assert core.table.routable("m") == ()  # ejected in the same step
         while engines.probes["127.0.1.2"] == count:
             await core.table.wait_changed()

@@ -28,13 +28,14 @@ from trio_router.discovery.loop import (
     DiscoveryStatus,
     KubernetesConnectionError,
     KubernetesStatusError,
-    Readiness,
     StaticDiscoveryStatus,
     WatchTuning,
     run_kubernetes_discovery,
 )
+from trio_router.discovery.readiness import Readiness
 from trio_router.table import Engine, EventType, RoutingTable
-from trio_router.testing.fake_apiserver import FakePodSource, FakeWatch, RecordingSink, pod_json
+from trio_router.testing.fake_pod_source import FakePodSource, FakeWatch, RecordingSink
+from trio_router.testing.pods import pod_json
 
 CONFIG = KubernetesConfig(relist_interval_s=3600.0, stale_after_s=180.0)
 REFUSED = KubernetesConnectionError("Kubernetes API unreachable: connection refused")

@@ -25,7 +25,8 @@ from trio_router.discovery.loop import (
 )
 from trio_router.table import EventType
 from trio_router.testing.core import open_core
-from trio_router.testing.fake_apiserver import FakeApiServer, RecordingSink, WatchPlan
+from trio_router.testing.fake_apiserver import FakeApiServer, WatchPlan
+from trio_router.testing.fake_pod_source import RecordingSink
 
 FAST = WatchTuning(backoff_initial_s=0.05, backoff_max_s=0.4)
 LIMIT_S = 10  # every test ends well within this many real seconds

@@ -16,7 +16,8 @@ from trio_router.discovery.loop import (
     run_kubernetes_discovery,
 )
 from trio_router.testing.core import FakeEngines, open_core
-from trio_router.testing.fake_apiserver import FakePodSource, FakeWatch, pod_json
+from trio_router.testing.fake_pod_source import FakePodSource, FakeWatch
+from trio_router.testing.pods import pod_json
 
 CONFIG = KubernetesConfig(relist_interval_s=3600.0, stale_after_s=180.0)
 REFUSED = KubernetesConnectionError("Kubernetes API unreachable: connection refused")

@@ -16,14 +16,9 @@ from hypothesis import strategies as st
 
 from trio_router.config import POLICIES, Config, RoutingConfig, parse_config
 from trio_router.errors import BadRequestError, ConfigError, NoEngineError
-from trio_router.routing.policy import (
-    EXACT_SCAN_MAX,
-    Policy,
-    RequestInfo,
-    make_policy,
-    render_opening,
-    request_info,
-)
+from trio_router.routing.balance import EXACT_SCAN_MAX
+from trio_router.routing.policy import Policy, make_policy
+from trio_router.routing.request import RequestInfo, render_opening, request_info
 from trio_router.serving.runtime import build_runtime
 from trio_router.table import Engine, EngineState, EngineStats, Model, RoutingTable
 

@@ -22,7 +22,8 @@ import trio
 
 from .config import Config, StatsConfig, env_key, parse_bind
 from .discovery.kubernetes import KubernetesPodSource
-from .discovery.loop import DiscoveryStatus, Readiness, run_kubernetes_discovery
+from .discovery.loop import DiscoveryStatus, run_kubernetes_discovery
+from .discovery.readiness import Readiness
 from .discovery.reconcile import Reconciler, add_static_engines
 from .discovery.stats import run_stats_scraper
 from .discovery.supervision import EngineWorker, Prober, open_supervisors

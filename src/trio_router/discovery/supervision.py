@@ -24,7 +24,8 @@ from ..asgi import jittered
 from ..config import ProbeConfig, ProxyConfig
 from ..http import EngineUnreachableError, TransportError, UpstreamPool, fetch
 from ..http.connection import Connector, open_tcp_socket
-from ..table import Engine, EngineState, Model, RoutingTable
+from ..table import Engine, Model, RoutingTable
+from .outliers import Outliers
 
 logger = logging.getLogger(__name__)
 
@@ -135,10 +136,10 @@ class Supervisors:
         self._scopes: dict[str, trio.CancelScope] = {}
         self._wake: dict[str, trio.Event] = {}
         self._limiter = trio.CapacityLimiter(config.max_concurrent)
-        self._ejection = ejection if ejection is not None else ProxyConfig()
-        self._ejected: set[str] = set()  # ejected by requests, until a probe readmits them
-        self._held: dict[str, float] = {}  # not readmitted before this trio time
-        self._ejections: dict[str, int] = {}  # consecutive outlier ejections: the hold factor
+        # Passive health: what requests tell of the engines.
+        self.outliers = Outliers(
+            table, ejection if ejection is not None else ProxyConfig(), wake_up=self._wake_up
+        )
         self._random = random.Random()
 
     def __len__(self) -> int:
@@ -178,79 +179,7 @@ class Supervisors:
         if (scope := self._scopes.pop(uid, None)) is not None:
             scope.cancel()
             self._wake.pop(uid, None)
-        self._held.pop(uid, None)
-        self._ejected.discard(uid)
-
-    def update_ejection(self, config: ProxyConfig) -> None:
-        """Apply new outlier-detection settings (config reload)."""
-        self._ejection = config
-
-    def report_unreachable(
-        self, engine: Engine, generation: int, reason: str, *, refused: bool = True
-    ) -> None:
-        """Passive health: the proxy could not reach `engine`. Eject it now and re-probe at once,
-        rather than at its next interval. Ignored if the entry has moved on. A connection
-        that was not `refused` outright (it timed out, or closed unanswered: what an engine
-        whose backlog overflows in a burst does too) ejects only while requests have ejected
-        less than `proxy.max_ejected_percent` of the engines."""
-        may = (
-            self._table.current(engine.uid, generation) is engine and engine.routable
-            if refused
-            else self._may_eject(engine, generation)
-        )
-        if may and self._table.mark_failed(engine.uid, generation, reason, eject=True):
-            self._ejected.add(engine.uid)
-            logger.warning("engine %s ejected after a failed request: %s", engine.name, reason)
-            self._wake_up(engine.uid)
-
-    def request_failed(self, engine: Engine, generation: int, reason: str) -> None:
-        """Outlier detection: a request to `engine` failed after reaching it (a timeout, a
-        broken or malformed answer; an engine 5xx if `proxy.eject_on_5xx`). After
-        `proxy.eject_after_failures` in a row the engine is ejected, and its probes may not
-        bring it back for `proxy.ejection_s` times its consecutive ejections: an engine that
-        passes its probe but fails every request must not keep getting traffic."""
-        engine.request_failures += 1
-        threshold = self._ejection.eject_after_failures
-        if not threshold or engine.request_failures < threshold or not engine.routable:
-            return
-        if not self._may_eject(engine, generation):
-            return
-        count = self._ejections[engine.uid] = self._ejections.get(engine.uid, 0) + 1
-        hold = self._ejection.ejection_s * count
-        why = (
-            f"{engine.request_failures} requests in a row failed (last: {reason}); "
-            f"out of routing for {hold:g} s"
-        )
-        if self._table.mark_failed(engine.uid, generation, why, eject=True):
-            self._ejected.add(engine.uid)
-            self._held[engine.uid] = trio.current_time() + hold
-            logger.warning("engine %s ejected: %s", engine.name, why)
-            self._wake_up(engine.uid)
-
-    def request_succeeded(self, engine: Engine) -> None:
-        """A request to `engine` succeeded: its run of failures is over."""
-        engine.request_failures = 0
-        if self._ejections:
-            self._ejections.pop(engine.uid, None)
-
-    def _may_eject(self, engine: Engine, generation: int) -> bool:
-        """Requests may take `engine` out of routing: it is routable now, and ejecting it keeps
-        the engines requests have ejected within `proxy.max_ejected_percent` of all."""
-        if self._table.current(engine.uid, generation) is not engine or not engine.routable:
-            return False
-        eligible = sum(1 for e in self._table if e.state is not EngineState.PENDING)
-        ejected = sum(1 for uid in self._ejected if uid in self._table)
-        if (ejected + 1) * 100 <= self._ejection.max_ejected_percent * eligible:
-            return True
-        logger.warning(
-            "engine %s failing requests is kept in routing: %d of %d engines are "
-            "ejected already (proxy.max_ejected_percent = %d)",
-            engine.name,
-            ejected,
-            eligible,
-            self._ejection.max_ejected_percent,
-        )
-        return False
+        self.outliers.forget(uid)
 
     def _wake_up(self, uid: str) -> None:
         if (wake := self._wake.get(uid)) is not None:
@@ -290,13 +219,12 @@ class Supervisors:
             current = table.current(engine.uid, generation)
             if current is None:
                 return
-            held = self._held.get(engine.uid, -math.inf) - trio.current_time()
+            held = self.outliers.hold_left(engine.uid, trio.current_time())
             if error is None and held > 0:  # ejected by requests: out until the hold is over
                 failures = 0
                 delay = held
             elif error is None:
-                self._held.pop(engine.uid, None)
-                self._ejected.discard(engine.uid)
+                self.outliers.readmitted(engine.uid)
                 if not current.routable:
                     logger.info(
                         "engine %s at %s is routable with models %s",

@@ -76,7 +76,7 @@ class RouterApp:
         self._services = Services(
             table=table,
             admission=admission,
-            supervisors=supervisors,
+            outliers=supervisors.outliers,
             metrics=metrics,
             tracing=tracing,
             relay=relay,

@@ -3,8 +3,8 @@
 `ProxyExchange.run` reads the request (`intake`), routes it through admission and the policy,
 tries engines until one answers (failover only while nothing has reached the client), and
 streams the engine's answer back, relayed when it can be. The exchange owns what the request
-leaves behind: its status, timings and bytes (metrics), the engine's health (outlier ejection
-through the supervisors), its trace spans, and its access record, each written once however
+leaves behind: its status, timings and bytes (metrics), the engine's health (outlier
+ejection), its trace spans, and its access record, each written once however
 the request ends.
 
 The request runs in its own cancel scope. The server's disconnect hook (`DisconnectHook`)
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 import trio
 
 from ..asgi import Message, Receive, Scope, Send
-from ..discovery.supervision import Supervisors
+from ..discovery.outliers import Outliers
 from ..errors import EngineFailedError, NoEngineError, RequestError, UnknownModelError
 from ..http import (
     ClientGoneError,
@@ -94,7 +94,7 @@ class Services:
 
     table: RoutingTable
     admission: Admission
-    supervisors: Supervisors
+    outliers: Outliers
     metrics: Metrics
     tracing: Tracing | None
     relay: Relay | None
@@ -262,7 +262,7 @@ class ProxyExchange:
                 await self._attempt(engine, generation, target, headers, body, request_id)
                 return
             except EngineUnreachableError as exc:
-                self._services.supervisors.report_unreachable(
+                self._services.outliers.report_unreachable(
                     engine, generation, str(exc), refused=exc.connect_failed
                 )
                 self._services.metrics.engine_unreachable(engine.name)
@@ -370,9 +370,9 @@ class ProxyExchange:
         """An answer went out whole: the engine's figures and health."""
         engine.requests.record(self.ttfb, trio.current_time() - self.started, ok=status < 500)
         if status >= 500 and self._settings.eject_on_5xx:
-            self._services.supervisors.request_failed(engine, generation, f"answered {status}")
+            self._services.outliers.request_failed(engine, generation, f"answered {status}")
         else:
-            self._services.supervisors.request_succeeded(engine)
+            self._services.outliers.request_succeeded(engine)
 
     def _broken(
         self, engine: Engine, generation: int, exc: TransportError, *, answered: bool
@@ -387,7 +387,7 @@ class ProxyExchange:
         error = from_transport(exc)
         if not isinstance(exc, LocalLimitError):  # the router's own limits: not the engine's
             engine.requests.record(self.ttfb, trio.current_time() - self.started, ok=False)
-            self._services.supervisors.request_failed(engine, generation, str(exc))
+            self._services.outliers.request_failed(engine, generation, str(exc))
         if not answered:
             raise _Failed(error) from exc
         logger.warning(

@@ -138,7 +138,7 @@ class Reloader:
         runtime = build_runtime(effective, self._table, previous)
         self._app.settings, self.runtime = runtime.settings, runtime
         self._prober.api_key = runtime.engine_key
-        self._supervisors.update_ejection(effective.proxy)
+        self._supervisors.outliers.configure(effective.proxy)
         self._app.admission.configure(
             effective.admission,
             max_per_engine=effective.proxy.max_connections_per_engine,

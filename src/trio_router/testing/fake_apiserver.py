@@ -1,12 +1,12 @@
-"""Kubernetes fakes for the discovery tests.
+"""The wire-level fake Kubernetes API server for the discovery tests.
 
 - `FakeApiServer`: a real HTTP/1.1 server (Trio + h11, on 127.0.0.1) speaking enough of the
   pods API for the official client: LIST with labelSelector, chunked WATCH with
   resourceVersion replay, timeoutSeconds, bookmarks, 410 (as an ERROR event or an HTTP
   status), 504 "Too large resource version", stalls, resets, error statuses, bearer tokens.
-- `FakePodSource`: a Trio-native `PodSource` on Trio's clock, for autojump tests.
-- `RecordingSink`: a `PodSink` that records every call and keeps the resulting pods.
-- `pod_json()`: the raw JSON of a v1 Pod.
+
+The Trio-native fakes of the discovery core (`FakePodSource`, `RecordingSink`) are in
+`fake_pod_source`, the objects (`pod_json`, `status_json`) in `pods`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import math
 import socket
 import struct
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -27,172 +27,10 @@ from urllib.parse import parse_qsl, urlsplit
 import h11
 import trio
 
-from ..discovery.kubernetes import pod_from_dict, watch_event_from_dict
-from ..discovery.loop import PodListing, WatchObserver
-from ..errors import DiscoveryError
-from ..table import EventType, Pod, PodEvent
+from .pods import COMPACT, Changes, RawObject, pod_json, selector, status_json
 
-RawObject = dict[str, Any]
 TRUE: Final = ("true", "True", "1")
 CHUNK_BYTES: Final = 64 * 1024
-COMPACT: Final = (",", ":")  # JSON separators, as the API server writes it
-
-
-def pod_json(
-    name: str,
-    *,
-    uid: str | None = None,
-    ip: str = "10.0.0.1",
-    ready: bool = True,
-    phase: str = "Running",
-    labels: dict[str, str] | None = None,
-    namespace: str = "default",
-    restarts: int = 0,
-    terminating: bool = False,
-    resource_version: str = "",
-    realistic: bool = False,
-    heartbeat: int = 0,
-) -> RawObject:
-    """The raw JSON of a v1 Pod with the fields discovery reads. `realistic` adds what a real
-    vLLM pod object carries besides them (spec, owner, managed fields, container details:
-    about 2.2 KB as a watch event); `heartbeat` changes a timestamp that routing does not read."""
-    meta: RawObject = {
-        "name": name,
-        "namespace": namespace,
-        "uid": uid or f"uid-{name}",
-        "labels": dict(labels if labels is not None else {"app": "vllm"}),
-    }
-    if resource_version:
-        meta["resourceVersion"] = resource_version
-    if terminating:
-        meta["deletionTimestamp"] = "2024-01-01T00:00:00Z"
-    status: RawObject = {
-        "phase": phase,
-        "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
-        "containerStatuses": [{"name": "vllm", "ready": ready, "restartCount": restarts}],
-    }
-    if ip:
-        status["podIP"] = ip
-    pod: RawObject = {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "status": status}
-    if realistic:
-        _add_realistic_fields(pod, heartbeat)
-    return pod
-
-
-def _add_realistic_fields(pod: RawObject, heartbeat: int) -> None:
-    """The rest of a vLLM pod as the API server sends it, trimmed to typical sizes."""
-    meta, status = pod["metadata"], pod["status"]
-    name, stamp = meta["name"], f"2026-11-30T10:{heartbeat // 60 % 60:02d}:{heartbeat % 60:02d}Z"
-    meta.update(
-        {
-            "generateName": name.rsplit("-", 1)[0] + "-",
-            "creationTimestamp": "2026-11-30T09:00:00Z",
-            "labels": {
-                **meta["labels"],
-                "pod-template-hash": "7d9f8b6c5d",
-                "app.kubernetes.io/name": "vllm",
-                "model": "llama-3-8b-instruct",
-            },
-            "annotations": {
-                "prometheus.io/scrape": "true",
-                "prometheus.io/port": "8000",
-                "kubectl.kubernetes.io/restartedAt": "2026-11-29T18:00:00Z",
-            },
-            "ownerReferences": [
-                {
-                    "apiVersion": "apps/v1",
-                    "kind": "ReplicaSet",
-                    "name": "vllm-7d9f8b6c5d",
-                    "uid": "3f1e0c2a-rs",
-                    "controller": True,
-                    "blockOwnerDeletion": True,
-                }
-            ],
-            "managedFields": [
-                {
-                    "manager": "kubelet",
-                    "operation": "Update",
-                    "apiVersion": "v1",
-                    "time": stamp,
-                    "fieldsType": "FieldsV1",
-                    "subresource": "status",
-                    "fieldsV1": {"f:status": {"f:conditions": {}, "f:podIP": {}}},
-                },
-            ],
-        }
-    )
-    pod["spec"] = {
-        "containers": [
-            {
-                "name": "vllm",
-                "image": "vllm/vllm-openai:v0.11.0",
-                "args": ["--model", "meta-llama/Meta-Llama-3-8B-Instruct", "--port", "8000"],
-                "ports": [{"containerPort": 8000, "name": "http", "protocol": "TCP"}],
-                "resources": {"limits": {"nvidia.com/gpu": "1"}},
-                "readinessProbe": {
-                    "httpGet": {"path": "/health", "port": 8000},
-                    "periodSeconds": 5,
-                    "failureThreshold": 3,
-                },
-                "volumeMounts": [{"name": "cache", "mountPath": "/root/.cache/huggingface"}],
-            }
-        ],
-        "volumes": [{"name": "cache", "persistentVolumeClaim": {"claimName": "hf-cache"}}],
-        "nodeName": "gpu-node-17",
-        "restartPolicy": "Always",
-    }
-    ready = status["conditions"][0]["status"]
-    status["conditions"] = [
-        {
-            "type": kind,
-            "status": ready if kind in ("Ready", "ContainersReady") else "True",
-            "lastProbeTime": None,
-            "lastTransitionTime": stamp,
-        }
-        for kind in ("Initialized", "Ready", "ContainersReady", "PodScheduled")
-    ]
-    status.update(
-        {"hostIP": "10.20.0.17", "startTime": "2026-11-30T09:00:00Z", "qosClass": "Burstable"}
-    )
-    if "podIP" in status:
-        status["podIPs"] = [{"ip": status["podIP"]}]
-    for container in status["containerStatuses"]:
-        container.update(
-            {
-                "image": "docker.io/vllm/vllm-openai:v0.11.0",
-                "imageID": "docker.io/vllm/vllm-openai@sha256:" + "0f" * 32,
-                "containerID": "containerd://" + "ab" * 32,
-                "started": True,
-                "state": {"running": {"startedAt": "2026-11-30T09:01:00Z"}},
-            }
-        )
-
-
-def status_json(code: int, reason: str, message: str, **extra: Any) -> RawObject:
-    """A v1 Status (the body of an API error, and the object of a watch ERROR event)."""
-    return {
-        "kind": "Status",
-        "apiVersion": "v1",
-        "metadata": {},
-        "status": "Failure",
-        "message": message,
-        "reason": reason,
-        "code": code,
-        **extra,
-    }
-
-
-def _selector(text: str) -> Callable[[dict[str, str]], bool]:
-    """Equality-based label selector: "a=b,c==d,e!=f"."""
-    terms: list[tuple[str, str, bool]] = []
-    for term in filter(None, (t.strip() for t in text.split(","))):
-        if "!=" in term:
-            key, value = term.split("!=", 1)
-            terms.append((key.strip(), value.strip(), False))
-        else:
-            key, value = term.replace("==", "=").split("=", 1)
-            terms.append((key.strip(), value.strip(), True))
-    return lambda labels: all((labels.get(k) == v) is eq for k, v, eq in terms)
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,23 +77,7 @@ class Requests:
     watches: list[Seen] = field(default_factory=list)
 
 
-class _Changes:
-    """Tests wait with `wait_for(predicate)`, re-checked after every `_notify()` (no polling)."""
-
-    def __init__(self) -> None:
-        self._changed = trio.Event()
-
-    async def wait_for(self, predicate: Callable[[], bool]) -> None:
-        """Block until `predicate()` is true (re-checked after every change)."""
-        while not predicate():
-            await self._changed.wait()
-
-    def _notify(self) -> None:
-        self._changed.set()
-        self._changed = trio.Event()
-
-
-class FakeApiServer(_Changes):
+class FakeApiServer(Changes):
     """Pods of one namespace behind a real HTTP server. Mutate it with the sync methods
     below (the test's Trio thread); wait for conditions with `wait_for`."""
 
@@ -363,7 +185,7 @@ class FakeApiServer(_Changes):
             line = json.dumps({"type": kind, "object": pod}, separators=COMPACT).encode() + b"\n"
             self._history.append(_Entry(self._rv, pod["metadata"]["labels"], line))
             self._history_rvs.append(self._rv)
-        self._notify()
+        self.notify()
         return pod
 
     def compact(self) -> None:
@@ -371,13 +193,13 @@ class FakeApiServer(_Changes):
         self._compacted_rv = self._rv
         self._history.clear()
         self._history_rvs.clear()
-        self._notify()
+        self.notify()
 
     def reset_watches(self, *, rst: bool = False) -> None:
         """Cut every open watch connection (no end of the chunked body): closed, or with
         `rst` reset (TCP RST)."""
         self._epoch, self._epoch_action = self._epoch + 1, "rst" if rst else "reset"
-        self._notify()
+        self.notify()
 
     def outage(self, down: bool) -> None:
         """Start (cutting every open watch) or end an outage: while it lasts, every request
@@ -390,14 +212,14 @@ class FakeApiServer(_Changes):
         """End every open watch cleanly (the end of the chunked body), as a restarting API
         server or a load balancer's idle timeout does."""
         self._epoch, self._epoch_action = self._epoch + 1, "end"
-        self._notify()
+        self.notify()
 
     def expire_watches(self) -> None:
         """Compact, and end every open watch with 410 (ERROR event, or a cut connection
         when `expired_as_event` is False, so that the resume gets HTTP 410)."""
         self.compact()
         self._epoch, self._epoch_action = self._epoch + 1, "expire"
-        self._notify()
+        self.notify()
 
     # -- HTTP ------------------------------------------------------------------------------
     async def _serve_connection(self, stream: trio.SocketStream) -> None:
@@ -454,7 +276,7 @@ class FakeApiServer(_Changes):
         if query.get("watch") in TRUE:
             return await self._watch(stream, conn, query)
         self.requests.lists.append(Seen(trio.current_time(), query))
-        self._notify()
+        self.notify()
         if self.list_plans:
             plan = self.list_plans.popleft()
             await self._send_json(
@@ -465,7 +287,7 @@ class FakeApiServer(_Changes):
                 plan.headers,
             )
             return True
-        match = _selector(query.get("labelSelector", ""))
+        match = selector(query.get("labelSelector", ""))
         items = [p for p in self._pods.values() if match(p["metadata"]["labels"])]
         await self._send_json(
             stream,
@@ -508,7 +330,7 @@ class FakeApiServer(_Changes):
         self, stream: trio.SocketStream, conn: h11.Connection, query: dict[str, str]
     ) -> bool:
         self.requests.watches.append(Seen(trio.current_time(), query))
-        self._notify()
+        self.notify()
         plan = self.watch_plans.popleft() if self.watch_plans else WatchPlan()
         if plan.kind == "status":
             await self._send_json(
@@ -565,7 +387,7 @@ class FakeApiServer(_Changes):
             )
         )
         self.open_watches += 1
-        self._notify()
+        self.notify()
         try:
             if expired:
                 return await self._end_with_error(
@@ -580,7 +402,7 @@ class FakeApiServer(_Changes):
             return await self._stream_events(stream, conn, query, plan, start)
         finally:
             self.open_watches -= 1
-            self._notify()
+            self.notify()
 
     async def _end_with_error(
         self, stream: trio.SocketStream, conn: h11.Connection, code: int, reason: str, message: str
@@ -614,7 +436,7 @@ class FakeApiServer(_Changes):
         plan: WatchPlan,
         start: int | None,
     ) -> bool:
-        match = _selector(query.get("labelSelector", ""))
+        match = selector(query.get("labelSelector", ""))
         bookmarks = query.get("allowWatchBookmarks") in TRUE
         timeout = float(query.get("timeoutSeconds") or 1800)
         if self.max_watch_s is not None:
@@ -652,7 +474,7 @@ class FakeApiServer(_Changes):
             sent += len(batch)
             self.events_sent += len(batch)
             if batch:
-                self._notify()
+                self.notify()
             if plan.kind == "reset" and sent >= plan.after_events:
                 return False  # cut: the chunked body never ends
             now = trio.current_time()
@@ -660,7 +482,7 @@ class FakeApiServer(_Changes):
                 await self._send_chunk(stream, conn, self._bookmark())
                 next_bookmark = now + (interval or math.inf)
                 self.bookmarks_sent += 1
-                self._notify()
+                self.notify()
             if now >= deadline:  # routine expiry: a bookmark "right before the deadline"
                 last = self._chunk(conn, self._bookmark()) if bookmarks else b""
                 await stream.send_all(last + conn.send(h11.EndOfMessage()))
@@ -692,123 +514,3 @@ class FakeApiServer(_Changes):
     ) -> None:
         if data:
             await stream.send_all(self._chunk(conn, data))
-
-
-# -- Trio-native fakes ------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class FakeWatch:
-    """What `FakePodSource.watch` does with one call: serve events for `duration` seconds
-    (None: the requested timeout_seconds; math.inf: forever), then raise `error` if given,
-    else end cleanly. With duration 0 and an error, it fails before connecting."""
-
-    duration: float | None = None
-    error: DiscoveryError | None = None
-
-
-class FakePodSource(_Changes):
-    """A `PodSource` on Trio's clock (no threads, no sockets): pods and an event history in
-    memory, scripted failures, and a log of every call's (trio) time."""
-
-    def __init__(self) -> None:
-        self._pods: dict[str, RawObject] = {}
-        self._rv = 1
-        self._history: list[tuple[int, RawObject]] = []
-        self.list_failures: deque[DiscoveryError] = deque()
-        self.watch_plans: deque[FakeWatch] = deque()
-        self.list_calls: list[float] = []
-        self.watch_calls: list[tuple[float, str, int]] = []  # (time, resourceVersion, timeout)
-        super().__init__()
-
-    def emit(self, kind: str, pod: RawObject) -> RawObject:
-        """Record a pod event (ADDED, MODIFIED, DELETED) with the next resourceVersion."""
-        self._rv += 1
-        pod = {**pod, "metadata": {**pod["metadata"], "resourceVersion": str(self._rv)}}
-        if kind == "DELETED":
-            self._pods.pop(pod["metadata"]["name"], None)
-        else:
-            self._pods[pod["metadata"]["name"]] = pod
-        self._history.append((self._rv, {"type": kind, "object": pod}))
-        self._notify()
-        return pod
-
-    def bookmark(self) -> None:
-        """A BOOKMARK at a new resourceVersion (no pod changes)."""
-        self._rv += 1
-        self._history.append(
-            (
-                self._rv,
-                {
-                    "type": "BOOKMARK",
-                    "object": {"kind": "Pod", "metadata": {"resourceVersion": str(self._rv)}},
-                },
-            )
-        )
-        self._notify()
-
-    async def list_pods(self) -> PodListing:
-        await trio.lowlevel.checkpoint()
-        self.list_calls.append(trio.current_time())
-        self._notify()
-        if self.list_failures:
-            raise self.list_failures.popleft()
-        return PodListing(tuple(pod_from_dict(p) for p in self._pods.values()), str(self._rv))
-
-    async def watch(
-        self, resource_version: str, observer: WatchObserver, *, timeout_seconds: int
-    ) -> None:
-        await trio.lowlevel.checkpoint()
-        self.watch_calls.append((trio.current_time(), resource_version, timeout_seconds))
-        self._notify()
-        plan = self.watch_plans.popleft() if self.watch_plans else FakeWatch()
-        duration = timeout_seconds if plan.duration is None else plan.duration
-        if plan.error is not None and duration == 0:
-            raise plan.error
-        observer.connected()
-        deadline = trio.current_time() + duration
-        cursor = int(resource_version)
-        while True:
-            changed = self._changed
-            for rv, raw in self._history:
-                if rv > cursor:
-                    observer.event(watch_event_from_dict(raw))
-                    cursor = rv
-            if trio.current_time() >= deadline:
-                break
-            with trio.move_on_at(deadline):
-                await changed.wait()
-        if plan.error is not None:
-            raise plan.error
-
-
-class RecordingSink(_Changes):
-    """A `PodSink` that records each call and keeps the pods it would route, by UID."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, Any]] = []
-        self.pods: dict[str, Pod] = {}
-        super().__init__()
-
-    @property
-    def applied(self) -> list[PodEvent]:
-        return [arg for kind, arg in self.calls if kind == "apply"]
-
-    @property
-    def replaced(self) -> list[list[Pod]]:
-        return [arg for kind, arg in self.calls if kind == "replace"]
-
-    def apply(self, event: PodEvent) -> None:
-        self.calls.append(("apply", event))
-        if event.type is EventType.DELETED:
-            self.pods.pop(event.pod.uid, None)
-        else:
-            self.pods[event.pod.uid] = event.pod
-        self._notify()
-
-    def replace(self, pods: Iterable[Pod]) -> None:
-        listed = list(pods)
-        self.calls.append(("replace", listed))
-        self.pods = {p.uid: p for p in listed}
-        self._notify()
-
-    def names(self) -> set[str]:
-        return {p.name for p in self.pods.values()}
