@@ -113,7 +113,7 @@ def watch_event_from_dict(raw: RawObject) -> WatchEvent:
 
 # Only the fields discovery reads, for msgspec: decoding a watch event or a LIST into these
 # skips every other field of the pod (spec, managed fields, container details) at C speed,
-# several times cheaper than building the whole object with `json.loads`. An answer whose
+# rather than building the whole object with `json.loads`. An answer whose
 # fields have unexpected types takes the tolerant path instead (`json.loads`, then
 # `pod_from_dict`).
 class _Condition(msgspec.Struct, frozen=True):

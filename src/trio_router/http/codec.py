@@ -2,8 +2,8 @@
 
 - `ResponseParser`: an incremental parser of one response to a request this client sent
   (never pipelined), validating like h11 does (tokens, field values, status line,
-  Content-Length, chunk framing) at a fraction of h11's CPU per request. Tests check it
-  against h11 at every read split.
+  Content-Length, chunk framing) with less work per response (docs/performance.md has
+  the figures). Tests check it against h11 at every read split.
 - `encode_request_head`: the head of a request, hop-by-hop headers dropped.
 - `ChunkedDecoder`: the chunked coding of a body whose head was read elsewhere (the
   Kubernetes watch stream).

@@ -113,8 +113,8 @@ def key_hash(key: str) -> int:
 
 def opening_hash(key: str) -> int:
     """A 64-bit hash of a conversation's opening, the same in every process. Openings run to
-    tens of KiB: CRC-32 reads the whole of it (several times faster than a cryptographic
-    hash), BLAKE2b mixes that with its length and first 256 bytes into a uniform ring
+    tens of KiB: CRC-32 reads the whole of it (cheaper than a cryptographic hash over it
+    all), BLAKE2b mixes that with its length and first 256 bytes into a uniform ring
     position. Two openings share a position only if all three agree: they then share an
     engine, which is harmless."""
     raw = key.encode("utf-8", "surrogatepass")

@@ -107,7 +107,7 @@ class AdminEndpoints:
             await self._model(send, model_id, request_id)
         elif path == "/engines":
             engines = [engine.describe() for engine in self._table]
-            # msgspec encodes the table of a large fleet several times faster than json.
+            # msgspec: the table of a large fleet is encoded without building JSON in Python.
             await send_json(send, 200, msgspec.json.encode({"engines": engines}), rid)
         elif path == "/health":
             ready, state, reason = self._health()

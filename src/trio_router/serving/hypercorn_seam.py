@@ -225,7 +225,7 @@ class KeepAliveConnection(TCPServer):
     """Hypercorn's trio connection (its HTTP/1.1 and HTTP/2 protocols and ASGI handling,
     unchanged) with a leaner and bounded drive of the socket:
 
-    - the keep-alive timer above: Hypercorn's cost about a quarter of its CPU per request;
+    - the keep-alive timer above (Hypercorn's starts a task per request);
     - a write is tried at once on the non-blocking socket and waits (under Hypercorn's send
       lock) only for what the socket did not take; an empty write (the end of a
       Content-Length body) is skipped. Hypercorn's way cost a lock round trip and a shielded

@@ -16,7 +16,7 @@ import pytest
 import trio
 import trio.testing
 
-from test_relay import ScriptedEngine, open_scripted_router
+from test_http_relay import ScriptedEngine, open_scripted_router
 from trio_router.errors import OverloadedError, RequestTimeoutError
 from trio_router.http import LocalLimitError, UpstreamPool
 from trio_router.serving.errors import from_transport
