@@ -54,7 +54,10 @@ def write(tmp_path: Path, text: str) -> Path:
 
 def test_documented_example_loads(tmp_path: Path) -> None:
     config = load_config(write(tmp_path, DOCUMENTED_EXAMPLE))
-    assert config.discovery.static.urls == ("http://127.0.0.1:8001", "http://127.0.0.1:8002")
+    assert [e.url for e in config.discovery.static.urls] == [
+        "http://127.0.0.1:8001",
+        "http://127.0.0.1:8002",
+    ]
     assert config.probe.timeout_s == 5.0
     assert config.proxy.retries == 2
 

@@ -288,7 +288,7 @@ def test_demo_toml_is_static_on_loopback() -> None:
     host, _ = parse_bind(config.server.bind)
     assert host.startswith("127.")
     assert config.discovery.static.urls
-    assert all(url.startswith("http://127.") for url in config.discovery.static.urls)
+    assert all(e.url.startswith("http://127.") for e in config.discovery.static.urls)
 
 
 def test_static_toml_is_static_with_engines() -> None:

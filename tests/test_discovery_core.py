@@ -12,7 +12,7 @@ import pytest
 import trio
 import trio.testing
 
-from trio_router.config import ProbeConfig
+from trio_router.config import ProbeConfig, StaticConfig
 from trio_router.discovery.supervision import ProbeFailed, Prober, parse_models
 from trio_router.http import UpstreamPool
 from trio_router.table import Engine, EngineState, Model, RoutingTable
@@ -330,7 +330,9 @@ async def test_static_engines(autojump_clock: trio.testing.MockClock) -> None:
 
     async with open_core() as core:
         add_static_engines(
-            core.table, core.supervisors, ["http://127.0.1.7:8000/", "http://127.0.1.8:8000"]
+            core.table,
+            core.supervisors,
+            StaticConfig.from_urls(["http://127.0.1.7:8000/", "http://127.0.1.8:8000"]).urls,
         )
         await core.wait_until("routable", "http://127.0.1.7:8000", "http://127.0.1.8:8000")
         assert sorted(e.name for e in core.table.routable("m")) == [

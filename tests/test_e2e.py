@@ -168,7 +168,7 @@ async def main():
         url = await engines.start(serve_fake_engine, FakeEngine(tokens=2), "127.0.0.1", 0)
         config = Config(
             server=ServerConfig(bind="127.0.0.1:0", max_body_bytes=4096, drain_s=1.0),
-            discovery=DiscoveryConfig(mode="static", static=StaticConfig(urls=(url,))),
+            discovery=DiscoveryConfig(mode="static", static=StaticConfig.from_urls([url])),
             routing=RoutingConfig(policy=sys.argv[1]),
             probe=ProbeConfig(interval_s=60.0), stats=StatsConfig(interval_s=0.0))
         table = RoutingTable()

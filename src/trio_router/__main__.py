@@ -225,7 +225,7 @@ def demo_config(urls: Sequence[str], *, port: int) -> Config:
     """The router config of the demo (as config/demo.toml, with the engines' real URLs)."""
     return Config(
         server=ServerConfig(bind=f"127.0.0.1:{port}", drain_s=5.0),
-        discovery=DiscoveryConfig(mode="static", static=StaticConfig(urls=tuple(urls))),
+        discovery=DiscoveryConfig(mode="static", static=StaticConfig.from_urls(urls)),
         probe=ProbeConfig(interval_s=2.0, backoff_max_s=5.0),
         routing=RoutingConfig(policy="least_loaded"),
     )

@@ -20,7 +20,9 @@ from .errors import ConfigError
 
 T = TypeVar("T")
 
-POLICIES: typing.Final = ("round_robin", "least_loaded", "session", "prefix_aware")
+POLICIES: typing.Final = ("round_robin", "least_loaded", "session", "prefix_aware", "kv_aware")
+KV_EVENT_MODES: typing.Final = ("off", "connect", "bind")
+ROLES: typing.Final = ("", "prefill", "decode", "prefill-decode")
 DISCOVERY_MODES: typing.Final = ("static", "kubernetes")
 
 
@@ -100,13 +102,58 @@ def _check_engine_url(url: str) -> None:
         )
 
 
+def _check_zmq_endpoint(endpoint: str, where: str) -> None:
+    if endpoint and not endpoint.startswith(("tcp://", "ipc://")):
+        raise ConfigError(f"{where} must be a ZMQ endpoint (tcp://HOST:PORT), got {endpoint!r}")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
-class StaticConfig:
-    urls: tuple[str, ...] = ()
+class StaticEngine:
+    """One engine of static discovery: its base URL and, optionally, its role in
+    prefill/decode disaggregation and where it publishes its KV-cache events."""
+
+    url: str
+    role: str = ""  # "", "prefill", "decode" or "prefill-decode"
+    kv_events: str = ""  # its publisher's endpoint (kv_events.mode = "connect")
+    kv_replay: str = ""  # its replay endpoint, if any
 
     def __post_init__(self) -> None:
-        for url in self.urls:
-            _check_engine_url(url)
+        _check_engine_url(self.url)
+        if self.role not in ROLES:
+            raise ConfigError(
+                f"discovery.static.urls: {self.url!r}: role must be one of "
+                f"{[r for r in ROLES if r]}, got {self.role!r}"
+            )
+        _check_zmq_endpoint(self.kv_events, f"discovery.static.urls: {self.url!r}: kv_events")
+        _check_zmq_endpoint(self.kv_replay, f"discovery.static.urls: {self.url!r}: kv_replay")
+
+    def as_toml(self) -> str | dict[str, str]:
+        """A plain URL when nothing else is set, as such a file would say it."""
+        values = {
+            "url": self.url,
+            "role": self.role,
+            "kv_events": self.kv_events,
+            "kv_replay": self.kv_replay,
+        }
+        extra = {k: v for k, v in values.items() if v}
+        return self.url if extra.keys() == {"url"} else extra
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StaticConfig:
+    # Engine base URLs, each a string or a table {url = "...", role = "...", kv_events = "..."}.
+    urls: tuple[StaticEngine, ...] = ()
+
+    def __post_init__(self) -> None:
+        engines = tuple(
+            StaticEngine(url=u) if isinstance(u, str) else u for u in typing.cast(Any, self.urls)
+        )
+        object.__setattr__(self, "urls", engines)
+
+    @classmethod
+    def from_urls(cls, urls: typing.Iterable[str | StaticEngine]) -> StaticConfig:
+        """Static discovery of `urls` (plain base URLs, or engines with more said of them)."""
+        return cls(urls=tuple(StaticEngine(url=u) if isinstance(u, str) else u for u in urls))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -189,6 +236,16 @@ class RoutingConfig:
     prefix_cache_entries: int = field(default=131072, metadata={"deprecated": True})
     prefix_balance_abs: float = 8.0  # prefix_aware: skip an engine whose load is above
     prefix_balance_rel: float = 1.5  # rel * average + abs, for the next on the ring
+    # prefix_aware: leading system (developer) messages at least this long are the key alone:
+    # requests that share a long system prompt share an engine, whatever follows it.
+    prefix_header_chars: int = 1024
+    # kv_aware: cost = uncached prompt tokens + kv_load_tokens * (load above the least
+    # loaded candidate + kv_load_slack).
+    kv_load_tokens: float = 256.0
+    kv_load_slack: float = 2.0
+    kv_block_size: int = 16  # block size assumed until the engines' events tell theirs
+    kv_speculative_ttl_s: float = 2.0  # blocks just sent count as cached for this long
+    tokenize_timeout_s: float = 0.1  # kv_aware: deadline of asking an engine for the tokens
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -197,7 +254,19 @@ class RoutingConfig:
             )
         if not self.session_header:
             raise ConfigError("routing.session_header must not be empty")
-        for key in ("load_queue_weight", "load_kv_weight", "prefix_balance_abs"):
+        _positive(
+            "routing",
+            kv_speculative_ttl_s=self.kv_speculative_ttl_s,
+            tokenize_timeout_s=self.tokenize_timeout_s,
+            kv_block_size=self.kv_block_size,
+        )
+        for key in (
+            "load_queue_weight",
+            "load_kv_weight",
+            "prefix_balance_abs",
+            "kv_load_tokens",
+            "kv_load_slack",
+        ):
             if not getattr(self, key) >= 0:
                 raise ConfigError(f"routing.{key} must be >= 0, got {getattr(self, key)!r}")
         for key in ("session_load_factor", "prefix_balance_rel"):
@@ -208,6 +277,7 @@ class RoutingConfig:
             ("prefix_chunk_chars", 1 << 20),
             ("prefix_text_chars", 1 << 20),
             ("prefix_max_chunks", 1 << 16),
+            ("prefix_header_chars", 1 << 20),
             ("prefix_cache_entries", 1 << 26),
         ):
             if not 1 <= getattr(self, key) <= top:
@@ -245,6 +315,40 @@ class ProxyConfig:
             raise ConfigError(
                 f"proxy.max_ejected_percent must be 0..100, got {self.max_ejected_percent}"
             )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KvEventsConfig:
+    """Where the engines' KV-cache events come from (`routing.policy = "kv_aware"`)."""
+
+    mode: str = "off"  # "connect": subscribe to every engine; "bind": engines connect here
+    port: int = 5557  # connect: the port every engine publishes on (tcp://ENGINE_HOST:port)
+    replay_port: int = 0  # connect: the engines' replay port; 0: no replay
+    endpoint: str = ""  # bind: tcp://HOST:PORT the router binds
+    topic: str = ""  # connect: the topic prefix subscribed to; bind: the prefix before an
+    # engine's address in the topic it publishes under
+    replay_timeout_s: float = 2.0  # longest wait for a replay
+    receive_hwm: int = 100000  # messages queued per subscription before ZMQ drops
+    max_blocks_per_engine: int = 1048576  # an engine holding more is cleared (lost removals)
+
+    def __post_init__(self) -> None:
+        if self.mode not in KV_EVENT_MODES:
+            raise ConfigError(
+                f"kv_events.mode must be one of {list(KV_EVENT_MODES)}, got {self.mode!r}"
+            )
+        for key in ("port", "replay_port"):
+            value = getattr(self, key)
+            if not 0 <= value <= 65535 or (key == "port" and value == 0):
+                raise ConfigError(f"kv_events.{key} must be a port number, got {value}")
+        _check_zmq_endpoint(self.endpoint, "kv_events.endpoint")
+        if self.mode == "bind" and not self.endpoint:
+            raise ConfigError('kv_events.mode = "bind" needs kv_events.endpoint (tcp://HOST:PORT)')
+        _positive(
+            "kv_events",
+            replay_timeout_s=self.replay_timeout_s,
+            receive_hwm=self.receive_hwm,
+            max_blocks_per_engine=self.max_blocks_per_engine,
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -320,6 +424,7 @@ class Config:
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     proxy: ProxyConfig = field(default_factory=ProxyConfig)
     stats: StatsConfig = field(default_factory=StatsConfig)
+    kv_events: KvEventsConfig = field(default_factory=KvEventsConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)
     tenants: tuple[TenantConfig, ...] = ()
@@ -354,6 +459,8 @@ def _type_name(tp: Any) -> str:
 def _convert(tp: Any, value: Any, where: str) -> Any:
     """Check `value` against the annotation `tp`; int is accepted where float is expected."""
     if is_dataclass(tp):
+        if tp is StaticEngine and isinstance(value, str):
+            return StaticEngine(url=value)
         if not isinstance(value, dict):
             raise ConfigError(f"{where} must be a table, got {type(value).__name__}")
         return _build(typing.cast(type[Any], tp), value, where=where)
@@ -418,10 +525,16 @@ def config_as_dict(config: Any) -> dict[str, Any]:
         if dataclasses.is_dataclass(value):
             out[f.name] = config_as_dict(value)
         elif isinstance(value, tuple):
-            out[f.name] = [config_as_dict(v) if dataclasses.is_dataclass(v) else v for v in value]
+            out[f.name] = [_item_as_toml(v) for v in value]
         else:
             out[f.name] = value
     return out
+
+
+def _item_as_toml(value: Any) -> Any:
+    if isinstance(value, StaticEngine):
+        return value.as_toml()
+    return config_as_dict(value) if dataclasses.is_dataclass(value) else value
 
 
 def dump_toml(config: Config) -> str:

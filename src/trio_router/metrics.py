@@ -94,6 +94,7 @@ class Metrics:
         discovery_snapshot: Callable[[], Mapping[str, Any]] | None = None,
         relayed: Callable[[], int] | None = None,
         admission: Callable[[], tuple[Mapping[str, int], int]] | None = None,
+        kv: Callable[[], Mapping[str, tuple[Mapping[str, int], int]]] | None = None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self._requests = Counter(
@@ -164,6 +165,33 @@ class Metrics:
             ["model", "kind"],
             registry=self.registry,
         )
+        self._tokenize = Histogram(
+            "trio_router_tokenize_seconds",
+            "Time to get a request's token ids from an engine (kv_aware), answers only.",
+            buckets=TTFB_BUCKETS,
+            registry=self.registry,
+        )
+        self._tokenize_fallbacks = Counter(
+            "trio_router_tokenize_fallbacks",
+            "Requests kv_aware routed without token ids, by reason (timeout, error, "
+            "untokenizable, bad_answer, status_N): routed by prefix_aware instead.",
+            ["reason"],
+            registry=self.registry,
+        )
+        self._kv_cached = Counter(
+            "trio_router_kv_predicted_cached_tokens",
+            "Prompt tokens kv_aware expected its chosen engine to have cached, by model "
+            "(compare with the engines' vllm:prefix_cache_hits_total).",
+            ["model"],
+            registry=self.registry,
+        )
+        self._kv_prompt = Counter(
+            "trio_router_kv_prompt_tokens",
+            "Prompt tokens of the requests kv_aware routed on their tokens, by model "
+            "(compare with the engines' vllm:prefix_cache_queries_total).",
+            ["model"],
+            registry=self.registry,
+        )
         info = Info("trio_router_build", "trio_router's version.", registry=self.registry)
         info.info({"version": __version__})
         ProcessCollector(registry=self.registry)
@@ -178,6 +206,8 @@ class Metrics:
             self.registry.register(_RelayCollector(relayed))
         if admission is not None:
             self.registry.register(_AdmissionCollector(admission))
+        if kv is not None:
+            self.registry.register(_KvCollector(kv))
 
     def observe_request(self, model: str, engine: str, status: int, seconds: float) -> None:
         """Count one finished request and record its duration."""
@@ -215,6 +245,17 @@ class Metrics:
             )
         pair[0].inc(prompt)
         pair[1].inc(completion)
+
+    def tokenized(self, seconds: float) -> None:
+        self._tokenize.observe(seconds)
+
+    def tokenize_fallback(self, reason: str) -> None:
+        self._tokenize_fallbacks.labels(reason).inc()
+
+    def kv_prediction(self, model: str, cached: int, prompt: int) -> None:
+        """One kv_aware decision: the tokens it expected cached, of the prompt's."""
+        self._kv_cached.labels(model).inc(cached)
+        self._kv_prompt.labels(model).inc(prompt)
 
     def engine_unreachable(self, engine: str) -> None:
         self._unreachable.labels(engine).inc()
@@ -353,6 +394,43 @@ class _AdmissionCollector:
         )
         busy.add_metric([], saturated)
         return [depth, busy]
+
+
+class _KvCollector:
+    """KV-cache events per engine, read at scrape time: {engine: ({counter: value}, blocks
+    held in the index)}."""
+
+    _COUNTERS: Final = {
+        "batches": "KV-event batches applied",
+        "events": "KV events applied",
+        "skipped": "KV events or messages that could not be read or applied",
+        "gaps": "gaps in an engine's KV-event sequence",
+        "replays": "gaps (or late starts) filled by a replay",
+        "replay_failures": "replays that failed or could not fill the gap",
+        "resets": "times an engine's index entries were dropped (restart, lost events, "
+        "AllBlocksCleared)",
+    }
+
+    def __init__(self, state: Callable[[], Mapping[str, tuple[Mapping[str, int], int]]]) -> None:
+        self._state = state
+
+    def collect(self) -> Iterable[Metric]:
+        families = {
+            key: CounterMetricFamily(
+                f"trio_router_kv_{key}", f"Per engine: {what}.", labels=["engine"]
+            )
+            for key, what in self._COUNTERS.items()
+        }
+        blocks = GaugeMetricFamily(
+            "trio_router_kv_index_blocks",
+            "Prefix blocks each engine holds, as the router's block index knows them.",
+            labels=["engine"],
+        )
+        for engine, (counters, held) in self._state().items():
+            for key, family in families.items():
+                family.add_metric([engine], float(counters.get(key, 0)))
+            blocks.add_metric([engine], float(held))
+        return [*families.values(), blocks]
 
 
 class _DiscoveryCollector:

@@ -16,6 +16,7 @@ import signal
 from collections.abc import Callable
 from functools import partial
 from typing import Any, Final
+from urllib.parse import urlsplit
 
 import hypercorn.config
 import trio
@@ -28,13 +29,16 @@ from .discovery.reconcile import Reconciler, add_static_engines
 from .discovery.stats import run_stats_scraper
 from .discovery.supervision import EngineWorker, Prober, open_supervisors
 from .http import UpstreamPool, open_relay
+from .kv.index import BlockIndex
+from .kv.subscriber import KvEvents
+from .kv.tokens import Tokenizer
 from .metrics import Metrics
 from .serving import hypercorn_seam as connection
 from .serving.admission import Admission
 from .serving.app import RouterApp
 from .serving.reload import Reloader, ReloadOutcome
 from .serving.runtime import build_runtime, tenant_keys
-from .table import RoutingTable
+from .table import Engine, RoutingTable
 from .tracing import FLUSH_S, check_environment, open_tracing
 
 logger = logging.getLogger(__name__)
@@ -42,6 +46,27 @@ logger = logging.getLogger(__name__)
 THREAD_EXIT_S: Final = 10.0  # bound on waiting for an abandoned Kubernetes thread at exit
 KEEP_ALIVE_S: Final = 75.0  # idle client connections are kept longer than common LB timeouts
 POOL_SWEEP_S: Final = 2.0  # how often idle engine connections the engine closed are dropped
+
+
+def static_kv_endpoints(config: Config) -> Callable[[Engine], tuple[str, str]]:
+    """The KV-event endpoints of static engines: those their entries name, else their host at
+    `kv_events.port` (and `replay_port`)."""
+    named = {
+        e.url.rstrip("/"): (e.kv_events, e.kv_replay)
+        for e in config.discovery.static.urls
+        if e.kv_events
+    }
+    kv = config.kv_events
+
+    def endpoints(engine: Engine) -> tuple[str, str]:
+        if (given := named.get(engine.url)) is not None:
+            return given
+        host = urlsplit(engine.url).hostname or ""
+        host = f"[{host}]" if ":" in host else host
+        replay = f"tcp://{host}:{kv.replay_port}" if kv.replay_port else ""
+        return f"tcp://{host}:{kv.port}", replay
+
+    return endpoints
 
 
 def check_keys(config: Config) -> None:
@@ -114,6 +139,7 @@ async def run(
     table: RoutingTable | None = None,
     handle_signals: bool = True,
     on_reload: Callable[[ReloadOutcome], None] | None = None,
+    kv_index: BlockIndex | None = None,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the router described by `config` until a shutdown signal (or cancellation).
@@ -124,6 +150,8 @@ async def run(
             caller watch engines become routable (`trio-router demo`, tests).
         handle_signals: install SIGTERM/SIGINT/SIGHUP handling (main thread only).
         on_reload: called with each reload's outcome (for embedding and tests).
+        kv_index: the block index to fill from the engines' KV-cache events (a fresh one by
+            default; passing one lets the caller watch it).
         task_status: receives the bound URLs once the server accepts connections.
 
     Raises ConfigError (an API key variable unset, a bad bind) and OSError (the bind address
@@ -133,7 +161,10 @@ async def run(
     """
     table = table if table is not None else RoutingTable()
     hconfig = hypercorn_config(config)
-    runtime = build_runtime(config, table)
+    if kv_index is None:
+        kv_index = BlockIndex(max_blocks=config.kv_events.max_blocks_per_engine)
+    unsubscribe_index = table.add_remove_listener(lambda engine: kv_index.drop(engine.uid))
+    runtime = build_runtime(config, table, kv_index=kv_index)
     reloader: Reloader | None = None
     prober = Prober(timeout=config.probe.timeout_s, api_key=runtime.engine_key)
     source: KubernetesPodSource | None = None
@@ -146,10 +177,23 @@ async def run(
         keys=runtime.tenant_keys,
     )
 
+    kv_events: KvEvents | None = None
+    if config.kv_events.mode != "off":
+        kv_events = KvEvents(
+            kv_index,
+            config.kv_events,
+            table,
+            endpoints=static_kv_endpoints(config) if config.discovery.mode == "static" else None,
+        )
+
     def stats_workers(stats: StatsConfig) -> list[EngineWorker]:
+        workers: list[EngineWorker] = []
+        if kv_events is not None and config.kv_events.mode == "connect":
+            workers.append(kv_events.run_engine)
         if stats.interval_s <= 0:
-            return []
+            return workers
         return [
+            *workers,
             lambda engine, generation, pool: run_stats_scraper(
                 engine,
                 table,
@@ -159,7 +203,7 @@ async def run(
                 generation=generation,
                 headers=prober.headers,
                 on_change=admission.load_changed,
-            )
+            ),
         ]
 
     tracing = open_tracing(config.tracing)  # last: nothing after it raises before `try`
@@ -198,6 +242,12 @@ async def run(
                 discovery_snapshot=lambda: status.snapshot(trio.current_time()),
                 relayed=lambda: relay.relayed,
                 admission=lambda: (admission.queued(), len(admission.saturated)),
+                kv=None if kv_events is None else kv_events.snapshot,
+            )
+            tokenizer = Tokenizer(
+                timeout=config.routing.tokenize_timeout_s,
+                on_answer=metrics.tokenized,
+                on_fallback=metrics.tokenize_fallback,
             )
             admission.observe(on_wait=metrics.queue_wait, on_reject=metrics.rejected)
             table.add_remove_listener(lambda engine: metrics.forget_engine(engine.name))
@@ -212,6 +262,7 @@ async def run(
                 disconnect_hook=connection.disconnect_hook,
                 admission=admission,
                 tracing=tracing,
+                tokenizer=tokenizer,
             )
             stop = trio.Event()
             if handle_signals:
@@ -226,11 +277,15 @@ async def run(
                         supervisors=supervisors,
                         stats_workers=stats_workers,
                         on_reload=on_reload,
+                        kv_index=kv_index,
+                        tokenizer=tokenizer,
                     )
                 await nursery.start(_handle_signals, stop, reloader, config, nursery.cancel_scope)
             asgi: Any = app  # plain-dict ASGI typing, not hypercorn's TypedDicts
             nursery.start_soon(_sweep_pool, lambda: app.settings.pool)
             await nursery.start(admission.run)
+            if kv_events is not None and config.kv_events.mode == "bind":
+                await nursery.start(kv_events.run_bound)
             await connection.serve(
                 asgi,
                 hconfig,
@@ -246,6 +301,9 @@ async def run(
         with trio.CancelScope(shield=True):
             current = reloader.runtime if reloader is not None else runtime
             current.unsubscribe()  # the table may outlive this run (a caller's)
+            unsubscribe_index()
+            if kv_events is not None:
+                kv_events.close()
             await current.pool.aclose()
             if source is not None:
                 # An abandoned watch thread holds the source's limiter until it has ended.

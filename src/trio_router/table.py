@@ -207,6 +207,7 @@ class Engine:
     name: str
     url: str
     generation: int = 0
+    role: str = ""  # prefill/decode disaggregation: "prefill", "decode", "prefill-decode", ""
     state: EngineState = EngineState.PROBING
     reason: str = ""  # why the engine is not routable, for /engines and logs
     models: tuple[Model, ...] = ()

@@ -11,6 +11,7 @@ import logging
 from collections.abc import Iterable
 from urllib.parse import urlsplit
 
+from ..config import StaticEngine
 from ..table import Engine, EngineState, EventType, Pod, PodEvent, RoutingTable
 from .supervision import Supervisors
 
@@ -101,12 +102,18 @@ def engine_url(ip: str, port: int) -> str:
     return f"http://[{ip}]:{port}" if ":" in ip else f"http://{ip}:{port}"
 
 
-def add_static_engines(table: RoutingTable, supervisors: Supervisors, urls: Iterable[str]) -> None:
+def add_static_engines(
+    table: RoutingTable, supervisors: Supervisors, engines: Iterable[StaticEngine]
+) -> None:
     """Static discovery: one engine per fixed URL, probed by the same supervisors."""
-    for url in urls:
-        url = url.rstrip("/")
+    for static in engines:
+        url = static.url.rstrip("/")
         engine = Engine(
-            uid=url, name=urlsplit(url).netloc or url, url=url, reason="waiting for first probe"
+            uid=url,
+            name=urlsplit(url).netloc or url,
+            url=url,
+            role=static.role,
+            reason="waiting for first probe",
         )
         table.put(engine)
         supervisors.start(engine)

@@ -133,6 +133,7 @@ class SessionPolicy:
 
     name = "session"
     needs_request_info = True
+    needs_tokens = False
 
     def __init__(
         self,
@@ -250,12 +251,12 @@ class SessionPolicy:
 
 class PrefixAwarePolicy(SessionPolicy):
     """Prefix-cache affinity without shared state: the session policy's consistent hashing
-    with bounded load, keyed by the conversation's opening (`render_opening`: its system
-    prompt and first user message, or a text prompt's first characters). Every turn of a
-    conversation has the same opening, so all its turns go to one engine, the one whose
-    prefix cache holds the conversation so far, and every replica, a restarted one included,
-    picks that same engine. Conversations that share a long system prompt but not their first
-    message spread over the engines (each engine caches the shared part once). Requests with
+    with bounded load, keyed by the conversation's opening (`render_opening`: a long system
+    prompt alone, else the system prompt and first user message; or a text prompt's first
+    characters). Every turn of a conversation has the same opening, so all its turns go to
+    one engine, the one whose prefix cache holds the conversation so far; requests that
+    share a long system prompt (or a document in it) share an engine whatever they ask after
+    it; and every replica, a restarted one included, picks that same engine. Requests with
     the same opening, a hot one, fill their owner up to the load bound and spill to the next
     engines on the ring, the same ones on every replica; they return as load falls. Without
     a prompt: least_loaded."""

@@ -73,6 +73,7 @@ class RoundRobinPolicy:
 
     name = "round_robin"
     needs_request_info = False
+    needs_tokens = False
 
     def __init__(self) -> None:
         self._next: dict[str, int] = {}  # per model: a shared counter would alias models
@@ -100,6 +101,7 @@ class LeastLoadedPolicy:
 
     name = "least_loaded"
     needs_request_info = False
+    needs_tokens = False
 
     def __init__(self, gauge: LoadGauge, rng: random.Random) -> None:
         self._gauge, self._random = gauge, rng.random

@@ -26,9 +26,11 @@ from typing import Final, Protocol
 import trio
 
 from ..config import RoutingConfig
+from ..kv.index import BlockIndex
 from ..table import Engine
 from .affinity import PrefixAwarePolicy, SessionPolicy
 from .balance import LeastLoadedPolicy, LoadGauge, RoundRobinPolicy
+from .kv_aware import KvAwarePolicy
 from .request import RequestInfo, request_info
 
 __all__ = ["Policy", "RequestInfo", "make_policy", "request_info"]
@@ -45,6 +47,8 @@ class Policy(Protocol):
     # It reads more of a request than its model (the session key, the opening): the request
     # is parsed whole and `request_info` rendered for it.
     needs_request_info: bool
+    # It routes on the prompt's token ids (`RequestInfo.tokens`), asked of an engine first.
+    needs_tokens: bool
 
     def choose(
         self, candidates: Sequence[Engine], request: RequestInfo, exclude: Collection[str] = ()
@@ -63,6 +67,7 @@ def make_policy(
     *,
     clock: Callable[[], float] | None = None,
     rng: random.Random | None = None,
+    kv_index: BlockIndex | None = None,
 ) -> Policy:
     """Build the policy `config.policy` names. Its `forget` must hear of every engine that
     leaves the table (`RoutingTable.add_remove_listener`, which returns the way to stop).
@@ -83,19 +88,30 @@ def make_policy(
         return SessionPolicy(
             gauge, least, rng, load_factor=config.session_load_factor, vnodes=config.session_vnodes
         )
-    if config.policy == "prefix_aware":
+    if config.policy in ("prefix_aware", "kv_aware"):
         if config.prefix_cache_entries != _UNUSED_DEFAULT:
             logger.warning(
                 "routing.prefix_cache_entries is no longer used: prefix_aware keeps "
                 "no memory (its choice depends on the request, the engines and "
                 "their load only)"
             )
-        return PrefixAwarePolicy(
+        prefix = PrefixAwarePolicy(
             gauge,
             least,
             rng,
             load_factor=config.prefix_balance_rel,
             slack=config.prefix_balance_abs,
             vnodes=config.session_vnodes,
+        )
+        if config.policy == "prefix_aware":
+            return prefix
+        return KvAwarePolicy(
+            kv_index if kv_index is not None else BlockIndex(),
+            gauge,
+            prefix,
+            load_tokens=config.kv_load_tokens,
+            slack=config.kv_load_slack,
+            block_size=config.kv_block_size,
+            speculative_ttl=config.kv_speculative_ttl_s,
         )
     raise ValueError(f"unknown routing policy {config.policy!r}")  # RoutingConfig validates

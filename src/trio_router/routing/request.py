@@ -23,6 +23,7 @@ class RequestInfo:
     model: str
     session_key: str | None = None  # routing.session_header, else body["user"], else None
     opening: str | None = None  # prefix_aware: the conversation's opening (`render_opening`)
+    tokens: tuple[int, ...] | None = None  # kv_aware: the prompt's token ids, if known
 
 
 def request_info(
@@ -42,11 +43,12 @@ def request_info(
         user = body.get("user")
         key = user if isinstance(user, str) and user else None
     opening = None
-    if config.policy == "prefix_aware":
+    if config.policy in ("prefix_aware", "kv_aware"):  # kv_aware falls back to prefix_aware
         opening = render_opening(
             body,
             limit=config.prefix_chunk_chars * config.prefix_max_chunks,
             text_limit=config.prefix_text_chars,
+            header_chars=config.prefix_header_chars,
         )
     return RequestInfo(model=model, session_key=key, opening=opening)
 
@@ -62,12 +64,15 @@ def _header(headers: Mapping[str, str] | Iterable[tuple[bytes, bytes]], name: st
     return None
 
 
-def render_opening(body: Mapping[str, Any], *, limit: int, text_limit: int) -> str | None:
+def render_opening(
+    body: Mapping[str, Any], *, limit: int, text_limit: int, header_chars: int = 1 << 20
+) -> str | None:
     """What stands for a conversation in every one of its turns: for chat, its leading
-    system (or developer) messages and the first message after them, rendered, at most `limit`
-    characters; for a text prompt, its first `text_limit` characters. Later turns only append
-    messages, so every turn has the same opening; conversations that share a system prompt
-    differ in their first user message. None when the body has neither."""
+    system (or developer) messages, rendered, when they are at least `header_chars` long
+    (requests that share a long system prompt, or a document in it, share the key whatever
+    follows), else those and the first message after them; at most `limit` characters. For a
+    text prompt, its first `text_limit` characters. Later turns only append messages, so
+    every turn of a conversation has the same opening. None when the body has neither."""
     messages = body.get("messages")
     if not isinstance(messages, list):
         return _render_text_prompt(body.get("prompt"), text_limit)
@@ -75,10 +80,13 @@ def render_opening(body: Mapping[str, Any], *, limit: int, text_limit: int) -> s
     size = 0
     for message in messages:
         if isinstance(message, dict):
+            header = message.get("role") in _HEADER_ROLES
+            if not header and size >= header_chars:
+                break  # a long header is the key alone
             text = _render_message(message)
             parts.append(text)
             size += len(text)
-            if size >= limit or message.get("role") not in _HEADER_ROLES:
+            if size >= limit or not header:
                 break
     return "".join(parts)[:limit] if parts else None
 

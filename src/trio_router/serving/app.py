@@ -16,6 +16,7 @@ from ..asgi import Receive, Scope, Send, answer_lifespan
 from ..config import Config
 from ..discovery.supervision import Supervisors
 from ..http import Relay
+from ..kv.tokens import Tokenizer
 from ..metrics import Metrics
 from ..table import RoutingTable
 from ..tracing import Tracing
@@ -69,6 +70,7 @@ class RouterApp:
         client_socket: Callable[[], ClientConnection | None] = lambda: None,
         disconnect_hook: DisconnectHooks = no_disconnect_hook,
         tracing: Tracing | None = None,
+        tokenizer: Tokenizer | None = None,
     ) -> None:
         self.settings = settings
         self.admission = admission
@@ -85,6 +87,7 @@ class RouterApp:
             parser=BodyParser(),
             missing_model=lambda model: missing_model(table, model),
             new_request_id=new_request_id,
+            tokenizer=tokenizer if tokenizer is not None else Tokenizer(timeout=0.1),
         )
         self._disconnect_hook = disconnect_hook
         self._admin = AdminEndpoints(

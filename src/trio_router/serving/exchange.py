@@ -16,6 +16,7 @@ request watches for that, and nothing below the exchange takes a "client gone" c
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import re
@@ -38,6 +39,7 @@ from ..http import (
     TransportError,
     UpstreamResponse,
 )
+from ..kv.tokens import Tokenizer
 from ..metrics import NO_LABEL, Metrics
 from ..routing.policy import RequestInfo, request_info
 from ..table import Engine, RoutingTable
@@ -103,6 +105,7 @@ class Services:
     parser: BodyParser
     missing_model: Callable[[str], RequestError]
     new_request_id: Callable[[], bytes]
+    tokenizer: Tokenizer  # a request's token ids, for the policies that route on them
 
 
 def request_ids() -> Callable[[], bytes]:
@@ -213,6 +216,8 @@ class ProxyExchange:
             info = self._route_info(payload)
             services.admission.admit(tenant)
             self._tenant = tenant
+            if settings.policy.needs_tokens:
+                info = await self._with_tokens(info, payload, head.authorization)
         except RequestError as exc:
             held.release()
             # Answered before the body was read: the connection cannot carry another one.
@@ -240,6 +245,20 @@ class ProxyExchange:
         if settings.policy.needs_request_info:
             return request_info(payload, self._scope["headers"], settings.config.routing)
         return RequestInfo(model=model)
+
+    async def _with_tokens(
+        self, info: RequestInfo, payload: dict[str, Any], authorization: bytes | None
+    ) -> RequestInfo:
+        """`info` with the prompt's token ids, asked of an engine under the tokenize deadline
+        (unchanged when they cannot be had in time: the policy then routes without them)."""
+        settings = self._settings
+        headers = []
+        if (key := settings.upstream_authorization or authorization) is not None:
+            headers.append((b"authorization", key))
+        tokens = await self._services.tokenizer.tokens(
+            settings.pool, payload, self._services.table.routable(self.model), headers
+        )
+        return info if tokens is None else dataclasses.replace(info, tokens=tuple(tokens))
 
     # -- attempts -----------------------------------------------------------------------------
     async def _forward(
@@ -295,6 +314,8 @@ class ProxyExchange:
         def pick(exclude: Collection[str]) -> Engine:
             nonlocal why
             engine, why = policy.choose(services.table.routable(model), info, exclude=exclude)
+            if info.tokens is not None and (decision := getattr(policy, "last_decision", None)):
+                services.metrics.kv_prediction(model, *decision)
             return engine
 
         try:

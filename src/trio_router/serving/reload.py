@@ -20,6 +20,8 @@ from ..config import Config, StatsConfig
 from ..discovery.supervision import EngineWorker, Prober, Supervisors
 from ..errors import ConfigError
 from ..http import UpstreamPool
+from ..kv.index import BlockIndex
+from ..kv.tokens import Tokenizer
 from ..metrics import Metrics
 from ..table import RoutingTable
 from .app import RouterApp
@@ -30,7 +32,7 @@ __all__ = ["LIVE_SECTIONS", "RESTART_SECTIONS", "SERVER_RESTART_KEYS", "ReloadOu
 logger = logging.getLogger(__name__)
 
 LIVE_SECTIONS: Final = ("server", "routing", "proxy", "probe", "stats", "admission", "tenants")
-RESTART_SECTIONS: Final = ("discovery", "tracing")
+RESTART_SECTIONS: Final = ("discovery", "tracing", "kv_events")
 # Keys of [server] that shape the listening server itself: they need a restart.
 SERVER_RESTART_KEYS: Final = ("bind", "backlog", "max_connections", "write_timeout_s", "log_format")
 
@@ -75,8 +77,11 @@ class Reloader:
         supervisors: Supervisors,
         stats_workers: Callable[[StatsConfig], list[EngineWorker]],
         on_reload: Callable[[ReloadOutcome], None] | None = None,
+        kv_index: BlockIndex | None = None,
+        tokenizer: Tokenizer | None = None,
     ) -> None:
         self._load, self.runtime = load, runtime
+        self._kv_index, self._tokenizer = kv_index, tokenizer
         self._prober = prober
         self._supervisors, self._stats_workers = supervisors, stats_workers
         self._app, self._table = app, table
@@ -135,7 +140,9 @@ class Reloader:
                 "config reload: %s changed, which needs a restart; ignored until then",
                 ", ".join(restart),
             )
-        runtime = build_runtime(effective, self._table, previous)
+        runtime = build_runtime(effective, self._table, previous, kv_index=self._kv_index)
+        if self._tokenizer is not None:
+            self._tokenizer.timeout = effective.routing.tokenize_timeout_s
         self._app.settings, self.runtime = runtime.settings, runtime
         self._prober.api_key = runtime.engine_key
         self._supervisors.outliers.configure(effective.proxy)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from ..config import Config, env_key
 from ..errors import ConfigError
 from ..http import UpstreamPool
+from ..kv.index import BlockIndex
 from ..routing.policy import Policy, make_policy
 from ..table import RoutingTable
 
@@ -80,10 +81,17 @@ def new_pool(config: Config) -> UpstreamPool:
     )
 
 
-def build_runtime(config: Config, table: RoutingTable, previous: Runtime | None = None) -> Runtime:
+def build_runtime(
+    config: Config,
+    table: RoutingTable,
+    previous: Runtime | None = None,
+    *,
+    kv_index: BlockIndex | None = None,
+) -> Runtime:
     """The runtime of `config`. With `previous` (a reload), its policy is kept when
-    `[routing]` is unchanged and its pool when the proxy timeouts are. Raises ConfigError (a
-    key variable unset) before anything is built or subscribed."""
+    `[routing]` is unchanged and its pool when the proxy timeouts are. `kv_index` is the
+    block index `kv_aware` reads (the process's one). Raises ConfigError (a key variable
+    unset) before anything is built or subscribed."""
     client_key = env_key(config.server.api_key_env, "server.api_key_env")
     engine_key = env_key(config.proxy.api_key_env, "proxy.api_key_env")
     keys = tenant_keys(config)
@@ -100,7 +108,7 @@ def build_runtime(config: Config, table: RoutingTable, previous: Runtime | None 
     if previous is not None and old is not None and config.routing == old.routing:
         policy, unsubscribe = previous.settings.policy, previous.unsubscribe
     else:
-        policy = make_policy(config.routing)
+        policy = make_policy(config.routing, kv_index=kv_index)
         forget = policy.forget
         unsubscribe = table.add_remove_listener(lambda engine: forget(engine.uid))
     settings = Settings(

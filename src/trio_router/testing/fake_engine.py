@@ -25,7 +25,7 @@ import time
 import zlib
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
-from contextlib import asynccontextmanager, suppress
+from contextlib import AsyncExitStack, asynccontextmanager, suppress
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Final
@@ -37,6 +37,7 @@ import hypercorn.trio
 import trio
 
 from ..asgi import Message, Receive, Scope, Send, answer_lifespan
+from .fake_kv import FakeKvCache, open_fake_kv
 from .fake_replies import POST_HANDLERS, SSE_DONE, Reply, error_body
 
 __all__ = [
@@ -112,6 +113,8 @@ class FakeEngine:
     extra_headers: list[tuple[bytes, bytes]] = field(default_factory=list)  # on every reply
     send_date: bool = True  # a Date header on every reply (unless extra_headers has one)
     keep_requests: int = 10_000  # newest requests kept in `requests`
+    # A prefix cache that publishes vLLM's KV-cache events (on the engine's host), or None.
+    kv: FakeKvCache | None = None
 
     # -- observations ----------------------------------------------------------------------
     requests: deque[SeenRequest] = field(init=False)
@@ -219,12 +222,12 @@ class FakeEngine:
             (
                 "vllm:prefix_cache_queries_total",
                 "Prefix cache queries, in terms of number of queried tokens.",
-                float(self.prompt_tokens),
+                float(self.kv.queries if self.kv is not None else self.prompt_tokens),
             ),
             (
                 "vllm:prefix_cache_hits_total",
                 "Prefix cache hits, in terms of number of cached tokens.",
-                0.0,
+                float(self.kv.hits if self.kv is not None else 0),
             ),
         )
         for metric, help_text, value in counters:
@@ -233,8 +236,8 @@ class FakeEngine:
         lines += [
             "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
             "# TYPE vllm:cache_config_info gauge",
-            'vllm:cache_config_info{block_size="128",enable_prefix_caching="True",engine="0",'
-            'prefix_caching_hash_algo="sha256"} 1.0',
+            f'vllm:cache_config_info{{block_size="{self.kv.block_size if self.kv else 128}",'
+            'enable_prefix_caching="True",engine="0",prefix_caching_hash_algo="sha256"} 1.0',
             "# HELP vllm:request_success_total Count of successfully processed requests.",
             "# TYPE vllm:request_success_total counter",
         ]
@@ -489,7 +492,12 @@ async def serve_fake_engine(
     connections. Cancellation closes the listener and every connection.
     """
     app: Any = fake_engine_app(engine)  # plain-dict ASGI typing, not hypercorn's TypedDicts
-    async with trio.open_nursery() as nursery:
+    async with AsyncExitStack() as stack:
+        if engine.kv is not None and engine.kv.port:
+            await stack.enter_async_context(
+                open_fake_kv(engine.kv, host, engine.kv.port, replay_port=engine.kv.replay_port)
+            )
+        nursery = await stack.enter_async_context(trio.open_nursery())
         urls: list[str] = await nursery.start(
             partial(
                 hypercorn.trio.serve,

@@ -139,8 +139,11 @@ def generation(
 ) -> Reply:
     n, finish = n_tokens(engine, request)
     words = [REPLY_WORDS[i % len(REPLY_WORDS)] for i in range(n)]
-    prompt_tokens = len(_words(_prompt_text(request)))
-    engine.prompt_tokens += prompt_tokens
+    tokens = prompt_tokens(request)
+    prompt_count = len(tokens)
+    engine.prompt_tokens += prompt_count
+    if engine.kv is not None:
+        engine.kv.serve(tokens)
     created = int(time.time())
     ident = f"{'chatcmpl' if chat else 'cmpl'}-{engine.name}-{rid}"
     obj = "chat.completion" if chat else "text_completion"
@@ -162,7 +165,7 @@ def generation(
                 "created": created,
                 "model": model,
                 "choices": [choice],
-                "usage": usage(prompt_tokens, n),
+                "usage": usage(prompt_count, n),
             },
         )
     chunk_obj = "chat.completion.chunk" if chat else "text_completion"
@@ -196,7 +199,7 @@ def generation(
                     "created": created,
                     "model": model,
                     "choices": [],
-                    "usage": usage(prompt_tokens, n),
+                    "usage": usage(prompt_count, n),
                 }
             )
         )
@@ -235,8 +238,33 @@ def embeddings(engine: FakeEngine, request: dict[str, Any], model: str, rid: str
     )
 
 
+_ROLE_TOKENS: Final = {"system": 50_001, "user": 50_002, "assistant": 50_003, "tool": 50_004}
+_GENERATION_PROMPT: Final = 50_010  # the chat template's "assistant, your turn"
+
+
+def prompt_tokens(request: dict[str, Any]) -> list[int]:
+    """The token ids the fake engine computes for a request's prompt: for a chat, each
+    message's role token and its words, then the generation prompt (the fake chat template);
+    for a text prompt, its words. /tokenize answers with the same."""
+    messages = request.get("messages")
+    if not isinstance(messages, list):
+        prompt = request.get("prompt")
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        return _token_ids(_prompt_text(request))
+    ids: list[int] = []
+    for message in messages:
+        if not isinstance(message, dict):
+            continue
+        ids.append(_ROLE_TOKENS.get(str(message.get("role")), 50_000))
+        ids += _token_ids(_prompt_text({"messages": [message]}))
+    if request.get("add_generation_prompt", True):
+        ids.append(_GENERATION_PROMPT)
+    return ids
+
+
 def tokenize(engine: FakeEngine, request: dict[str, Any], model: str, rid: str) -> Reply:
-    ids = _token_ids(_prompt_text(request))
+    ids = prompt_tokens(request)
     return Reply(
         200,
         {

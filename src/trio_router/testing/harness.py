@@ -29,6 +29,7 @@ from ..config import (
     StaticConfig,
     StatsConfig,
 )
+from ..kv.index import BlockIndex
 from ..table import RoutingTable
 from .fake_engine import FakeEngine, serve_fake_engine
 
@@ -66,7 +67,7 @@ def router_config(urls: Sequence[str], **sections: Any) -> Config:
     whole sections, or update fields with `server={"drain_s": 1}`-style dicts."""
     config = Config(
         server=ServerConfig(bind="127.0.0.1:0", drain_s=2.0),
-        discovery=DiscoveryConfig(mode="static", static=StaticConfig(urls=tuple(urls))),
+        discovery=DiscoveryConfig(mode="static", static=StaticConfig.from_urls(urls)),
         probe=ProbeConfig(timeout_s=2.0, interval_s=60.0, backoff_max_s=60.0),
         stats=StatsConfig(interval_s=0.0),
     )
@@ -182,6 +183,7 @@ async def open_router(
     *,
     env: dict[str, str] | None = None,
     wait_models: Sequence[str] = ("fake-model",),
+    kv_index: BlockIndex | None = None,
     **sections: Any,
 ) -> AsyncIterator[Router]:
     """Serve `engines` on 127.0.1.1, 127.0.1.2, ... and the router in front of them; yield
@@ -194,7 +196,9 @@ async def open_router(
         ]
         config = router_config(urls, **sections)
         table = RoutingTable()
-        bound = await nursery.start(partial(server.run, config, table=table, handle_signals=False))
+        bound = await nursery.start(
+            partial(server.run, config, table=table, handle_signals=False, kv_index=kv_index)
+        )
         async with httpx.AsyncClient(base_url=bound[0], timeout=LIMIT) as client:
             router = Router(bound[0], table, list(engines), urls, client, scopes)
             for model in wait_models:

@@ -1,0 +1,271 @@
+"""KV-aware routing (`kv/`, `routing.kv_aware`): the event decoder, the block index, and the
+router in front of fake engines whose prefix caches publish vLLM's KV-cache events over real
+ZMQ (`trio_router.testing.fake_kv`), each with its own secret block hash.
+
+The end-to-end tests wait on the block index (`BlockIndex.wait_changed`), never on sleeps."""
+
+from __future__ import annotations
+
+import math
+import struct
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any, Final
+
+import msgspec
+import pytest
+import trio
+
+from trio_router.kv.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    MalformedMessage,
+    decode_message,
+)
+from trio_router.kv.index import BlockIndex, block_keys
+from trio_router.testing import FakeEngine
+from trio_router.testing.fake_kv import FakeKvCache
+from trio_router.testing.fake_replies import prompt_tokens
+from trio_router.testing.harness import CHAT, LIMIT, Router, open_router, sample
+from trio_router.testing.vllm_engines import free_port
+
+B: Final = 4  # the fake caches' block size
+HOSTS: Final = ["127.0.1.1", "127.0.1.2", "127.0.1.3"]
+
+
+def message(events: list[Any], seq: int = 0, topic: bytes = b"kv") -> list[bytes]:
+    return [topic, struct.pack(">q", seq), msgspec.msgpack.encode([time.time(), events, 0])]
+
+
+# -- the wire format --------------------------------------------------------------------------
+def test_both_encodings_decode_and_bad_events_are_skipped() -> None:
+    tokens = list(range(8))
+    as_maps = [
+        {
+            "type": "BlockStored",
+            "block_hashes": [2**64 - 1, b"\x01" * 32],
+            "parent_block_hash": None,
+            "token_ids": tokens,
+            "block_size": 4,
+            "lora_id": None,
+            "medium": "GPU",
+            "lora_name": None,
+            "extra_keys": [None, None],
+            "group_idx": 0,
+        },
+        {"type": "BlockRemoved", "block_hashes": [7], "medium": "GPU"},
+        {"type": "AllBlocksCleared"},
+        {"type": "SomethingNew", "x": 1},
+        {"type": "BlockStored", "block_hashes": [1], "token_ids": [1, 2], "block_size": 4},
+    ]
+    as_arrays = [
+        ["BlockStored", [5, 6], 4, tokens, 4, None, "GPU"],
+        ["BlockRemoved", [5], "GPU"],
+        ["AllBlocksCleared"],
+        ["Unknown", 1],
+        "not an event",
+    ]
+    maps = decode_message(message(as_maps, seq=9))
+    arrays = decode_message(message(as_arrays))
+    assert maps.seq == 9 and maps.skipped == 2
+    assert maps.events == (
+        BlockStored((2**64 - 1, b"\x01" * 32), None, tuple(tokens), 4),
+        BlockRemoved((7,)),
+        AllBlocksCleared(),
+    )
+    assert arrays.skipped == 2
+    assert arrays.events == (
+        BlockStored((5, 6), 4, tuple(tokens), 4),
+        BlockRemoved((5,)),
+        AllBlocksCleared(),
+    )
+    for bad in ([b"kv", b"\x00"], [b"kv", struct.pack(">q", 0), b"\xc1"]):
+        with pytest.raises(MalformedMessage):
+            decode_message(bad)
+
+
+# -- the block index --------------------------------------------------------------------------
+def test_the_index_chains_an_engines_blocks_through_its_own_hashes() -> None:
+    index = BlockIndex()
+    tokens = list(range(12))  # three blocks
+    keys = block_keys(tokens, B)
+    index.apply("a", [BlockStored((101, 102), None, tuple(tokens[:8]), B)])
+    index.apply("a", [BlockStored((103,), 102, tuple(tokens[8:]), B)])  # chained on 102
+    index.apply("b", [BlockStored((7,), None, tuple(tokens[:4]), B)])
+    assert index.match(keys, ["a", "b", "c"], now=0.0) == {"a": 3, "b": 1, "c": 0}
+    assert index.block_size(["c", "a"]) == B
+    # Stored twice (vLLM re-stores a block a generation refills): removed twice to go.
+    index.apply("b", [BlockStored((7,), None, tuple(tokens[:4]), B)])
+    index.apply("b", [BlockRemoved((7,))])
+    assert index.match(keys, ["b"], now=0.0) == {"b": 1}
+    result = index.apply("b", [BlockRemoved((7,)), BlockRemoved((99,))])
+    assert result.skipped == 1 and index.match(keys, ["b"], now=0.0) == {"b": 0}
+    # Eviction tail first; an unknown parent cannot be chained.
+    index.apply("a", [BlockRemoved((103,))])
+    assert index.match(keys, ["a"], now=0.0) == {"a": 2}
+    assert index.apply("c", [BlockStored((1,), 424242, tuple(tokens[:4]), B)]).skipped == 1
+    index.apply("a", [AllBlocksCleared()])
+    assert index.blocks("a") == 0 and index.blocks() == 0
+
+
+def test_speculative_blocks_count_until_they_expire() -> None:
+    index = BlockIndex()
+    keys = block_keys(list(range(16)), B)
+    index.speculate("a", keys[:2], now=0.0, until=2.0)
+    assert index.match(keys, ["a", "b"], now=1.0) == {"a": 2, "b": 0}
+    index.speculate("b", keys[:1], now=1.5, until=3.0)
+    assert index.match(keys, ["a", "b"], now=2.5) == {"a": 0, "b": 1}
+    index.speculate("b", keys[:1], now=5.0, until=6.0)  # prunes what expired
+    assert index.match(keys, ["a", "b"], now=5.5) == {"a": 0, "b": 1}
+
+
+def test_an_engine_beyond_its_block_bound_is_cleared() -> None:
+    index = BlockIndex(max_blocks=2)
+    tokens = tuple(range(12))
+    assert index.apply("a", [BlockStored((1, 2, 3), None, tokens, B)]).cleared
+    assert index.blocks("a") == 0
+
+
+# -- the router in front of fake engines with KV events ---------------------------------------
+def chat(system: str, question: str = "go") -> dict[str, Any]:
+    return {
+        "model": "fake-model",
+        "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": question},
+        ],
+        "max_tokens": 2,
+    }
+
+
+def words(prefix: str, n: int) -> str:
+    return " ".join(f"{prefix}{i}" for i in range(n))
+
+
+@asynccontextmanager
+async def open_kv_router(
+    count: int = 2, *, capacity: int = 64, replay: bool = False, **routing: Any
+) -> AsyncIterator[tuple[Router, list[FakeKvCache], BlockIndex]]:
+    port = free_port(HOSTS[:count])
+    replay_port = free_port(HOSTS[:count]) if replay else 0
+    caches = [
+        FakeKvCache(port=port, replay_port=replay_port, block_size=B, capacity=capacity)
+        for _ in range(count)
+    ]
+    engines = [FakeEngine(name=f"e{i}", kv=cache) for i, cache in enumerate(caches)]
+    index = BlockIndex()
+    async with open_router(
+        engines,
+        kv_index=index,
+        routing={"policy": "kv_aware", "kv_block_size": B, **routing},
+        kv_events={"mode": "connect", "port": port, "replay_port": replay_port},
+    ) as router:
+        yield router, caches, index
+
+
+async def until(index: BlockIndex, condition: Callable[[], bool]) -> None:
+    while not condition():
+        await index.wait_changed()
+
+
+async def send(router: Router, body: dict[str, Any]) -> str:
+    answer = await router.client.post(CHAT, json=body)
+    assert answer.status_code == 200, answer.text
+    return answer.headers["x-trio-router-engine"]
+
+
+def holder(router: Router, index: BlockIndex, body: dict[str, Any]) -> dict[str, int]:
+    """Leading blocks of `body`'s prompt each engine holds, as its own events told the
+    router's index (what routing just sent there, not yet confirmed, does not count)."""
+    keys = block_keys(prompt_tokens(body), B)
+    held = index.match(keys, [e.uid for e in router.table], now=math.inf)
+    return {e.name: held[e.uid] for e in router.table}
+
+
+async def test_a_shared_prefix_goes_where_the_first_request_left_it() -> None:
+    with trio.fail_after(LIMIT):
+        async with open_kv_router() as (router, caches, index):
+            system = words("doc", 40)
+            first = await send(router, chat(system, "a"))
+            owner = caches[int(first.split(":")[0][-1]) - 1]
+            await until(index, lambda: index.blocks() >= len(prompt_tokens(chat(system))) // B)
+            later = {await send(router, chat(system, f"question {i}")) for i in range(4)}
+            other = {await send(router, chat(words("other", 40), "a"))}
+    assert later == {first}  # every one to the engine that cached the system prompt
+    assert owner.hits >= 4 * 40  # and it served the shared prefix from its cache
+    assert other  # a new prefix still routes
+
+
+async def test_eviction_and_a_cleared_cache_move_traffic_and_a_restart_drops_the_engine() -> None:
+    with trio.fail_after(LIMIT):
+        async with open_kv_router(capacity=24) as (router, caches, index):
+            system = words("doc", 40)  # 10+ blocks
+            name = await send(router, chat(system))
+            at = next(i for i, e in enumerate(router.table) if e.name == name)
+            await until(index, lambda: holder(router, index, chat(system))[name] >= 10)
+            # Evicted: the engine's cache fills with other prompts.
+            caches[at].serve(prompt_tokens(chat(words("filler", 100))))
+            await until(index, lambda: holder(router, index, chat(system))[name] == 0)
+            # Cached again, then cleared (vLLM's /reset_prefix_cache).
+            caches[at].serve(prompt_tokens(chat(system)))
+            await until(index, lambda: holder(router, index, chat(system))[name] >= 10)
+            caches[at].reset()
+            await until(index, lambda: holder(router, index, chat(system))[name] == 0)
+            # Restarted: its sequence starts again at 0, and what it held is forgotten.
+            caches[at].serve(prompt_tokens(chat(system)))
+            await until(index, lambda: holder(router, index, chat(system))[name] >= 10)
+            caches[at].restart()
+            caches[at].serve(prompt_tokens(chat(words("fresh", 8))))
+            await until(index, lambda: holder(router, index, chat(system))[name] == 0)
+            resets = await router.metric("trio_router_kv_resets_total", engine=name)
+    assert resets >= 2  # AllBlocksCleared and the restart
+
+
+async def test_a_sequence_gap_is_filled_by_a_replay() -> None:
+    with trio.fail_after(LIMIT):
+        async with open_kv_router(replay=True) as (router, caches, index):
+            await send(router, chat(words("warm", 8)))  # a first batch: the stream is known
+            name = router.table.routable("fake-model")[0].name
+            at = next(i for i, e in enumerate(router.table) if e.name == name)
+            engine = router.table.routable("fake-model")[0]
+            await until(index, lambda: index.blocks(engine.uid) > 0 or index.blocks() > 0)
+            cache = caches[at]
+            cache.drop_next = 1  # this batch is numbered but never sent
+            lost = chat(words("lost", 40))
+            cache.serve(prompt_tokens(lost))
+            cache.serve(prompt_tokens(chat(words("after", 8))))  # the gap shows here
+            await until(index, lambda: holder(router, index, lost)[name] >= 10)
+            gaps = await router.metric("trio_router_kv_gaps_total", engine=name)
+            replays = await router.metric("trio_router_kv_replays_total", engine=name)
+    assert (gaps, replays) == (1, 1)
+
+
+async def test_a_removed_engine_leaves_the_index() -> None:
+    with trio.fail_after(LIMIT):
+        async with open_kv_router() as (router, _, index):
+            await send(router, chat(words("doc", 40)))
+            await until(index, lambda: index.blocks() > 0)
+            for engine in list(router.table):
+                router.table.remove(engine.uid)
+            assert index.blocks() == 0
+
+
+async def test_without_tokens_in_time_it_routes_by_prefix_and_counts_the_fallback() -> None:
+    engines = [FakeEngine(name=f"e{i}", ttft_s=0.0) for i in range(2)]
+    with trio.fail_after(LIMIT):
+        async with open_router(
+            engines,
+            routing={"policy": "kv_aware", "tokenize_timeout_s": 0.001},
+        ) as router:
+            for engine in engines:
+                engine.gate = trio.Event()  # /tokenize (and everything) waits
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(send, router, chat(words("doc", 40)))
+                await engines[0].wait_until(lambda: engines[0].in_flight + engines[1].in_flight > 0)
+                for engine in engines:
+                    assert engine.gate is not None
+                    engine.gate.set()
+            text = (await router.client.get("/metrics")).text
+    assert sample(text, "trio_router_tokenize_fallbacks_total", reason="timeout") == 1
