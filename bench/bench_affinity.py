@@ -1,7 +1,7 @@
 """Prefix affinity across router replicas: do two `prefix_aware` routers with no shared state
 send every turn of a conversation to the same engine, and does a restarted one still do so?
 
-    python bench/bench_affinity.py [--shared-system] [--seed S] [--router-src PATH]
+    python bench/bench_affinity.py [--shared-system | --groups] [--seed S] [--router-src PATH]
 
 Two real router processes (replicas, `python -m trio_router --config ...`) with identical
 config (`routing.policy = "prefix_aware"`, static discovery) in front of four fake engines
@@ -9,7 +9,10 @@ config (`routing.policy = "prefix_aware"`, static discovery) in front of four fa
 24 conversations, each with its own system prompt of 2-4 KiB of seeded random text
 (`--shared-system`: one prompt for all 24), run 6 turns; a turn sends the whole chat so far
 (system, user 1, assistant 1, ..., user N; the assistant messages are the engines' answers)
-and turn k of every conversation goes to replica k % 2. The engine that served each turn is
+and turn k of every conversation goes to replica k % 2. `--groups`: each of the 24 is a group
+of requests instead, sharing its system prompt, each request with a different question and no
+history (an application's users asking it in turn); "turns" and "conversations" below are
+then a group's requests and the groups. The engine that served each turn is
 read from the router's `x-trio-router-engine` response header. Then replica 0 is restarted
 (SIGTERM, then a fresh process with the same config) and every conversation sends one more
 turn, to the restarted replica. Printed:
@@ -146,6 +149,7 @@ class Conversation:
     messages: list[dict[str, str]]
     rng: random.Random
     engines: list[str] = field(default_factory=list)  # the engine of each turn so far
+    history: bool = True  # False: a group, whose every request is its system prompt + a question
 
     def modal(self) -> str:
         """The engine most turns went to (ties: the one reached first)."""
@@ -160,19 +164,21 @@ async def turn(
 ) -> str:
     """One more user message, the whole chat sent to `replica`; the engine that served it
     (the assistant's answer joins the chat)."""
-    conversation.messages.append(
-        {"role": "user", "content": text(conversation.rng, conversation.rng.randrange(80, 400))}
-    )
+    question = {
+        "role": "user",
+        "content": text(conversation.rng, conversation.rng.randrange(80, 400)),
+    }
+    messages = [*conversation.messages, question]
     async with limiter:
         response = await client.post(
             f"{replica.url}/v1/chat/completions",
-            json={"model": MODEL, "messages": conversation.messages, "max_tokens": 16},
+            json={"model": MODEL, "messages": messages, "max_tokens": 16},
         )
     if response.status_code != 200:
         raise RuntimeError(f"HTTP {response.status_code} from {replica.url}: {response.text}")
-    conversation.messages.append(
-        {"role": "assistant", "content": response.json()["choices"][0]["message"]["content"]}
-    )
+    if conversation.history:
+        answer = response.json()["choices"][0]["message"]["content"]
+        conversation.messages += [question, {"role": "assistant", "content": answer}]
     engine = response.headers[ENGINE_HEADER]
     conversation.engines.append(engine)
     return engine
@@ -238,6 +244,7 @@ async def bench(args: argparse.Namespace, env: dict[str, str]) -> Run:
                 }
             ],
             random.Random(rng.getrandbits(64)),
+            history=not args.groups,
         )
         for _ in range(args.conversations)
     ]
@@ -270,12 +277,18 @@ async def bench(args: argparse.Namespace, env: dict[str, str]) -> Run:
 
 def report(args: argparse.Namespace, run: Run, source: str) -> None:
     n = len(run.turns)
-    print(
-        f"prefix_aware: {REPLICAS} replicas, {ENGINES} engines, {n} conversations x "
-        f"{args.turns} turns (turn k to replica k % {REPLICAS}), "
-        f"{'one shared system prompt' if args.shared_system else 'own system prompts'} "
-        f"(2-4 KiB), seed {args.seed}"
-    )
+    if args.groups:
+        shape = (
+            f"{n} groups x {args.turns} requests (request k to replica k % {REPLICAS}), each "
+            "group's own system prompt (2-4 KiB) and a new question per request, no history"
+        )
+    else:
+        shape = (
+            f"{n} conversations x {args.turns} turns (turn k to replica k % {REPLICAS}), "
+            f"{'one shared system prompt' if args.shared_system else 'own system prompts'} "
+            "(2-4 KiB)"
+        )
+    print(f"prefix_aware: {REPLICAS} replicas, {ENGINES} engines, {shape}, seed {args.seed}")
     print(f"router code: {source}\n")
 
     def row(label: str, value: str, target: str = "", ok: bool | None = None) -> None:
@@ -335,6 +348,11 @@ def main() -> None:
         help="one system prompt for all conversations (they differ from "
         "their first user message on)",
     )
+    parser.add_argument(
+        "--groups",
+        action="store_true",
+        help="groups of requests sharing a system prompt, a new question each, no history",
+    )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--conversations", type=int, default=24, help="(default 24, max 200)")
     parser.add_argument("--turns", type=int, default=6, help="(default 6, max 20)")
@@ -357,6 +375,8 @@ def main() -> None:
         help="seconds after which the run is abandoned (default 60)",
     )
     args = parser.parse_args()
+    if args.groups and args.shared_system:
+        parser.error("--groups and --shared-system exclude each other")
     args.conversations = max(1, min(args.conversations, 200))
     args.turns = max(1, min(args.turns, 20))
     env = router_env(source_dir(args.router_src))

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import re
@@ -53,7 +54,7 @@ import tempfile
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Final
 
@@ -151,19 +152,36 @@ def free_port() -> int:
     return vllm_engines.free_port(["127.0.0.1"])
 
 
+@dataclass(frozen=True)
+class Fleet:
+    """The engines routers are put in front of, and where they publish their KV events."""
+
+    urls: Sequence[str]
+    kv_port: int
+    replay_port: int
+    block_size: int
+
+
 def router_command(
-    spec: RouterSpec, port: int, urls: Sequence[str], workdir: Path, index: int
+    spec: RouterSpec, port: int, fleet: Fleet, workdir: Path, index: int
 ) -> tuple[list[str], dict[str, str]]:
     """The command line (and extra environment) of one replica of `spec` on `port`."""
+    urls = fleet.urls
     if spec.kind == "trio":
         config = workdir / f"trio-{spec.policy}-{index}.toml"
         listed = ", ".join(f'"{u}"' for u in urls)
-        config.write_text(
+        text = (
             f'[server]\nbind = "127.0.0.1:{port}"\ndrain_s = 1.0\naccess_log = false\n'
-            f'[routing]\npolicy = "{spec.policy}"\n'
+            f'[routing]\npolicy = "{spec.policy}"\nkv_block_size = {fleet.block_size}\n'
             f'[discovery]\nmode = "static"\n[discovery.static]\nurls = [{listed}]\n'
             "[stats]\ninterval_s = 1.0\n"
         )
+        if spec.policy == "kv_aware":  # every replica subscribes to every engine's events
+            text += (
+                f'[kv_events]\nmode = "connect"\nport = {fleet.kv_port}\n'
+                f"replay_port = {fleet.replay_port}\n"
+            )
+        config.write_text(text)
         return [sys.executable, "-m", "trio_router", "--config", str(config)], {}
     if spec.kind == "production-stack":
         src = os.environ["PEER_PS_SRC"]
@@ -231,18 +249,18 @@ async def wait_routing(client: httpx.AsyncClient, url: str, engines: int | None)
 
 @asynccontextmanager
 async def open_routers(
-    spec: RouterSpec, urls: Sequence[str], replicas: int, workdir: Path
+    spec: RouterSpec, fleet: Fleet, replicas: int, workdir: Path
 ) -> AsyncIterator[list[str]]:
-    """`replicas` processes of `spec` in front of `urls`; yields their URLs once each routes."""
+    """`replicas` processes of `spec` in front of `fleet`; yields their URLs once each routes."""
     async with AsyncExitStack() as stack, httpx.AsyncClient(timeout=10.0) as client:
         bound = []
         for index in range(replicas):
             port = free_port()
-            command, env = router_command(spec, port, urls, workdir, index)
+            command, env = router_command(spec, port, fleet, workdir, index)
             process, _, stderr = await stack.enter_async_context(open_command(command, env=env))
             url = f"http://127.0.0.1:{port}"
             with trio.move_on_after(START_S) as waited:
-                await wait_routing(client, url, len(urls) if spec.kind == "trio" else None)
+                await wait_routing(client, url, len(fleet.urls) if spec.kind == "trio" else None)
             if waited.cancelled_caught or process.returncode is not None:
                 raise RuntimeError(f"{spec.label} did not route within {START_S} s:\n{stderr.text}")
             bound.append(url)
@@ -324,6 +342,7 @@ class Result:
     ttft_p99_ms: float
     seconds: float
     per_engine_queries: list[float]
+    router_figures: dict[str, float]  # trio_router's: see router_figures
 
 
 def percentile(values: Sequence[float], p: float) -> float:
@@ -429,16 +448,47 @@ async def run_workload(
     return sent, errors
 
 
+async def router_figures(client: httpx.AsyncClient, urls: Sequence[str]) -> dict[str, float]:
+    """kv_aware's own figures, summed over trio_router replicas: the hit rate it predicted,
+    its mean tokenization time and its fallbacks."""
+    sums: dict[str, float] = {}
+    for url in urls:
+        for name, value in _ROUTER_SAMPLE.findall((await client.get(f"{url}/metrics")).text):
+            sums[name] = sums.get(name, 0.0) + float(value)
+    count = sums.get("trio_router_tokenize_seconds_count", 0.0)
+    prompt = sums.get("trio_router_kv_prompt_tokens_total", 0.0)
+    return {
+        "predicted_hit_rate": (
+            sums.get("trio_router_kv_predicted_cached_tokens_total", 0.0) / prompt
+            if prompt
+            else float("nan")
+        ),
+        "tokenize_mean_ms": (
+            sums.get("trio_router_tokenize_seconds_sum", 0.0) / count * 1000
+            if count
+            else float("nan")
+        ),
+        "tokenize_fallbacks": sums.get("trio_router_tokenize_fallbacks_total", 0.0),
+    }
+
+
+_ROUTER_SAMPLE = re.compile(
+    r"^(trio_router_(?:kv_predicted_cached_tokens_total|kv_prompt_tokens_total|"
+    r"tokenize_seconds_sum|tokenize_seconds_count|tokenize_fallbacks_total))(?:\{[^}]*\})? (\S+)$",
+    re.M,
+)
+
+
 async def measure_hits(
     args: argparse.Namespace,
     spec: RouterSpec,
     engines: Sequence[EngineProcess],
+    fleet: Fleet,
     workdir: Path,
 ) -> Result:
-    urls = [e.url for e in engines]
     async with (
         httpx.AsyncClient(timeout=args.limit) as client,
-        open_routers(spec, urls, args.replicas, workdir) as routers,
+        open_routers(spec, fleet, args.replicas, workdir) as routers,
     ):
         await reset_caches(client, engines)
         before = await cache_counters(client, engines)
@@ -448,6 +498,7 @@ async def measure_hits(
         seconds = time.perf_counter() - began
         after = await cache_counters(client, engines)
         block = await block_size(client, engines[0])
+        figures = await router_figures(client, routers) if spec.kind == "trio" else {}
     delta = [a - b for a, b in zip(after, before, strict=True)]
     ttfts = [a.ttft for a in sent if a.tokens]
     hits, queries = sum(delta[0::2]), sum(delta[1::2])
@@ -462,6 +513,7 @@ async def measure_hits(
         ttft_p99_ms=percentile(ttfts, 99) * 1000,
         seconds=seconds,
         per_engine_queries=delta[1::2],
+        router_figures=figures,
     )
 
 
@@ -522,6 +574,7 @@ async def measure_ttft(
     env: vllm_engines.EngineEnvironment,
     specs: Sequence[RouterSpec],
     engine: EngineProcess,
+    fleet: Fleet,
     workdir: Path,
 ) -> dict[str, dict[str, float]]:
     rounds: dict[str, list[tuple[float, float]]] = {"direct": []}
@@ -529,7 +582,7 @@ async def measure_ttft(
         targets = {"direct": engine.url}
         for spec in specs:
             (targets[spec.label],) = await stack.enter_async_context(
-                open_routers(spec, [engine.url], 1, workdir)
+                open_routers(spec, replace(fleet, urls=[engine.url]), 1, workdir)
             )
             rounds[spec.label] = []
         for r in range(args.rounds):
@@ -545,10 +598,16 @@ async def measure_ttft(
                     f"p99 {got['p99_ttft_ms']:.1f} ms",
                     file=sys.stderr,
                 )
+        own = {
+            spec.label: await router_figures(client, [targets[spec.label]])
+            for spec in specs
+            if spec.kind == "trio"
+        }
     return {
         label: {
             "ttft_p50_ms": statistics.median(p50 for p50, _ in values),
             "ttft_p99_ms": statistics.median(p99 for _, p99 in values),
+            **own.get(label, {}),
         }
         for label, values in rounds.items()
     }
@@ -560,7 +619,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("mode", choices=["hits", "ttft"])
     parser.add_argument(
         "--routers",
-        default="trio:round_robin,trio:least_loaded,trio:prefix_aware,"
+        default="trio:round_robin,trio:least_loaded,trio:prefix_aware,trio:kv_aware,"
         "production-stack:roundrobin,production-stack:prefixaware,"
         "vllm-router-rs:round_robin,vllm-router-rs:cache_aware",
     )
@@ -600,6 +659,13 @@ def table(results: Sequence[Result]) -> str:
         )
     best = statistics.median(r.best for r in results) if results else 0.0
     lines.append(f"\nbest any routing could reach on this workload: {best:.1%}")
+    for r in results:
+        if (predicted := r.router_figures.get("predicted_hit_rate", math.nan)) == predicted:
+            lines.append(
+                f"{r.router}: predicted hit rate {predicted:.1%}, tokenize mean "
+                f"{r.router_figures['tokenize_mean_ms']:.2f} ms, "
+                f"{r.router_figures['tokenize_fallbacks']:.0f} fallbacks"
+            )
     return "\n".join(lines)
 
 
@@ -613,36 +679,41 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             runnable.append(spec)
     env = vllm_engines.ensure_environment(log=lambda line: print(line, file=sys.stderr))
     hosts = [f"127.0.1.{FIRST_HOST + i}" for i in range(ENGINES)]
-    engine_specs = vllm_engines.specs_for(
+    port, kv_port, replay_port = vllm_engines.free_ports(hosts, 3)
+    plain = vllm_engines.specs_for(
         ENGINES,
-        port=vllm_engines.free_port(hosts),
+        port=port,
         first_host=FIRST_HOST,
         kv_cache_bytes=int(args.kv_cache_mib * (1 << 20)),
         block_size=args.block_size,
         max_num_seqs=8,
         extra_env=(("VLLM_SERVER_DEV_MODE", "1"),),  # /reset_prefix_cache
     )
+    # Every engine publishes its KV-cache events as a pod does (kv_aware subscribes).
+    engine_specs = vllm_engines.publishing_kv_events(plain, port=kv_port, replay_port=replay_port)
+    fleet = Fleet([s.url for s in engine_specs], kv_port, replay_port, args.block_size)
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         log_dir = args.log_dir or workdir / "logs"
         print(f"starting {ENGINES} vLLM engines (logs in {log_dir})", file=sys.stderr)
         with vllm_engines.running_engines(env, engine_specs, log_dir=log_dir) as engines:
             if args.mode == "ttft":
-                figures = await measure_ttft(args, env, runnable, engines[0], workdir)
+                figures = await measure_ttft(args, env, runnable, engines[0], fleet, workdir)
                 direct = figures["direct"]
-                print("| target | TTFT p50 ms | TTFT p99 ms | added p50 ms |")
-                print("|---|---:|---:|---:|")
+                print("| target | TTFT p50 ms | TTFT p99 ms | added p50 ms | tokenize mean ms |")
+                print("|---|---:|---:|---:|---:|")
                 for label, row in figures.items():
                     added = row["ttft_p50_ms"] - direct["ttft_p50_ms"]
+                    tokenize = row.get("tokenize_mean_ms", float("nan"))
                     print(
                         f"| {label} | {row['ttft_p50_ms']:.1f} | {row['ttft_p99_ms']:.1f} | "
-                        f"{added:+.1f} |"
+                        f"{added:+.1f} | {tokenize:.2f} |"
                     )
                 return {"mode": "ttft", "args": vars(args) | {"json_out": None}, "ttft": figures}
             results = []
             for spec in runnable:
                 print(f"running {spec.label} x{args.replicas}", file=sys.stderr)
-                result = await measure_hits(args, spec, engines, workdir)
+                result = await measure_hits(args, spec, engines, fleet, workdir)
                 print(
                     f"  hit rate {result.hit_rate:.1%} (best {result.best:.1%}), "
                     f"TTFT p50 {result.ttft_p50_ms:.0f} ms, errors {result.errors}",

@@ -23,6 +23,8 @@ from trio_router.testing.fake_apiserver import FakeApiServer
 
 REAL_VLLM: Final = os.environ.get("TRIO_ROUTER_REAL_VLLM", "auto")
 REAL_ENGINES: Final = 2  # engines of the tier, on 127.0.1.11 and 127.0.1.12, one port
+REAL_KV_CACHE_BYTES: Final = 4 << 20  # 8,192 tokens each: a few long prompts evict
+REAL_BLOCK_SIZE: Final = 32
 
 
 @pytest.fixture
@@ -88,10 +90,19 @@ def real_engines(
     vllm_env: vllm_engines.EngineEnvironment, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[list[vllm_engines.EngineProcess]]:
     """The tier's engines, started once per session: `REAL_ENGINES` vLLM engines serving
-    `MODEL_NAME` on 127.0.1.11, 127.0.1.12, ..., one port, their workers on separate cores.
+    `MODEL_NAME` on 127.0.1.11, 127.0.1.12, ..., one port, their workers on separate cores,
+    publishing KV-cache events (with replay) on ports of their own, the same on every engine.
     Their logs stay in pytest's temporary folder."""
     hosts = [f"127.0.1.{11 + i}" for i in range(REAL_ENGINES)]
-    specs = vllm_engines.specs_for(REAL_ENGINES, port=vllm_engines.free_port(hosts))
+    port, kv_port, replay_port = vllm_engines.free_ports(hosts, 3)
+    plain = vllm_engines.specs_for(
+        REAL_ENGINES,
+        port=port,
+        kv_cache_bytes=REAL_KV_CACHE_BYTES,
+        block_size=REAL_BLOCK_SIZE,
+        extra_env=(("VLLM_SERVER_DEV_MODE", "1"),),  # POST /reset_prefix_cache
+    )
+    specs = vllm_engines.publishing_kv_events(plain, port=kv_port, replay_port=replay_port)
     with vllm_engines.running_engines(
         vllm_env, specs, log_dir=tmp_path_factory.mktemp("vllm-logs")
     ) as engines:

@@ -81,7 +81,10 @@ def test_int_accepted_for_float_durations(tmp_path: Path) -> None:
         ("[proxy]\nretries = 1.5\n", "proxy.retries must be int, got float"),
         ("[proxy]\nretries = true\n", "proxy.retries must be int, got a boolean"),
         ("[discovery.static]\nurls = 'http://a'\n", "discovery.static.urls must be an array"),
-        ("[discovery.static]\nurls = [1]\n", "discovery.static.urls[0] must be str"),
+        (
+            "[discovery.static]\nurls = [1]\n",
+            "discovery.static.urls[0] must be a URL string or a table",
+        ),
         ("server = 3\n", "server must be a table"),
         ("[probe]\ntimeout_s = 0\n", "probe.timeout_s must be > 0"),
         ("[server]\nbind = 'localhost'\n", "server.bind must be HOST:PORT"),

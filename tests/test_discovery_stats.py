@@ -25,7 +25,7 @@ from trio_router.table import NO_STATS, Engine, EngineState, Model, RequestStats
 from trio_router.testing.fake_network import FakeNetwork, FakeReply, FakeRequest, Handler
 
 FIXTURE = (Path(__file__).parent / "fixtures" / "vllm_metrics.txt").read_text()
-KEYS = {"running", "waiting", "kv_cache_usage"}
+KEYS = {"running", "waiting", "kv_cache_usage", "prefix_cache_hits", "prefix_cache_queries"}
 
 
 def gauges(
@@ -51,7 +51,13 @@ def gauges(
 
 
 def test_parses_the_vllm_fixture() -> None:
-    assert parse_vllm_metrics(FIXTURE) == {"running": 3.0, "waiting": 2.0, "kv_cache_usage": 0.4219}
+    assert parse_vllm_metrics(FIXTURE) == {
+        "running": 3.0,
+        "waiting": 2.0,
+        "kv_cache_usage": 0.4219,
+        "prefix_cache_hits": 3.1977e06,
+        "prefix_cache_queries": 4.4523e06,
+    }
 
 
 def test_sums_counts_over_ranks_and_averages_kv_usage() -> None:
@@ -239,6 +245,8 @@ async def test_scraper_stores_fresh_gauges_every_interval(
             "running": 7.0,
             "waiting": 0.0,
             "kv_cache_usage": 0.4219,
+            "prefix_cache_hits": 3197700.0,
+            "prefix_cache_queries": 4452300.0,
             "scraped_at": 0.0,
             "stale_after": 15.0,
         }

@@ -192,9 +192,13 @@ async def test_a_shared_prefix_goes_where_the_first_request_left_it() -> None:
             owner = caches[int(first.split(":")[0][-1]) - 1]
             await until(index, lambda: index.blocks() >= len(prompt_tokens(chat(system))) // B)
             later = {await send(router, chat(system, f"question {i}")) for i in range(4)}
+            predicted = await router.metric(
+                "trio_router_kv_predicted_cached_tokens_total", engine=first
+            )
             other = {await send(router, chat(words("other", 40), "a"))}
     assert later == {first}  # every one to the engine that cached the system prompt
     assert owner.hits >= 4 * 40  # and it served the shared prefix from its cache
+    assert predicted == owner.hits  # as the router expected, block for block
     assert other  # a new prefix still routes
 
 

@@ -19,12 +19,21 @@ async def scrape_after_traffic() -> tuple[str, str]:
     one to an engine that then stopped answering): its /metrics text, and an engine name."""
     engines = [FakeEngine(name="a", tokens=3), FakeEngine(name="b", tokens=3)]
     with trio.fail_after(LIMIT):
-        async with open_router(engines, probe={"interval_s": 60.0}) as router:
+        async with open_router(
+            engines, probe={"interval_s": 60.0}, stats={"interval_s": 0.05}
+        ) as router:
             for _ in range(2):
                 await router.client.post(CHAT, json=chat())
             await router.client.post(
                 CHAT, json=chat(stream=True, stream_options={"include_usage": True})
             )
+            # The engines' own figures arrive with the next scrape after the traffic: it is
+            # stored before the scraper asks again.
+            for engine in engines:
+                after = len(engine.requests_to("/metrics")) + 2
+                await engine.wait_until(
+                    lambda e=engine, n=after: len(e.requests_to("/metrics")) >= n
+                )
             name = router.engine_urls[0].removeprefix("http://")
             return (await router.client.get("/metrics")).text, name
 
@@ -55,6 +64,9 @@ async def test_build_process_engine_and_token_series() -> None:
     assert sample(text, "trio_router_engine_latency_seconds", engine=name) > 0
     assert sample(text, "trio_router_engine_time_to_first_byte_seconds", engine=name) > 0
     assert sample(text, "trio_router_engine_running_requests", engine=name) == 0
+    # The engine's own prefix-cache counters, as scraped (FakeEngine without a cache: no hits).
+    assert f'trio_router_engine_prefix_cache_query_tokens{{engine="{name}"}}' in text
+    assert sample(text, "trio_router_engine_prefix_cache_hit_tokens", engine=name) == 0
     decisions = sum(
         sample(
             text,
@@ -66,9 +78,10 @@ async def test_build_process_engine_and_token_series() -> None:
         for e in (name, _other(text, name))
     )
     assert decisions == 3
-    # FakeEngine's usage: prompt tokens = words of the prompt ("hi": 1), completion = 3.
+    # FakeEngine's usage, per request: the prompt as its chat template tokenizes it (the
+    # user role, "hi", the generation prompt: 3), completion = 3.
     assert sample(text, "trio_router_tokens_total", model="fake-model", kind="completion") == 9
-    assert sample(text, "trio_router_tokens_total", model="fake-model", kind="prompt") == 3
+    assert sample(text, "trio_router_tokens_total", model="fake-model", kind="prompt") == 9
 
 
 def _other(text: str, name: str) -> str:

@@ -12,6 +12,8 @@ tells no one when it changes, so it is asked again every `POLL_S` until a deadli
 from __future__ import annotations
 
 import json
+import math
+import random
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
@@ -27,14 +29,18 @@ from trio_router.config import (
     Config,
     DiscoveryConfig,
     KubernetesConfig,
+    KvEventsConfig,
     ProbeConfig,
+    RoutingConfig,
     ServerConfig,
     StatsConfig,
 )
 from trio_router.discovery.stats import parse_vllm_metrics
+from trio_router.kv.index import BlockIndex, block_keys
 from trio_router.table import RoutingTable
+from trio_router.testing._vllm_model import WORDS
 from trio_router.testing.fake_apiserver import FakeApiServer
-from trio_router.testing.harness import router_config, undated
+from trio_router.testing.harness import router_config, sample, undated
 from trio_router.testing.vllm_engines import MODEL_NAME, EngineProcess
 
 pytestmark = pytest.mark.real_vllm
@@ -419,3 +425,169 @@ async def test_a_pod_deleted_during_a_stream_finishes_it_while_new_requests_go_e
     assert before < len(events) - 100  # most of the stream came after the pod was deleted
     assert events[-1] == b"data: [DONE]"
     assert json.loads(events[-2].removeprefix(b"data: "))["usage"]["completion_tokens"] == LONG
+
+
+# -- KV-aware routing on the engines' own KV-cache events --------------------------------------
+def kv_sections(engine: EngineProcess) -> dict[str, Any]:
+    """The router config that subscribes to the tier's engines (their ports are the same)."""
+    events = engine.spec.kv_events
+    assert events is not None
+    port = int(events["endpoint"].rsplit(":", 1)[1])
+    replay = int(events["replay_endpoint"].rsplit(":", 1)[1])
+    return {
+        "routing": {"policy": "kv_aware", "kv_block_size": 32},
+        "kv_events": {"mode": "connect", "port": port, "replay_port": replay},
+    }
+
+
+def long_chat(system: str, question: str) -> dict[str, Any]:
+    return {
+        "model": MODEL_NAME,
+        "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": question},
+        ],
+        "max_tokens": 2,
+    }
+
+
+def text_of(seed: int, words: int) -> str:
+    """`words` tokens of the tiny model's text (each of `WORDS` is one token), one text per seed."""
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+async def wait_index(index: BlockIndex, condition: Callable[[], bool], *, within: float) -> None:
+    with trio.fail_after(within):
+        while not condition():
+            await index.wait_changed()
+
+
+def holding(index: BlockIndex, engines: Sequence[EngineProcess], tokens: list[int]) -> list[int]:
+    """Leading blocks of `tokens` each engine holds, as its events told the index."""
+    held = index.match(block_keys(tokens, 32), [e.url for e in engines], now=math.inf)
+    return [held[e.url] for e in engines]
+
+
+async def test_kv_aware_follows_the_engines_own_cache_events(
+    real_engines: list[EngineProcess],
+) -> None:
+    """A shared system prompt goes where it is cached; vLLM's AllBlocksCleared (a reset of
+    its prefix cache) and its evictions are seen in the index, and the engine is no longer
+    preferred for what it lost."""
+    index = BlockIndex()
+    config = static(real_engines, **kv_sections(real_engines[0]))
+    system = text_of(1, 500)
+    with trio.fail_after(LIMIT * 2):
+        async with (
+            open_router_with(config, len(real_engines), index) as url,
+            httpx.AsyncClient(timeout=LIMIT) as client,
+        ):
+            tokens = (
+                await client.post(
+                    f"{url}/tokenize",
+                    json={
+                        "model": MODEL_NAME,
+                        "messages": [
+                            {"role": "system", "content": system},
+                            {"role": "user", "content": "q"},
+                        ],
+                    },
+                )
+            ).json()["tokens"]
+            first = await client.post(f"{url}{CHAT}", json=long_chat(system, "q"))
+            owner = next(
+                e for e in real_engines if e.url.endswith(first.headers["x-trio-router-engine"])
+            )
+            at = real_engines.index(owner)
+            await wait_index(
+                index, lambda: holding(index, real_engines, tokens)[at] >= 10, within=30
+            )
+            before = await engine_counters(client, owner)
+            names = {
+                (
+                    await client.post(f"{url}{CHAT}", json=long_chat(system, f"question {i}"))
+                ).headers["x-trio-router-engine"]
+                for i in range(3)
+            }
+            after = await engine_counters(client, owner)
+            # The engine empties its prefix cache; vLLM publishes AllBlocksCleared with its
+            # next step (a tiny request straight to it).
+            assert (await client.post(f"{owner.url}/reset_prefix_cache")).json()["success"]
+            await client.post(
+                f"{owner.url}/v1/completions",
+                json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 1},
+            )
+            await wait_index(
+                index, lambda: holding(index, real_engines, tokens)[at] == 0, within=30
+            )
+            # Cached again, then evicted by long prompts of other text (the cache holds 8,192
+            # tokens, the seven prompts 10,500).
+            await client.post(f"{owner.url}{CHAT}", json=long_chat(system, "again"))
+            await wait_index(
+                index, lambda: holding(index, real_engines, tokens)[at] >= 10, within=30
+            )
+            for seed in range(2, 9):
+                await client.post(f"{owner.url}{CHAT}", json=long_chat(text_of(seed, 1500), "e"))
+            await wait_index(
+                index, lambda: holding(index, real_engines, tokens)[at] == 0, within=60
+            )
+    assert names == {first.headers["x-trio-router-engine"]}
+    assert after[0] - before[0] >= 3 * 10 * 32  # the engine served the prefix from its cache
+
+
+async def engine_counters(client: httpx.AsyncClient, engine: EngineProcess) -> tuple[float, float]:
+    """vLLM's own (prefix_cache_hits_total, prefix_cache_queries_total), in tokens."""
+    text = (await client.get(f"{engine.url}/metrics")).text
+    return (
+        sample(text, "vllm:prefix_cache_hits_total", engine="0", model_name=MODEL_NAME),
+        sample(text, "vllm:prefix_cache_queries_total", engine="0", model_name=MODEL_NAME),
+    )
+
+
+@asynccontextmanager
+async def open_router_with(config: Config, engines: int, index: BlockIndex) -> AsyncIterator[str]:
+    table = RoutingTable()
+    async with trio.open_nursery() as nursery:
+        (url,) = await nursery.start(
+            partial(server.run, config, table=table, handle_signals=False, kv_index=index)
+        )
+        while len(table.routable(MODEL_NAME)) < engines:
+            await table.wait_changed()
+        yield url
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_deleted_pod_leaves_the_kv_index(
+    real_engines: list[EngineProcess], apiserver: FakeApiServer, kubeconfig: Path
+) -> None:
+    index = BlockIndex()
+    port = real_engines[0].spec.port
+    for i, engine in enumerate(real_engines):
+        apiserver.add_pod(f"vllm-{i}", ip=engine.spec.host)
+    sections = kv_sections(real_engines[0])
+    config = Config(
+        server=ServerConfig(bind="127.0.0.1:0", drain_s=1.0),
+        discovery=DiscoveryConfig(
+            mode="kubernetes",
+            kubernetes=KubernetesConfig(
+                namespace=apiserver.namespace, port=port, kubeconfig=str(kubeconfig)
+            ),
+        ),
+        probe=ProbeConfig(interval_s=60.0),
+        stats=StatsConfig(interval_s=0.0),
+        routing=RoutingConfig(policy="kv_aware", kv_block_size=32),
+        kv_events=KvEventsConfig(**sections["kv_events"]),
+    )
+    with trio.fail_after(LIMIT):
+        async with (
+            open_router_with(config, len(real_engines), index) as url,
+            httpx.AsyncClient(timeout=LIMIT) as client,
+        ):
+            answer = await client.post(f"{url}{CHAT}", json=long_chat(text_of(9, 300), "q"))
+            name = answer.headers["x-trio-router-engine"]
+            uid = f"uid-{name}"
+            await wait_index(index, lambda: index.blocks(uid) > 0, within=30)
+            apiserver.delete_pod(name)
+            await wait_index(index, lambda: index.blocks(uid) == 0, within=30)
+    assert index.blocks(uid) == 0

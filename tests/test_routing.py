@@ -64,13 +64,13 @@ def make(
     return policy
 
 
-def chat(*turns: str, system: str = "You are a helpful assistant.") -> RequestInfo:
+def chat(*turns: str, system: str = "You are a helpful assistant.", **knobs: Any) -> RequestInfo:
     messages = [{"role": "system", "content": system}]
     messages += [
         {"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)
     ]
     return request_info(
-        {"model": MODEL, "messages": messages}, {}, RoutingConfig(policy="prefix_aware")
+        {"model": MODEL, "messages": messages}, {}, RoutingConfig(policy="prefix_aware", **knobs)
     )
 
 
@@ -368,12 +368,15 @@ def test_session_without_key_is_least_loaded() -> None:
 # -- prefix aware ------------------------------------------------------------------------------
 
 
-def conversation_set(seed: int, count: int, *, shared_system: bool) -> list[list[str]]:
-    """`count` conversations of 6 turns: their own long system prompts, or one shared."""
+def conversation_set(
+    seed: int, count: int, *, shared_system: bool, system_chars: int = 2000
+) -> list[list[str]]:
+    """`count` conversations of 6 turns: their own system prompts of `system_chars`, or one
+    shared."""
     rng = random.Random(seed)
-    shared = text(rng.randrange(1 << 30), 2000)
+    shared = text(rng.randrange(1 << 30), system_chars)
     return [
-        [shared if shared_system else text(rng.randrange(1 << 30), 2000)]
+        [shared if shared_system else text(rng.randrange(1 << 30), system_chars)]
         + [text(rng.randrange(1 << 30), rng.randrange(20, 400)) for _ in range(6)]
         for _ in range(count)
     ]
@@ -391,7 +394,9 @@ def test_prefix_growing_conversations_keep_their_engine() -> None:
     engines = [make_engine(i) for i in range(8)]
     table = make_table(engines)
     policy = make("prefix_aware", table)
-    conversations = conversation_set(1, 40, shared_system=True)
+    # A short system prompt shared by all (under prefix_header_chars): the first user message
+    # tells the conversations apart.
+    conversations = conversation_set(1, 40, shared_system=True, system_chars=600)
     home: dict[int, str] = {}
     holding: dict[int, Engine] = {}  # each conversation's last request stays in flight
     for n in range(6):
@@ -405,6 +410,31 @@ def test_prefix_growing_conversations_keep_their_engine() -> None:
             assert "ring owner" in why
     # One system prompt for all, yet the conversations spread over the engines.
     assert len(set(home.values())) >= 6
+
+
+def test_prefix_a_long_system_prompt_is_the_key_alone() -> None:
+    """Requests sharing a system prompt of at least prefix_header_chars go to one engine
+    whatever question follows (vLLM serves the system prompt from its cache there); a shorter
+    one, or a longer threshold, keys on the question too."""
+    engines = [make_engine(i) for i in range(8)]
+    table = make_table(engines)
+    policy = make("prefix_aware", table)
+    long_system, short_system = text(7, 1500), text(8, 600)
+    questions = [text(100 + i, 80) for i in range(24)]
+
+    def homes(system: str, **knobs: Any) -> set[str]:
+        chosen = set()
+        for question in questions:
+            engine, why = policy.choose(
+                table.routable(MODEL), chat(question, system=system, **knobs)
+            )
+            assert "ring owner" in why
+            chosen.add(engine.uid)
+        return chosen
+
+    assert len(homes(long_system)) == 1
+    assert len(homes(short_system)) >= 5
+    assert len(homes(long_system, prefix_header_chars=4096)) >= 5
 
 
 @settings(max_examples=40, deadline=None)

@@ -103,7 +103,8 @@ async def test_chat_completion_json() -> None:
     assert completion.choices[0].message.content == "Hello from a fake OpenAI-compatible"
     assert completion.choices[0].finish_reason == "stop"
     assert completion.usage is not None
-    assert (completion.usage.prompt_tokens, completion.usage.completion_tokens) == (3, 5)
+    # The fake chat template: the user role, three words, the generation prompt.
+    assert (completion.usage.prompt_tokens, completion.usage.completion_tokens) == (5, 5)
     seen = engine.requests[-1]
     assert (seen.method, seen.path, seen.header("X-Request-Id")) == (
         "POST",

@@ -461,6 +461,10 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
     if is_dataclass(tp):
         if tp is StaticEngine and isinstance(value, str):
             return StaticEngine(url=value)
+        if tp is StaticEngine and not isinstance(value, dict):
+            raise ConfigError(
+                f"{where} must be a URL string or a table, got {type(value).__name__}"
+            )
         if not isinstance(value, dict):
             raise ConfigError(f"{where} must be a table, got {type(value).__name__}")
         return _build(typing.cast(type[Any], tp), value, where=where)

@@ -180,16 +180,16 @@ class Metrics:
         )
         self._kv_cached = Counter(
             "trio_router_kv_predicted_cached_tokens",
-            "Prompt tokens kv_aware expected its chosen engine to have cached, by model "
-            "(compare with the engines' vllm:prefix_cache_hits_total).",
-            ["model"],
+            "Prompt tokens kv_aware expected its chosen engine to have cached, per engine "
+            "(compare with trio_router_engine_prefix_cache_hit_tokens).",
+            ["engine"],
             registry=self.registry,
         )
         self._kv_prompt = Counter(
             "trio_router_kv_prompt_tokens",
-            "Prompt tokens of the requests kv_aware routed on their tokens, by model "
-            "(compare with the engines' vllm:prefix_cache_queries_total).",
-            ["model"],
+            "Prompt tokens of the requests kv_aware routed on their tokens, per engine "
+            "(compare with trio_router_engine_prefix_cache_query_tokens).",
+            ["engine"],
             registry=self.registry,
         )
         info = Info("trio_router_build", "trio_router's version.", registry=self.registry)
@@ -252,10 +252,11 @@ class Metrics:
     def tokenize_fallback(self, reason: str) -> None:
         self._tokenize_fallbacks.labels(reason).inc()
 
-    def kv_prediction(self, model: str, cached: int, prompt: int) -> None:
-        """One kv_aware decision: the tokens it expected cached, of the prompt's."""
-        self._kv_cached.labels(model).inc(cached)
-        self._kv_prompt.labels(model).inc(prompt)
+    def kv_prediction(self, engine: str, cached: int, prompt: int) -> None:
+        """One kv_aware decision for `engine`: the tokens it expected cached there, of the
+        prompt's."""
+        self._kv_cached.labels(engine).inc(cached)
+        self._kv_prompt.labels(engine).inc(prompt)
 
     def engine_unreachable(self, engine: str) -> None:
         self._unreachable.labels(engine).inc()
@@ -330,6 +331,18 @@ class _TableCollector:
                 ("running", "running_requests", "running requests"),
                 ("waiting", "waiting_requests", "waiting requests"),
                 ("kv_cache_usage", "kv_cache_usage_ratio", "KV-cache usage (0..1)"),
+                (
+                    "prefix_cache_hits",
+                    "prefix_cache_hit_tokens",
+                    "prompt tokens served from its prefix cache since it started "
+                    "(vllm:prefix_cache_hits_total)",
+                ),
+                (
+                    "prefix_cache_queries",
+                    "prefix_cache_query_tokens",
+                    "prompt tokens looked up in its prefix cache since it started "
+                    "(vllm:prefix_cache_queries_total)",
+                ),
             )
         }
         counts = dict.fromkeys(EngineState, 0)

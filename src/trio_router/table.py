@@ -150,7 +150,8 @@ class EngineState(enum.StrEnum):
 @dataclass(frozen=True, slots=True)
 class EngineStats:
     """An engine's own load, as last scraped from its /metrics (`discovery.stats`): requests
-    running and waiting, and KV-cache usage (0..1), each None when the engine does not export
+    running and waiting, KV-cache usage (0..1) and its prefix-cache counters (tokens hit and
+    looked up since it started), each None when the engine does not export
     it. The figures hold until `expires` (Trio time); `fresh(now)` is the one rule by which
     admission, the policies and the metrics decide whether to believe them. Replaced whole
     by each scrape (no await between the check and the write)."""
@@ -158,6 +159,8 @@ class EngineStats:
     running: float | None = None
     waiting: float | None = None
     kv_cache_usage: float | None = None
+    prefix_cache_hits: float | None = None  # tokens, since the engine started
+    prefix_cache_queries: float | None = None
     scraped_at: float = -math.inf
     expires: float = -math.inf
 
@@ -169,6 +172,8 @@ class EngineStats:
             running=gauges.get("running"),
             waiting=gauges.get("waiting"),
             kv_cache_usage=gauges.get("kv_cache_usage"),
+            prefix_cache_hits=gauges.get("prefix_cache_hits"),
+            prefix_cache_queries=gauges.get("prefix_cache_queries"),
             scraped_at=now,
             expires=now + stale_after,
         )
@@ -187,6 +192,8 @@ class EngineStats:
                 ("running", self.running),
                 ("waiting", self.waiting),
                 ("kv_cache_usage", self.kv_cache_usage),
+                ("prefix_cache_hits", self.prefix_cache_hits),
+                ("prefix_cache_queries", self.prefix_cache_queries),
             )
             if value is not None
         }

@@ -27,7 +27,12 @@ STALE_INTERVALS: Final = 3  # scraped stats older than this many intervals are i
 MAX_METRICS_BYTES: Final = 8 * 1024 * 1024  # a larger /metrics body is not read
 JITTER: Final = 0.1  # scrape period drawn from interval * [1 - JITTER, 1 + JITTER]
 
-_COUNTS: Final = {b"vllm:num_requests_running": "running", b"vllm:num_requests_waiting": "waiting"}
+_COUNTS: Final = {
+    b"vllm:num_requests_running": "running",
+    b"vllm:num_requests_waiting": "waiting",
+    b"vllm:prefix_cache_hits_total": "prefix_cache_hits",
+    b"vllm:prefix_cache_queries_total": "prefix_cache_queries",
+}
 _KV_USAGE: Final = (b"vllm:kv_cache_usage_perc", b"vllm:gpu_cache_usage_perc")  # newest first
 _NAMES: Final = (*_COUNTS, *_KV_USAGE)
 # One sample line of the Prometheus text format, after its metric name: optional labels
@@ -65,12 +70,13 @@ def _samples(body: bytes, name: bytes) -> list[float] | None:
 
 def parse_vllm_metrics(text: str | bytes) -> dict[str, float]:
     """vLLM's load gauges from a /metrics page: "running" and "waiting" (request counts,
-    summed over label sets such as data-parallel ranks) and "kv_cache_usage" (0..1, the mean
-    over label sets, from `vllm:kv_cache_usage_perc`, else the older
-    `vllm:gpu_cache_usage_perc`). Absent gauges are absent keys; non-finite samples are
-    skipped. A page with a malformed sample line of one of these gauges yields {}; it never
-    raises. Only the lines of these gauges are parsed, which keeps a scrape cheap however
-    many other metrics the engine exports."""
+    summed over label sets such as data-parallel ranks), "prefix_cache_hits" and
+    "prefix_cache_queries" (its prefix-cache counters, in tokens, summed likewise) and
+    "kv_cache_usage" (0..1, the mean over label sets, from `vllm:kv_cache_usage_perc`, else
+    the older `vllm:gpu_cache_usage_perc`). Absent gauges are absent keys; non-finite
+    samples are skipped. A page with a malformed sample line of one of these gauges yields
+    {}; it never raises. Only the lines of these gauges are parsed, which keeps a scrape
+    cheap however many other metrics the engine exports."""
     body = text.encode("utf-8", errors="replace") if isinstance(text, str) else text
     values: dict[bytes, list[float]] = {}
     for name in _NAMES:

@@ -315,7 +315,7 @@ class ProxyExchange:
             nonlocal why
             engine, why = policy.choose(services.table.routable(model), info, exclude=exclude)
             if info.tokens is not None and (decision := getattr(policy, "last_decision", None)):
-                services.metrics.kv_prediction(model, *decision)
+                services.metrics.kv_prediction(engine.name, *decision)
             return engine
 
         try:

@@ -39,7 +39,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Final
 
@@ -53,7 +53,11 @@ __all__ = [
     "Unavailable",
     "check_platform",
     "ensure_environment",
+    "free_port",
+    "free_ports",
+    "publishing_kv_events",
     "running_engines",
+    "specs_for",
     "start_engines",
 ]
 
@@ -413,22 +417,55 @@ def specs_for(count: int, *, port: int, first_host: int = 11, **options: Any) ->
     ]
 
 
+def publishing_kv_events(
+    specs: Sequence[EngineSpec], *, port: int, replay_port: int | None = None
+) -> list[EngineSpec]:
+    """`specs` publishing their KV-cache events as pods do: each engine binds its publisher on
+    its own address, all on `port` (and its replay endpoint on `replay_port`), topic "".
+    vLLM binds an endpoint with `*` or a bracketed address and connects to any other, so an
+    address of its own is written `[::ffff:IP]` (its IPv4 address, as IPv6)."""
+    out = []
+    for spec in specs:
+        events: dict[str, Any] = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://[::ffff:{spec.host}]:{port}",
+            "topic": "",
+        }
+        if replay_port is not None:
+            events["replay_endpoint"] = f"tcp://{spec.host}:{replay_port}"
+        out.append(replace(spec, kv_events=events))
+    return out
+
+
 def free_port(hosts: Sequence[str]) -> int:
     """A TCP port free on every one of `hosts` right now (taken from the first)."""
+    (port,) = free_ports(hosts, 1)
+    return port
+
+
+def free_ports(hosts: Sequence[str], count: int) -> list[int]:
+    """`count` distinct TCP ports, each free on every one of `hosts` right now."""
     import socket
 
-    for _ in range(50):
-        with socket.socket() as probe:
+    with contextlib.ExitStack() as held:  # the chosen ports stay bound until all are chosen
+        ports: list[int] = []
+        for _ in range(50 * count):
+            if len(ports) == count:
+                break
+            probe = held.enter_context(socket.socket())
             probe.bind((hosts[0], 0))
             port = int(probe.getsockname()[1])
-        try:
-            for host in hosts[1:]:
-                with socket.socket() as other:
+            try:
+                for host in hosts[1:]:
+                    other = held.enter_context(socket.socket())
                     other.bind((host, port))
-        except OSError:
-            continue
-        return port
-    raise OSError(f"no port free on all of {list(hosts)}")
+            except OSError:
+                continue
+            ports.append(port)
+        if len(ports) < count:
+            raise OSError(f"no {count} ports free on all of {list(hosts)}")
+        return ports
 
 
 def main(argv: Sequence[str] | None = None) -> int:
