@@ -4,6 +4,7 @@ when it leaves, the process and build series, per-engine figures, routing decisi
 from __future__ import annotations
 
 import shutil
+from functools import partial
 
 import pytest
 import trio
@@ -11,7 +12,16 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from trio_router import __version__
 from trio_router.testing import FakeEngine
+from trio_router.testing.fake_engine import SeenRequest
 from trio_router.testing.harness import CHAT, LIMIT, chat, open_router, sample
+
+
+def scrapes(engine: FakeEngine) -> list[SeenRequest]:
+    return engine.requests_to("/metrics")
+
+
+def scraped(engine: FakeEngine, count: int) -> bool:
+    return len(scrapes(engine)) >= count
 
 
 async def scrape_after_traffic() -> tuple[str, str]:
@@ -30,10 +40,7 @@ async def scrape_after_traffic() -> tuple[str, str]:
             # The engines' own figures arrive with the next scrape after the traffic: it is
             # stored before the scraper asks again.
             for engine in engines:
-                after = len(engine.requests_to("/metrics")) + 2
-                await engine.wait_until(
-                    lambda e=engine, n=after: len(e.requests_to("/metrics")) >= n
-                )
+                await engine.wait_until(partial(scraped, engine, len(scrapes(engine)) + 2))
             name = router.engine_urls[0].removeprefix("http://")
             return (await router.client.get("/metrics")).text, name
 
