@@ -339,6 +339,8 @@ def test_autoscaler_and_network_policy_fit_the_deployment(objs: dict[str, dict[s
     engine_port = cluster_config(objs).discovery.kubernetes.port
     egress_ports = {p["port"] for rule in policy["egress"] for p in rule.get("ports", [])}
     assert {engine_port, 443, 53} <= egress_ports
+    # kv_aware subscribes to every engine's KV-event publisher (and replay endpoint: 5558).
+    assert {cluster_config(objs).kv_events.port, 5558} <= egress_ports
     spread = {c["topologyKey"] for c in pod_spec(objs)["topologySpreadConstraints"]}
     assert spread == {"topology.kubernetes.io/zone", "kubernetes.io/hostname"}
     assert container["resources"]["requests"]["cpu"]  # the HPA's utilization is of this
