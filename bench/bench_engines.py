@@ -24,7 +24,8 @@ most all but its last token (vLLM always computes the last) — what any routing
 TTFT is the client's time to the first streamed token (p50, p99). With `--replicas 2` every
 router runs as two processes (replicas) and consecutive requests alternate between them.
 
-Routers (`--routers`): `trio:POLICY` (trio_router, `routing.policy = POLICY`, static
+Routers (`--routers`): `trio:POLICY[+KEY=VALUE...]` (trio_router, `routing.policy = POLICY`
+and any other `[routing]` keys given, static
 discovery), and when their environment names them (as `../shared/bench`'s README sets them
 up, never committed): `production-stack:LOGIC` (`PEER_PS_PYTHON`, `PEER_PS_SRC`; e.g.
 `roundrobin`, `prefixaware`), `vllm-router-rs:POLICY` (`PEER_VR_BIN`; e.g. `round_robin`,
@@ -120,10 +121,11 @@ def make_workload(args: argparse.Namespace) -> Workload:
 class RouterSpec:
     kind: str  # trio | production-stack | vllm-router-rs
     policy: str
+    knobs: tuple[str, ...] = ()  # trio: extra [routing] lines, KEY=VALUE
 
     @property
     def label(self) -> str:
-        return f"{self.kind} {self.policy}"
+        return " ".join([self.kind, self.policy, *self.knobs])
 
     def available(self) -> str | None:
         """Why this router cannot run here, or None."""
@@ -142,9 +144,10 @@ def parse_routers(text: str) -> list[RouterSpec]:
     specs = []
     for item in filter(None, (part.strip() for part in text.split(","))):
         kind, _, policy = item.partition(":")
-        if not policy:
-            raise SystemExit(f"--routers: {item!r} is not KIND:POLICY")
-        specs.append(RouterSpec(kind, policy))
+        policy, *knobs = policy.split("+")
+        if not policy or not all("=" in k for k in knobs) or (knobs and kind != "trio"):
+            raise SystemExit(f"--routers: {item!r} is not KIND:POLICY[+KEY=VALUE...]")
+        specs.append(RouterSpec(kind, policy, tuple(knobs)))
     return specs
 
 
@@ -173,7 +176,8 @@ def router_command(
         text = (
             f'[server]\nbind = "127.0.0.1:{port}"\ndrain_s = 1.0\naccess_log = false\n'
             f'[routing]\npolicy = "{spec.policy}"\nkv_block_size = {fleet.block_size}\n'
-            f'[discovery]\nmode = "static"\n[discovery.static]\nurls = [{listed}]\n'
+            + "".join(f"{knob}\n" for knob in spec.knobs)
+            + f'[discovery]\nmode = "static"\n[discovery.static]\nurls = [{listed}]\n'
             "[stats]\ninterval_s = 1.0\n"
         )
         if spec.policy == "kv_aware":  # every replica subscribes to every engine's events

@@ -98,14 +98,22 @@ def _other(text: str, name: str) -> str:
     raise AssertionError("no second engine")
 
 
-async def test_every_series_of_an_engine_leaves_with_it() -> None:
+@pytest.mark.parametrize("policy", ["round_robin", "kv_aware"])
+async def test_every_series_of_an_engine_leaves_with_it(policy: str) -> None:
     engines = [FakeEngine(name="a"), FakeEngine(name="b")]
     with trio.fail_after(LIMIT):
-        async with open_router(engines) as router:
+        async with open_router(engines, routing={"policy": policy}) as router:
             name = router.engine_urls[0].removeprefix("http://")
-            for _ in range(2):
-                await router.client.post(CHAT, json=chat())
+            for i in range(32):  # prompts of their own, until the engine got one
+                content = [{"role": "user", "content": f"question {i}"}]
+                answer = await router.client.post(CHAT, json=chat(messages=content))
+                if answer.headers["x-trio-router-engine"] == name:
+                    break
+            before = (await router.client.get("/metrics")).text
+            if policy == "kv_aware":
+                assert f'trio_router_kv_prompt_tokens_total{{engine="{name}"}}' in before
             engine = next(e for e in router.table if e.name == name)
             router.table.remove(engine.uid)
             text = (await router.client.get("/metrics")).text
+    assert f'engine="{name}"' in before
     assert f'engine="{name}"' not in text

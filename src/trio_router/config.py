@@ -242,7 +242,7 @@ class RoutingConfig:
     # kv_aware: cost = uncached prompt tokens + kv_load_tokens * (load above the least
     # loaded candidate + kv_load_slack).
     kv_load_tokens: float = 256.0
-    kv_load_slack: float = 2.0
+    kv_load_slack: float = 8.0
     kv_block_size: int = 16  # block size assumed until the engines' events tell theirs
     kv_speculative_ttl_s: float = 2.0  # blocks just sent count as cached for this long
     tokenize_timeout_s: float = 0.1  # kv_aware: deadline of asking an engine for the tokens
@@ -351,6 +351,65 @@ class KvEventsConfig:
         )
 
 
+PD_POLICIES: typing.Final = ("", *POLICIES)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DisaggregationConfig:
+    """Prefill/decode disaggregation: a request prefilled on one engine and decoded on
+    another, the KV cache moved between them by vLLM's KV connector (docs/disaggregation.md)."""
+
+    enabled: bool = False
+    role_label: str = "llm-d.ai/role"  # kubernetes: the pod label that gives an engine's role
+    prefill_value: str = "prefill"  # ... its value for a prefill engine
+    decode_value: str = "decode"  # ... for a decode engine
+    both_value: str = "prefill-decode"  # ... for an engine that does either
+    min_prompt_chars: int = 0  # shorter prompts skip the prefill step; 0: never skip
+    prefill_policy: str = ""  # "": kv_aware with kv_events on, else prefix_aware
+    decode_policy: str = "least_loaded"
+    prefill_timeout_s: float = 30.0  # the prefill step's deadline (connect to answer)
+    # kv_aware: skip the prefill step when the chosen decode engine already holds at least
+    # this share of the prompt's blocks; 0: never skip for that reason.
+    skip_cached_fraction: float = 0.8
+
+    def __post_init__(self) -> None:
+        if not self.role_label:
+            raise ConfigError("disaggregation.role_label must not be empty")
+        values = [self.prefill_value, self.decode_value, self.both_value]
+        if not all(values) or len(set(values)) != 3:
+            raise ConfigError(
+                "disaggregation.prefill_value, decode_value and both_value must be distinct "
+                f"and not empty, got {values}"
+            )
+        for key, allowed in (("prefill_policy", PD_POLICIES), ("decode_policy", POLICIES)):
+            if getattr(self, key) not in allowed:
+                raise ConfigError(
+                    f"disaggregation.{key} must be one of {list(allowed)}, "
+                    f"got {getattr(self, key)!r}"
+                )
+        if self.min_prompt_chars < 0:
+            raise ConfigError(
+                f"disaggregation.min_prompt_chars must be >= 0, got {self.min_prompt_chars}"
+            )
+        _positive("disaggregation", prefill_timeout_s=self.prefill_timeout_s)
+        if not 0 <= self.skip_cached_fraction <= 1:
+            raise ConfigError(
+                "disaggregation.skip_cached_fraction must be 0..1, "
+                f"got {self.skip_cached_fraction!r}"
+            )
+
+    def role_of(self, labels: typing.Mapping[str, str]) -> str:
+        """The role a pod's labels give it ("" when the label is absent or unknown)."""
+        value = labels.get(self.role_label)
+        if value == self.prefill_value:
+            return "prefill"
+        if value == self.decode_value:
+            return "decode"
+        if value == self.both_value:
+            return "prefill-decode"
+        return ""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StatsConfig:
     interval_s: float = 5.0  # engine /metrics scrape period; 0 disables scraping
@@ -425,6 +484,7 @@ class Config:
     proxy: ProxyConfig = field(default_factory=ProxyConfig)
     stats: StatsConfig = field(default_factory=StatsConfig)
     kv_events: KvEventsConfig = field(default_factory=KvEventsConfig)
+    disaggregation: DisaggregationConfig = field(default_factory=DisaggregationConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)
     tenants: tuple[TenantConfig, ...] = ()

@@ -278,8 +278,9 @@ class Metrics:
             del self._children[key]
             model, engine, status = key
             self._requests.remove(model, engine, str(status))
-        with contextlib.suppress(KeyError):
-            self._unreachable.remove(name)
+        for counter in (self._unreachable, self._kv_cached, self._kv_prompt):
+            with contextlib.suppress(KeyError):
+                counter.remove(name)
         for decision in [k for k in self._decisions if k[2] == name]:
             del self._decisions[decision]
             self._routed.remove(*decision)

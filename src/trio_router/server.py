@@ -225,7 +225,13 @@ async def run(
                 add_static_engines(table, supervisors, config.discovery.static.urls)
             else:
                 status = DiscoveryStatus()
-                reconciler = Reconciler(table, supervisors, port=config.discovery.kubernetes.port)
+                role_of = config.disaggregation.role_of
+                reconciler = Reconciler(
+                    table,
+                    supervisors,
+                    port=config.discovery.kubernetes.port,
+                    role_of=lambda pod: role_of(dict(pod.labels)),
+                )
                 source = KubernetesPodSource(config.discovery.kubernetes)
                 await nursery.start(
                     partial(

@@ -29,6 +29,14 @@ class Pod:
     ready: bool = False
     terminating: bool = False  # metadata.deletionTimestamp is set
     restart_count: int = 0  # sum over containers; a rise means "probe again"
+    labels: tuple[tuple[str, str], ...] = ()  # metadata.labels, sorted by key
+
+    def label(self, key: str) -> str | None:
+        """The value of label `key`, or None."""
+        for name, value in self.labels:
+            if name == key:
+                return value
+        return None
 
     def unroutable_reason(self) -> str | None:
         """Why Kubernetes says this pod must not get traffic, or None when it may."""

@@ -83,6 +83,7 @@ def pod_from_dict(raw: RawObject) -> Pod:
             count = container.get("restartCount") if isinstance(container, dict) else None
             if isinstance(count, int) and not isinstance(count, bool):
                 restarts += count
+    labels = _mapping(meta.get("labels"))
     return Pod(
         uid=_text(meta.get("uid")) or name,
         name=name,
@@ -91,6 +92,7 @@ def pod_from_dict(raw: RawObject) -> Pod:
         ready=ready,
         terminating=bool(meta.get("deletionTimestamp")),
         restart_count=restarts,
+        labels=tuple(sorted((k, v) for k, v in labels.items() if isinstance(v, str))),
     )
 
 

@@ -8,7 +8,7 @@ the event: a DELETED or terminating pod can receive no new request afterwards.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from urllib.parse import urlsplit
 
 from ..config import StaticEngine
@@ -22,8 +22,16 @@ class Reconciler:
     """Keeps one table entry per pod in the watch set (keyed by UID) and one supervisor per
     eligible pod. Eligibility is `Pod.unroutable_reason()`; routability also needs a probe."""
 
-    def __init__(self, table: RoutingTable, supervisors: Supervisors, *, port: int) -> None:
+    def __init__(
+        self,
+        table: RoutingTable,
+        supervisors: Supervisors,
+        *,
+        port: int,
+        role_of: Callable[[Pod], str] = lambda pod: "",
+    ) -> None:
         self._table, self._supervisors, self._port = table, supervisors, port
+        self._role_of = role_of  # the engine's prefill/decode role, from its pod's labels
         self._pods: dict[str, Pod] = {}
 
     def __len__(self) -> int:
@@ -56,6 +64,11 @@ class Reconciler:
         self._pods[pod.uid] = pod
         engine = self._table.get(pod.uid)
         url = engine_url(pod.ip, self._port) if pod.ip else ""
+        role = self._role_of(pod)
+        if engine is not None and engine.role != role:
+            # A relabelled pod changes role at once: the next request's choice sees it.
+            logger.info("pod %s: role %r -> %r", pod.name, engine.role, role)
+            engine.role = role
         if (reason := pod.unroutable_reason()) is not None:
             self._supervisors.stop(pod.uid)  # same synchronous step: out of routing now
             if engine is None:
@@ -67,6 +80,7 @@ class Reconciler:
                         pod=pod,
                         state=EngineState.PENDING,
                         reason=reason,
+                        role=role,
                     )
                 )
             else:
@@ -78,7 +92,12 @@ class Reconciler:
             return
         if engine is None:
             engine = Engine(
-                uid=pod.uid, name=pod.name, url=url, pod=pod, reason="waiting for first probe"
+                uid=pod.uid,
+                name=pod.name,
+                url=url,
+                pod=pod,
+                role=role,
+                reason="waiting for first probe",
             )
         elif (
             engine.state is not EngineState.PENDING

@@ -3,7 +3,8 @@
 The engines are asked (`POST /tokenize`, which vLLM answers with its own tokenizer and chat
 template: exactly the tokens it will prefill), under a short deadline
 (`routing.tokenize_timeout_s`). A request that already gives token ids (a completions prompt
-of integers) needs no question. When the answer does not come in time, or the request cannot
+of integers) needs no question. The engine asked is the least busy of the next few
+candidates in turn. When the answer does not come in time, or the request cannot
 be tokenized this way, routing falls back to the policy that needs no tokens (`prefix_aware`);
 a request is never delayed past the deadline.
 """
@@ -38,6 +39,11 @@ _CHAT_FIELDS: Final = (
     "mm_processor_kwargs",
 )
 _JSON: Final = [(b"content-type", b"application/json")]
+_TOKENIZE_WINDOW: Final = 8  # candidates compared for the least busy one
+
+
+def _in_flight(engine: Engine) -> int:
+    return engine.in_flight
 
 
 class Tokenizer:
@@ -71,7 +77,7 @@ class Tokenizer:
         if body is None or not candidates:
             self._failed("untokenizable")
             return None
-        engine = candidates[next(self._turn) % len(candidates)]
+        engine = self._least_busy(candidates)
         started = trio.current_time()
         with trio.move_on_after(self.timeout) as waited:
             try:
@@ -96,6 +102,14 @@ class Tokenizer:
             self._failed("bad_answer")
             return None
         return tokens
+
+    def _least_busy(self, candidates: Sequence[Engine]) -> Engine:
+        """The candidate with the fewest of this router's requests in flight among the next
+        few in turn: a busy engine's API server answers /tokenize late."""
+        count = len(candidates)
+        start = next(self._turn) % count
+        window = (candidates[(start + i) % count] for i in range(min(count, _TOKENIZE_WINDOW)))
+        return min(window, key=_in_flight)
 
     def _failed(self, reason: str) -> None:
         self._on_fallback(reason)

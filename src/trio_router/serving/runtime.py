@@ -11,6 +11,7 @@ does not (`Runtime.retired`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -19,7 +20,8 @@ from ..errors import ConfigError
 from ..http import UpstreamPool
 from ..kv.index import BlockIndex
 from ..routing.policy import Policy, make_policy
-from ..table import RoutingTable
+from ..table import Engine, RoutingTable
+from .disaggregation import Disaggregation
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +40,7 @@ class Settings:
     max_buffered_body_bytes: int  # request bodies held at once, in all
     eject_on_5xx: bool  # an engine's 5xx answer counts as a failed request
     access_log: bool  # an access record per proxied request (logger trio_router.access)
+    disaggregation: Disaggregation | None = None  # [disaggregation] enabled: its policies
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,12 +108,36 @@ def build_runtime(
         pool = previous.pool
     else:
         pool = new_pool(config)
-    if previous is not None and old is not None and config.routing == old.routing:
+    if (
+        previous is not None
+        and old is not None
+        and (config.routing, config.disaggregation) == (old.routing, old.disaggregation)
+    ):
         policy, unsubscribe = previous.settings.policy, previous.unsubscribe
+        disaggregation = previous.settings.disaggregation
     else:
         policy = make_policy(config.routing, kv_index=kv_index)
-        forget = policy.forget
-        unsubscribe = table.add_remove_listener(lambda engine: forget(engine.uid))
+        policies = [policy]
+        disaggregation = None
+        if (pd := config.disaggregation).enabled:
+            prefill = pd.prefill_policy or (
+                "kv_aware" if config.kv_events.mode != "off" else "prefix_aware"
+            )
+            disaggregation = Disaggregation(
+                pd,
+                make_policy(dataclasses.replace(config.routing, policy=prefill), kv_index=kv_index),
+                make_policy(
+                    dataclasses.replace(config.routing, policy=pd.decode_policy), kv_index=kv_index
+                ),
+            )
+            policies += [disaggregation.prefill_policy, disaggregation.decode_policy]
+        forgets = [p.forget for p in policies]
+
+        def forget(engine: Engine) -> None:
+            for forget_one in forgets:
+                forget_one(engine.uid)
+
+        unsubscribe = table.add_remove_listener(forget)
     settings = Settings(
         config=config,
         policy=policy,
@@ -123,6 +150,7 @@ def build_runtime(
         max_buffered_body_bytes=config.server.max_buffered_body_bytes,
         eject_on_5xx=config.proxy.eject_on_5xx,
         access_log=config.server.access_log,
+        disaggregation=disaggregation,
     )
     return Runtime(
         config=config,
