@@ -16,7 +16,13 @@ import pytest
 import trio
 import trio.testing
 
-from trio_router.config import Config, ProbeConfig, ProxyConfig, ServerConfig
+from trio_router.config import (
+    Config,
+    DisaggregationConfig,
+    ProbeConfig,
+    ProxyConfig,
+    ServerConfig,
+)
 from trio_router.discovery.supervision import Prober, open_supervisors
 from trio_router.errors import BadRequestError, EngineFailedError, OverloadedError
 from trio_router.http import (
@@ -142,15 +148,19 @@ async def engine(request: FakeRequest) -> FakeReply:
 
 
 @asynccontextmanager
-async def open_bench(hosts: tuple[str, ...] = (OK,), **sections: Any) -> AsyncIterator[Bench]:
+async def open_bench(
+    hosts: tuple[str, ...] = (OK,), roles: tuple[str, ...] = (), **sections: Any
+) -> AsyncIterator[Bench]:
     """The app with every collaborator real, engines `hosts` routable (serving model "m"),
-    the upstream pool on the fake network. `sections` update config sections."""
+    with `roles` (prefill/decode, in order) if given, the upstream pool on the fake network.
+    `sections` update config sections."""
     config = Config()
     for name, values in sections.items():
         config = dataclasses.replace(config, **{name: values})
     table = RoutingTable()
     for i, host in enumerate(hosts):
-        table.put(Engine(uid=f"uid-{i}", name=host, url=f"http://{host}:8000"))
+        role = roles[i] if i < len(roles) else ""
+        table.put(Engine(uid=f"uid-{i}", name=host, url=f"http://{host}:8000", role=role))
         table.mark_routable(f"uid-{i}", 0, [Model("m")])
     network = FakeNetwork(engine, refuses=lambda host: host == DOWN)
     runtime = build_runtime(config, table)
@@ -332,6 +342,23 @@ async def test_a_silent_engine_is_504_at_the_read_timeout(
         assert trio.current_time() - started == pytest.approx(3.0)
     assert (answer.status, answer.error()["code"]) == (504, "engine_timeout")
     assert requests_total(bench, 504, SILENT) == 1
+
+
+async def test_a_prefill_step_past_its_deadline_is_given_up_for_the_decode_engine(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    pd = DisaggregationConfig(enabled=True, prefill_timeout_s=2.5)
+    async with open_bench((SILENT, OK), ("prefill", "decode"), disaggregation=pd) as bench:
+        started = trio.current_time()
+        answer = await bench.chat()
+        waited = trio.current_time() - started
+        text = bench.metrics.render().decode()
+        prefill = bench.table.get("uid-0")
+    assert answer.status == 200
+    assert answer.headers[b"x-trio-router-engine"] == OK.encode()
+    assert waited == pytest.approx(2.5)  # the prefill deadline, not the read timeout
+    assert sample(text, "trio_router_pd_fallbacks_total", reason="prefill_timeout") == 1
+    assert prefill is not None and prefill.request_failures == 1  # the engine's failure
 
 
 async def test_a_client_leaving_cancels_the_exchange_through_the_disconnect_hook(

@@ -192,6 +192,29 @@ class Metrics:
             ["engine"],
             registry=self.registry,
         )
+        self._pd_decisions = Counter(
+            "trio_router_pd_decisions",
+            "Requests with [disaggregation] on, by route: disaggregated (prefill then "
+            "decode), or direct with the reason (short_prompt, cached_on_decode, "
+            "same_engine, no_prefill_engine, no_decode_engine, not_generation).",
+            ["route", "reason"],
+            registry=self.registry,
+        )
+        self._pd_fallbacks = Counter(
+            "trio_router_pd_fallbacks",
+            "Disaggregated requests whose prefill step did not hand the decode engine its KV "
+            "cache, by reason (prefill_timeout, prefill_status, prefill_unreachable, "
+            "prefill_error, missing_params, no_prefill_engine: the decode engine prefilled "
+            "itself; prefill_refused: the prefill engine's 4xx went to the client).",
+            ["reason"],
+            registry=self.registry,
+        )
+        self._pd_prefill = Histogram(
+            "trio_router_pd_prefill_seconds",
+            "Duration of the prefill step of disaggregated requests (choice to answer).",
+            buckets=TTFB_BUCKETS,
+            registry=self.registry,
+        )
         info = Info("trio_router_build", "trio_router's version.", registry=self.registry)
         info.info({"version": __version__})
         ProcessCollector(registry=self.registry)
@@ -257,6 +280,15 @@ class Metrics:
         prompt's."""
         self._kv_cached.labels(engine).inc(cached)
         self._kv_prompt.labels(engine).inc(prompt)
+
+    def pd_decision(self, route: str, reason: str) -> None:
+        self._pd_decisions.labels(route, reason).inc()
+
+    def pd_fallback(self, reason: str) -> None:
+        self._pd_fallbacks.labels(reason).inc()
+
+    def pd_prefill(self, seconds: float) -> None:
+        self._pd_prefill.observe(seconds)
 
     def engine_unreachable(self, engine: str) -> None:
         self._unreachable.labels(engine).inc()

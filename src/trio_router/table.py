@@ -245,6 +245,7 @@ class Engine:
             "uid": self.uid,
             "url": self.url,
             "models": [m.id for m in self.models],
+            "role": self.role,
             "healthy": self.routable,
             "state": self.state.value,
             "reason": self.reason,

@@ -104,5 +104,16 @@ class KvAwarePolicy:
             f"{loads[engine.uid]:.3g} ({how})"
         )
 
+    def cached_share(self, engine: Engine, tokens: Sequence[int]) -> float:
+        """The share of the prompt `tokens` whose leading blocks `engine` holds (0..1)."""
+        if not tokens:
+            return 0.0
+        block = self._index.block_size([engine.uid]) or self._block_size
+        keys = block_keys(tokens, block)
+        if not keys:
+            return 0.0
+        matched = self._index.match(keys, [engine.uid], self._gauge.now())[engine.uid]
+        return matched / len(keys)
+
     def forget(self, uid: str) -> None:
         self._ties.forget(uid)

@@ -27,6 +27,7 @@ from typing import Any, Final
 import msgspec
 
 from ..config import DisaggregationConfig
+from ..routing.kv_aware import KvAwarePolicy
 from ..routing.policy import Policy
 from ..table import Engine
 
@@ -94,6 +95,15 @@ class Disaggregation:
     @property
     def needs_tokens(self) -> bool:
         return self.prefill_policy.needs_tokens or self.decode_policy.needs_tokens
+
+    def holds_most(self, engine: Engine, tokens: Sequence[int]) -> bool:
+        """Whether `engine` already holds at least `skip_cached_fraction` of the prompt's
+        blocks, as the KV-aware policy's index says (False without one)."""
+        fraction = self.config.skip_cached_fraction
+        for policy in (self.prefill_policy, self.decode_policy):
+            if fraction and isinstance(policy, KvAwarePolicy):
+                return policy.cached_share(engine, tokens) >= fraction
+        return False
 
     def skip_reason(self, path: str, payload: dict[str, Any], roles: Roles) -> str | None:
         """Why this request goes to one engine whole ("short_prompt", "no_prefill_engine",

@@ -21,7 +21,7 @@ import itertools
 import logging
 import re
 import secrets
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
@@ -34,6 +34,7 @@ from ..http import (
     ClientGoneError,
     EngineUnreachableError,
     LocalLimitError,
+    MalformedResponseError,
     Relay,
     RelayTarget,
     TransportError,
@@ -41,13 +42,22 @@ from ..http import (
 )
 from ..kv.tokens import Tokenizer
 from ..metrics import NO_LABEL, Metrics
-from ..routing.policy import RequestInfo, request_info
+from ..routing.policy import Policy, RequestInfo, request_info
 from ..table import Engine, RoutingTable
 from ..tracing import Tracing
 from .admission import Admission, Tenant
+from .disaggregation import (
+    MAX_PREFILL_ANSWER_BYTES,
+    Disaggregation,
+    Roles,
+    decode_body,
+    prefill_body,
+    transfer_params,
+)
 from .errors import (
     CLIENT_CLOSED,
     ENGINE_HEADER,
+    PREFILL_ENGINE_HEADER,
     REQUEST_ID_HEADER,
     error_response,
     from_transport,
@@ -67,7 +77,9 @@ access_logger = logging.getLogger("trio_router.access")  # one record per proxie
 # Response headers of the engine replaced by the router's own (the pool already dropped the
 # hop-by-hop ones). The engine's Date passes through, as a gateway's should; the router dates
 # only the answers it makes itself, or an engine's answer that came without one.
-_RESPONSE_REPLACED: Final = frozenset({ENGINE_HEADER, REQUEST_ID_HEADER})
+_RESPONSE_REPLACED: Final = frozenset({ENGINE_HEADER, PREFILL_ENGINE_HEADER, REQUEST_ID_HEADER})
+# Which engines of a model a step may go to.
+Step = Callable[[Roles], Sequence[Engine]]
 _END_BODY: Final[Message] = {"type": "http.response.body", "body": b"", "more_body": False}
 _USAGE: Final = re.compile(
     rb'"usage"\s*:\s*\{[^{}]*"prompt_tokens"\s*:\s*(\d+)[^{}]*'
@@ -143,6 +155,7 @@ class ProxyExchange:
         self.model = ""  # as the client asked for it
         self.model_label = NO_LABEL  # the metrics' label: client-chosen unknown names are not one
         self.engine = ""  # the engine that answered (or was tried last)
+        self.prefill_engine = ""  # disaggregated: the engine that took the prefill step
         self.status = 0  # 0: no answer (cancelled: the drain deadline)
         self.attempts = 0  # engines tried
         self.sent = 0  # response body bytes handed on
@@ -210,13 +223,14 @@ class ProxyExchange:
             if body is None:
                 self.status = CLIENT_CLOSED  # the client left while sending
                 return
+            pd = settings.disaggregation
             payload = await services.parser.parse(
-                body, model_only=not settings.policy.needs_request_info
+                body, model_only=not (settings.policy.needs_request_info or pd is not None)
             )
             info = self._route_info(payload)
             services.admission.admit(tenant)
             self._tenant = tenant
-            if settings.policy.needs_tokens:
+            if settings.policy.needs_tokens or (pd is not None and pd.needs_tokens):
                 info = await self._with_tokens(info, payload, head.authorization)
         except RequestError as exc:
             held.release()
@@ -227,7 +241,12 @@ class ProxyExchange:
         if query := self._scope["query_string"]:
             target += b"?" + query
         try:
-            await self._forward(tenant, info, target, head.headers, body, request_id)
+            if pd is None:
+                await self._forward(tenant, info, target, head.headers, body, request_id)
+            else:
+                await self._disaggregated(
+                    pd, tenant, info, payload, target, head.headers, body, request_id
+                )
         except _Failed as failed:
             await self._answer_error(failed.error)
 
@@ -242,7 +261,7 @@ class ProxyExchange:
             raise error
         self.model_label = model
         settings = self._settings
-        if settings.policy.needs_request_info:
+        if settings.policy.needs_request_info or settings.disaggregation is not None:
             return request_info(payload, self._scope["headers"], settings.config.routing)
         return RequestInfo(model=model)
 
@@ -269,13 +288,22 @@ class ProxyExchange:
         headers: list[tuple[bytes, bytes]],
         body: bytes | bytearray,
         request_id: bytes,
+        *,
+        policy: Policy | None = None,
+        step: Step | None = None,
+        first: Engine | None = None,
     ) -> None:
         """Try engines until one answers: another after each that cannot be reached, up to
-        `proxy.retries` more, and never once an engine has answered."""
+        `proxy.retries` more, and never once an engine has answered. `policy` (default: the
+        routing policy) chooses among the engines `step` allows (default: all); `first`, when
+        given, is the first engine to try, its admission slot already held."""
         tried: list[str] = []
         unreachable: EngineUnreachableError | None = None
         while True:
-            engine = await self._choose(tenant, info, tried, unreachable)
+            if first is not None:
+                engine, first = first, None
+            else:
+                engine = await self._choose(tenant, info, tried, unreachable, policy, step)
             generation = engine.generation
             try:
                 await self._attempt(engine, generation, target, headers, body, request_id)
@@ -305,10 +333,20 @@ class ProxyExchange:
         info: RequestInfo,
         tried: Collection[str],
         unreachable: EngineUnreachableError | None,
+        policy: Policy | None = None,
+        step: Step | None = None,
+        *,
+        phase: str = "",
     ) -> Engine:
         """An engine for the next attempt, its admission slot held; _Failed when there is none
-        (every engine tried, the queue full or its wait over)."""
-        services, policy, model = self._services, self._settings.policy, self.model
+        (every engine tried, the queue full or its wait over). `policy` (default: the routing
+        policy) chooses among the engines `step` allows (default: all); `phase` "prefill"
+        chooses the prefill step's engine."""
+        services, model = self._services, self.model
+        policy = policy if policy is not None else self._settings.policy
+        if step is not None:  # the engines the step may not go to count as tried
+            routable = services.table.routable(model)
+            tried = [*tried, *Roles.others(routable, step(Roles.of(routable)))]
         why = ""
 
         def pick(exclude: Collection[str]) -> Engine:
@@ -325,7 +363,7 @@ class ProxyExchange:
                 raise _Failed(exc) from exc
             raise _Failed(
                 EngineFailedError(
-                    f"no engine for model {model!r} could be reached after {len(tried)} "
+                    f"no engine for model {model!r} could be reached after {self.attempts} "
                     f"attempt(s); last: {unreachable}",
                     status=502,
                     code="engine_unreachable",
@@ -344,10 +382,163 @@ class ProxyExchange:
                 list(tried),
                 why,
             )
-        services.metrics.routed(policy.name, "failover" if tried else "first", engine.name)
-        self.attempts = len(tried) + 1
+        if phase:
+            services.metrics.routed(policy.name, phase, engine.name)
+            return engine
+        services.metrics.routed(policy.name, "failover" if self.attempts else "first", engine.name)
+        self.attempts += 1
         self.engine = engine.name
         return engine
+
+    # -- prefill/decode disaggregation ----------------------------------------------------
+    async def _disaggregated(
+        self,
+        pd: Disaggregation,
+        tenant: Tenant,
+        info: RequestInfo,
+        payload: dict[str, Any],
+        target: bytes,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes | bytearray,
+        request_id: bytes,
+    ) -> None:
+        """The request in two steps when it pays off: the decode engine chosen (its slot
+        held), the prompt prefilled on a prefill engine, then the client's request with the
+        prefill engine's `kv_transfer_params` to the decode engine, whose answer is the
+        client's. Otherwise, or when the prefill step fails, one engine serves it whole."""
+        services, metrics = self._services, self._services.metrics
+        roles = Roles.of(services.table.routable(self.model))
+        path = self._scope["path"]
+        if (reason := pd.skip_reason(path, payload, roles)) is not None:
+            metrics.pd_decision("direct", reason)
+            policy = self._settings.policy if reason == "not_generation" else pd.decode_policy
+            await self._forward(
+                tenant, info, target, headers, body, request_id, policy=policy, step=_whole
+            )
+            return
+        decode = await self._choose(tenant, info, (), None, pd.decode_policy, _decode)
+        try:
+            reason = None
+            if info.tokens is not None and pd.holds_most(decode, info.tokens):
+                reason = "cached_on_decode"
+            elif not [e for e in roles.prefill if e.uid != decode.uid]:
+                reason = "same_engine"
+            if reason is not None:
+                metrics.pd_decision("direct", reason)
+                sent: bytes | bytearray | None = body
+            else:
+                metrics.pd_decision("disaggregated", "")
+                sent = await self._prefill(pd, tenant, info, payload, target, headers, body, decode)
+        except BaseException:
+            services.admission.release(decode)
+            raise
+        if sent is None:  # the prefill engine's answer went to the client
+            services.admission.release(decode)
+            return
+        await self._forward(
+            tenant,
+            info,
+            target,
+            headers,
+            sent,
+            request_id,
+            policy=pd.decode_policy,
+            step=_decode,
+            first=decode,
+        )
+
+    async def _prefill(
+        self,
+        pd: Disaggregation,
+        tenant: Tenant,
+        info: RequestInfo,
+        payload: dict[str, Any],
+        target: bytes,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes | bytearray,
+        decode: Engine,
+    ) -> bytes | bytearray | None:
+        """The prefill step on a prefill engine other than `decode`, under
+        `disaggregation.prefill_timeout_s`. Returns the decode engine's body: the client's
+        with the prefill engine's parameters, or `body` unchanged when the decode engine must
+        prefill itself (no prefill engine free, the step failed, or its answer had no
+        parameters; each counted as a fallback); None when the prefill engine refused the
+        request (4xx) and that answer went to the client."""
+        services, metrics, settings = self._services, self._services.metrics, self._settings
+        try:
+            engine = await self._choose(
+                tenant, info, [decode.uid], None, pd.prefill_policy, _prefill, phase="prefill"
+            )
+        except _Failed as failed:
+            logger.info(
+                "request %s for %s: no prefill engine (%s); engine %s prefills itself",
+                self.request_id,
+                self.model,
+                failed.error,
+                decode.name,
+            )
+            metrics.pd_fallback("no_prefill_engine")
+            return body
+        self.prefill_engine = engine.name
+        generation, started = engine.generation, trio.current_time()
+        span = None
+        if self._span is not None and services.tracing is not None:
+            span, headers = services.tracing.start_attempt(
+                self._span, engine.name, engine.url, 0, target, headers
+            )
+        status: int | None = None
+        failure: str | None = "cancelled"
+        answer, answer_headers = b"", []
+        try:
+            with trio.move_on_after(pd.config.prefill_timeout_s) as deadline:
+                async with settings.pool.request(
+                    engine.url, b"POST", target, headers, prefill_body(payload)
+                ) as response:
+                    status, answer_headers = response.status, response.headers
+                    answer = await _read_bounded(response, MAX_PREFILL_ANSWER_BYTES)
+            failure = None
+            if deadline.cancelled_caught:
+                failure = f"no answer within {pd.config.prefill_timeout_s:g}s"
+                reason = "prefill_timeout"
+            elif status is not None and 400 <= status < 500:
+                services.outliers.request_succeeded(engine)  # the request's fault, not its
+            elif status != 200:
+                failure, reason = f"answered {status}", "prefill_status"
+            elif (params := transfer_params(answer)) is None:
+                failure, reason = "no kv_transfer_params in its answer", "missing_params"
+            else:
+                services.outliers.request_succeeded(engine)
+                return decode_body(payload, params)
+            if failure is not None and reason != "missing_params":  # it failed the step
+                services.outliers.request_failed(engine, generation, f"prefill: {failure}")
+        except EngineUnreachableError as exc:
+            failure, reason = str(exc), "prefill_unreachable"
+            services.outliers.report_unreachable(
+                engine, generation, failure, refused=exc.connect_failed
+            )
+        except TransportError as exc:
+            failure, reason = str(exc), "prefill_error"
+            services.outliers.request_failed(engine, generation, f"prefill: {failure}")
+        finally:
+            services.admission.release(engine)
+            metrics.pd_prefill(trio.current_time() - started)
+            if span is not None and services.tracing is not None:
+                services.tracing.end_attempt(span, status=status, error=failure)
+        if failure is None and status is not None:  # a 4xx: the client's answer
+            self.engine = engine.name
+            metrics.pd_fallback("prefill_refused")
+            await self._answer_buffered(status, answer_headers, answer, engine)
+            return None
+        logger.warning(
+            "request %s for %s: prefill on engine %s failed (%s); engine %s prefills itself",
+            self.request_id,
+            self.model,
+            engine.name,
+            failure,
+            decode.name,
+        )
+        metrics.pd_fallback(reason)
+        return body
 
     async def _attempt(
         self,
@@ -425,19 +616,14 @@ class ProxyExchange:
         """Send the engine's answer to the client: its head, then its body as it comes,
         relayed after the first chunk when the client connection allows it."""
         services, send = self._services, self._send
-        out = []
-        dated = False
-        for header in response.headers:
-            name = header[0]
-            if name not in _RESPONSE_REPLACED:
-                out.append(header)
-                dated = dated or name == b"date"
-        if not dated:
-            out.append((b"date", http_date()))
-        out.append((ENGINE_HEADER, engine.name.encode()))
-        out.append((REQUEST_ID_HEADER, request_id))
         self.status = response.status
-        await send({"type": "http.response.start", "status": response.status, "headers": out})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": response.status,
+                "headers": self._head(response.headers, engine, request_id),
+            }
+        )
         relay = services.relay if self._scope["http_version"] == "1.1" else None
         previous = chunk = b""
         ended = False  # the end of the response was sent
@@ -461,6 +647,41 @@ class ProxyExchange:
             await self._end(_END_BODY)
         if response.status == 200 and (usage := _usage(previous[-4096:] + chunk[-4096:])):
             services.metrics.tokens(self.model, *usage)
+
+    def _head(
+        self, headers: list[tuple[bytes, bytes]], engine: Engine, request_id: bytes
+    ) -> list[tuple[bytes, bytes]]:
+        """The client's response headers from the engine's: the router's own replaced, a
+        Date added when the engine sent none, the engines that served it named."""
+        out = []
+        dated = False
+        for header in headers:
+            name = header[0]
+            if name not in _RESPONSE_REPLACED:
+                out.append(header)
+                dated = dated or name == b"date"
+        if not dated:
+            out.append((b"date", http_date()))
+        out.append((ENGINE_HEADER, engine.name.encode()))
+        if self.prefill_engine and self.prefill_engine != engine.name:
+            out.append((PREFILL_ENGINE_HEADER, self.prefill_engine.encode()))
+        out.append((REQUEST_ID_HEADER, request_id))
+        return out
+
+    async def _answer_buffered(
+        self, status: int, headers: list[tuple[bytes, bytes]], body: bytes, engine: Engine
+    ) -> None:
+        """An engine's answer, read whole, to the client."""
+        self.status = status
+        await self._send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": self._head(headers, engine, self._request_id),
+            }
+        )
+        await self._end({"type": "http.response.body", "body": body, "more_body": False})
+        self.sent += len(body)
 
     async def _relay(self, relay: Relay, response: UpstreamResponse) -> bytes | None:
         """The rest of the body relayed and the answer ended; the end of what was relayed
@@ -520,6 +741,7 @@ class ProxyExchange:
             "tenant": self.tenant_name,
             "model": self.model,
             "engine": self.engine,
+            "prefill_engine": self.prefill_engine,
             "policy": self._settings.policy.name,
             "status": self.status,
             "duration_ms": round(duration * 1000, 2),
@@ -540,6 +762,30 @@ class ProxyExchange:
             duration * 1000,
             extra={"fields": fields},
         )
+
+
+def _whole(roles: Roles) -> Sequence[Engine]:
+    return roles.whole
+
+
+def _decode(roles: Roles) -> Sequence[Engine]:
+    return roles.decode
+
+
+def _prefill(roles: Roles) -> Sequence[Engine]:
+    return roles.prefill
+
+
+async def _read_bounded(response: UpstreamResponse, limit: int) -> bytes:
+    """The whole body of `response`; TransportError past `limit` bytes."""
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in response:
+        size += len(chunk)
+        if size > limit:
+            raise MalformedResponseError(f"a prefill answer of more than {limit} bytes")
+        parts.append(chunk)
+    return b"".join(parts)
 
 
 def _usage(tail: bytes) -> tuple[int, int] | None:

@@ -4,6 +4,8 @@
 - `fake_engine`: `FakeEngine`, a vLLM-compatible engine (state, knobs and observations) served
   over real HTTP by Hypercorn (`serve_fake_engine`, `open_fake_engines`) or without sockets
   (`fake_engine_transport`). Its names are re-exported here.
+- `fake_kv`: a prefix cache publishing vLLM's KV-cache events; `fake_pd`: vLLM's KV-transfer
+  protocol (prefill and decode engines), spoken strictly.
 - `fake_network`: engines on socket pairs whose answers sleep on Trio's clock, for the
   discovery core on virtual time.
 - `fake_apiserver`: a wire-level fake Kubernetes API server (real HTTP list and watch) for the

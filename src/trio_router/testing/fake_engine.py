@@ -38,7 +38,8 @@ import trio
 
 from ..asgi import Message, Receive, Scope, Send, answer_lifespan
 from .fake_kv import FakeKvCache, open_fake_kv
-from .fake_replies import POST_HANDLERS, SSE_DONE, Reply, error_body
+from .fake_pd import PULL_PATH, FakeKvTransfer
+from .fake_replies import POST_HANDLERS, SSE_DONE, Reply, error_body, prompt_tokens
 
 __all__ = [
     "FakeEngine",
@@ -52,6 +53,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+_GENERATION: Final = frozenset({"/v1/chat/completions", "/v1/completions"})
 
 
 _JSON_HEADERS: Final = [(b"content-type", b"application/json")]
@@ -115,6 +117,8 @@ class FakeEngine:
     keep_requests: int = 10_000  # newest requests kept in `requests`
     # A prefix cache that publishes vLLM's KV-cache events (on the engine's host), or None.
     kv: FakeKvCache | None = None
+    # vLLM's KV-transfer protocol: a prefill engine, a decode engine or both, or None.
+    pd: FakeKvTransfer | None = None
 
     # -- observations ----------------------------------------------------------------------
     requests: deque[SeenRequest] = field(init=False)
@@ -340,12 +344,57 @@ class FakeEngineApp:
         if method == "GET" and path in ("/v1/models", "/metrics", "/health", "/version"):
             await self._answer_get(path, send)
             return False
+        if engine.pd is not None and method == "POST" and path == PULL_PATH:
+            given = engine.pd.give(json.loads(body))
+            await self._send_json(send, 200 if given else 404, {"given": given})
+            return False
         reply = self._refusal(method, path, body)
         if reply is None:
             request = json.loads(body)
             model = request.get("model") or (engine.models[0] if engine.models else "")
             self._counter += 1
-            reply = POST_HANDLERS[path](engine, request, str(model), f"{self._counter:08x}")
+            rid = f"{self._counter:08x}"
+            if engine.pd is not None and path in _GENERATION:
+                return await self._kv_transfer(engine.pd, scope, send, request, str(model), rid)
+            reply = POST_HANDLERS[path](engine, request, str(model), rid)
+        if reply.events is None:
+            await self._delay_whole_reply(reply)
+            await self._send_json(send, reply.status, reply.payload)
+            return False
+        return await self._stream(send, reply.events)
+
+    async def _kv_transfer(
+        self,
+        pd: FakeKvTransfer,
+        scope: Scope,
+        send: Send,
+        request: dict[str, Any],
+        model: str,
+        rid: str,
+    ) -> bool:
+        """A generation request to an engine with a KV connector (see `fake_pd`)."""
+        engine, path = self.engine, scope["path"]
+        if (why := pd.refusal(request)) is not None:
+            await self._send_json(send, 400, error_body(400, why, param="kv_transfer_params"))
+            return False
+        if pd.is_prefill_step(request):
+            request_id = dict(scope["headers"]).get(b"x-request-id", rid.encode()).decode()
+            with pd.computing(request_id, len(prompt_tokens(request))) as blocks:
+                reply = POST_HANDLERS[path](engine, request, model, rid)
+                await self._delay_whole_reply(reply)
+            params = pd.answer_params(request_id, blocks)
+            if params is not None and reply.status == 200:
+                reply.payload["kv_transfer_params"] = params
+            await self._send_json(send, reply.status, reply.payload)
+            return False
+        if pd.is_decode_step(request):
+            if (failure := await pd.pull(request)) is not None:
+                pd.refused.append(failure)
+                await self._send_json(send, 500, error_body(500, failure))
+                return False
+        else:
+            pd.recomputed += 1
+        reply = POST_HANDLERS[path](engine, request, model, rid)
         if reply.events is None:
             await self._delay_whole_reply(reply)
             await self._send_json(send, reply.status, reply.payload)
@@ -506,6 +555,9 @@ async def serve_fake_engine(
                 shutdown_trigger=trio.sleep_forever,
             )
         )
+        if engine.pd is not None:  # where decode engines read this engine's blocks
+            engine.pd.host, _, bound = urls[0].removeprefix("http://").rpartition(":")
+            engine.pd.port = int(bound)
         task_status.started(urls[0])
 
 

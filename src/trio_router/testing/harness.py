@@ -10,6 +10,7 @@ never on sleeps; callers bound the whole with `trio.fail_after`.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -27,6 +28,7 @@ from ..config import (
     ProbeConfig,
     ServerConfig,
     StaticConfig,
+    StaticEngine,
     StatsConfig,
 )
 from ..kv.index import BlockIndex
@@ -61,7 +63,7 @@ def chat(model: str = "fake-model", *, stream: bool = False, **extra: Any) -> di
     }
 
 
-def router_config(urls: Sequence[str], **sections: Any) -> Config:
+def router_config(urls: Sequence[str | StaticEngine], **sections: Any) -> Config:
     """A test config: static discovery of `urls`, bind 127.0.0.1:0, probes that only run at
     start (a long interval, so a test controls the table), no scraping. `sections` replace
     whole sections, or update fields with `server={"drain_s": 1}`-style dicts."""
@@ -184,17 +186,23 @@ async def open_router(
     env: dict[str, str] | None = None,
     wait_models: Sequence[str] = ("fake-model",),
     kv_index: BlockIndex | None = None,
+    roles: Sequence[str] = (),
     **sections: Any,
 ) -> AsyncIterator[Router]:
     """Serve `engines` on 127.0.1.1, 127.0.1.2, ... and the router in front of them; yield
-    once every engine is routable. Leaving the block stops everything (no drain)."""
+    once every engine is routable. `roles`: each engine's prefill/decode role, in order.
+    Leaving the block stops everything (no drain)."""
     async with trio.open_nursery() as nursery:
         scopes = [trio.CancelScope() for _ in engines]
         urls = [
             await nursery.start(_serve_engine, engine, f"127.0.1.{i + 1}", scope)
             for i, (engine, scope) in enumerate(zip(engines, scopes, strict=True))
         ]
-        config = router_config(urls, **sections)
+        static = [
+            StaticEngine(url=url, role=role)
+            for url, role in itertools.zip_longest(urls, roles[: len(urls)], fillvalue="")
+        ]
+        config = router_config(static, **sections)
         table = RoutingTable()
         bound = await nursery.start(
             partial(server.run, config, table=table, handle_signals=False, kv_index=kv_index)
