@@ -8,15 +8,28 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
+from pathlib import Path
 from typing import Any, Final
 
 import httpx
 import pytest
 import trio
 
-from trio_router.config import DisaggregationConfig
+from trio_router import server
+from trio_router.config import (
+    Config,
+    DisaggregationConfig,
+    DiscoveryConfig,
+    KubernetesConfig,
+    ProbeConfig,
+    ServerConfig,
+    StatsConfig,
+)
 from trio_router.serving.disaggregation import prefill_body, prompt_chars, transfer_params
-from trio_router.testing import FakeEngine
+from trio_router.table import RoutingTable
+from trio_router.testing import FakeEngine, serve_fake_engine
+from trio_router.testing.fake_apiserver import FakeApiServer
 from trio_router.testing.fake_pd import FakeKvTransfer
 from trio_router.testing.harness import (
     CHAT,
@@ -235,6 +248,60 @@ async def test_engines_shows_each_role() -> None:
         async with pd_router([prefill, decode], ["prefill", "decode"]) as router:
             shown = (await router.client.get("/engines")).json()["engines"]
     assert sorted(e["role"] for e in shown) == ["decode", "prefill"]
+
+
+async def test_roles_come_from_pod_labels_and_follow_them(
+    apiserver: FakeApiServer, kubeconfig: Path
+) -> None:
+    """Kubernetes: each pod's role is its `llm-d.ai/role` label; relabelling a pod changes
+    where the next request goes, with no restart and no new probe."""
+    engines = [pd_engine("both"), pd_engine("both")]
+    with trio.fail_after(LIMIT):
+        async with trio.open_nursery() as nursery:
+            first = await nursery.start(serve_fake_engine, engines[0], "127.0.1.1", 0)
+            port = int(first.rsplit(":", 1)[1])
+            await nursery.start(serve_fake_engine, engines[1], "127.0.1.2", port)
+            for name, ip, role in (("p", "127.0.1.1", "prefill"), ("d", "127.0.1.2", "decode")):
+                apiserver.add_pod(name, ip=ip, labels={"app": "vllm", "llm-d.ai/role": role})
+            config = Config(
+                server=ServerConfig(bind="127.0.0.1:0"),
+                discovery=DiscoveryConfig(
+                    mode="kubernetes",
+                    kubernetes=KubernetesConfig(
+                        namespace=apiserver.namespace, port=port, kubeconfig=str(kubeconfig)
+                    ),
+                ),
+                probe=ProbeConfig(interval_s=60.0),
+                stats=StatsConfig(interval_s=0.0),
+                disaggregation=DisaggregationConfig(enabled=True),
+            )
+            table = RoutingTable()
+            (url,) = await nursery.start(
+                partial(server.run, config, table=table, handle_signals=False)
+            )
+            while len(table.routable("fake-model")) < 2:
+                await table.wait_changed()
+            async with httpx.AsyncClient(base_url=url) as client:
+                split = await client.post(CHAT, json=body())
+                roles = {
+                    e["name"]: e["role"] for e in (await client.get("/engines")).json()["engines"]
+                }
+                apiserver.modify_pod("p", labels={"app": "vllm", "llm-d.ai/role": "decode"})
+                while next(e for e in table if e.name == "p").role != "decode":
+                    await table.wait_changed()
+                whole = await client.post(CHAT, json=body())
+            nursery.cancel_scope.cancel()
+    assert roles == {"p": "prefill", "d": "decode"}
+    assert (
+        split.headers["x-trio-router-prefill-engine"],
+        split.headers["x-trio-router-engine"],
+    ) == (
+        "p",
+        "d",
+    )
+    assert "x-trio-router-prefill-engine" not in whole.headers  # no prefill engine left
+    assert transfers(engines[1]).pulled == 1
+    assert transfers(engines[0]).held_blocks() == 0
 
 
 # -- the pure parts --------------------------------------------------------------------------

@@ -351,6 +351,13 @@ class RoutingTable:
 
         return unsubscribe
 
+    def set_role(self, uid: str, role: str) -> None:
+        """Engine `uid` takes another prefill/decode role (its pod was relabelled)."""
+        engine = self._engines.get(uid)
+        if engine is not None and engine.role != role:
+            engine.role = role
+            self._touch()
+
     def set_pending(self, uid: str, reason: str) -> None:
         """Take `uid` out of routing because Kubernetes says so (no probing needed)."""
         engine = self._engines.get(uid)

@@ -139,6 +139,7 @@ class _Metadata(msgspec.Struct, frozen=True):
     uid: str = ""
     resourceVersion: str = ""
     deletionTimestamp: str | None = None
+    labels: dict[str, str] | None = None
 
 
 class _Object(msgspec.Struct, frozen=True):
@@ -161,6 +162,7 @@ class _Object(msgspec.Struct, frozen=True):
             ready=any(c.type == "Ready" and c.status == "True" for c in status.conditions),
             terminating=bool(meta.deletionTimestamp),
             restart_count=sum(c.restartCount for c in status.containerStatuses),
+            labels=tuple(sorted(meta.labels.items())) if meta.labels else (),
         )
 
 

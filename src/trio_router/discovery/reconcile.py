@@ -68,7 +68,7 @@ class Reconciler:
         if engine is not None and engine.role != role:
             # A relabelled pod changes role at once: the next request's choice sees it.
             logger.info("pod %s: role %r -> %r", pod.name, engine.role, role)
-            engine.role = role
+            self._table.set_role(pod.uid, role)
         if (reason := pod.unroutable_reason()) is not None:
             self._supervisors.stop(pod.uid)  # same synchronous step: out of routing now
             if engine is None:
