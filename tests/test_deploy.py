@@ -326,6 +326,32 @@ def test_rendered_objects_are_strictly_valid() -> None:
         kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
 
 
+def test_the_disaggregated_engines_example_is_valid_and_labelled_by_role(
+    objs: dict[str, dict[str, Any]],
+) -> None:
+    path = MANIFEST_DIR / "examples" / "vllm-disaggregated.yaml"
+    docs = [d for d in yaml.safe_load_all(path.read_text(encoding="utf-8")) if d]
+    config = cluster_config(objs)
+    selector = dict(
+        term.split("=", 1) for term in config.discovery.kubernetes.label_selector.split(",")
+    )
+    roles = set()
+    for doc in docs:
+        kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
+        labels = doc["spec"]["template"]["metadata"]["labels"]
+        assert selector.items() <= labels.items()  # the router discovers them
+        roles.add(config.disaggregation.role_of(labels))
+        (container,) = doc["spec"]["template"]["spec"]["containers"]
+        transfer = next(a for a in container["args"] if a.startswith("--kv-transfer-config="))
+        assert json.loads(transfer.partition("=")[2])["kv_connector"] == "NixlConnector"
+        env = {e["name"]: e for e in container["env"]}
+        side = env["VLLM_NIXL_SIDE_CHANNEL_HOST"]["valueFrom"]["fieldRef"]["fieldPath"]
+        assert side == "status.podIP"
+        ports = {p["containerPort"] for p in container["ports"]}
+        assert {config.discovery.kubernetes.port, config.kv_events.port} <= ports
+    assert roles == {"prefill", "decode"}
+
+
 def test_autoscaler_and_network_policy_fit_the_deployment(objs: dict[str, dict[str, Any]]) -> None:
     hpa, deployment = objs["HorizontalPodAutoscaler"], objs["Deployment"]
     assert hpa["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]

@@ -465,16 +465,23 @@ class ProxyExchange:
         parameters; each counted as a fallback); None when the prefill engine refused the
         request (4xx) and that answer went to the client."""
         services, metrics, settings = self._services, self._services.metrics, self._settings
-        try:
-            engine = await self._choose(
-                tenant, info, [decode.uid], None, pd.prefill_policy, _prefill, phase="prefill"
-            )
-        except _Failed as failed:
+        timeout = pd.config.prefill_timeout_s
+        deadline = trio.current_time() + timeout  # the wait for a prefill engine included
+        engine = None
+        why = f"none free within {timeout:g}s"
+        with trio.move_on_at(deadline):
+            try:
+                engine = await self._choose(
+                    tenant, info, [decode.uid], None, pd.prefill_policy, _prefill, phase="prefill"
+                )
+            except _Failed as failed:
+                why = str(failed.error)
+        if engine is None:
             logger.info(
                 "request %s for %s: no prefill engine (%s); engine %s prefills itself",
                 self.request_id,
                 self.model,
-                failed.error,
+                why,
                 decode.name,
             )
             metrics.pd_fallback("no_prefill_engine")
@@ -490,15 +497,15 @@ class ProxyExchange:
         failure: str | None = "cancelled"
         answer, answer_headers = b"", []
         try:
-            with trio.move_on_after(pd.config.prefill_timeout_s) as deadline:
+            with trio.move_on_at(deadline) as step:
                 async with settings.pool.request(
                     engine.url, b"POST", target, headers, prefill_body(payload)
                 ) as response:
                     status, answer_headers = response.status, response.headers
                     answer = await _read_bounded(response, MAX_PREFILL_ANSWER_BYTES)
             failure = None
-            if deadline.cancelled_caught:
-                failure = f"no answer within {pd.config.prefill_timeout_s:g}s"
+            if step.cancelled_caught:
+                failure = f"no answer within {timeout:g}s"
                 reason = "prefill_timeout"
             elif status is not None and 400 <= status < 500:
                 services.outliers.request_succeeded(engine)  # the request's fault, not its
