@@ -72,6 +72,8 @@ _CONSTRAINTS: Final = _HERE / "vllm-constraints.txt"
 _MODEL_SCRIPT: Final = _HERE / "_vllm_model.py"
 _LAUNCHER: Final = _HERE / "_vllm_launch.py"
 _READY: Final = "ready.json"  # written last: the environment is complete
+_NIXL_READY: Final = "nixl-ready"  # written once NIXL is installed and imports
+NIXL_VERSION: Final = "1.5.1"  # NIXL for vLLM's NixlConnector (prefill/decode), installed on demand
 
 
 class Unavailable(Exception):
@@ -160,11 +162,16 @@ class EngineEnvironment:
 
 
 def ensure_environment(
-    root: Path | None = None, *, log: Callable[[str], None] = lambda line: None
+    root: Path | None = None,
+    *,
+    log: Callable[[str], None] = lambda line: None,
+    nixl: bool = False,
 ) -> EngineEnvironment:
     """The engine environment at `root` (default `default_root()`), built first if it is not
-    complete. Raises Unavailable if this machine cannot run it or the install fails (with the
-    end of pip's output). Holds a file lock while it checks or builds."""
+    complete; with `nixl`, NIXL (`NIXL_VERSION`, for vLLM's NixlConnector: prefill/decode
+    pairs) installed into it too. Raises Unavailable if this machine cannot run it or the
+    install fails (with the end of pip's output). Holds a file lock while it checks or
+    builds."""
     root = root or default_root()
     env = EngineEnvironment(root)
     root.parent.mkdir(parents=True, exist_ok=True)
@@ -174,6 +181,16 @@ def ensure_environment(
             _build(env, check_platform(), log)
         if not env.model.is_dir():
             _run([str(env.python), str(_MODEL_SCRIPT), str(env.model)], root, "writing the model")
+        if nixl and not (root / _NIXL_READY).exists():
+            log(f"installing nixl {NIXL_VERSION} into {root} (once)")
+            pip = [str(env.python), "-m", "pip", "--disable-pip-version-check"]
+            _run(
+                [*pip, "install", "--quiet", "-c", str(_CONSTRAINTS), f"nixl=={NIXL_VERSION}"],
+                root,
+                "installing nixl",
+            )
+            _run([str(env.python), "-c", "import nixl"], root, "importing nixl")
+            (root / _NIXL_READY).write_text(NIXL_VERSION)
     return env
 
 
