@@ -411,10 +411,7 @@ class ProxyExchange:
         path = self._scope["path"]
         if (reason := pd.skip_reason(path, payload, roles)) is not None:
             metrics.pd_decision("direct", reason)
-            policy = self._settings.policy if reason == "not_generation" else pd.decode_policy
-            await self._forward(
-                tenant, info, target, headers, body, request_id, policy=policy, step=_whole
-            )
+            await self._forward(tenant, info, target, headers, body, request_id, step=_whole)
             return
         decode = await self._choose(tenant, info, (), None, pd.decode_policy, _decode)
         try:
