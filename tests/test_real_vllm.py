@@ -37,11 +37,12 @@ from trio_router.config import (
 )
 from trio_router.discovery.stats import parse_vllm_metrics
 from trio_router.kv.index import BlockIndex, block_keys
+from trio_router.kv.local_tokenizer import LocalTokenizer
 from trio_router.table import RoutingTable
 from trio_router.testing._vllm_model import WORDS
 from trio_router.testing.fake_apiserver import FakeApiServer
 from trio_router.testing.harness import router_config, sample, undated
-from trio_router.testing.vllm_engines import MODEL_NAME, EngineProcess
+from trio_router.testing.vllm_engines import MODEL_NAME, EngineEnvironment, EngineProcess
 
 pytestmark = pytest.mark.real_vllm
 
@@ -203,6 +204,42 @@ async def test_kubernetes_discovery_probes_real_engines_and_lists_their_cards(
     assert sorted((e["name"], e["url"], e["models"], e["healthy"]) for e in shown) == [
         (f"vllm-{i}", e.url, [MODEL_NAME], True) for i, e in enumerate(real_engines)
     ]
+
+
+async def test_the_routers_own_tokenizer_gives_vllms_token_ids(
+    real_engines: list[EngineProcess], vllm_env: EngineEnvironment
+) -> None:
+    """`routing.tokenizer_dir` pointed at the model's folder: the token ids the router
+    computes are those vLLM's /tokenize answers, chat template applied."""
+    local = LocalTokenizer(vllm_env.model)
+    system = {"role": "system", "content": text_of(3, 200)}
+    parts = [{"type": "text", "text": text_of(4, 20)}, {"type": "text", "text": text_of(5, 9)}]
+    requests: list[dict[str, Any]] = [
+        {"messages": messages()},
+        {"messages": [system, {"role": "user", "content": text_of(6, 50)}]},
+        {
+            "messages": [
+                system,
+                {"role": "user", "content": "one"},
+                {"role": "assistant", "content": text_of(7, 30)},
+                {"role": "user", "content": "two"},
+            ]
+        },
+        {"messages": [{"role": "user", "content": parts}]},
+        {"messages": messages(), "add_generation_prompt": False},
+        {"prompt": text_of(8, 100)},
+    ]
+    with trio.fail_after(LIMIT):
+        async with httpx.AsyncClient(timeout=LIMIT) as client:
+            vllms = [
+                (
+                    await client.post(
+                        f"{real_engines[0].url}/tokenize", json={"model": MODEL_NAME, **request}
+                    )
+                ).json()["tokens"]
+                for request in requests
+            ]
+    assert [local.tokens(request) for request in requests] == vllms
 
 
 # -- answers pass unchanged --------------------------------------------------------------------

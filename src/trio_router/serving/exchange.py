@@ -21,6 +21,7 @@ import itertools
 import logging
 import re
 import secrets
+import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Protocol
@@ -268,9 +269,16 @@ class ProxyExchange:
     async def _with_tokens(
         self, info: RequestInfo, payload: dict[str, Any], authorization: bytes | None
     ) -> RequestInfo:
-        """`info` with the prompt's token ids, asked of an engine under the tokenize deadline
-        (unchanged when they cannot be had in time: the policy then routes without them)."""
+        """`info` with the prompt's token ids: from the router's own tokenizer when
+        `routing.tokenizer_dir` names one and it can tell them, else asked of an engine under
+        the tokenize deadline (unchanged when they cannot be had in time: the policy then
+        routes without them)."""
         settings = self._settings
+        if (local := settings.local_tokenizer) is not None:
+            started = time.perf_counter()
+            if (found := local.tokens(payload)) is not None:
+                self._services.metrics.tokenized(time.perf_counter() - started)
+                return dataclasses.replace(info, tokens=tuple(found))
         headers = []
         if (key := settings.upstream_authorization or authorization) is not None:
             headers.append((b"authorization", key))

@@ -19,6 +19,7 @@ from ..config import Config, env_key
 from ..errors import ConfigError
 from ..http import UpstreamPool
 from ..kv.index import BlockIndex
+from ..kv.local_tokenizer import LocalTokenizer
 from ..routing.policy import Policy, make_policy
 from ..table import Engine, RoutingTable
 from .disaggregation import Disaggregation
@@ -41,6 +42,7 @@ class Settings:
     eject_on_5xx: bool  # an engine's 5xx answer counts as a failed request
     access_log: bool  # an access record per proxied request (logger trio_router.access)
     disaggregation: Disaggregation | None = None  # [disaggregation] enabled: its policies
+    local_tokenizer: LocalTokenizer | None = None  # routing.tokenizer_dir, loaded
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +117,10 @@ def build_runtime(
     ):
         policy, unsubscribe = previous.settings.policy, previous.unsubscribe
         disaggregation = previous.settings.disaggregation
+        local_tokenizer = previous.settings.local_tokenizer
     else:
+        folder = config.routing.tokenizer_dir
+        local_tokenizer = LocalTokenizer(folder) if folder else None  # ConfigError first
         policy = make_policy(config.routing, kv_index=kv_index)
         policies = [policy]
         disaggregation = None
@@ -151,6 +156,7 @@ def build_runtime(
         eject_on_5xx=config.proxy.eject_on_5xx,
         access_log=config.server.access_log,
         disaggregation=disaggregation,
+        local_tokenizer=local_tokenizer,
     )
     return Runtime(
         config=config,
