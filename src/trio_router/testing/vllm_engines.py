@@ -494,6 +494,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("setup", help="build the engine environment (once) and say where it is")
     commands.add_parser("path", help="print the engine environment's folder")
+    commands.add_parser("model", help="print the tiny model's folder (build it first)")
     start = commands.add_parser("start", help="start engines and keep them until Ctrl-C")
     start.add_argument("--engines", type=int, default=2)
     start.add_argument("--port", type=int, default=8000)
@@ -509,8 +510,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Unavailable as exc:
         print(f"vLLM engines are unavailable here: {exc}", file=sys.stderr)
         return 2
-    if args.command == "setup":
-        print(env.root)
+    if args.command in ("setup", "model"):
+        print(env.root if args.command == "setup" else env.model)
         return 0
     specs = specs_for(
         args.engines, port=args.port, kv_cache_bytes=args.kv_cache_bytes, block_size=args.block_size
