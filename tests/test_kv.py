@@ -229,13 +229,13 @@ async def test_eviction_and_a_cleared_cache_move_traffic_and_a_restart_drops_the
 
 async def test_a_sequence_gap_is_filled_by_a_replay() -> None:
     with trio.fail_after(LIMIT):
-        async with open_kv_router(replay=True) as (router, caches, index):
-            await send(router, chat(words("warm", 8)))  # a first batch: the stream is known
-            name = router.table.routable("fake-model")[0].name
-            at = next(i for i, e in enumerate(router.table) if e.name == name)
-            engine = router.table.routable("fake-model")[0]
-            await until(index, lambda: index.blocks(engine.uid) > 0 or index.blocks() > 0)
-            cache = caches[at]
+        async with open_kv_router(replay=True) as (router, _, index):
+            # A first batch from the engine that served it: its stream is known.
+            name = await send(router, chat(words("warm", 8)))
+            engine = next(e for e in router.table if e.name == name)
+            await until(index, lambda: index.blocks(engine.uid) > 0)
+            cache = router.engine_named(name).kv
+            assert cache is not None
             cache.drop_next = 1  # this batch is numbered but never sent
             lost = chat(words("lost", 40))
             cache.serve(prompt_tokens(lost))

@@ -559,7 +559,7 @@ async def test_engines_health_and_metrics() -> None:
     assert sample(text, "trio_router_request_duration_seconds_count", model="fake-model") == 1.0
     assert sample(text, "trio_router_time_to_first_byte_seconds_count", model="fake-model") == 1.0
     assert sample(text, "trio_router_discovery_healthy") == 1.0
-    assert "missing" not in text  # unknown model names never become label values
+    assert '"missing"' not in text  # unknown model names never become label values
 
 
 async def test_in_flight_is_exact_while_streaming() -> None:
