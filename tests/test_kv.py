@@ -17,6 +17,8 @@ import msgspec
 import pytest
 import trio
 
+from trio_router.config import KvEventsConfig
+from trio_router.http import UpstreamPool
 from trio_router.kv.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -25,8 +27,10 @@ from trio_router.kv.events import (
     decode_message,
 )
 from trio_router.kv.index import BlockIndex, block_keys
+from trio_router.kv.subscriber import KvEvents
+from trio_router.table import Engine, RoutingTable
 from trio_router.testing import FakeEngine
-from trio_router.testing.fake_kv import FakeKvCache
+from trio_router.testing.fake_kv import FakeKvCache, open_fake_kv
 from trio_router.testing.fake_replies import prompt_tokens
 from trio_router.testing.harness import CHAT, LIMIT, Router, open_router, sample
 from trio_router.testing.vllm_engines import free_port
@@ -273,3 +277,30 @@ async def test_without_tokens_in_time_it_routes_by_prefix_and_counts_the_fallbac
                     engine.gate.set()
             text = (await router.client.get("/metrics")).text
     assert sample(text, "trio_router_tokenize_fallbacks_total", reason="timeout") == 1
+
+
+async def test_a_new_subscription_learns_what_the_engine_published_before_it() -> None:
+    """With a replay endpoint, a subscriber asks for the engine's history as soon as the
+    publisher has its subscription: blocks cached before the router started (or published
+    before the subscription took effect) are known with no new event."""
+    port, replay_port = free_port(HOSTS[:1]), free_port(HOSTS[:1])
+    cache = FakeKvCache(port=port, replay_port=replay_port, block_size=B)
+    table = RoutingTable()
+    engine = Engine(uid="e", name="e", url=f"http://{HOSTS[0]}:8000")
+    table.put(engine)
+    index = BlockIndex()
+    config = KvEventsConfig(mode="connect", port=port, replay_port=replay_port)
+    events = KvEvents(index, config, table)
+    tokens = prompt_tokens(chat(words("before", 20)))
+    with trio.fail_after(LIMIT):
+        async with open_fake_kv(cache, HOSTS[0], port, replay_port=replay_port):
+            cache.serve(tokens)  # published while nobody listens
+            async with trio.open_nursery() as nursery:
+                pool = UpstreamPool(connect_timeout=1.0, read_timeout=1.0)
+                nursery.start_soon(events.run_engine, engine, 0, pool)
+                await until(index, lambda: index.blocks("e") > 0)
+                nursery.cancel_scope.cancel()
+    events.close()
+    keys = block_keys(tokens, B)
+    assert index.match(keys, ["e"], now=math.inf)["e"] == len(keys)
+    assert events.counters["e"].replays == 1 and events.counters["e"].gaps == 0

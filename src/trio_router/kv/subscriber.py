@@ -21,8 +21,11 @@ batches are asked of the engine's replay socket (a DEALER request for everything
 first missing number, answered batch by batch and ended by sequence -1) and applied in order;
 without one, or when the replay cannot fill the gap, the engine's index entries are dropped
 (they may have missed removals) and rebuilt from the events that follow. A number that goes
-back means the engine restarted: its entries are dropped. A subscriber's first batch with a
-number above 0 is a late start: with a replay endpoint, the engine's history is replayed.
+back means the engine restarted: its entries are dropped. With a replay endpoint, a new
+subscription first asks for the engine's history, once the publisher has the subscription
+(ZMQ's handshake event): what the engine holds from before, and any batch published before
+the subscription took effect, are known at once. Without one, a subscriber's first batch with
+a number above 0 is a late start.
 Messages that cannot be read are skipped and counted, never fatal.
 """
 
@@ -154,10 +157,23 @@ class KvEvents:
         sock = self._socket(zmq.SUB)
         try:
             sock.setsockopt(zmq.SUBSCRIBE, self._config.topic.encode())
-            sock.connect(endpoint)
-            fd = _fd(sock)
-            logger.info("subscribed to the KV events of engine %s at %s", engine.name, endpoint)
-            stream = self._streams.setdefault(engine.uid, _Stream())
+            monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+            try:
+                sock.connect(endpoint)
+                fd = _fd(sock)
+                logger.info(
+                    "subscribing to the KV events of engine %s at %s", engine.name, endpoint
+                )
+                stream = self._streams.setdefault(engine.uid, _Stream())
+                if replay:
+                    # What the engine published before this subscription took effect is in
+                    # its replay buffer: asked for once the publisher has the subscription.
+                    with trio.move_on_after(self._config.replay_timeout_s):
+                        await _receive(monitor, _fd(monitor))
+                    await self._catch_up(engine, stream, replay)
+            finally:
+                sock.disable_monitor()
+                monitor.close(linger=0)
             while True:
                 frames = await _receive(sock, fd)
                 for _ in range(MAX_BURST):
@@ -221,6 +237,18 @@ class KvEvents:
         self._apply(uid, batch, counters)
         stream.last = batch.seq
         stream.replayed = False
+
+    async def _catch_up(self, engine: Engine, stream: _Stream, replay: str) -> None:
+        """A new subscription: the engine's history from its replay buffer, when it has any
+        (an engine that published nothing yet has none; that is not a failure)."""
+        if self._table.get(engine.uid) is not engine:
+            return
+        counters = self.counters.setdefault(engine.name, SubscriberCounters())
+        before = counters.replay_failures
+        start = 0 if stream.last is None else stream.last + 1
+        filled = await self._replay(engine.uid, engine.name, stream, replay, start, counters)
+        if not filled and stream.last is None:  # nothing to replay yet: not a failure
+            counters.replay_failures = before
 
     def _apply(self, uid: str, batch: Batch, counters: SubscriberCounters) -> None:
         result = self.index.apply(uid, batch.events)
