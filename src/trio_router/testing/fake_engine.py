@@ -382,8 +382,8 @@ class FakeEngineApp:
             with pd.computing(request_id, len(prompt_tokens(request))) as blocks:
                 reply = POST_HANDLERS[path](engine, request, model, rid)
                 await self._delay_whole_reply(reply)
-            params = pd.answer_params(request_id, blocks)
-            if params is not None and reply.status == 200:
+            params = pd.answer_params(request_id, blocks, ok=reply.status == 200)
+            if params is not None:
                 reply.payload["kv_transfer_params"] = params
             await self._send_json(send, reply.status, reply.payload)
             return False

@@ -124,9 +124,12 @@ class FakeKvTransfer:
             raise
         held.expires = trio.current_time() + self.hold_s
 
-    def answer_params(self, request_id: str, blocks: list[int]) -> dict[str, Any] | None:
-        """The `kv_transfer_params` of a finished prefill step's answer."""
-        if not self.return_params:
+    def answer_params(
+        self, request_id: str, blocks: list[int], *, ok: bool = True
+    ) -> dict[str, Any] | None:
+        """The `kv_transfer_params` of a finished prefill step's answer (None, the blocks
+        freed, when the step failed or the engine gives none)."""
+        if not (ok and self.return_params):
             del self._held[request_id]  # nothing to hand over: the engine frees them
             return None
         self.prefills += 1
