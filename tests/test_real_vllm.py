@@ -275,6 +275,48 @@ async def test_non_streamed_answers_and_tokenize_are_the_engines(
     assert status_line == b"HTTP/1.1 200 OK"  # with its reason phrase, as vLLM's server
 
 
+async def test_anthropic_messages_and_sagemaker_invocations_are_vllms(
+    real_engines: list[EngineProcess],
+) -> None:
+    """vLLM's Anthropic Messages API (a message, its event stream, count_tokens) and
+    SageMaker's /invocations through the router, as the engine answers them directly."""
+    engine = real_engines[0]
+    message = {
+        "model": MODEL_NAME,
+        "max_tokens": 4,
+        "temperature": 0,
+        "system": text_of(11, 20),
+        "messages": [{"role": "user", "content": text_of(12, 30)}],
+    }
+    with trio.fail_after(LIMIT):
+        async with (
+            open_router(static([engine]), 1) as (url, _),
+            httpx.AsyncClient(timeout=LIMIT) as client,
+        ):
+            answers = {}
+            for base in (url, engine.url):
+                answers[base] = (
+                    (await client.post(f"{base}/v1/messages", json=message)).json(),
+                    (await client.post(f"{base}/v1/messages/count_tokens", json=message)).json(),
+                    (await client.post(f"{base}/invocations", json=message)).status_code,
+                )
+            async with client.stream(
+                "POST", f"{url}/v1/messages", json={**message, "stream": True}
+            ) as stream:
+                events = [line async for line in stream.aiter_lines() if line.startswith("event:")]
+
+    def comparable(answer: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in answer.items() if k != "id"}
+
+    routed, direct = answers[url], answers[engine.url]
+    assert comparable(routed[0]) == comparable(direct[0])  # greedy: the same message
+    assert routed[0]["type"] == "message" and routed[0]["usage"]["output_tokens"] == 4
+    assert routed[1] == direct[1] and routed[1]["input_tokens"] > 30
+    assert routed[2] == direct[2] == 200
+    assert events[0] == "event: message_start" and events[-1] == "event: message_stop"
+    assert 1 <= events.count("event: content_block_delta") <= 4  # several tokens an event, at load
+
+
 async def test_vllms_own_400_reaches_the_client_as_sent(
     real_engines: list[EngineProcess],
 ) -> None:

@@ -224,11 +224,19 @@ async def test_round_robin_spreads_requests_over_engines() -> None:
         "/rerank",
         "/v1/score",
         "/score",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
+        "/invocations",
+        "/pooling",
+        "/classify",
+        "/v2/rerank",
     ],
 )
 async def test_every_proxied_endpoint(path: str) -> None:
     body = {
         "model": "fake-model",
+        "messages": [{"role": "user", "content": "a b"}],
+        "max_tokens": 4,
         "prompt": "a b",
         "input": "a",
         "tokens": [1, 2],
@@ -243,6 +251,40 @@ async def test_every_proxied_endpoint(path: str) -> None:
             response = await router.client.post(path, json=body)
     assert response.status_code == 200, response.text
     assert engine.requests_to(path)[-1].json() == body
+
+
+@pytest.mark.parametrize(
+    "path", ["/v1/chat/completions/render", "/v1/completions/render", "/v1/messages/render"]
+)
+async def test_render_endpoints_reach_the_engine_and_its_answer_passes(path: str) -> None:
+    engine = FakeEngine()
+    with trio.fail_after(LIMIT):
+        async with open_router([engine]) as router:
+            response = await router.client.post(path, json=chat())
+    # vLLM refuses these unless started with --enable-scale-out; its answer is the client's.
+    assert response.status_code == 403
+    assert response.json()["error"]["type"] == "PermissionDeniedError"
+    assert engine.requests_to(path)[-1].json() == chat()
+
+
+async def test_an_anthropic_message_stream_passes_event_for_event() -> None:
+    engine = FakeEngine(tokens=3)
+    body = {**chat(stream=True), "max_tokens": 16, "system": "be brief"}
+    with trio.fail_after(LIMIT):
+        async with open_router([engine]) as router:
+            async with router.client.stream("POST", "/v1/messages", json=body) as response:
+                raw = b"".join([chunk async for chunk in response.aiter_raw()])
+            async with httpx.AsyncClient(base_url=router.engine_urls[0]) as direct:
+                alone = await direct.post("/v1/messages", json=body)
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
+    events = [e for e in raw.decode().split("\n\n") if e]
+    assert [e.split("\n", 1)[0] for e in events] == [
+        e.split("\n", 1)[0] for e in alone.text.split("\n\n") if e
+    ]
+    assert events[0].startswith("event: message_start") and events[-1].startswith(
+        "event: message_stop"
+    )
 
 
 # -- errors -----------------------------------------------------------------------------------

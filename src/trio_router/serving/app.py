@@ -41,6 +41,15 @@ PROXIED_PATHS: Final = frozenset(
         "/rerank",
         "/v1/score",
         "/score",
+        "/v1/messages",  # the Anthropic Messages API
+        "/v1/messages/count_tokens",
+        "/invocations",  # SageMaker
+        "/pooling",
+        "/classify",
+        "/v2/rerank",
+        "/v1/chat/completions/render",
+        "/v1/completions/render",
+        "/v1/messages/render",
     }
 )
 

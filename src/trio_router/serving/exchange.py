@@ -49,6 +49,7 @@ from ..tracing import Tracing
 from .admission import Admission, Tenant
 from .disaggregation import (
     MAX_PREFILL_ANSWER_BYTES,
+    PD_PATHS,
     Disaggregation,
     Roles,
     decode_body,
@@ -231,7 +232,8 @@ class ProxyExchange:
             info = self._route_info(payload)
             services.admission.admit(tenant)
             self._tenant = tenant
-            if settings.policy.needs_tokens or (pd is not None and pd.needs_tokens):
+            needs_tokens = settings.policy.needs_tokens or (pd is not None and pd.needs_tokens)
+            if needs_tokens and self._scope["path"] in PD_PATHS:  # what /tokenize renders
                 info = await self._with_tokens(info, payload, head.authorization)
         except RequestError as exc:
             held.release()

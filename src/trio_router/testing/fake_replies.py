@@ -411,6 +411,143 @@ def responses(engine: FakeEngine, request: dict[str, Any], model: str, rid: str)
     return Reply(200, events=events)
 
 
+def _anthropic_prompt(request: dict[str, Any]) -> int:
+    """Input tokens of an Anthropic Messages request: its system prompt and messages' words."""
+    system = request.get("system")
+    texts = [system] if isinstance(system, str) else []
+    texts.append(_prompt_text(request))
+    return sum(len(_words(t)) for t in texts if t)
+
+
+def messages(engine: FakeEngine, request: dict[str, Any], model: str, rid: str) -> Reply:
+    """The Anthropic Messages API, as vLLM serves it (`/v1/messages`): a message, or with
+    `stream` the event stream (message_start ... message_stop, no [DONE])."""
+    if not isinstance(request.get("messages"), list) or not isinstance(
+        request.get("max_tokens"), int
+    ):
+        return Reply(400, error_body(400, "`messages` and `max_tokens` are required"))
+    n, finish = n_tokens(engine, request)
+    words = [REPLY_WORDS[i % len(REPLY_WORDS)] for i in range(n)]
+    prompt = _anthropic_prompt(request)
+    engine.prompt_tokens += prompt
+    stop = "max_tokens" if finish == "length" else "end_turn"
+    ident = f"chatcmpl-{engine.name}-{rid}"
+    if not request.get("stream"):
+        return Reply(
+            200,
+            {
+                "id": ident,
+                "type": "message",
+                "role": "assistant",
+                "content": [{"type": "text", "text": "".join(words)}],
+                "model": model,
+                "stop_reason": stop,
+                "stop_sequence": None,
+                "usage": {"input_tokens": prompt, "output_tokens": n},
+            },
+        )
+    start: dict[str, Any] = {
+        "id": ident,
+        "type": "message",
+        "role": "assistant",
+        "content": [],
+        "model": model,
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": {"input_tokens": prompt, "output_tokens": 0},
+    }
+    events = [
+        _sse({"type": "message_start", "message": start}, "message_start"),
+        _sse(
+            {
+                "type": "content_block_start",
+                "content_block": {"type": "text", "text": ""},
+                "index": 0,
+            },
+            "content_block_start",
+        ),
+    ]
+    events += [
+        _sse(
+            {
+                "type": "content_block_delta",
+                "delta": {"type": "text_delta", "text": w},
+                "index": 0,
+            },
+            "content_block_delta",
+        )
+        for w in words
+    ]
+    events += [
+        _sse({"type": "content_block_stop", "index": 0}, "content_block_stop"),
+        _sse(
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": stop, "stop_sequence": None},
+                "usage": {"input_tokens": prompt, "output_tokens": n},
+            },
+            "message_delta",
+        ),
+        _sse({"type": "message_stop"}, "message_stop"),
+    ]
+    return Reply(200, events=events)
+
+
+def count_tokens(engine: FakeEngine, request: dict[str, Any], model: str, rid: str) -> Reply:
+    tokens = _anthropic_prompt(request)
+    return Reply(
+        200, {"input_tokens": tokens, "context_management": {"original_input_tokens": tokens}}
+    )
+
+
+def invocations(engine: FakeEngine, request: dict[str, Any], model: str, rid: str) -> Reply:
+    """SageMaker's entry point: the body says which API it is (vLLM dispatches the same)."""
+    if "messages" in request:
+        return chat(engine, request, model, rid)
+    if "prompt" in request:
+        return completions(engine, request, model, rid)
+    if "input" in request:
+        return embeddings(engine, request, model, rid)
+    return Reply(400, error_body(400, "cannot tell the API of this /invocations request"))
+
+
+def pooling(engine: FakeEngine, request: dict[str, Any], model: str, rid: str) -> Reply:
+    """`/pooling` and `/classify` (pooling models): one vector, or class scores, per input."""
+    texts = _texts(request.get("input"))
+    tokens = sum(len(_words(t)) for t in texts)
+    data = [{"index": i, "object": "pooling", "data": _embedding(t)} for i, t in enumerate(texts)]
+    return Reply(
+        200,
+        {
+            "id": f"pool-{rid}",
+            "object": "list",
+            "created": int(time.time()),
+            "model": model,
+            "data": data,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0},
+        },
+    )
+
+
+def render(engine: FakeEngine, request: dict[str, Any], model: str, rid: str) -> Reply:
+    """vLLM's render endpoints refuse unless the engine runs with --enable-scale-out."""
+    message = (
+        "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to "
+        "enable them."
+    )
+    return Reply(
+        403,
+        {
+            "error": {
+                "message": message,
+                "type": "PermissionDeniedError",
+                "param": None,
+                "code": 403,
+            }
+        },
+    )
+
+
 POST_HANDLERS: Final[dict[str, Callable[[FakeEngine, dict[str, Any], str, str], Reply]]] = {
     "/v1/chat/completions": chat,
     "/v1/completions": completions,
@@ -422,4 +559,13 @@ POST_HANDLERS: Final[dict[str, Callable[[FakeEngine, dict[str, Any], str, str], 
     "/v1/score": score,
     "/score": score,
     "/v1/responses": responses,
+    "/v1/messages": messages,
+    "/v1/messages/count_tokens": count_tokens,
+    "/invocations": invocations,
+    "/pooling": pooling,
+    "/classify": pooling,
+    "/v2/rerank": rerank,
+    "/v1/chat/completions/render": render,
+    "/v1/completions/render": render,
+    "/v1/messages/render": render,
 }
