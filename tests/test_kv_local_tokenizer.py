@@ -59,6 +59,11 @@ def test_what_it_cannot_render_the_same_way_is_left_to_the_engines(model_dir: Pa
     assert local.tokens({"messages": [], "chat_template": "{{ 'x' }}"}) is None
     assert local.tokens({"messages": [], "continue_final_message": True}) is None
     assert local.tokens({"input": "embeddings"}) is None
+    tool_call = {"role": "assistant", "content": None, "tool_calls": [{"id": "c"}]}
+    assert local.tokens({"messages": [tool_call]}) is None
+    assert local.tokens({"messages": [], "tools": [{"type": "function"}]}) is None
+    # A request's template variables never make it fail: the engine is asked instead.
+    assert local.tokens({"messages": [], "chat_template_kwargs": {"messages": 1}}) is None
 
 
 def test_a_folder_without_a_tokenizer_is_a_config_error(tmp_path: Path) -> None:

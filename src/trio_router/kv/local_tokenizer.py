@@ -7,13 +7,16 @@ in a sandbox, `trim_blocks` and `lstrip_blocks`, the special tokens and the requ
 `chat_template_kwargs` as variables, `add_generation_prompt` true unless the request says
 otherwise) and encoded without adding special tokens, as vLLM does for chat; a text prompt is
 encoded with them (unless `add_special_tokens` is false). What it cannot render the same way
-(content parts other than text, a request's own `chat_template`, `continue_final_message`)
-it leaves to the engines (`tokens` returns None). Synchronous and CPU-bound.
+(content parts other than text, messages with more than a role and a content, tools, a
+request's own `chat_template`, `continue_final_message`, a template that does not compile
+here) it leaves to the engines (`tokens` returns None). Synchronous and CPU-bound.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
+import logging
 from pathlib import Path
 from typing import Any, Final, NoReturn
 
@@ -27,14 +30,29 @@ from ..errors import ConfigError
 __all__ = ["LocalTokenizer"]
 
 _SPECIAL: Final = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token")
+_PLAIN_KEYS: Final = frozenset({"role", "content"})  # messages rendered here as they are
+logger = logging.getLogger(__name__)
 
 
 def _raise(message: str) -> NoReturn:
     raise jinja2.TemplateError(message)
 
 
-def _tojson(value: Any, indent: int | None = None) -> str:
-    return json.dumps(value, indent=indent, ensure_ascii=False)
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    """Hugging Face's `tojson` filter (not Jinja2's, which escapes HTML)."""
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.datetime.now().strftime(format)
 
 
 class LocalTokenizer:
@@ -59,10 +77,13 @@ class LocalTokenizer:
         )
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = _strftime_now
         try:
             self._template = env.from_string(template) if isinstance(template, str) else None
         except jinja2.TemplateError as exc:
-            raise ConfigError(f"{where}: its chat template does not compile: {exc}") from exc
+            # (e.g. `{% generation %}` blocks): the engines are asked instead.
+            logger.warning("%s: its chat template does not compile here (%s)", where, exc)
+            self._template = None
         self._special = {
             key: value.get("content") if isinstance(value, dict) else value
             for key in _SPECIAL
@@ -84,30 +105,32 @@ class LocalTokenizer:
     def _chat(self, payload: dict[str, Any], messages: list[Any]) -> list[int] | None:
         if self._template is None or "chat_template" in payload:
             return None
-        if payload.get("continue_final_message"):
-            return None
+        if payload.get("continue_final_message") or payload.get("tools"):
+            return None  # vLLM normalises tools and tool calls before rendering
         rendered_messages = []
         for message in messages:
-            if not isinstance(message, dict):
-                return None
+            if not isinstance(message, dict) or message.keys() - _PLAIN_KEYS:
+                return None  # tool calls, names, images...: left to the engine
             content = message.get("content")
+            if not isinstance(content, str | list):
+                return None
             if isinstance(content, list):  # text parts only, joined as vLLM joins them
                 if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
                     return None
                 message = {**message, "content": "\n".join(str(p.get("text", "")) for p in content)}
             rendered_messages.append(message)
-        variables = dict(self._special)
+        variables: dict[str, Any] = {
+            **self._special,
+            "messages": rendered_messages,
+            "tools": None,
+            "add_generation_prompt": payload.get("add_generation_prompt", True),
+        }
         extra = payload.get("chat_template_kwargs")
         if isinstance(extra, dict):
             variables.update(extra)
         try:
-            text = self._template.render(
-                messages=rendered_messages,
-                tools=payload.get("tools"),
-                add_generation_prompt=payload.get("add_generation_prompt", True),
-                **variables,
-            )
-        except jinja2.TemplateError:
+            text = self._template.render(**variables)
+        except Exception:  # a template's own error, or a request's odd variables
             return None
         special = payload.get("add_special_tokens", False) is True
         return list(self._tokenizer.encode(text, add_special_tokens=special).ids)

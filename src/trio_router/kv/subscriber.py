@@ -31,6 +31,7 @@ Messages that cannot be read are skipped and counted, never fatal.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import struct
 from collections import Counter
@@ -172,8 +173,9 @@ class KvEvents:
                         await _receive(monitor, _fd(monitor))
                     await self._catch_up(engine, stream, replay)
             finally:
-                sock.disable_monitor()
                 monitor.close(linger=0)
+                with contextlib.suppress(zmq.ZMQError):
+                    sock.disable_monitor()
             while True:
                 frames = await _receive(sock, fd)
                 for _ in range(MAX_BURST):
@@ -223,16 +225,18 @@ class KvEvents:
             start = 0 if last is None else last + 1
             counters.gaps += last is not None
             filled = bool(replay) and await self._replay(uid, name, stream, replay, start, counters)
-            if not filled and last is not None:
-                logger.warning(
-                    "KV events of engine %s lost batches %d..%d: its index entries are "
-                    "dropped and rebuilt from what follows",
-                    name,
-                    start,
-                    batch.seq - 1,
-                )
-                self._reset(uid, counters)
-            if stream.last is not None and batch.seq <= stream.last:
+            if not filled:
+                if last is not None or stream.last != last:  # entries that may be stale
+                    logger.warning(
+                        "KV events of engine %s lost batches %d..%d: its index entries are "
+                        "dropped and rebuilt from what follows",
+                        name,
+                        start,
+                        batch.seq - 1,
+                    )
+                    self._reset(uid, counters)
+                # Rebuilt from this batch on, whatever a partial replay had applied.
+            elif stream.last is not None and batch.seq <= stream.last:
                 return  # the replay covered it
         self._apply(uid, batch, counters)
         stream.last = batch.seq

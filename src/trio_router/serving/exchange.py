@@ -473,7 +473,7 @@ class ProxyExchange:
         request (4xx) and that answer went to the client."""
         services, metrics, settings = self._services, self._services.metrics, self._settings
         timeout = pd.config.prefill_timeout_s
-        deadline = trio.current_time() + timeout  # the wait for a prefill engine included
+        deadline = trio.current_time() + timeout  # for the wait for a prefill engine
         engine = None
         why = f"none free within {timeout:g}s"
         with trio.move_on_at(deadline):
@@ -493,8 +493,8 @@ class ProxyExchange:
             )
             metrics.pd_fallback("no_prefill_engine")
             return body
-        self.prefill_engine = engine.name
         generation, started = engine.generation, trio.current_time()
+        deadline = started + timeout  # the step's own: a wait in the queue is not its fault
         span = None
         if self._span is not None and services.tracing is not None:
             span, headers = services.tracing.start_attempt(
@@ -522,6 +522,7 @@ class ProxyExchange:
                 failure, reason = "no kv_transfer_params in its answer", "missing_params"
             else:
                 services.outliers.request_succeeded(engine)
+                self.prefill_engine = engine.name
                 return decode_body(payload, params)
             if failure is not None and reason != "missing_params":  # it failed the step
                 services.outliers.request_failed(engine, generation, f"prefill: {failure}")

@@ -378,7 +378,10 @@ class FakeEngineApp:
             await self._send_json(send, 400, error_body(400, why, param="kv_transfer_params"))
             return False
         if pd.is_prefill_step(request):
-            request_id = dict(scope["headers"]).get(b"x-request-id", rid.encode()).decode()
+            # The engine's own id for the request (vLLM's too is unique even when two
+            # clients send the same X-Request-Id), derived from the client's.
+            client_id = dict(scope["headers"]).get(b"x-request-id", b"req").decode()
+            request_id = f"{client_id}-{rid}"
             with pd.computing(request_id, len(prompt_tokens(request))) as blocks:
                 reply = POST_HANDLERS[path](engine, request, model, rid)
                 await self._delay_whole_reply(reply)

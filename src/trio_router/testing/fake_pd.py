@@ -99,7 +99,7 @@ class FakeKvTransfer:
                 why = "a prefill step must have max_tokens: 1"
             elif request.get("max_completion_tokens", 1) != 1:
                 why = "a prefill step must have max_completion_tokens: 1"
-            elif request.get("min_tokens", 0) > 1:
+            elif not isinstance(min_tokens := request.get("min_tokens", 0), int) or min_tokens > 1:
                 why = "a prefill step must not ask for min_tokens"
         elif self.role == "prefill":
             why = "a prefill engine only takes prefill steps (kv_transfer_params.do_remote_decode)"
