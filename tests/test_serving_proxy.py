@@ -253,6 +253,32 @@ async def test_every_proxied_endpoint(path: str) -> None:
     assert engine.requests_to(path)[-1].json() == body
 
 
+@pytest.mark.parametrize("setting", ["reject", "model"])
+async def test_unknown_paths_are_refused_or_sent_to_an_engine_of_the_model(
+    setting: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ROUTER_KEY", "k")
+    engine = FakeEngine()
+    with trio.fail_after(LIMIT):
+        async with open_router(
+            [engine], proxy={"unknown_paths": setting}, server={"api_key_env": "ROUTER_KEY"}
+        ) as router:
+            key = {"authorization": "Bearer k"}
+            answer = await router.client.post("/v1/future/endpoint", json=chat(), headers=key)
+            anonymous = await router.client.post("/v1/future/endpoint", json=chat())
+            engines = await router.client.get("/engines", headers=key)
+    assert engines.status_code == 200  # the router's own paths stay its own
+    if setting == "reject":
+        assert answer.status_code == anonymous.status_code == 404
+        assert engine.requests_to("/v1/future/endpoint") == []
+    else:  # the fake engine knows no such path: its 404, from the engine
+        assert anonymous.status_code == 401  # never a way around the client key
+        assert answer.headers["x-trio-router-engine"] == router.engine_urls[0].removeprefix(
+            "http://"
+        )
+        assert engine.requests_to("/v1/future/endpoint")[-1].json() == chat()
+
+
 @pytest.mark.parametrize(
     "path", ["/v1/chat/completions/render", "/v1/completions/render", "/v1/messages/render"]
 )

@@ -24,6 +24,7 @@ POLICIES: typing.Final = ("round_robin", "least_loaded", "session", "prefix_awar
 KV_EVENT_MODES: typing.Final = ("off", "connect", "bind")
 ROLES: typing.Final = ("", "prefill", "decode", "prefill-decode")
 DISCOVERY_MODES: typing.Final = ("static", "kubernetes")
+UNKNOWN_PATHS: typing.Final = ("reject", "model")
 
 
 def _positive(where: str, **values: float) -> None:
@@ -299,8 +300,16 @@ class ProxyConfig:
     eject_on_5xx: bool = False  # engine 5xx answers count as failed requests too
     ejection_s: float = 30.0  # how long an ejected engine stays out (x consecutive ejections)
     max_ejected_percent: int = 50  # requests never eject more than this share of engines
+    # POSTs to paths the router does not know: "reject" (404) or "model" (proxied to an
+    # engine serving the JSON body's model, like the known endpoints).
+    unknown_paths: str = "reject"
 
     def __post_init__(self) -> None:
+        if self.unknown_paths not in UNKNOWN_PATHS:
+            raise ConfigError(
+                f"proxy.unknown_paths must be one of {list(UNKNOWN_PATHS)}, "
+                f"got {self.unknown_paths!r}"
+            )
         _positive(
             "proxy",
             connect_timeout_s=self.connect_timeout_s,

@@ -20,7 +20,7 @@ from ..kv.tokens import Tokenizer
 from ..metrics import Metrics
 from ..table import RoutingTable
 from ..tracing import Tracing
-from .admin import AdminEndpoints, missing_model
+from .admin import ADMIN_PATHS, AdminEndpoints, missing_model
 from .admission import Admission, Tenant
 from .errors import error_body
 from .exchange import ClientConnection, DisconnectHook, ProxyExchange, Services, request_ids
@@ -115,7 +115,11 @@ class RouterApp:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind == "http":
-            if scope["method"] == "POST" and scope["path"] in PROXIED_PATHS:
+            path = scope["path"]
+            if scope["method"] == "POST" and (
+                path in PROXIED_PATHS
+                or (self.settings.proxy_unknown_paths and path not in ADMIN_PATHS)
+            ):
                 exchange = ProxyExchange(
                     self._services, self.settings, scope, send, self._disconnect_hook(scope)
                 )

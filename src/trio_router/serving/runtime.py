@@ -43,6 +43,7 @@ class Settings:
     access_log: bool  # an access record per proxied request (logger trio_router.access)
     disaggregation: Disaggregation | None = None  # [disaggregation] enabled: its policies
     local_tokenizer: LocalTokenizer | None = None  # routing.tokenizer_dir, loaded
+    proxy_unknown_paths: bool = False  # proxy.unknown_paths = "model"
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +158,7 @@ def build_runtime(
         access_log=config.server.access_log,
         disaggregation=disaggregation,
         local_tokenizer=local_tokenizer,
+        proxy_unknown_paths=config.proxy.unknown_paths == "model",
     )
     return Runtime(
         config=config,
