@@ -27,13 +27,8 @@ import trio
 from trio_router import server
 from trio_router.config import (
     Config,
-    DiscoveryConfig,
-    KubernetesConfig,
     KvEventsConfig,
-    ProbeConfig,
     RoutingConfig,
-    ServerConfig,
-    StatsConfig,
 )
 from trio_router.discovery.stats import parse_vllm_metrics
 from trio_router.kv.index import BlockIndex, block_keys
@@ -41,7 +36,7 @@ from trio_router.kv.local_tokenizer import LocalTokenizer
 from trio_router.table import RoutingTable
 from trio_router.testing._vllm_model import WORDS
 from trio_router.testing.fake_apiserver import FakeApiServer
-from trio_router.testing.harness import router_config, sample, undated
+from trio_router.testing.harness import kubernetes_config, router_config, sample, undated
 from trio_router.testing.vllm_engines import MODEL_NAME, EngineEnvironment, EngineProcess
 
 pytestmark = pytest.mark.real_vllm
@@ -173,17 +168,7 @@ async def test_kubernetes_discovery_probes_real_engines_and_lists_their_cards(
     port = real_engines[0].spec.port
     for i, engine in enumerate(real_engines):
         apiserver.add_pod(f"vllm-{i}", ip=engine.spec.host)
-    config = Config(
-        server=ServerConfig(bind="127.0.0.1:0", drain_s=1.0),
-        discovery=DiscoveryConfig(
-            mode="kubernetes",
-            kubernetes=KubernetesConfig(
-                namespace=apiserver.namespace, port=port, kubeconfig=str(kubeconfig)
-            ),
-        ),
-        probe=ProbeConfig(interval_s=60.0),
-        stats=StatsConfig(interval_s=0.0),
-    )
+    config = kubernetes_config(apiserver.namespace, str(kubeconfig), port)
     with trio.fail_after(LIMIT):
         async with (
             open_router(config, len(real_engines)) as (url, _),
@@ -456,17 +441,7 @@ async def test_a_pod_deleted_during_a_stream_finishes_it_while_new_requests_go_e
     names = {f"vllm-{i}": engine for i, engine in enumerate(real_engines)}
     for name, engine in names.items():
         apiserver.add_pod(name, ip=engine.spec.host)
-    config = Config(
-        server=ServerConfig(bind="127.0.0.1:0", drain_s=1.0),
-        discovery=DiscoveryConfig(
-            mode="kubernetes",
-            kubernetes=KubernetesConfig(
-                namespace=apiserver.namespace, port=port, kubeconfig=str(kubeconfig)
-            ),
-        ),
-        probe=ProbeConfig(interval_s=60.0),
-        stats=StatsConfig(interval_s=0.0),
-    )
+    config = kubernetes_config(apiserver.namespace, str(kubeconfig), port)
     body = {
         "model": MODEL_NAME,
         "messages": messages(),
@@ -645,16 +620,10 @@ async def test_a_deleted_pod_leaves_the_kv_index(
     for i, engine in enumerate(real_engines):
         apiserver.add_pod(f"vllm-{i}", ip=engine.spec.host)
     sections = kv_sections(real_engines[0])
-    config = Config(
-        server=ServerConfig(bind="127.0.0.1:0", drain_s=1.0),
-        discovery=DiscoveryConfig(
-            mode="kubernetes",
-            kubernetes=KubernetesConfig(
-                namespace=apiserver.namespace, port=port, kubeconfig=str(kubeconfig)
-            ),
-        ),
-        probe=ProbeConfig(interval_s=60.0),
-        stats=StatsConfig(interval_s=0.0),
+    config = kubernetes_config(
+        apiserver.namespace,
+        str(kubeconfig),
+        port,
         routing=RoutingConfig(policy="kv_aware", kv_block_size=32),
         kv_events=KvEventsConfig(**sections["kv_events"]),
     )

@@ -17,15 +17,7 @@ import pytest
 import trio
 
 from trio_router import server
-from trio_router.config import (
-    Config,
-    DisaggregationConfig,
-    DiscoveryConfig,
-    KubernetesConfig,
-    ProbeConfig,
-    ServerConfig,
-    StatsConfig,
-)
+from trio_router.config import DisaggregationConfig
 from trio_router.serving.disaggregation import prefill_body, prompt_chars, transfer_params
 from trio_router.table import RoutingTable
 from trio_router.testing import FakeEngine, serve_fake_engine
@@ -35,6 +27,7 @@ from trio_router.testing.harness import (
     CHAT,
     LIMIT,
     Router,
+    kubernetes_config,
     open_raw,
     open_router,
     sample,
@@ -263,16 +256,10 @@ async def test_roles_come_from_pod_labels_and_follow_them(
             await nursery.start(serve_fake_engine, engines[1], "127.0.1.2", port)
             for name, ip, role in (("p", "127.0.1.1", "prefill"), ("d", "127.0.1.2", "decode")):
                 apiserver.add_pod(name, ip=ip, labels={"app": "vllm", "llm-d.ai/role": role})
-            config = Config(
-                server=ServerConfig(bind="127.0.0.1:0"),
-                discovery=DiscoveryConfig(
-                    mode="kubernetes",
-                    kubernetes=KubernetesConfig(
-                        namespace=apiserver.namespace, port=port, kubeconfig=str(kubeconfig)
-                    ),
-                ),
-                probe=ProbeConfig(interval_s=60.0),
-                stats=StatsConfig(interval_s=0.0),
+            config = kubernetes_config(
+                apiserver.namespace,
+                str(kubeconfig),
+                port,
                 disaggregation=DisaggregationConfig(enabled=True),
             )
             table = RoutingTable()

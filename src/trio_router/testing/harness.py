@@ -25,6 +25,7 @@ from .. import server
 from ..config import (
     Config,
     DiscoveryConfig,
+    KubernetesConfig,
     ProbeConfig,
     ServerConfig,
     StaticConfig,
@@ -40,6 +41,7 @@ __all__ = [
     "LIMIT",
     "Router",
     "chat",
+    "kubernetes_config",
     "open_raw",
     "open_router",
     "receive_until",
@@ -73,6 +75,26 @@ def router_config(urls: Sequence[str | StaticEngine], **sections: Any) -> Config
         probe=ProbeConfig(timeout_s=2.0, interval_s=60.0, backoff_max_s=60.0),
         stats=StatsConfig(interval_s=0.0),
     )
+    return _with_sections(config, sections)
+
+
+def kubernetes_config(namespace: str, kubeconfig: str, port: int, **sections: Any) -> Config:
+    """A test config like `router_config`'s, with Kubernetes discovery of the pods of
+    `namespace` through the API server `kubeconfig` names, engines on `port` of each pod IP."""
+    config = Config(
+        server=ServerConfig(bind="127.0.0.1:0", drain_s=1.0),
+        discovery=DiscoveryConfig(
+            mode="kubernetes",
+            kubernetes=KubernetesConfig(namespace=namespace, port=port, kubeconfig=kubeconfig),
+        ),
+        probe=ProbeConfig(interval_s=60.0),
+        stats=StatsConfig(interval_s=0.0),
+    )
+    return _with_sections(config, sections)
+
+
+def _with_sections(config: Config, sections: dict[str, Any]) -> Config:
+    """`config` with whole sections replaced, or fields updated by dicts."""
     for name, value in sections.items():
         if isinstance(value, dict):
             value = dataclasses.replace(getattr(config, name), **value)
