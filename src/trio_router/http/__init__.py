@@ -3,7 +3,7 @@
 - `codec`: bytes to events and back (response parsing, chunk framing, request heads); no I/O.
 - `connection`: one TCP connection, driven without a trip through the scheduler when ready.
 - `pool`: keep-alive connections per engine and one exchange on them (`UpstreamPool`,
-  `UpstreamResponse`, `fetch`).
+  `UpstreamResponse`, `fetch`, `read_whole`).
 - `relay`: the bodies of chunked answers moved to their clients from one task (`Relay`).
 - `errors`: what can go wrong, as transport facts without HTTP statuses (`TransportError`).
 """
@@ -18,7 +18,7 @@ from .errors import (
     MalformedResponseError,
     TransportError,
 )
-from .pool import UpstreamPool, UpstreamResponse, fetch
+from .pool import UpstreamPool, UpstreamResponse, fetch, read_whole
 from .relay import Relay, RelayTarget, open_relay
 
 __all__ = [
@@ -36,4 +36,5 @@ __all__ = [
     "UpstreamResponse",
     "fetch",
     "open_relay",
+    "read_whole",
 ]

@@ -19,7 +19,7 @@ from typing import Any, Final
 
 import trio
 
-from ..http import TransportError, UpstreamPool
+from ..http import MalformedResponseError, TransportError, UpstreamPool, fetch
 from ..table import Engine
 
 __all__ = ["Tokenizer"]
@@ -81,7 +81,18 @@ class Tokenizer:
         started = trio.current_time()
         with trio.move_on_after(self.timeout) as waited:
             try:
-                status, answer = await _post(pool, engine.url, headers, body)
+                status, answer = await fetch(
+                    pool,
+                    engine.url,
+                    b"/tokenize",
+                    [*_JSON, *headers],
+                    max_bytes=MAX_TOKENIZE_BYTES,
+                    method=b"POST",
+                    body=body,
+                )
+            except MalformedResponseError:  # an answer too large to be token ids
+                self._failed("bad_answer")
+                return None
             except TransportError as exc:
                 logger.debug("tokenize on engine %s failed: %s", engine.name, exc)
                 self._failed("error")
@@ -127,17 +138,3 @@ def _tokenize_body(payload: dict[str, Any]) -> bytes | None:
         return None
     body["model"] = model
     return json.dumps(body).encode()
-
-
-async def _post(
-    pool: UpstreamPool, url: str, headers: list[tuple[bytes, bytes]], body: bytes
-) -> tuple[int, bytes]:
-    async with pool.request(url, b"POST", b"/tokenize", [*_JSON, *headers], body) as response:
-        parts: list[bytes] = []
-        size = 0
-        async for chunk in response:
-            size += len(chunk)
-            if size > MAX_TOKENIZE_BYTES:
-                return 413, b""
-            parts.append(chunk)
-        return response.status, b"".join(parts)

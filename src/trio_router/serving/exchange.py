@@ -35,11 +35,11 @@ from ..http import (
     ClientGoneError,
     EngineUnreachableError,
     LocalLimitError,
-    MalformedResponseError,
     Relay,
     RelayTarget,
     TransportError,
     UpstreamResponse,
+    read_whole,
 )
 from ..kv.tokens import Tokenizer
 from ..metrics import NO_LABEL, Metrics
@@ -509,7 +509,9 @@ class ProxyExchange:
                     engine.url, b"POST", target, headers, prefill_body(payload)
                 ) as response:
                     status, answer_headers = response.status, response.headers
-                    answer = await _read_bounded(response, MAX_PREFILL_ANSWER_BYTES)
+                    answer = await read_whole(
+                        response, MAX_PREFILL_ANSWER_BYTES, f"prefill engine {engine.name}"
+                    )
             failure = None
             if step.cancelled_caught:
                 failure = f"no answer within {timeout:g}s"
@@ -789,18 +791,6 @@ def _decode(roles: Roles) -> Sequence[Engine]:
 
 def _prefill(roles: Roles) -> Sequence[Engine]:
     return roles.prefill
-
-
-async def _read_bounded(response: UpstreamResponse, limit: int) -> bytes:
-    """The whole body of `response`; TransportError past `limit` bytes."""
-    parts: list[bytes] = []
-    size = 0
-    async for chunk in response:
-        size += len(chunk)
-        if size > limit:
-            raise MalformedResponseError(f"a prefill answer of more than {limit} bytes")
-        parts.append(chunk)
-    return b"".join(parts)
 
 
 def _usage(tail: bytes) -> tuple[int, int] | None:
