@@ -250,8 +250,15 @@ class RoutingConfig:
     # kv_aware: the model's tokenizer folder (tokenizer.json, tokenizer_config.json): token
     # ids computed in process; "": asked of the engines (/tokenize).
     tokenizer_dir: str = ""
+    # Other names for models: [routing.aliases] "chat" = "tiny-model". A request for the
+    # alias goes to the model (its body's "model" rewritten, and back in the answer).
+    aliases: dict[str, str] = field(default_factory=dict)
+    # Models to try next, in order, when no engine can take a model: [routing.fallbacks]
+    # "big-model" = ["tiny-model"].
+    fallbacks: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self._check_names()
         if self.policy not in POLICIES:
             raise ConfigError(
                 f"routing.policy must be one of {list(POLICIES)}, got {self.policy!r}"
@@ -286,6 +293,32 @@ class RoutingConfig:
         ):
             if not 1 <= getattr(self, key) <= top:
                 raise ConfigError(f"routing.{key} must be 1..{top}, got {getattr(self, key)!r}")
+
+    def _check_names(self) -> None:
+        """Aliases name models, not other aliases; a fallback list names models or aliases,
+        never the model it is for, each once."""
+        for alias, model in self.aliases.items():
+            if not alias or not model:
+                raise ConfigError(f"routing.aliases: names must not be empty, got {alias!r}")
+            if model in self.aliases:
+                raise ConfigError(
+                    f"routing.aliases.{alias} names {model!r}, which is an alias itself; "
+                    "name the model"
+                )
+        for model, chain in self.fallbacks.items():
+            where = f"routing.fallbacks.{model}"
+            if model in self.aliases:
+                raise ConfigError(
+                    f"{where}: {model!r} is an alias; give the fallbacks of the model it names "
+                    f"({self.aliases[model]!r})"
+                )
+            resolved = [self.aliases.get(m, m) for m in chain]
+            if not chain or "" in chain:
+                raise ConfigError(f"{where} must be a non-empty list of model names")
+            if model in resolved:
+                raise ConfigError(f"{where} must not name {model!r} itself")
+            if len(set(resolved)) != len(resolved):
+                raise ConfigError(f"{where} names a model twice: {list(chain)}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -541,6 +574,11 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
             raise ConfigError(f"{where} must be a table, got {type(value).__name__}")
         return _build(typing.cast(type[Any], tp), value, where=where)
     origin = typing.get_origin(tp)
+    if origin is dict:  # a table of names, like [routing.aliases]
+        _key_type, value_type = typing.get_args(tp)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where} must be a table, got {type(value).__name__}")
+        return {k: _convert(value_type, v, f"{where}.{k}") for k, v in value.items()}
     if origin is tuple:
         (item_type, _ellipsis) = typing.get_args(tp)
         if not isinstance(value, list):
@@ -602,6 +640,8 @@ def config_as_dict(config: Any) -> dict[str, Any]:
             out[f.name] = config_as_dict(value)
         elif isinstance(value, tuple):
             out[f.name] = [_item_as_toml(v) for v in value]
+        elif isinstance(value, dict):
+            out[f.name] = {k: list(v) if isinstance(v, tuple) else v for k, v in value.items()}
         else:
             out[f.name] = value
     return out
@@ -622,10 +662,10 @@ def dump_toml(config: Config) -> str:
 
     def emit(table: dict[str, Any], path: str) -> None:
         scalars = {k: v for k, v in table.items() if not isinstance(v, dict) and not tables(v)}
-        if scalars:
+        if scalars or not table:  # an empty table too, like [routing.aliases]
             if path:  # top-level keys (an empty `tenants`) come before any table
                 lines.append(f"[{path}]")
-            lines.extend(f"{k} = {_toml_value(v)}" for k, v in scalars.items())
+            lines.extend(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in scalars.items())
             lines.append("")
         for k, v in table.items():
             if isinstance(v, dict):
@@ -638,6 +678,13 @@ def dump_toml(config: Config) -> str:
 
     emit(config_as_dict(config), "")
     return "\n".join(lines)
+
+
+def _toml_key(key: str) -> str:
+    """A bare key as it is; any other (a model name with "/" or ".") quoted."""
+    if key and all(c.isascii() and (c.isalnum() or c in "-_") for c in key):
+        return key
+    return _toml_value(key)
 
 
 def _toml_value(value: Any) -> str:

@@ -209,6 +209,14 @@ class Metrics:
             ["reason"],
             registry=self.registry,
         )
+        self._model_fallbacks = Counter(
+            "trio_router_model_fallbacks",
+            "Requests that went to a fallback model (routing.fallbacks), by the model that "
+            "could not take them, the model tried next and why (no_engine, queue_full, "
+            "queue_timeout, engines_refused: every engine answered 429 or 503).",
+            ["model", "fallback", "reason"],
+            registry=self.registry,
+        )
         self._pd_prefill = Histogram(
             "trio_router_pd_prefill_seconds",
             "Duration of the prefill step of disaggregated requests (choice to answer).",
@@ -286,6 +294,9 @@ class Metrics:
 
     def pd_fallback(self, reason: str) -> None:
         self._pd_fallbacks.labels(reason).inc()
+
+    def model_fallback(self, model: str, fallback: str, reason: str) -> None:
+        self._model_fallbacks.labels(model, fallback, reason).inc()
 
     def pd_prefill(self, seconds: float) -> None:
         self._pd_prefill.observe(seconds)

@@ -1,24 +1,37 @@
-"""The router's own endpoints: GET /v1/models (and /v1/models/{id}), /engines, /health and
-/metrics, and the answers to a known path asked with the wrong method or an unknown path."""
+"""The router's own endpoints: GET /v1/models (and /v1/models/{id}), /engines, /health,
+/metrics and /version, and the answers to a known path asked with the wrong method or an
+unknown path."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Collection
-from typing import Final
+import logging
+from collections.abc import Awaitable, Callable, Collection
+from typing import Any, Final
 
 import msgspec
+import trio
 
+from .._version import __version__
 from ..asgi import Scope, Send
 from ..errors import AuthError, NoEngineError, RequestError, UnknownModelError
 from ..metrics import CONTENT_TYPE, Metrics
-from ..table import RoutingTable
+from ..table import Engine, RoutingTable
 from .errors import REQUEST_ID_HEADER, error_body, error_response, http_date, send_json
+from .names import ModelNames
 
 __all__ = ["ADMIN_PATHS", "UNAUTHENTICATED_PATHS", "AdminEndpoints", "missing_model"]
 
-ADMIN_PATHS: Final = frozenset({"/v1/models", "/engines", "/health", "/metrics"})
-UNAUTHENTICATED_PATHS: Final = frozenset({"/health", "/metrics"})
+logger = logging.getLogger(__name__)
+
+ADMIN_PATHS: Final = frozenset({"/v1/models", "/engines", "/health", "/metrics", "/version"})
+# As vLLM's own server: only its /v1 paths ask for the key.
+UNAUTHENTICATED_PATHS: Final = frozenset({"/health", "/metrics", "/version"})
+VERSION_TIMEOUT_S: Final = 2.0  # GET /version waits this long for the engines' versions
+VERSION_RETRY_S: Final = 60.0  # an engine that did not tell its version is asked again after
+VERSIONS_AT_ONCE: Final = 32
+# An engine's version, or None when it cannot tell (the engine's /version, under a deadline).
+VersionOf = Callable[[Engine], Awaitable[str | None]]
 
 
 def missing_model(table: RoutingTable, model: str) -> RequestError:
@@ -47,12 +60,18 @@ class AdminEndpoints:
         proxied: Collection[str],
         authenticate: Callable[[bytes | None], object],
         new_request_id: Callable[[], bytes],
+        names: Callable[[], ModelNames],
+        version_of: VersionOf,
     ) -> None:
         self._table, self._metrics, self._health = table, metrics, health
         self._proxied = proxied
         self._authenticate = authenticate  # raises AuthError
         self._new_request_id = new_request_id
-        self._models_version = -1
+        self._names = names
+        self._version_of = version_of
+        # (uid, generation) -> (the version or None, when it was asked)
+        self._versions: dict[tuple[str, int], tuple[str | None, float]] = {}
+        self._models_key: tuple[int, ModelNames] | None = None
         self._models_body = b""
 
     async def __call__(self, scope: Scope, send: Send) -> None:
@@ -109,6 +128,8 @@ class AdminEndpoints:
             engines = [engine.describe() for engine in self._table]
             # msgspec: the table of a large fleet is encoded without building JSON in Python.
             await send_json(send, 200, msgspec.json.encode({"engines": engines}), rid)
+        elif path == "/version":
+            await send_json(send, 200, await self._version(), rid)
         elif path == "/health":
             ready, state, reason = self._health()
             routable = len(self._table.routable_engines())
@@ -135,19 +156,67 @@ class AdminEndpoints:
         """GET /v1/models/{id} (the SDK's `models.retrieve`): one model of a routable engine,
         or an OpenAI-style 404 (503 while engines whose models are not known yet could
         serve it)."""
-        for model in self._table.models():
-            if model.id == model_id:
-                body = json.dumps(model.as_openai()).encode()
+        for card in self._cards():
+            if card.get("id") == model_id:
+                body = json.dumps(card).encode()
                 await send_json(send, 200, body, ((REQUEST_ID_HEADER, request_id),))
                 return
-        await error_response(send, missing_model(self._table, model_id), request_id)
+        target = self._names().aliases.get(model_id, model_id)
+        await error_response(send, missing_model(self._table, target), request_id)
+
+    def _cards(self) -> list[dict[str, Any]]:
+        """The model cards of routable engines, and one for each alias of a served model (its
+        model's card under the alias's id)."""
+        names = self._names()
+        cards = []
+        for model in self._table.models():
+            card = model.as_openai()
+            cards.append(card)
+            cards += ({**card, "id": alias} for alias in names.aliases_of(model.id))
+        return cards
 
     def _models(self) -> bytes:
         """GET /v1/models: the union over routable engines, rebuilt only after a change."""
-        table = self._table
-        if table.version != self._models_version:
-            self._models_body = json.dumps(
-                {"object": "list", "data": [m.as_openai() for m in table.models()]}
-            ).encode()
-            self._models_version = table.version
+        key = (self._table.version, self._names())
+        if key != self._models_key:
+            self._models_body = json.dumps({"object": "list", "data": self._cards()}).encode()
+            self._models_key = key
         return self._models_body
+
+    async def _version(self) -> bytes:
+        """GET /version: the router's version, and how many routable engines run each
+        version ("unknown": those that did not tell within VERSION_TIMEOUT_S). Each engine
+        is asked once per generation (again after VERSION_RETRY_S when it did not tell)."""
+        now = trio.current_time()
+        engines = self._table.routable_engines()
+        current = {(e.uid, e.generation) for e in engines}
+        for key in [k for k in self._versions if k not in current]:
+            del self._versions[key]
+        ask = [
+            e
+            for e in engines
+            if (known := self._versions.get((e.uid, e.generation))) is None
+            or (known[0] is None and now - known[1] > VERSION_RETRY_S)
+        ]
+        if ask:
+            limiter = trio.CapacityLimiter(VERSIONS_AT_ONCE)
+
+            async def one(engine: Engine) -> None:
+                async with limiter:
+                    version = await self._version_of(engine)
+                self._versions[engine.uid, engine.generation] = (version, now)
+
+            with trio.move_on_after(VERSION_TIMEOUT_S):
+                async with trio.open_nursery() as nursery:
+                    for engine in ask:
+                        nursery.start_soon(one, engine)
+            for engine in ask:  # no answer in time: asked again after VERSION_RETRY_S
+                self._versions.setdefault((engine.uid, engine.generation), (None, now))
+        counts: dict[str, int] = {}
+        for engine in engines:
+            known = self._versions.get((engine.uid, engine.generation))
+            version = known[0] if known is not None and known[0] else "unknown"
+            counts[version] = counts.get(version, 0) + 1
+        return json.dumps(
+            {"version": __version__, "engine_versions": dict(sorted(counts.items()))}
+        ).encode()

@@ -9,27 +9,37 @@ reload, so a request keeps the settings it started with.
 
 from __future__ import annotations
 
+import json
+import logging
 from collections.abc import Callable
 from typing import Final
 
 from ..asgi import Receive, Scope, Send, answer_lifespan
 from ..config import Config
 from ..discovery.supervision import Supervisors
-from ..http import Relay
+from ..http import Relay, TransportError, fetch
 from ..kv.tokens import Tokenizer
 from ..metrics import Metrics
-from ..table import RoutingTable
+from ..table import Engine, RoutingTable
 from ..tracing import Tracing
 from .admin import ADMIN_PATHS, AdminEndpoints, missing_model
 from .admission import Admission, Tenant
 from .errors import error_body
 from .exchange import ClientConnection, DisconnectHook, ProxyExchange, Services, request_ids
+from .forms import FORM_PATHS
 from .intake import BodyBudget, BodyParser, authenticate
+from .names import ModelNames
 from .runtime import Settings
+from .stored import RESPONSE_PREFIX, stored_response_id
 
 __all__ = ["PROXIED_PATHS", "DisconnectHooks", "RouterApp", "no_disconnect_hook"]
 
-PROXIED_PATHS: Final = frozenset(
+logger = logging.getLogger(__name__)
+
+# The POST endpoints routed by the model their body names (JSON, or a form for audio). Also
+# routed: GET /v1/responses/{id} and POST /v1/responses/{id}/cancel, to the engine that holds
+# the response (`stored`).
+PROXIED_PATHS: Final = FORM_PATHS | frozenset(
     {
         "/v1/chat/completions",
         "/v1/completions",
@@ -52,6 +62,8 @@ PROXIED_PATHS: Final = frozenset(
         "/v1/messages/render",
     }
 )
+
+VERSION_MAX_BYTES: Final = 4096
 
 # The server's disconnect detection for one request's scope, or None where it has none.
 DisconnectHooks = Callable[[Scope], DisconnectHook | None]
@@ -106,6 +118,8 @@ class RouterApp:
             proxied=PROXIED_PATHS,
             authenticate=self._authenticate,
             new_request_id=new_request_id,
+            names=self._names,
+            version_of=self._engine_version,
         )
 
     @property
@@ -116,9 +130,15 @@ class RouterApp:
         kind = scope["type"]
         if kind == "http":
             path = scope["path"]
-            if scope["method"] == "POST" and (
-                path in PROXIED_PATHS
-                or (self.settings.proxy_unknown_paths and path not in ADMIN_PATHS)
+            if (
+                scope["method"] == "POST"
+                and (
+                    path in PROXIED_PATHS
+                    or (self.settings.proxy_unknown_paths and path not in ADMIN_PATHS)
+                )
+            ) or (
+                path.startswith(RESPONSE_PREFIX)
+                and stored_response_id(scope["method"], path) is not None
             ):
                 exchange = ProxyExchange(
                     self._services, self.settings, scope, send, self._disconnect_hook(scope)
@@ -133,6 +153,25 @@ class RouterApp:
 
     def _authenticate(self, authorization: bytes | None) -> Tenant:
         return authenticate(self.admission, self.settings.client_key, authorization)
+
+    def _names(self) -> ModelNames:
+        return self.settings.names
+
+    async def _engine_version(self, engine: Engine) -> str | None:
+        """The version `engine`'s GET /version tells, or None (no answer, or not one)."""
+        settings = self.settings
+        headers = []
+        if settings.upstream_authorization is not None:
+            headers.append((b"authorization", settings.upstream_authorization))
+        try:
+            status, body = await fetch(
+                settings.pool, engine.url, b"/version", headers, max_bytes=VERSION_MAX_BYTES
+            )
+            version = json.loads(body).get("version") if status == 200 else None
+        except (TransportError, ValueError, AttributeError) as exc:
+            logger.debug("engine %s: no version: %s", engine.name, exc)
+            return None
+        return version if isinstance(version, str) and version else None
 
 
 async def _refuse_websocket(scope: Scope, receive: Receive, send: Send) -> None:

@@ -35,6 +35,7 @@ from ..http import (
 __all__ = [
     "CLIENT_CLOSED",
     "ENGINE_HEADER",
+    "MODEL_HEADER",
     "PREFILL_ENGINE_HEADER",
     "REQUEST_ID_HEADER",
     "error_body",
@@ -46,6 +47,7 @@ __all__ = [
 
 CLIENT_CLOSED: Final = 499  # the status of a request whose client went away (nginx's code)
 ENGINE_HEADER: Final = b"x-trio-router-engine"
+MODEL_HEADER: Final = b"x-trio-router-model"  # the model that answered (aliases, fallbacks)
 PREFILL_ENGINE_HEADER: Final = b"x-trio-router-prefill-engine"  # disaggregated requests
 REQUEST_ID_HEADER: Final = b"x-request-id"
 _JSON_HEADERS: Final = ((b"content-type", b"application/json"),)

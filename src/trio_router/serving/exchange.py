@@ -30,7 +30,13 @@ import trio
 
 from ..asgi import Message, Receive, Scope, Send
 from ..discovery.outliers import Outliers
-from ..errors import EngineFailedError, NoEngineError, RequestError, UnknownModelError
+from ..errors import (
+    BadRequestError,
+    EngineFailedError,
+    NoEngineError,
+    RequestError,
+    UnknownModelError,
+)
 from ..http import (
     ClientGoneError,
     EngineUnreachableError,
@@ -59,14 +65,23 @@ from .disaggregation import (
 from .errors import (
     CLIENT_CLOSED,
     ENGINE_HEADER,
+    MODEL_HEADER,
     PREFILL_ENGINE_HEADER,
     REQUEST_ID_HEADER,
     error_response,
     from_transport,
     http_date,
 )
+from .forms import FORM_PATHS, FormModel
 from .intake import BodyBudget, BodyParser, Held, authenticate, read_body, read_head
 from .runtime import Settings
+from .stored import (
+    ResponseNotFoundError,
+    holder,
+    new_response_id,
+    stored_response_id,
+    with_request_id,
+)
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
@@ -79,7 +94,10 @@ access_logger = logging.getLogger("trio_router.access")  # one record per proxie
 # Response headers of the engine replaced by the router's own (the pool already dropped the
 # hop-by-hop ones). The engine's Date passes through, as a gateway's should; the router dates
 # only the answers it makes itself, or an engine's answer that came without one.
-_RESPONSE_REPLACED: Final = frozenset({ENGINE_HEADER, PREFILL_ENGINE_HEADER, REQUEST_ID_HEADER})
+_RESPONSE_REPLACED: Final = frozenset(
+    {ENGINE_HEADER, PREFILL_ENGINE_HEADER, MODEL_HEADER, REQUEST_ID_HEADER}
+)
+MAX_REFUSAL_BYTES: Final = 64 * 1024  # an engine's 429/503 read whole while a fallback is left
 # Which engines of a model a step may go to.
 Step = Callable[[Roles], Sequence[Engine]]
 _END_BODY: Final[Message] = {"type": "http.response.body", "body": b"", "more_body": False}
@@ -129,11 +147,34 @@ def request_ids() -> Callable[[], bytes]:
     return lambda: b"%s-%d" % (prefix, next(counter))
 
 
-class _Failed(Exception):
-    """An attempt ended the exchange with this error answered (or the response cut)."""
+@dataclass(frozen=True, slots=True)
+class _Refusal:
+    """An engine's 429 or 503, read whole: the client's answer if no fallback model takes
+    the request."""
 
-    def __init__(self, error: RequestError) -> None:
-        self.error = error
+    engine: Engine
+    status: int
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+
+
+class _Refused(Exception):
+    """An engine refused the request (429, 503) while a fallback model is left."""
+
+    def __init__(self, refusal: _Refusal) -> None:
+        self.refusal = refusal
+
+
+class _Failed(Exception):
+    """An attempt ended the exchange with this error answered (or the response cut).
+    `fallback`: the model could not take the request (no engine, the queue, every engine
+    refused), so a fallback model may; `refused`: the last engine's refusal, answered
+    instead of `error` when none does."""
+
+    def __init__(
+        self, error: RequestError, *, fallback: bool = False, refused: _Refusal | None = None
+    ) -> None:
+        self.error, self.fallback, self.refused = error, fallback, refused
 
 
 class ProxyExchange:
@@ -155,6 +196,7 @@ class ProxyExchange:
         self._request_id = b""  # as sent on
         self.tenant_name = ""
         self.model = ""  # as the client asked for it
+        self.served_model = ""  # the model it went to (what an alias names, or a fallback)
         self.model_label = NO_LABEL  # the metrics' label: client-chosen unknown names are not one
         self.engine = ""  # the engine that answered (or was tried last)
         self.prefill_engine = ""  # disaggregated: the engine that took the prefill step
@@ -164,6 +206,11 @@ class ProxyExchange:
         self.ttfb: float | None = None
         self._span: Span | None = None  # the server span, with tracing on
         self._tenant: Tenant | None = None  # admitted: its admission is left at the end
+        self._method = scope["method"].encode()
+        self._form: FormModel | None = None  # a form upload: where its model field is
+        self._pinned: Engine | None = None  # the engine that holds the stored response
+        self._name_responses = False  # /v1/responses: the router names the response
+        self._refusable = False  # a fallback model is left: engines' 429/503 are not final
 
     async def run(self, receive: Receive) -> None:
         """Serve the request to its end. A cancellation from outside (the drain deadline)
@@ -201,7 +248,8 @@ class ProxyExchange:
 
     # -- intake -------------------------------------------------------------------------------
     async def _serve(self, receive: Receive, held: Held) -> None:
-        """Read the request and route it."""
+        """Read the request, route it, and go on to the next fallback model while the one
+        before cannot take it."""
         services, settings = self._services, self._settings
         head = read_head(
             self._scope["headers"], services.new_request_id, settings.upstream_authorization
@@ -225,16 +273,15 @@ class ProxyExchange:
             if body is None:
                 self.status = CLIENT_CLOSED  # the client left while sending
                 return
-            pd = settings.disaggregation
-            payload = await services.parser.parse(
-                body, model_only=not (settings.policy.needs_request_info or pd is not None)
-            )
+            payload, chain = await self._intake(body)
+            index = self._next_model(chain, -1)
+            if index is None:
+                raise self._missing(chain)
+            payload, body = await self._as_model(chain[index], payload, body)
             info = self._route_info(payload)
             services.admission.admit(tenant)
             self._tenant = tenant
-            needs_tokens = settings.policy.needs_tokens or (pd is not None and pd.needs_tokens)
-            if needs_tokens and self._scope["path"] in PD_PATHS:  # what /tokenize renders
-                info = await self._with_tokens(info, payload, head.authorization)
+            info = await self._tokens_for(info, payload, head.authorization)
         except RequestError as exc:
             held.release()
             # Answered before the body was read: the connection cannot carry another one.
@@ -243,30 +290,149 @@ class ProxyExchange:
         target = self._scope["raw_path"]
         if query := self._scope["query_string"]:
             target += b"?" + query
-        try:
-            if pd is None:
-                await self._forward(tenant, info, target, head.headers, body, request_id)
-            else:
-                await self._disaggregated(
-                    pd, tenant, info, payload, target, head.headers, body, request_id
+        while True:
+            self._refusable = self._next_model(chain, index) is not None
+            try:
+                await self._route(tenant, info, payload, target, head.headers, body, request_id)
+                return
+            except _Failed as failed:
+                nxt = self._next_model(chain, index) if failed.fallback else None
+                if nxt is None:
+                    await self._answer_failure(failed)
+                    return
+                reason = "engines_refused" if failed.refused else failed.error.code
+                logger.info(
+                    "request %s: model %s cannot take it (%s); trying fallback model %s",
+                    self.request_id,
+                    chain[index],
+                    failed.error,
+                    chain[nxt],
                 )
-        except _Failed as failed:
-            await self._answer_error(failed.error)
+                self._services.metrics.model_fallback(chain[index], chain[nxt], reason)
+                index = nxt
+            try:
+                payload, body = await self._as_model(chain[index], payload, body)
+                info = await self._tokens_for(
+                    self._route_info(payload), payload, head.authorization
+                )
+            except RequestError as exc:
+                await self._answer_error(exc)
+                return
+
+    async def _intake(self, body: bytes | bytearray) -> tuple[dict[str, Any], tuple[str, ...]]:
+        """What routing reads of the body (its JSON object, or a form's model field), and the
+        models to try in order (the asked one, or what its alias names, then its fallbacks).
+        A stored response's request goes to the engine that holds it, with no fallback."""
+        services, settings, scope = self._services, self._settings, self._scope
+        path = scope["path"]
+        if (stored := stored_response_id(scope["method"], path)) is not None:
+            pinned = holder(services.table, stored)
+            if pinned is None:
+                raise ResponseNotFoundError(
+                    f"response {stored!r} is not found: it was not created through this router"
+                )
+            self._pinned = pinned
+            model = next((m.id for m in pinned.models if m.parent is None), pinned.models[0].id)
+            return {"model": model}, (model,)
+        if path in FORM_PATHS:
+            content_type = next((v for k, v in scope["headers"] if k == b"content-type"), None)
+            self._form = await services.parser.form(body, content_type)
+            payload: dict[str, Any] = {"model": self._form.model}
+        else:
+            pd = settings.disaggregation
+            payload = await services.parser.parse(
+                body, model_only=not (settings.policy.needs_request_info or pd is not None)
+            )
+        self.model = asked = payload["model"]
+        chain = settings.names.chain(asked)
+        if path == "/v1/responses":
+            previous = payload.get("previous_response_id")
+            if isinstance(previous, str) and (pinned := holder(services.table, previous)):
+                if chain[0] not in pinned.model_ids:
+                    raise BadRequestError(
+                        f"response {previous!r} is held by engine {pinned.name}, which does "
+                        f"not serve model {chain[0]!r}"
+                    )
+                self._pinned, chain = pinned, chain[:1]
+            self._name_responses = "request_id" not in payload
+        return payload, chain
+
+    def _next_model(self, chain: tuple[str, ...], index: int) -> int | None:
+        """The index of the first model after `index` in `chain` that a routable engine
+        serves (of the one pinned engine, when the request has one), or None."""
+        table, pinned = self._services.table, self._pinned
+        for i in range(index + 1, len(chain)):
+            if any(pinned is None or e is pinned for e in table.routable(chain[i])):
+                return i
+        return None
+
+    def _missing(self, chain: tuple[str, ...]) -> RequestError:
+        """The error for a request no model of `chain` has a routable engine for."""
+        if self._pinned is not None:
+            return NoEngineError(
+                f"engine {self._pinned.name} does not serve model {chain[0]!r} right now"
+            )
+        error = self._services.missing_model(chain[0])
+        if not isinstance(error, UnknownModelError):
+            self.model_label = chain[0]  # clients choose unknown names: those get no label
+        if len(chain) > 1:
+            error.args = (f"{error} (nor its fallbacks: {', '.join(chain[1:])})",)
+        return error
+
+    async def _as_model(
+        self, model: str, payload: dict[str, Any], body: bytes | bytearray
+    ) -> tuple[dict[str, Any], bytes | bytearray]:
+        """The request for `model`: unchanged when it names it, else its "model" rewritten
+        (the JSON member, or the form's field)."""
+        self.served_model = self.model_label = model
+        if payload["model"] == model:
+            return payload, body
+        if (form := self._form) is not None:
+            self._form = FormModel(model, form.start, form.start + len(model.encode()))
+            return {"model": model}, form.rewritten(body, model)
+        return await self._services.parser.with_model(body, payload, model)
 
     def _route_info(self, payload: dict[str, Any]) -> RequestInfo:
-        """What the policy may know of the request; RequestError for a model no routable
-        engine serves."""
-        model = self.model = payload["model"]
-        if not self._services.table.routable(model):
-            error = self._services.missing_model(model)
-            if not isinstance(error, UnknownModelError):
-                self.model_label = model  # clients choose unknown names: those get no label
-            raise error
-        self.model_label = model
+        """What the policy may know of the request."""
         settings = self._settings
         if settings.policy.needs_request_info or settings.disaggregation is not None:
             return request_info(payload, self._scope["headers"], settings.config.routing)
-        return RequestInfo(model=model)
+        return RequestInfo(model=payload["model"])
+
+    async def _tokens_for(
+        self, info: RequestInfo, payload: dict[str, Any], authorization: bytes | None
+    ) -> RequestInfo:
+        """`info` with the prompt's token ids when the policy routes on them."""
+        settings, pd = self._settings, self._settings.disaggregation
+        needs_tokens = settings.policy.needs_tokens or (pd is not None and pd.needs_tokens)
+        if needs_tokens and self._scope["path"] in PD_PATHS:  # what /tokenize renders
+            return await self._with_tokens(info, payload, authorization)
+        return info
+
+    async def _route(
+        self,
+        tenant: Tenant,
+        info: RequestInfo,
+        payload: dict[str, Any],
+        target: bytes,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes | bytearray,
+        request_id: bytes,
+    ) -> None:
+        """The request to an engine of the model it now names: the engine that holds its
+        stored response, one of disaggregation's steps, or the policy's choice."""
+        pd = self._settings.disaggregation
+        if self._pinned is not None:
+            await self._forward(
+                tenant, info, target, headers, body, request_id, step=self._pinned_step
+            )
+        elif pd is None:
+            await self._forward(tenant, info, target, headers, body, request_id)
+        else:
+            await self._disaggregated(pd, tenant, info, payload, target, headers, body, request_id)
+
+    def _pinned_step(self, roles: Roles) -> Sequence[Engine]:
+        return () if self._pinned is None else (self._pinned,)
 
     async def _with_tokens(
         self, info: RequestInfo, payload: dict[str, Any], authorization: bytes | None
@@ -285,7 +451,7 @@ class ProxyExchange:
         if (key := settings.upstream_authorization or authorization) is not None:
             headers.append((b"authorization", key))
         tokens = await self._services.tokenizer.tokens(
-            settings.pool, payload, self._services.table.routable(self.model), headers
+            settings.pool, payload, self._services.table.routable(self.served_model), headers
         )
         return info if tokens is None else dataclasses.replace(info, tokens=tuple(tokens))
 
@@ -309,15 +475,24 @@ class ProxyExchange:
         given, is the first engine to try, its admission slot already held."""
         tried: list[str] = []
         unreachable: EngineUnreachableError | None = None
+        refused: _Refusal | None = None
         while True:
             if first is not None:
                 engine, first = first, None
             else:
-                engine = await self._choose(tenant, info, tried, unreachable, policy, step)
+                try:
+                    engine = await self._choose(tenant, info, tried, unreachable, policy, step)
+                except _Failed as failed:
+                    if refused is None:
+                        raise
+                    raise _Failed(failed.error, fallback=True, refused=refused) from None
             generation = engine.generation
             try:
                 await self._attempt(engine, generation, target, headers, body, request_id)
                 return
+            except _Refused as exc:  # a fallback model is left: the next engine, then it
+                tried.append(engine.uid)
+                refused = exc.refusal
             except EngineUnreachableError as exc:
                 self._services.outliers.report_unreachable(
                     engine, generation, str(exc), refused=exc.connect_failed
@@ -328,7 +503,7 @@ class ProxyExchange:
                 if len(tried) > self._settings.retries:
                     raise _Failed(
                         EngineFailedError(
-                            f"engine {engine.name} for model {self.model!r} could not be "
+                            f"engine {engine.name} for model {self.served_model!r} could not be "
                             f"reached ({len(tried)} attempt(s)): {exc}",
                             status=502,
                             code="engine_unreachable",
@@ -352,7 +527,7 @@ class ProxyExchange:
         (every engine tried, the queue full or its wait over). `policy` (default: the routing
         policy) chooses among the engines `step` allows (default: all); `phase` "prefill"
         chooses the prefill step's engine."""
-        services, model = self._services, self.model
+        services, model = self._services, self.served_model
         policy = policy if policy is not None else self._settings.policy
         if step is not None:  # the engines the step may not go to count as tried
             routable = services.table.routable(model)
@@ -370,7 +545,7 @@ class ProxyExchange:
             engine = await services.admission.acquire(tenant, model, pick, tried=tried)
         except NoEngineError as exc:
             if unreachable is None:
-                raise _Failed(exc) from exc
+                raise _Failed(exc, fallback=True) from exc
             raise _Failed(
                 EngineFailedError(
                     f"no engine for model {model!r} could be reached after {self.attempts} "
@@ -380,7 +555,7 @@ class ProxyExchange:
                 )
             ) from exc
         except RequestError as exc:  # the queue: full, or waited too long
-            raise _Failed(exc) from exc
+            raise _Failed(exc, fallback=True) from exc
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "request %s for %s (tenant %r): policy %s chose %s (excluded %s): %s",
@@ -417,7 +592,7 @@ class ProxyExchange:
         prefill engine's `kv_transfer_params` to the decode engine, whose answer is the
         client's. Otherwise, or when the prefill step fails, one engine serves it whole."""
         services, metrics = self._services, self._services.metrics
-        roles = Roles.of(services.table.routable(self.model))
+        roles = Roles.of(services.table.routable(self.served_model))
         path = self._scope["path"]
         if (reason := pd.skip_reason(path, payload, roles)) is not None:
             metrics.pd_decision("direct", reason)
@@ -487,7 +662,7 @@ class ProxyExchange:
             logger.info(
                 "request %s for %s: no prefill engine (%s); engine %s prefills itself",
                 self.request_id,
-                self.model,
+                self.served_model,
                 why,
                 decode.name,
             )
@@ -549,7 +724,7 @@ class ProxyExchange:
         logger.warning(
             "request %s for %s: prefill on engine %s failed (%s); engine %s prefills itself",
             self.request_id,
-            self.model,
+            self.served_model,
             engine.name,
             failure,
             decode.name,
@@ -576,11 +751,19 @@ class ProxyExchange:
             span, headers = services.tracing.start_attempt(
                 self._span, engine.name, engine.url, self.attempts, target, headers
             )
+        if self._name_responses:
+            body = with_request_id(body, new_response_id(engine))
+        refusal = None
         try:
             async with self._settings.pool.request(
-                engine.url, b"POST", target, headers, body
+                engine.url, self._method, target, headers, body
             ) as response:
-                await self._respond(response, engine, request_id)
+                if self._refusable and response.status in (429, 503):
+                    what = f"engine {engine.name}'s {response.status} answer"
+                    answer = await read_whole(response, MAX_REFUSAL_BYTES, what)
+                    refusal = _Refusal(engine, response.status, response.headers, answer)
+                else:
+                    await self._respond(response, engine, request_id)
             failure = None
             self._record(engine, generation, response.status)
         except EngineUnreachableError as exc:
@@ -594,6 +777,15 @@ class ProxyExchange:
                 services.tracing.end_attempt(
                     span, status=response.status if response is not None else None, error=failure
                 )
+        if refusal is not None:
+            logger.info(
+                "request %s for %s: engine %s answered %d; a fallback model is left",
+                self.request_id,
+                self.served_model,
+                engine.name,
+                refusal.status,
+            )
+            raise _Refused(refusal)
 
     def _record(self, engine: Engine, generation: int, status: int) -> None:
         """An answer went out whole: the engine's figures and health."""
@@ -622,7 +814,7 @@ class ProxyExchange:
         logger.warning(
             "request %s for %s on engine %s broke off mid-response: %s",
             self.request_id,
-            self.model,
+            self.served_model,
             engine.name,
             exc,
         )
@@ -634,21 +826,24 @@ class ProxyExchange:
         relayed after the first chunk when the client connection allows it."""
         services, send = self._services, self._send
         self.status = response.status
+        echo = self._settings.names.echo(self.model, self.served_model)
         await send(
             {
                 "type": "http.response.start",
                 "status": response.status,
-                "headers": self._head(response.headers, engine, request_id),
+                "headers": self._head(response.headers, engine, request_id, sized=echo is None),
             }
         )
-        relay = services.relay if self._scope["http_version"] == "1.1" else None
+        relay = services.relay if self._scope["http_version"] == "1.1" and echo is None else None
         previous = chunk = b""
         ended = False  # the end of the response was sent
         async for chunk in response:
             if self.ttfb is None:
                 self.ttfb = trio.current_time() - self.started
-                services.metrics.observe_ttfb(self.model, self.ttfb)
+                services.metrics.observe_ttfb(self.served_model, self.ttfb)
             ended = response.complete  # the last chunk ends the response
+            if echo is not None:  # an alias: the engine's name for the model is not sent
+                chunk = echo.feed(chunk, final=ended)
             message = {"type": "http.response.body", "body": chunk, "more_body": not ended}
             await (self._end(message) if ended else send(message))
             self.sent += len(chunk)
@@ -661,25 +856,34 @@ class ProxyExchange:
                     break
                 relay = None  # the general path, to the end
         if not ended:
-            await self._end(_END_BODY)
+            tail = b"" if echo is None else echo.feed(b"", final=True)
+            await self._end({**_END_BODY, "body": tail} if tail else _END_BODY)
+            self.sent += len(tail)
         if response.status == 200 and (usage := _usage(previous[-4096:] + chunk[-4096:])):
-            services.metrics.tokens(self.model, *usage)
+            services.metrics.tokens(self.served_model, *usage)
 
     def _head(
-        self, headers: list[tuple[bytes, bytes]], engine: Engine, request_id: bytes
+        self,
+        headers: list[tuple[bytes, bytes]],
+        engine: Engine,
+        request_id: bytes,
+        *,
+        sized: bool = True,
     ) -> list[tuple[bytes, bytes]]:
         """The client's response headers from the engine's: the router's own replaced, a
-        Date added when the engine sent none, the engines that served it named."""
+        Date added when the engine sent none, the engines that served it and the model named.
+        Not `sized`: the body is rewritten, its Content-Length left out."""
         out = []
         dated = False
         for header in headers:
             name = header[0]
-            if name not in _RESPONSE_REPLACED:
+            if name not in _RESPONSE_REPLACED and (sized or name != b"content-length"):
                 out.append(header)
                 dated = dated or name == b"date"
         if not dated:
             out.append((b"date", http_date()))
         out.append((ENGINE_HEADER, engine.name.encode()))
+        out.append((MODEL_HEADER, self.served_model.encode()))
         if self.prefill_engine and self.prefill_engine != engine.name:
             out.append((PREFILL_ENGINE_HEADER, self.prefill_engine.encode()))
         out.append((REQUEST_ID_HEADER, request_id))
@@ -714,6 +918,17 @@ class ProxyExchange:
         return tail
 
     # -- the end ------------------------------------------------------------------------------
+    async def _answer_failure(self, failed: _Failed) -> None:
+        """No engine (of any fallback model) took the request: the last engine's refusal
+        when every engine refused it, else the error."""
+        if (refusal := failed.refused) is not None:
+            self.engine = refusal.engine.name
+            await self._answer_buffered(
+                refusal.status, refusal.headers, refusal.body, refusal.engine
+            )
+        else:
+            await self._answer_error(failed.error)
+
     async def _answer_error(self, exc: RequestError, *, close: bool = False) -> None:
         self.status = exc.status
         logger.warning(
@@ -757,6 +972,7 @@ class ProxyExchange:
             "path": scope["path"],
             "tenant": self.tenant_name,
             "model": self.model,
+            "served_model": self.served_model,
             "engine": self.engine,
             "prefill_engine": self.prefill_engine,
             "policy": self._settings.policy.name,
@@ -773,12 +989,19 @@ class ProxyExchange:
             self.request_id,
             scope["method"],
             scope["path"],
-            self.model or "-",
+            _models_text(self.model, self.served_model),
             self.engine or "-",
             self.status,
             duration * 1000,
             extra={"fields": fields},
         )
+
+
+def _models_text(asked: str, served: str) -> str:
+    """The model of an access line: as asked, and the one that answered when another did."""
+    if not served or served == asked:
+        return asked or "-"
+    return f"{asked or '-'}({served})"
 
 
 def _whole(roles: Roles) -> Sequence[Engine]:

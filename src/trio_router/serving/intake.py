@@ -36,6 +36,7 @@ from ..errors import (
 from ..http.codec import FIELD_VALUE_CHARS
 from .admission import Admission, Tenant
 from .errors import REQUEST_ID_HEADER
+from .forms import FormModel, form_model
 
 __all__ = [
     "LARGE_BODY_BYTES",
@@ -224,6 +225,31 @@ class BodyParser:
         return await trio.to_thread.run_sync(
             partial(_parse_large, body, model_only=model_only), limiter=self._limiter
         )
+
+    async def form(self, body: bytes | bytearray, content_type: bytes | None) -> FormModel:
+        """The `model` field of a multipart form upload (`forms.form_model`), read in a
+        worker thread when the body is large."""
+        if len(body) <= LARGE_BODY_BYTES:
+            return form_model(body, content_type)
+        return await trio.to_thread.run_sync(form_model, body, content_type, limiter=self._limiter)
+
+    async def with_model(
+        self, body: bytes | bytearray, payload: dict[str, Any], model: str
+    ) -> tuple[dict[str, Any], bytes]:
+        """The request for `model` instead: its payload and its body re-encoded (the other
+        members as they were, in their order). A large body whose model alone was read is
+        parsed whole first, in a worker thread."""
+        if len(body) <= LARGE_BODY_BYTES:
+            payload = {**payload, "model": model}
+            return payload, msgspec.json.encode(payload)
+        return await trio.to_thread.run_sync(
+            partial(_with_model_large, body, model), limiter=self._limiter
+        )
+
+
+def _with_model_large(body: bytes | bytearray, model: str) -> tuple[dict[str, Any], bytes]:
+    payload = {**parse_json(body), "model": model}
+    return payload, msgspec.json.encode(payload)
 
 
 def _parse_large(body: bytes | bytearray, *, model_only: bool) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from ..kv.local_tokenizer import LocalTokenizer
 from ..routing.policy import Policy, make_policy
 from ..table import Engine, RoutingTable
 from .disaggregation import Disaggregation
+from .names import NO_NAMES, ModelNames
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +45,7 @@ class Settings:
     disaggregation: Disaggregation | None = None  # [disaggregation] enabled: its policies
     local_tokenizer: LocalTokenizer | None = None  # routing.tokenizer_dir, loaded
     proxy_unknown_paths: bool = False  # proxy.unknown_paths = "model"
+    names: ModelNames = NO_NAMES  # routing.aliases, routing.fallbacks
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +161,7 @@ def build_runtime(
         disaggregation=disaggregation,
         local_tokenizer=local_tokenizer,
         proxy_unknown_paths=config.proxy.unknown_paths == "model",
+        names=ModelNames(config.routing.aliases, config.routing.fallbacks),
     )
     return Runtime(
         config=config,

@@ -18,9 +18,12 @@ as well as on the real clock.
 
 from __future__ import annotations
 
+import email.parser
+import email.policy
 import email.utils
 import json
 import logging
+import re
 import time
 import zlib
 from collections import deque
@@ -39,7 +42,15 @@ import trio
 from ..asgi import Message, Receive, Scope, Send, answer_lifespan
 from .fake_kv import FakeKvCache, open_fake_kv
 from .fake_pd import PULL_PATH, FakeKvTransfer
-from .fake_replies import POST_HANDLERS, SSE_DONE, Reply, error_body, prompt_tokens
+from .fake_replies import (
+    POST_HANDLERS,
+    SSE_DONE,
+    Reply,
+    error_body,
+    prompt_tokens,
+    stored_response,
+    transcription,
+)
 
 __all__ = [
     "FakeEngine",
@@ -56,6 +67,8 @@ logger = logging.getLogger(__name__)
 _GENERATION: Final = frozenset({"/v1/chat/completions", "/v1/completions"})
 
 
+_AUDIO: Final = {"/v1/audio/transcriptions": False, "/v1/audio/translations": True}
+_STORED: Final = re.compile(r"/v1/responses/([^/]+)(/cancel)?")
 _JSON_HEADERS: Final = [(b"content-type", b"application/json")]
 _SSE_HEADERS: Final = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
@@ -128,6 +141,8 @@ class FakeEngine:
     disconnects: int = field(init=False, default=0)  # clients gone before their reply ended
     completed: int = field(init=False, default=0)  # POST replies sent to the end
     prompt_tokens: int = field(init=False, default=0)  # of every generation request
+    stored_responses: dict[str, Any] = field(init=False, default_factory=dict)  # by id
+    forms: list[dict[str, str]] = field(init=False, default_factory=list)  # audio forms' fields
     _changed: trio.Event = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -288,7 +303,7 @@ class FakeEngineApp:
                 client=(client[0], client[1]) if client else None,
             )
         )
-        inference = scope["path"] in POST_HANDLERS
+        inference = scope["path"] in POST_HANDLERS or scope["path"] in _AUDIO
         finished = False  # the last body message was handed to the server
 
         async def tracked_send(message: Message) -> None:
@@ -348,7 +363,20 @@ class FakeEngineApp:
             given = engine.pd.give(json.loads(body))
             await self._send_json(send, 200 if given else 404, {"given": given})
             return False
-        reply = self._refusal(method, path, body)
+        reply: Reply | None = None
+        if (stored := _STORED.fullmatch(path)) is not None:
+            cancel = stored.group(2) is not None
+            if method != ("POST" if cancel else "GET"):
+                reply = Reply(405, {"detail": "Method Not Allowed"})
+            else:
+                reply = stored_response(engine, stored.group(1), cancel=cancel)
+        elif path in _AUDIO and method == "POST":
+            if (status := engine.inference_fail_status) is not None:
+                reply = Reply(status, error_body(status, f"{engine.name} refuses"))
+            else:
+                reply = self._audio(scope, body, translate=_AUDIO[path])
+        else:
+            reply = self._refusal(method, path, body)
         if reply is None:
             request = json.loads(body)
             model = request.get("model") or (engine.models[0] if engine.models else "")
@@ -421,6 +449,30 @@ class FakeEngineApp:
             await self._send_bytes(send, 200, b"", None)
         else:
             await self._send_json(send, 200, {"version": "0.0.0-fake"})
+
+    def _audio(self, scope: Scope, body: bytes, *, translate: bool) -> Reply:
+        """An audio upload: its multipart form read with the standard library's MIME parser
+        (not the router's), the fields kept in `forms`."""
+        engine = self.engine
+        content_type = dict(scope["headers"]).get(b"content-type", b"")
+        message = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(
+            b"Content-Type: " + content_type + b"\r\n\r\n" + body
+        )
+        if not message.is_multipart():
+            return Reply(400, error_body(400, "expected a multipart/form-data body"))
+        fields: dict[str, str] = {}
+        for part in message.iter_parts():
+            name = part.get_param("name", header="content-disposition")
+            if isinstance(name, str) and part.get_filename() is None:
+                payload = part.get_payload(decode=True)
+                fields[name] = payload.decode() if isinstance(payload, bytes) else ""
+        engine.forms.append(fields)
+        model = fields.get("model", "")
+        if model not in engine.model_ids:
+            message_text = f"The model `{model}` does not exist."
+            return Reply(404, error_body(404, message_text, param="model"))
+        self._counter += 1
+        return transcription(engine, fields, model, f"{self._counter:08x}", translate=translate)
 
     def _refusal(self, method: str, path: str, body: bytes) -> Reply | None:
         """The error reply to a request the engine refuses (as vLLM's server would), or None

@@ -13,7 +13,15 @@ from typing import TYPE_CHECKING, Any, Final
 if TYPE_CHECKING:
     from .fake_engine import FakeEngine
 
-__all__ = ["POST_HANDLERS", "REPLY_WORDS", "SSE_DONE", "Reply", "error_body"]
+__all__ = [
+    "POST_HANDLERS",
+    "REPLY_WORDS",
+    "SSE_DONE",
+    "Reply",
+    "error_body",
+    "stored_response",
+    "transcription",
+]
 
 REPLY_WORDS: Final = (
     "Hello",
@@ -330,10 +338,18 @@ def score(engine: FakeEngine, request: dict[str, Any], model: str, rid: str) -> 
 
 
 def responses(engine: FakeEngine, request: dict[str, Any], model: str, rid: str) -> Reply:
+    """vLLM's Responses API: the response's id is the request's `request_id` (vLLM's own
+    default when there is none), stored unless `store` is false (vLLM with
+    VLLM_ENABLE_RESPONSES_API_STORE=1), found again by `previous_response_id`; `background`
+    answers at once with the response in progress."""
+    previous = request.get("previous_response_id")
+    if previous is not None and previous not in engine.stored_responses:
+        return _response_not_found(previous)
     n, _ = n_tokens(engine, {"max_tokens": request.get("max_output_tokens")})
     words = [REPLY_WORDS[i % len(REPLY_WORDS)] for i in range(n)]
     prompt_tokens = len(_words(_prompt_text(request)))
-    ident, msg_id = f"resp_{engine.name}_{rid}", f"msg_{rid}"
+    ident = request.get("request_id") or f"resp_{engine.name}_{rid}"
+    msg_id = f"msg_{rid}"
     created = int(time.time())
 
     def response(status: str, text: str | None) -> dict[str, Any]:
@@ -371,6 +387,11 @@ def responses(engine: FakeEngine, request: dict[str, Any], model: str, rid: str)
             },
         }
 
+    if request.get("background"):
+        stored = engine.stored_responses[ident] = response("in_progress", None)
+        return Reply(200, stored)
+    if request.get("store", True):
+        engine.stored_responses[ident] = response("completed", "".join(words))
     if not request.get("stream"):
         return Reply(200, response("completed", "".join(words)))
     events = [
@@ -409,6 +430,51 @@ def responses(engine: FakeEngine, request: dict[str, Any], model: str, rid: str)
         )
     )
     return Reply(200, events=events)
+
+
+def _response_not_found(response_id: str) -> Reply:
+    return Reply(
+        404, error_body(404, f"Response with id '{response_id}' not found.", param="response_id")
+    )
+
+
+def stored_response(engine: FakeEngine, response_id: str, *, cancel: bool) -> Reply:
+    """GET /v1/responses/{id}, POST /v1/responses/{id}/cancel, as vLLM answers them."""
+    stored = engine.stored_responses.get(response_id)
+    if stored is None:
+        return _response_not_found(response_id)
+    if cancel:
+        if stored["status"] not in ("queued", "in_progress"):
+            return Reply(
+                400, error_body(400, "Cannot cancel a synchronous response.", param="response_id")
+            )
+        stored["status"] = "cancelled"
+    return Reply(200, stored)
+
+
+def transcription(
+    engine: FakeEngine, fields: dict[str, str], model: str, rid: str, *, translate: bool
+) -> Reply:
+    """/v1/audio/transcriptions and /translations: the form's fields read (the file
+    ignored), the text as JSON or, with `stream`, as vLLM's transcription chunks."""
+    n, _ = n_tokens(engine, {})
+    words = [REPLY_WORDS[i % len(REPLY_WORDS)] for i in range(n)]
+    if fields.get("stream", "false").lower() not in ("true", "1"):
+        return Reply(200, {"text": "".join(words), "usage": {"type": "duration", "seconds": 1}})
+    kind = "translation" if translate else "transcription"
+    events = [
+        _sse(
+            {
+                "id": f"trsc-{rid}",
+                "object": f"{kind}.chunk",
+                "created": int(time.time()),
+                "model": model,
+                "choices": [{"delta": {"content": w}}],
+            }
+        )
+        for w in words
+    ]
+    return Reply(200, events=[*events, SSE_DONE])
 
 
 def _anthropic_prompt(request: dict[str, Any]) -> int:
