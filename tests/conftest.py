@@ -100,7 +100,10 @@ def real_engines(
         port=port,
         kv_cache_bytes=REAL_KV_CACHE_BYTES,
         block_size=REAL_BLOCK_SIZE,
-        extra_env=(("VLLM_SERVER_DEV_MODE", "1"),),  # POST /reset_prefix_cache
+        extra_env=(
+            ("VLLM_SERVER_DEV_MODE", "1"),  # POST /reset_prefix_cache
+            ("VLLM_ENABLE_RESPONSES_API_STORE", "1"),  # GET /v1/responses/{id}
+        ),
     )
     specs = vllm_engines.publishing_kv_events(plain, port=kv_port, replay_port=replay_port)
     with vllm_engines.running_engines(

@@ -15,6 +15,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Final
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -80,6 +81,46 @@ async def test_openai_sdk_through_the_router() -> None:
     assert [r.json()["model"] for r in engines[0].requests_to(CHAT) if r.json().get("stream")] == [
         "lora-a"
     ]  # only engine a serves the adapter
+
+
+def use_anthropic_sdk(url: str) -> dict[str, Any]:
+    """A Claude-compatible client: the Anthropic SDK's messages.create, whole and streamed,
+    and count_tokens (run in a worker thread)."""
+    out: dict[str, Any] = {}
+    with anthropic.Anthropic(base_url=url, api_key="k", max_retries=0, timeout=LIMIT) as client:
+        messages: Any = [{"role": "user", "content": "hi there"}]
+        message = client.messages.create(model="chat", max_tokens=8, messages=messages)
+        out["text"] = "".join(block.text for block in message.content if block.type == "text")
+        out["model"], out["stop"] = message.model, message.stop_reason
+        out["usage"] = (message.usage.input_tokens, message.usage.output_tokens)
+        events = list(
+            client.messages.create(model="chat", max_tokens=8, messages=messages, stream=True)
+        )
+        out["event_types"] = [e.type for e in events]
+        out["streamed"] = "".join(
+            e.delta.text
+            for e in events
+            if e.type == "content_block_delta" and e.delta.type == "text_delta"
+        )
+        with client.messages.stream(model="chat", max_tokens=8, messages=messages) as stream:
+            out["helper"] = stream.get_final_text()
+        out["tokens"] = client.messages.count_tokens(model="chat", messages=messages).input_tokens
+    return out
+
+
+async def test_anthropic_sdk_through_the_router() -> None:
+    engine = FakeEngine(tokens=3)
+    with trio.fail_after(LIMIT):
+        async with open_router([engine], routing={"aliases": {"chat": "fake-model"}}) as router:
+            out = await trio.to_thread.run_sync(use_anthropic_sdk, router.url)
+    assert out["text"] == out["streamed"] == out["helper"] == "Hello from a"
+    assert out["model"] == "chat"  # the alias the client asked for, not the engine's name
+    assert out["stop"] == "end_turn"
+    assert out["usage"][1] == 3
+    assert out["event_types"][0] == "message_start"
+    assert out["event_types"][-1] == "message_stop"
+    assert out["tokens"] == out["usage"][0] > 0
+    assert {r.json()["model"] for r in engine.requests_to("/v1/messages")} == {"fake-model"}
 
 
 # -- Kubernetes discovery into the router -----------------------------------------------------

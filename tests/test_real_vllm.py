@@ -20,6 +20,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Final
 
+import anthropic
 import httpx
 import pytest
 import trio
@@ -300,6 +301,101 @@ async def test_anthropic_messages_and_sagemaker_invocations_are_vllms(
     assert routed[2] == direct[2] == 200
     assert events[0] == "event: message_start" and events[-1] == "event: message_stop"
     assert 1 <= events.count("event: content_block_delta") <= 4  # several tokens an event, at load
+
+
+def use_anthropic_sdk(base_url: str, message: dict[str, Any]) -> tuple[str, str, list[str]]:
+    """The Anthropic SDK's messages.create, whole and streamed (in a worker thread)."""
+    with anthropic.Anthropic(
+        base_url=base_url, api_key="k", max_retries=0, timeout=LIMIT
+    ) as client:
+        whole = client.messages.create(**message)
+        events = list(client.messages.create(**message, stream=True))
+    text = "".join(block.text for block in whole.content if block.type == "text")
+    streamed = "".join(
+        e.delta.text
+        for e in events
+        if e.type == "content_block_delta" and e.delta.type == "text_delta"
+    )
+    return text, streamed, [e.type for e in events if e.type.startswith("message")]
+
+
+async def test_the_anthropic_sdk_gets_what_vllm_gives_it(
+    real_engines: list[EngineProcess],
+) -> None:
+    engine = real_engines[0]
+    message = {
+        "model": MODEL_NAME,
+        "max_tokens": 6,
+        "messages": [{"role": "user", "content": text_of(13, 20)}],
+        "extra_body": {"temperature": 0},  # greedy: the same answer both ways
+    }
+    with trio.fail_after(LIMIT):
+        async with open_router(static([engine]), 1) as (url, _):
+            routed = await trio.to_thread.run_sync(use_anthropic_sdk, url, message)
+            direct = await trio.to_thread.run_sync(use_anthropic_sdk, engine.url, message)
+    assert routed == direct
+    assert routed[0] and routed[0] == routed[1]  # greedy: whole and streamed agree
+    assert routed[2] == ["message_start", "message_delta", "message_stop"]
+
+
+async def test_stored_responses_aliases_and_versions_across_replicas(
+    real_engines: list[EngineProcess],
+) -> None:
+    """Two router replicas in front of the tier's engines: a response vLLM stored, created
+    through one, is retrieved and continued through the other, at the engine that holds it
+    (the other engine does not know it); an alias is the model to the engines and itself to
+    the client; /version tells vLLM's version."""
+    config = static(real_engines, routing={"aliases": {"chat": MODEL_NAME}})
+    create = {
+        "model": "chat",
+        "input": text_of(14, 12),
+        "max_output_tokens": 4,
+        "temperature": 0,
+        "store": True,
+    }
+    with trio.fail_after(LIMIT):
+        async with (
+            open_router(config, len(real_engines)) as (url_a, _),
+            open_router(config, len(real_engines)) as (url_b, _),
+            httpx.AsyncClient(timeout=LIMIT) as client,
+        ):
+            made = await client.post(f"{url_a}/v1/responses", json=create)
+            assert made.status_code == 200, made.text
+            response_id, holder = made.json()["id"], made.headers["x-trio-router-engine"]
+            found = await client.get(f"{url_b}/v1/responses/{response_id}")
+            follow_up = await client.post(
+                f"{url_b}/v1/responses",
+                json={**create, "input": text_of(15, 6), "previous_response_id": response_id},
+            )
+            direct = {
+                e.url: (await client.get(f"{e.url}/v1/responses/{response_id}")).status_code
+                for e in real_engines
+            }
+            version = (await client.get(f"{url_b}/version")).json()
+            chunks: list[Any] = []
+            async with client.stream(
+                "POST",
+                f"{url_a}{CHAT}",
+                json={"model": "chat", "messages": messages(), "max_tokens": 4, "stream": True},
+            ) as stream:
+                chunks = [
+                    json.loads(line[6:])
+                    async for line in stream.aiter_lines()
+                    if line.startswith("data: {")
+                ]
+    assert response_id.startswith("resp_tr1")
+    assert made.json()["model"] == "chat"  # vLLM's echo of the model, as the client named it
+    assert made.json()["status"] == "incomplete"  # max_output_tokens reached
+    assert found.status_code == 200, found.text
+    assert found.headers["x-trio-router-engine"] == holder
+    assert found.json()["id"] == response_id
+    assert found.json()["output"] == made.json()["output"]
+    assert follow_up.status_code == 200, follow_up.text
+    assert follow_up.headers["x-trio-router-engine"] == holder
+    assert sorted(direct.values()) == [200, 404]  # one engine holds it, the other does not
+    assert direct[next(e.url for e in real_engines if e.url.endswith(holder))] == 200
+    assert version["engine_versions"] == {"0.32.0": len(real_engines)}
+    assert chunks and {c["model"] for c in chunks} == {"chat"}
 
 
 async def test_vllms_own_400_reaches_the_client_as_sent(

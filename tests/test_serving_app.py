@@ -16,6 +16,7 @@ import pytest
 import trio
 import trio.testing
 
+from trio_router._version import __version__
 from trio_router.config import (
     Config,
     DisaggregationConfig,
@@ -36,6 +37,7 @@ from trio_router.http import (
     UpstreamPool,
 )
 from trio_router.metrics import Metrics
+from trio_router.serving.admin import VERSION_RETRY_S, VERSION_TIMEOUT_S
 from trio_router.serving.admission import Admission
 from trio_router.serving.app import RouterApp
 from trio_router.serving.errors import from_transport
@@ -142,6 +144,10 @@ class Bench:
 async def engine(request: FakeRequest) -> FakeReply:
     if request.host == DOWN:
         raise CloseConnection
+    if request.path == "/version":
+        if request.host == SILENT:
+            await trio.sleep_forever()
+        return FakeReply(200, b'{"version": "0.32.0"}', [("content-type", "application/json")])
     if request.method == "POST" and request.host == SILENT:
         await trio.sleep_forever()
     return FakeReply(200, b'{"ok": true}', [("content-type", "application/json")])
@@ -220,6 +226,33 @@ async def test_dispatch_proxied_admin_unknown_and_wrong_method(
     assert wrong is not None and (wrong.status, wrong.headers[b"allow"]) == (405, b"POST")
     assert unknown is not None and (unknown.status, unknown.error()["code"]) == (404, "not_found")
     assert post_admin is not None and post_admin.status == 405
+
+
+async def test_version_waits_a_bounded_time_for_the_engines(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """GET /version: the router's version and its engines', asked of each engine once per
+    generation; one that does not answer within VERSION_TIMEOUT_S is "unknown", asked again
+    after VERSION_RETRY_S."""
+    async with open_bench(hosts=(OK, SILENT, DOWN)) as bench:
+        times, answers = [], []
+        for wait in (0.0, 1.0, VERSION_RETRY_S + 1):
+            await trio.sleep(wait)
+            start = trio.current_time()
+            answer = await bench.call("GET", "/version")
+            times.append(trio.current_time() - start)
+            assert answer is not None and answer.status == 200
+            answers.append(json.loads(answer.body))
+        bench.table.remove("uid-2")
+        after_removal = await bench.call("GET", "/version")
+    assert answers[0] == {
+        "version": __version__,
+        "engine_versions": {"0.32.0": 1, "unknown": 2},
+    }
+    assert answers[0] == answers[1] == answers[2]
+    assert times == [VERSION_TIMEOUT_S, 0.0, VERSION_TIMEOUT_S]
+    assert after_removal is not None
+    assert json.loads(after_removal.body)["engine_versions"] == {"0.32.0": 1, "unknown": 1}
 
 
 async def test_lifespan_and_websocket() -> None:

@@ -19,6 +19,7 @@ import pytest
 import trio
 
 from trio_router import server
+from trio_router._version import __version__
 from trio_router.errors import ConfigError
 from trio_router.testing import FakeEngine
 from trio_router.testing.harness import (
@@ -638,6 +639,21 @@ async def test_engines_health_and_metrics() -> None:
     assert sample(text, "trio_router_time_to_first_byte_seconds_count", model="fake-model") == 1.0
     assert sample(text, "trio_router_discovery_healthy") == 1.0
     assert '"missing"' not in text  # unknown model names never become label values
+
+
+async def test_version_needs_no_key_and_tells_the_engines_versions(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("ROUTER_KEY", "k")
+    engines = [FakeEngine(name="a"), FakeEngine(name="b")]
+    with trio.fail_after(LIMIT):
+        async with open_router(engines, server={"api_key_env": "ROUTER_KEY"}) as router:
+            answer = await router.client.get("/version")
+            engines_answer = await router.client.get("/engines")
+    assert answer.status_code == 200
+    assert answer.json() == {"version": __version__, "engine_versions": {"0.0.0-fake": 2}}
+    assert [len([r for r in e.requests if r.path == "/version"]) for e in engines] == [1, 1]
+    assert engines_answer.status_code == 401  # the router's other endpoints still ask for it
 
 
 async def test_in_flight_is_exact_while_streaming() -> None:

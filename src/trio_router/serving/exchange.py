@@ -97,6 +97,7 @@ access_logger = logging.getLogger("trio_router.access")  # one record per proxie
 _RESPONSE_REPLACED: Final = frozenset(
     {ENGINE_HEADER, PREFILL_ENGINE_HEADER, MODEL_HEADER, REQUEST_ID_HEADER}
 )
+_FALLBACK_REASONS: Final = {"no_routable_engine": "no_engine"}  # else the error's code
 MAX_REFUSAL_BYTES: Final = 64 * 1024  # an engine's 429/503 read whole while a fallback is left
 # Which engines of a model a step may go to.
 Step = Callable[[Roles], Sequence[Engine]]
@@ -277,6 +278,8 @@ class ProxyExchange:
             index = self._next_model(chain, -1)
             if index is None:
                 raise self._missing(chain)
+            for skipped in chain[:index]:  # no routable engine: the next model at once
+                self._fell_back(skipped, chain[index], "no_engine", "no routable engine")
             payload, body = await self._as_model(chain[index], payload, body)
             info = self._route_info(payload)
             services.admission.admit(tenant)
@@ -300,15 +303,11 @@ class ProxyExchange:
                 if nxt is None:
                     await self._answer_failure(failed)
                     return
-                reason = "engines_refused" if failed.refused else failed.error.code
-                logger.info(
-                    "request %s: model %s cannot take it (%s); trying fallback model %s",
-                    self.request_id,
-                    chain[index],
-                    failed.error,
-                    chain[nxt],
-                )
-                self._services.metrics.model_fallback(chain[index], chain[nxt], reason)
+                if failed.refused is not None:
+                    reason = "engines_refused"
+                else:
+                    reason = _FALLBACK_REASONS.get(failed.error.code, failed.error.code)
+                self._fell_back(chain[index], chain[nxt], reason, str(failed.error))
                 index = nxt
             try:
                 payload, body = await self._as_model(chain[index], payload, body)
@@ -318,6 +317,16 @@ class ProxyExchange:
             except RequestError as exc:
                 await self._answer_error(exc)
                 return
+
+    def _fell_back(self, model: str, fallback: str, reason: str, why: str) -> None:
+        logger.info(
+            "request %s: model %s cannot take it (%s); fallback model %s",
+            self.request_id,
+            model,
+            why,
+            fallback,
+        )
+        self._services.metrics.model_fallback(model, fallback, reason)
 
     async def _intake(self, body: bytes | bytearray) -> tuple[dict[str, Any], tuple[str, ...]]:
         """What routing reads of the body (its JSON object, or a form's model field), and the
