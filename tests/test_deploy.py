@@ -59,11 +59,12 @@ KUSTOMIZATION = MANIFEST_DIR / "kustomization.yaml"
 
 
 def flatten(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Dotted key -> value for every leaf of a nested TOML table."""
+    """Dotted key -> value for every leaf of a nested TOML table (an empty table, like
+    `routing.aliases`, is a leaf)."""
     out: dict[str, Any] = {}
     for key, value in table.items():
         path = f"{prefix}{key}"
-        if isinstance(value, dict):
+        if isinstance(value, dict) and value:
             out.update(flatten(value, f"{path}."))
         else:
             out[path] = value
@@ -642,6 +643,8 @@ def toml_literal(value: Any) -> str:
     """A default as written in TOML: strings quoted, lists bracketed, numbers as Python shows."""
     if isinstance(value, list):
         return "[" + ", ".join(toml_literal(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {toml_literal(v)}" for k, v in value.items()) + "}"
     if isinstance(value, bool):
         return "true" if value else "false"
     return json.dumps(value) if isinstance(value, str) else repr(value)

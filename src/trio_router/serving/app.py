@@ -30,7 +30,7 @@ from .forms import FORM_PATHS
 from .intake import BodyBudget, BodyParser, authenticate
 from .names import ModelNames
 from .runtime import Settings
-from .stored import RESPONSE_PREFIX, stored_response_id
+from .stored import stored_response_id
 
 __all__ = ["PROXIED_PATHS", "DisconnectHooks", "RouterApp", "no_disconnect_hook"]
 
@@ -136,10 +136,7 @@ class RouterApp:
                     path in PROXIED_PATHS
                     or (self.settings.proxy_unknown_paths and path not in ADMIN_PATHS)
                 )
-            ) or (
-                path.startswith(RESPONSE_PREFIX)
-                and stored_response_id(scope["method"], path) is not None
-            ):
+            ) or stored_response_id(scope["method"], path) is not None:
                 exchange = ProxyExchange(
                     self._services, self.settings, scope, send, self._disconnect_hook(scope)
                 )

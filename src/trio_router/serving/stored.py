@@ -63,6 +63,8 @@ def with_request_id(body: bytes | bytearray, response_id: str) -> bytes:
 def stored_response_id(method: str, path: str) -> str | None:
     """The response id of `GET /v1/responses/{id}` or `POST /v1/responses/{id}/cancel`, or
     None for any other request."""
+    if not path.startswith(RESPONSE_PREFIX):
+        return None
     match = _STORED_PATH.fullmatch(path)
     if match is None or method != ("POST" if match.group(2) else "GET"):
         return None
