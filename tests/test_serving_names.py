@@ -124,6 +124,14 @@ def fallback_router(engines: list[FakeEngine], **sections: Any) -> Any:
     )
 
 
+async def fell_back(router: Any, reason: str) -> float:
+    """How many requests for big-model went to fake-model for `reason`."""
+    value: float = await router.metric(
+        "trio_router_model_fallbacks_total", model="big-model", fallback="fake-model", reason=reason
+    )
+    return value
+
+
 @pytest.fixture
 def access(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
     caplog.set_level(logging.INFO, logger="trio_router.access")
@@ -141,12 +149,7 @@ async def test_a_model_with_no_engine_falls_back(access: pytest.LogCaptureFixtur
             [engine], routing={"fallbacks": {"big-model": ["fake-model"]}}
         ) as router:
             response = await router.client.post(CHAT, json=chat("big-model"))
-            count = await router.metric(
-                "trio_router_model_fallbacks_total",
-                model="big-model",
-                fallback="fake-model",
-                reason="no_engine",
-            )
+            count = await fell_back(router, "no_engine")
             unknown = await router.client.post(CHAT, json=chat("nothing"))
     assert response.status_code == 200, response.text
     assert response.headers[MODEL_HEADER] == "fake-model"
@@ -172,12 +175,7 @@ async def test_engines_that_all_refuse_send_the_request_to_the_fallback() -> Non
     with trio.fail_after(LIMIT):
         async with fallback_router([*big, small]) as router:
             response = await router.client.post(CHAT, json=chat("big-model", stream=True))
-            reason = await router.metric(
-                "trio_router_model_fallbacks_total",
-                model="big-model",
-                fallback="fake-model",
-                reason="engines_refused",
-            )
+            reason = await fell_back(router, "engines_refused")
             # One engine refusing is not the model refusing: the next engine takes it.
             big[1].inference_fail_status = None
             second = await router.client.post(CHAT, json=chat("big-model"))
@@ -224,12 +222,7 @@ async def test_a_saturated_model_falls_back() -> None:
             nursery.start_soon(partial(router.client.post, CHAT, json=chat("big-model")))
             await big.wait_until(lambda: big.in_flight == 1)
             response = await router.client.post(CHAT, json=chat("big-model"))
-            count = await router.metric(
-                "trio_router_model_fallbacks_total",
-                model="big-model",
-                fallback="fake-model",
-                reason="queue_full",
-            )
+            count = await fell_back(router, "queue_full")
             assert big.gate is not None
             big.gate.set()
     assert response.status_code == 200, response.text
