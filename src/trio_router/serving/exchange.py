@@ -371,7 +371,8 @@ class ProxyExchange:
         serves (of the one pinned engine, when the request has one), or None."""
         table, pinned = self._services.table, self._pinned
         for i in range(index + 1, len(chain)):
-            if any(pinned is None or e is pinned for e in table.routable(chain[i])):
+            engines = table.routable(chain[i])
+            if engines and (pinned is None or pinned in engines):
                 return i
         return None
 
