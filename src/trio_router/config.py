@@ -25,6 +25,7 @@ KV_EVENT_MODES: typing.Final = ("off", "connect", "bind")
 ROLES: typing.Final = ("", "prefill", "decode", "prefill-decode")
 DISCOVERY_MODES: typing.Final = ("static", "kubernetes")
 UNKNOWN_PATHS: typing.Final = ("reject", "model")
+LIMIT_STORES: typing.Final = ("local", "redis")
 
 
 def _positive(where: str, **values: float) -> None:
@@ -516,6 +517,40 @@ class TenantConfig:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class LimitsConfig:
+    """Where tenants' limits are counted: by each replica ("local"), or in a Redis server
+    every replica shares ("redis"), so that N replicas together admit what one would."""
+
+    store: str = "local"
+    redis_url_env: str = ""  # env var holding redis://[[user]:password@]host[:port][/db]
+    key_prefix: str = "trio_router:"
+    timeout_s: float = 0.1  # longest a request waits for the store; then local limits
+    retry_s: float = 2.0  # after the store failed, local limits this long before asking again
+    lease_s: float = 30.0  # a concurrency slot's time to live, renewed while its request runs
+    connect_timeout_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.store not in LIMIT_STORES:
+            raise ConfigError(
+                f"limits.store must be one of {list(LIMIT_STORES)}, got {self.store!r}"
+            )
+        if self.store == "redis" and not self.redis_url_env:
+            raise ConfigError(
+                'limits.store = "redis" needs limits.redis_url_env (the environment variable '
+                "holding the store's URL)"
+            )
+        _positive(
+            "limits",
+            timeout_s=self.timeout_s,
+            retry_s=self.retry_s,
+            lease_s=self.lease_s,
+            connect_timeout_s=self.connect_timeout_s,
+        )
+        if not self.key_prefix:
+            raise ConfigError("limits.key_prefix must not be empty")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class TracingConfig:
     enabled: bool = False  # OpenTelemetry spans of proxied requests; OTEL_* configure the SDK
 
@@ -531,6 +566,7 @@ class Config:
     kv_events: KvEventsConfig = field(default_factory=KvEventsConfig)
     disaggregation: DisaggregationConfig = field(default_factory=DisaggregationConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)
     tenants: tuple[TenantConfig, ...] = ()
 

@@ -16,6 +16,7 @@ import trio
 from prometheus_client import (
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     Info,
     generate_latest,
@@ -223,6 +224,23 @@ class Metrics:
             buckets=TTFB_BUCKETS,
             registry=self.registry,
         )
+        self._store_seconds = Histogram(
+            "trio_router_limit_store_seconds",
+            "Time to admit a request at the shared limit store ([limits] store = redis), of "
+            "the requests it answered.",
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0),
+            registry=self.registry,
+        )
+        self._store_fallbacks = Counter(
+            "trio_router_limit_store_fallbacks",
+            "Requests admitted by this replica's share of the limits instead of the shared "
+            "store, by reason (timeout, error: the store failed this request; down: it had "
+            "failed within limits.retry_s).",
+            ["reason"],
+            registry=self.registry,
+        )
+        self._store_up: Gauge | None = None  # only with a shared store
+        self._store_replicas: Gauge | None = None
         info = Info("trio_router_build", "trio_router's version.", registry=self.registry)
         info.info({"version": __version__})
         ProcessCollector(registry=self.registry)
@@ -294,6 +312,31 @@ class Metrics:
 
     def pd_fallback(self, reason: str) -> None:
         self._pd_fallbacks.labels(reason).inc()
+
+    def limit_store_call(self, seconds: float) -> None:
+        self._store_seconds.observe(seconds)
+
+    def limit_store_fallback(self, reason: str) -> None:
+        self._store_fallbacks.labels(reason).inc()
+
+    def limit_store_replicas(self, count: int) -> None:
+        if self._store_replicas is None:
+            self._store_replicas = Gauge(
+                "trio_router_limit_store_replicas",
+                "Router replicas the shared limit store last counted (local limits divide by "
+                "it while the store is away).",
+                registry=self.registry,
+            )
+        self._store_replicas.set(count)
+
+    def limit_store_state(self, up: bool) -> None:
+        if self._store_up is None:
+            self._store_up = Gauge(
+                "trio_router_limit_store_up",
+                "1 while the shared limit store answers, 0 while local limits apply.",
+                registry=self.registry,
+            )
+        self._store_up.set(1 if up else 0)
 
     def model_fallback(self, model: str, fallback: str, reason: str) -> None:
         self._model_fallbacks.labels(model, fallback, reason).inc()

@@ -28,10 +28,13 @@ from .discovery.readiness import Readiness
 from .discovery.reconcile import Reconciler, add_static_engines
 from .discovery.stats import run_stats_scraper
 from .discovery.supervision import EngineWorker, Prober, open_supervisors
+from .errors import ConfigError
 from .http import UpstreamPool, open_relay
 from .kv.index import BlockIndex
 from .kv.subscriber import KvEvents
 from .kv.tokens import Tokenizer
+from .limits.resp import RedisURL
+from .limits.shared import SharedLimits
 from .metrics import Metrics
 from .serving import hypercorn_seam as connection
 from .serving.admission import Admission
@@ -75,6 +78,24 @@ def check_keys(config: Config) -> None:
     env_key(config.proxy.api_key_env, "proxy.api_key_env")
     tenant_keys(config)
     check_environment(config.tracing)
+    store_url(config)
+
+
+def store_url(config: Config) -> RedisURL | None:
+    """The shared limit store's URL (`limits.redis_url_env`), None with local limits;
+    ConfigError naming the variable when it is unset or not a redis:// URL."""
+    if config.limits.store != "redis":
+        return None
+    url = env_key(config.limits.redis_url_env, "limits.redis_url_env")
+    try:
+        return RedisURL.parse(url)
+    except ValueError as exc:
+        raise ConfigError(f"limits.redis_url_env ({config.limits.redis_url_env}): {exc}") from None
+
+
+def _shared_limits(config: Config, admission: Admission) -> SharedLimits | None:
+    url = store_url(config)
+    return None if url is None else SharedLimits(config.limits, url, admission)
 
 
 async def _sweep_pool(pool: Callable[[], UpstreamPool]) -> None:
@@ -177,6 +198,8 @@ async def run(
         keys=runtime.tenant_keys,
     )
 
+    shared_limits = _shared_limits(config, admission)
+
     kv_events: KvEvents | None = None
     if config.kv_events.mode != "off":
         kv_events = KvEvents(
@@ -269,7 +292,16 @@ async def run(
                 admission=admission,
                 tracing=tracing,
                 tokenizer=tokenizer,
+                limits=shared_limits,
             )
+            if shared_limits is not None:
+                shared_limits.observe(
+                    on_call=metrics.limit_store_call,
+                    on_fallback=metrics.limit_store_fallback,
+                    on_state=metrics.limit_store_state,
+                    on_replicas=metrics.limit_store_replicas,
+                )
+                await nursery.start(shared_limits.run)
             stop = trio.Event()
             if handle_signals:
                 if load is not None:

@@ -288,6 +288,10 @@ class Admission:
     def leave(self, tenant: Tenant) -> None:
         tenant.active -= 1
 
+    def count_rejection(self, reason: str, tenant: Tenant) -> None:
+        """A request turned away by limits decided elsewhere (the shared store)."""
+        self._reject(reason, tenant)
+
     async def acquire(
         self,
         tenant: Tenant,

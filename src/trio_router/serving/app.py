@@ -19,6 +19,7 @@ from ..config import Config
 from ..discovery.supervision import Supervisors
 from ..http import Relay, TransportError, fetch
 from ..kv.tokens import Tokenizer
+from ..limits.shared import SharedLimits
 from ..metrics import Metrics
 from ..table import Engine, RoutingTable
 from ..tracing import Tracing
@@ -92,6 +93,7 @@ class RouterApp:
         disconnect_hook: DisconnectHooks = no_disconnect_hook,
         tracing: Tracing | None = None,
         tokenizer: Tokenizer | None = None,
+        limits: SharedLimits | None = None,
     ) -> None:
         self.settings = settings
         self.admission = admission
@@ -109,6 +111,7 @@ class RouterApp:
             missing_model=lambda model: missing_model(table, model),
             new_request_id=new_request_id,
             tokenizer=tokenizer if tokenizer is not None else Tokenizer(timeout=0.1),
+            limits=limits,
         )
         self._disconnect_hook = disconnect_hook
         self._admin = AdminEndpoints(

@@ -48,6 +48,7 @@ from ..http import (
     read_whole,
 )
 from ..kv.tokens import Tokenizer
+from ..limits.shared import SharedLimits, Ticket
 from ..metrics import NO_LABEL, Metrics
 from ..routing.policy import Policy, RequestInfo, request_info
 from ..table import Engine, RoutingTable
@@ -139,6 +140,7 @@ class Services:
     missing_model: Callable[[str], RequestError]
     new_request_id: Callable[[], bytes]
     tokenizer: Tokenizer  # a request's token ids, for the policies that route on them
+    limits: SharedLimits | None = None  # [limits] store = "redis": tenants' shared limits
 
 
 def request_ids() -> Callable[[], bytes]:
@@ -207,6 +209,7 @@ class ProxyExchange:
         self.ttfb: float | None = None
         self._span: Span | None = None  # the server span, with tracing on
         self._tenant: Tenant | None = None  # admitted: its admission is left at the end
+        self._ticket: Ticket | None = None  # admitted by the shared limits: left there
         self._method = scope["method"].encode()
         self._form: FormModel | None = None  # a form upload: where its model field is
         self._pinned: Engine | None = None  # the engine that holds the stored response
@@ -231,7 +234,9 @@ class ProxyExchange:
         finally:
             self._disarm()
             held.release()
-            if self._tenant is not None:
+            if self._ticket is not None and self._services.limits is not None:
+                self._services.limits.leave(self._ticket)
+            elif self._tenant is not None:
                 self._services.admission.leave(self._tenant)
             self._finish()
 
@@ -282,8 +287,11 @@ class ProxyExchange:
                 self._fell_back(skipped, chain[index], "no_engine", "no routable engine")
             payload, body = await self._as_model(chain[index], payload, body)
             info = self._route_info(payload)
-            services.admission.admit(tenant)
-            self._tenant = tenant
+            if services.limits is not None:
+                self._ticket = await services.limits.admit(tenant)
+            else:
+                services.admission.admit(tenant)
+                self._tenant = tenant
             info = await self._tokens_for(info, payload, head.authorization)
         except RequestError as exc:
             held.release()

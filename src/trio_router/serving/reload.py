@@ -32,7 +32,7 @@ __all__ = ["LIVE_SECTIONS", "RESTART_SECTIONS", "SERVER_RESTART_KEYS", "ReloadOu
 logger = logging.getLogger(__name__)
 
 LIVE_SECTIONS: Final = ("server", "routing", "proxy", "probe", "stats", "admission", "tenants")
-RESTART_SECTIONS: Final = ("discovery", "tracing", "kv_events", "disaggregation")
+RESTART_SECTIONS: Final = ("discovery", "tracing", "kv_events", "disaggregation", "limits")
 # Keys of [server] that shape the listening server itself: they need a restart.
 SERVER_RESTART_KEYS: Final = ("bind", "backlog", "max_connections", "write_timeout_s", "log_format")
 

@@ -1,0 +1,398 @@
+"""Tenant limits shared across router replicas (`limits`): against a real `redis-server` on
+loopback (started and stopped by the tests), real router processes and in-process routers on
+real sockets; the store's deadline and the return to it on the autojump clock, with a store
+that never answers."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from functools import partial
+from pathlib import Path
+from typing import Any, Final
+
+import httpx
+import pytest
+import trio
+import trio.testing
+
+from trio_router import server
+from trio_router.config import AdmissionConfig, LimitsConfig, TenantConfig
+from trio_router.errors import ConfigError, RateLimitedError
+from trio_router.limits.resp import RedisConnection, RedisURL, StoreError
+from trio_router.limits.shared import SharedLimits
+from trio_router.serving.admission import Admission, Tenant
+from trio_router.table import RoutingTable
+from trio_router.testing import FakeEngine, open_fake_engines
+from trio_router.testing.harness import CHAT, chat, router_config, sample
+from trio_router.testing.processes import Output, open_process
+from trio_router.testing.redis_store import free_port, open_redis, redis_available
+
+LIMIT: Final = 30.0  # seconds: bounds a hang (router processes start in a second or two)
+KEY: Final = "tenant-key"
+POLL_S: Final = 0.05
+
+needs_redis = pytest.mark.skipif(
+    not redis_available() and os.environ.get("TRIO_ROUTER_REDIS") != "require",
+    reason="needs redis-server (apt-get install redis-server)",
+)
+
+
+# -- the connection ---------------------------------------------------------------------------
+def test_store_urls() -> None:
+    url = RedisURL.parse("redis://user:p%40ss@store.example:6380/2")
+    assert (url.host, url.port, url.db, url.username, url.password) == (
+        "store.example",
+        6380,
+        2,
+        "user",
+        "p@ss",
+    )
+    assert str(url) == "redis://store.example:6380/2"  # never the password
+    assert RedisURL.parse("redis://h").port == 6379
+    for bad, message in (
+        ("http://h", "must be redis://"),
+        ("redis://", "has no host"),
+        ("redis://h/x", "must be a number"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            RedisURL.parse(bad)
+
+
+@asynccontextmanager
+async def connection(url: str) -> AsyncIterator[RedisConnection]:
+    conn = RedisConnection(RedisURL.parse(url), connect_timeout=2.0)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(conn.run)
+        yield conn
+        nursery.cancel_scope.cancel()
+
+
+@needs_redis
+async def test_commands_replies_errors_and_a_store_that_goes_away() -> None:
+    port = free_port()
+    with trio.fail_after(LIMIT):
+        async with open_redis(port, password="secret") as url:
+            async with connection(url.replace("/0", "/3")) as conn:
+                assert await conn.call("SET", "k", b"\x00v") == b"OK"
+                assert await conn.call("GET", "k") == b"\x00v"
+                assert await conn.pipeline([["INCR", "n"], ["INCR", "n"], ["GET", "n"]]) == [
+                    1,
+                    2,
+                    b"2",
+                ]
+                with pytest.raises(StoreError, match="ERR unknown command"):
+                    await conn.call("NOSUCHCOMMAND")
+                # Many callers at once on the one connection: each gets its own reply.
+                replies: dict[int, Any] = {}
+
+                async def incr(i: int) -> None:
+                    replies[i] = await conn.call("INCRBY", "m", i)
+
+                async with trio.open_nursery() as nursery:
+                    for i in range(1, 51):
+                        nursery.start_soon(incr, i)
+                assert sorted(replies.values())[-1] == sum(range(1, 51))
+                assert await conn.call("SELECT", 0) == b"OK"
+                assert await conn.call("GET", "k") is None  # the URL's database was 3
+            async with connection(url.replace("secret", "wrong")) as conn:
+                with pytest.raises(StoreError, match=r"WRONGPASS|invalid password"):
+                    await conn.call("PING")
+            async with connection(url) as conn:
+                assert await conn.call("PING") == b"PONG"
+                held = conn
+        # The server gone: a clear error, and the next call after it is back reconnects.
+        async with connection(f"redis://:secret@127.0.0.1:{port}/0") as conn:
+            with pytest.raises(StoreError, match="cannot connect"):
+                await conn.call("PING")
+            async with open_redis(port, password="secret"):
+                assert await conn.call("PING") == b"PONG"
+            with pytest.raises(StoreError):
+                await conn.call("PING")
+    assert held is not conn
+
+
+# -- the store's deadline, on virtual time ----------------------------------------------------
+async def test_a_store_that_does_not_answer_costs_one_deadline_then_local_limits(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A store that accepts and never answers: the first request waits `timeout_s` and is
+    admitted by local limits, and so is every request for `retry_s` without waiting; then
+    the store is asked again. Its silence is logged once."""
+    silent: list[trio.SocketStream] = []
+
+    async def connect(host: str, port: int) -> trio.SocketStream:
+        ours, theirs = trio.socket.socketpair()
+        silent.append(trio.SocketStream(theirs))  # read by no one
+        return trio.SocketStream(ours)
+
+    config = LimitsConfig(store="redis", redis_url_env="X", timeout_s=0.1, retry_s=5.0)
+    admission = Admission(RoutingTable(), AdmissionConfig(), max_per_engine=8)
+    limits = SharedLimits(config, RedisURL.parse("redis://store"), admission, connect=connect)
+    fallbacks: list[str] = []
+    states: list[bool] = []
+    limits.observe(
+        on_call=lambda s: None,
+        on_fallback=fallbacks.append,
+        on_state=states.append,
+        on_replicas=lambda n: None,
+    )
+    tenant = Tenant(name="t")
+    tenant.configure(TenantConfig(name="t", key_env="K", requests_per_minute=3))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(limits.run)
+        start = trio.current_time()
+        first = await limits.admit(tenant)
+        waited = trio.current_time() - start
+        more = [await limits.admit(tenant) for _ in range(2)]
+        assert trio.current_time() - start == pytest.approx(0.1)  # no more waiting
+        with pytest.raises(RateLimitedError, match="over its 3 requests per minute"):
+            await limits.admit(tenant)  # this replica's share: all 3 (one replica seen)
+        for ticket in (first, *more):
+            limits.leave(ticket)
+        await trio.sleep(60.0)  # past limits.retry_s, and the local bucket full again
+        start = trio.current_time()
+        await limits.admit(tenant)  # asked again: another deadline
+        again = trio.current_time() - start
+        nursery.cancel_scope.cancel()
+    for stream in silent:
+        stream.socket.close()
+    assert waited == pytest.approx(0.1)
+    assert again == pytest.approx(0.1)
+    assert fallbacks == ["timeout", "down", "down", "down", "timeout"]
+    assert states == [True, False]  # down once; never heard back
+    assert len(silent) >= 1
+
+
+def test_limits_config_errors() -> None:
+    with pytest.raises(ConfigError, match=r"needs limits\.redis_url_env"):
+        LimitsConfig(store="redis")
+    with pytest.raises(ConfigError, match=r"limits\.store must be one of"):
+        LimitsConfig(store="memcached")
+    with pytest.raises(ConfigError, match=r"limits\.timeout_s must be > 0"):
+        LimitsConfig(timeout_s=0)
+
+
+async def test_the_store_url_variable_is_checked_at_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STORE_URL", "http://nope")
+    config = router_config(
+        ["http://127.0.0.1:9"], limits={"store": "redis", "redis_url_env": "STORE_URL"}
+    )
+    with trio.fail_after(LIMIT), pytest.raises(ConfigError, match=r"STORE_URL.*redis://"):
+        await server.run(config, handle_signals=False)
+    monkeypatch.delenv("STORE_URL")
+    with trio.fail_after(LIMIT), pytest.raises(ConfigError, match="STORE_URL"):
+        await server.run(config, handle_signals=False)
+
+
+# -- replicas ---------------------------------------------------------------------------------
+def write_config(path: Path, engine_url: str, **limits: Any) -> Path:
+    extra = "".join(f"{k} = {v!r}\n".replace("'", '"') for k, v in limits.items())
+    path.write_text(f"""
+[server]
+bind = "127.0.0.1:0"
+drain_s = 1.0
+access_log = false
+
+[discovery]
+mode = "static"
+
+[discovery.static]
+urls = ["{engine_url}"]
+
+[stats]
+interval_s = 0.0
+
+[limits]
+store = "redis"
+redis_url_env = "STORE_URL"
+{extra}
+[[tenants]]
+name = "team"
+key_env = "TEAM_KEY"
+requests_per_minute = 6
+max_concurrent = 1
+""")
+    return path
+
+
+async def ready(stderr: Output) -> str:
+    url = (await stderr.wait_for(r"Running on (http://\S+)")).group(1)
+    await stderr.wait_for(r"is routable")
+    return url
+
+
+@needs_redis
+async def test_two_replica_processes_admit_exactly_one_budget(tmp_path: Path) -> None:
+    """Six requests a minute across two router processes: 6 of 10 succeed, whichever replica
+    gets them; the rest get 429 with Retry-After."""
+    engine = FakeEngine()
+    with trio.fail_after(LIMIT):
+        async with open_redis() as store, open_fake_engines([engine]) as (engine_url,):
+            config = write_config(tmp_path / "router.toml", engine_url)
+            env = {"STORE_URL": store, "TEAM_KEY": KEY}
+            async with (
+                open_process("--config", str(config), env=env) as (_a, _, err_a),
+                open_process("--config", str(config), env=env) as (_b, _, err_b),
+            ):
+                urls = [await ready(err_a), await ready(err_b)]
+                async with httpx.AsyncClient(timeout=LIMIT) as client:
+                    answers = [
+                        await client.post(
+                            f"{urls[i % 2]}{CHAT}",
+                            json=chat(),
+                            headers={"authorization": f"Bearer {KEY}"},
+                        )
+                        for i in range(10)
+                    ]
+    statuses = [a.status_code for a in answers]
+    assert statuses.count(200) == 6, statuses
+    assert statuses.count(429) == 4, statuses
+    for answer in answers:
+        if answer.status_code == 429:
+            assert int(answer.headers["retry-after"]) >= 1
+            assert "across all router replicas" in answer.json()["error"]["message"]
+    assert len(engine.requests_to(CHAT)) == 6
+
+
+@asynccontextmanager
+async def open_replicas(
+    engine_url: str, store: str, monkeypatch: pytest.MonkeyPatch, **limits: Any
+) -> AsyncIterator[list[httpx.AsyncClient]]:
+    monkeypatch.setenv("STORE_URL", store)
+    monkeypatch.setenv("TEAM_KEY", KEY)
+    config = router_config(
+        [engine_url],
+        limits={"store": "redis", "redis_url_env": "STORE_URL", **limits},
+        tenants=(TenantConfig(name="team", key_env="TEAM_KEY", requests_per_minute=6),),
+    )
+    async with trio.open_nursery() as nursery:
+        clients = []
+        for _ in range(2):
+            table = RoutingTable()
+            bound = await nursery.start(
+                partial(server.run, config, table=table, handle_signals=False)
+            )
+            while not table.routable("fake-model"):
+                await table.wait_changed()
+            clients.append(
+                httpx.AsyncClient(
+                    base_url=bound[0], timeout=LIMIT, headers={"authorization": f"Bearer {KEY}"}
+                )
+            )
+        try:
+            yield clients
+        finally:
+            for client in clients:
+                await client.aclose()
+            nursery.cancel_scope.cancel()
+
+
+async def metric(client: httpx.AsyncClient, name: str, **labels: str) -> float:
+    return sample((await client.get("/metrics")).text, name, **labels)
+
+
+async def metric_is(client: httpx.AsyncClient, name: str, value: float) -> bool:
+    return await metric(client, name) == value
+
+
+async def until(check: Callable[[], Awaitable[bool]]) -> None:
+    """Ask again every POLL_S until `check` holds: what is waited for happens in another
+    process (the store's leases expire, a replica counts the others), which tells no one."""
+    while True:
+        if await check():
+            return
+        await trio.sleep(POLL_S)
+
+
+async def run_store(
+    port: int, scope: trio.CancelScope, *, task_status: trio.TaskStatus[str]
+) -> None:
+    """A redis-server on `port` until `scope` is cancelled."""
+    with scope:
+        async with open_redis(port) as url:
+            task_status.started(url)
+            await trio.sleep_forever()
+
+
+@needs_redis
+async def test_the_store_stopped_and_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The store stopped: both replicas keep serving, each with half the budget, and no
+    request gets a 5xx; the store back: shared limits again."""
+    engine = FakeEngine()
+    port = free_port()
+    first_store = trio.CancelScope()
+    with trio.fail_after(LIMIT):
+        async with open_fake_engines([engine]) as (engine_url,), trio.open_nursery() as nursery:
+            store = await nursery.start(run_store, port, first_store)
+            async with open_replicas(
+                engine_url, store, monkeypatch, lease_s=0.6, retry_s=0.2
+            ) as clients:
+                for client in clients:  # both replicas have counted each other
+                    await until(partial(metric_is, client, "trio_router_limit_store_replicas", 2))
+                first_store.cancel()  # the store stops
+                outage = [await clients[i % 2].post(CHAT, json=chat()) for i in range(10)]
+                fallbacks = [
+                    await metric(c, "trio_router_limit_store_fallbacks_total", reason=reason)
+                    for c in clients
+                    for reason in ("error", "timeout", "down")
+                ]
+                down = [await metric(c, "trio_router_limit_store_up") for c in clients]
+                # The store back: after limits.retry_s each replica asks it again.
+                await nursery.start(run_store, port, trio.CancelScope())
+                for client in clients:
+
+                    async def back(client: httpx.AsyncClient = client) -> bool:
+                        await client.post(CHAT, json=chat())
+                        return await metric_is(client, "trio_router_limit_store_up", 1)
+
+                    await until(back)
+            nursery.cancel_scope.cancel()
+    statuses = [a.status_code for a in outage]
+    assert all(status < 500 for status in statuses), statuses
+    assert statuses.count(200) == 6, statuses  # 3 a replica: half the budget each
+    assert sum(fallbacks) == 10
+    assert down == [0.0, 0.0]
+
+
+@needs_redis
+async def test_a_killed_replicas_concurrency_slot_comes_back_within_its_lease(
+    tmp_path: Path,
+) -> None:
+    """max_concurrent = 1: a request held by replica A takes the tenant's one slot; replica
+    B refuses the tenant's next request; A killed (SIGKILL: it gives nothing back), the slot
+    returns when its lease runs out, and B admits the tenant again."""
+    gate = trio.Event()
+    engine = FakeEngine(gate=gate)
+    lease = 1.0
+    with trio.fail_after(LIMIT):
+        async with open_redis() as store, open_fake_engines([engine]) as (engine_url,):
+            config = write_config(tmp_path / "router.toml", engine_url, lease_s=lease)
+            env = {"STORE_URL": store, "TEAM_KEY": KEY}
+            key = {"authorization": f"Bearer {KEY}"}
+            async with (
+                open_process("--config", str(config), env=env) as (a, _, err_a),
+                open_process("--config", str(config), env=env) as (_b, _, err_b),
+                httpx.AsyncClient(timeout=LIMIT, headers=key) as client,
+            ):
+                url_a, url_b = await ready(err_a), await ready(err_b)
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(partial(client.post, f"{url_a}{CHAT}", json=chat()))
+                    await engine.wait_until(lambda: engine.in_flight == 1)
+                    refused = await client.post(f"{url_b}{CHAT}", json=chat())
+                    os.kill(a.pid, signal.SIGKILL)
+                    killed = trio.current_time()
+                    nursery.cancel_scope.cancel()
+                gate.set()
+
+                async def admitted() -> bool:
+                    return (await client.post(f"{url_b}{CHAT}", json=chat())).status_code == 200
+
+                await until(admitted)
+                back = trio.current_time() - killed
+    assert refused.status_code == 429
+    assert "max_concurrent" in refused.json()["error"]["message"]
+    assert back <= math.ceil(lease) + 1.0  # within its lease, give or take the polling
