@@ -2,6 +2,7 @@
 
     python bench/bench_proxy.py [--duration 15] [--connections 64] [--policy NAME] [--profile]
     python bench/bench_proxy.py --all-policies [--duration 10]
+    python bench/bench_proxy.py --limits [--duration 10] [--repeat 3]
 
 Three processes on 127.0.0.1: fake engines (two listeners in one lean Trio process that answers
 at once with canned vLLM-like replies), the router (`python -m trio_router --config ...`,
@@ -23,7 +24,11 @@ prints where its time goes. `--policy` sets `routing.policy` (default round_robi
 `--all-policies` runs only the non-streamed scenario, once per policy, each on a fresh router
 process, with a request that carries a session key (`"user"`) and a 2-chunk prompt, so that
 `session` and `prefix_aware` do their full work rather than fall back to least_loaded; it prints
-one row per policy. Bounded: every scenario stops after --duration seconds.
+one row per policy. `--limits` runs only the non-streamed scenario for a tenant with limits
+(a request rate and a concurrency bound it never reaches), on a fresh router each: with no
+tenants, with local limits, and with `[limits] store = "redis"` (a redis-server on loopback
+started for the run); it prints the router's CPU per request and the store's. Bounded: every
+scenario stops after --duration seconds.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -245,10 +251,15 @@ class Result:
 
 
 @contextmanager
-def child(args: list[str], *, stderr_path: Path | None = None) -> Iterator[subprocess.Popen[str]]:
-    """A child process (stdout piped, text), terminated with SIGTERM at the end."""
+def child(
+    args: list[str], *, stderr_path: Path | None = None, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen[str]]:
+    """A child process (stdout piped, text, `env` added), terminated with SIGTERM at the
+    end."""
     err = stderr_path.open("w") if stderr_path else subprocess.DEVNULL
-    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=err, text=True)
+    process = subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=err, text=True, env={**os.environ, **(env or {})}
+    )
     try:
         yield process
     finally:
@@ -281,6 +292,8 @@ def run_wrk(
             'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
             f"wrk.body = '{body}'\n"
         )
+        if AUTHORIZATION:
+            script.write(f'wrk.headers["Authorization"] = "{AUTHORIZATION}"\n')
     try:
         out = subprocess.run(
             [
@@ -370,6 +383,8 @@ def load(
 
 
 ACCESS_LOG = True  # the router's access record per request (--no-access-log: off)
+AUTHORIZATION = ""  # sent with every request (--limits: the tenant's key)
+TENANT_KEY: Final = "bench-tenant-key"
 TTFT_S = 0.020  # paced streams: the first event this long after the request
 REPEAT = 1  # runs per scenario (--repeat); the median run by CPU per request is reported
 
@@ -393,7 +408,9 @@ def measure(
     return runs[len(runs) // 2]
 
 
-def router_config(ports: list[str], path: Path, *, policy: str = "round_robin") -> Path:
+def router_config(
+    ports: list[str], path: Path, *, policy: str = "round_robin", extra: str = ""
+) -> Path:
     urls = ", ".join(f'"http://127.0.0.1:{p}"' for p in ports)
     path.write_text(f"""
 [routing]
@@ -410,7 +427,7 @@ urls = [{urls}]
 interval_s = 10.0
 [stats]
 interval_s = 0.0
-""")
+{extra}""")
     return path
 
 
@@ -423,14 +440,16 @@ def bench_router(
     duration: float,
     profile: Path | None,
     policy: str = "round_robin",
+    extra: str = "",
+    env: dict[str, str] | None = None,
 ) -> list[Result]:
-    """Engines + router with `policy` (optionally under cProfile); run `scenarios` against
-    the router."""
+    """Engines + router with `policy` and `extra` config (optionally under cProfile); run
+    `scenarios` against the router."""
     me = [sys.executable, __file__]
     with child([*me, "--serve-engines", str(gap_s)]) as engines:
         assert engines.stdout is not None
         ports = engines.stdout.readline().split()
-        config = router_config(ports, tmp / "router.toml", policy=policy)
+        config = router_config(ports, tmp / "router.toml", policy=policy, extra=extra)
         log = tmp / f"router-{time.monotonic_ns()}.log"
         prefix = [sys.executable]
         if profile is not None:
@@ -438,6 +457,7 @@ def bench_router(
         with child(
             [*prefix, "-m", "trio_router", "--config", str(config), "--log-level", "info"],
             stderr_path=log,
+            env=env,
         ) as router:
             wait_for_line(log, r"is routable", timeout=30, count=len(ports))
             url_match = re.search(r"Running on (http://\S+)", log.read_text())
@@ -498,6 +518,74 @@ def bench_policies(tmp: Path, *, connections: int, duration: float) -> None:
             f"{r.name:34} {r.rps:8.0f} {r.p50_ms:8.1f} {r.p99_ms:8.1f} "
             f"{r.cpu_ms_per_request:11.3f} {r.errors:7d}"
         )
+
+
+REDIS_EPHEMERAL: Final = ("--save", "", "--appendonly", "no")  # nothing written to disk
+LIMITS_TENANT: Final = """
+[[tenants]]
+name = "bench"
+key_env = "BENCH_TENANT_KEY"
+requests_per_minute = 100000000
+max_concurrent = 100000
+"""
+
+
+def bench_limits(tmp: Path, *, connections: int, duration: float) -> None:
+    """The non-streamed scenario for one tenant: no tenants, local limits, the shared store
+    (a redis-server of its own on 127.0.0.1, its CPU per request counted too)."""
+    global AUTHORIZATION
+    port = free_port()
+    redis = subprocess.Popen(
+        [*("redis-server", "--port", str(port), "--bind", "127.0.0.1"), *REDIS_EPHEMERAL],
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        env = {"BENCH_TENANT_KEY": TENANT_KEY, "BENCH_STORE": f"redis://127.0.0.1:{port}/0"}
+        rows = []
+        for name, extra in (
+            ("no tenants", ""),
+            ("tenant, local limits", LIMITS_TENANT),
+            (
+                "tenant, shared store (redis)",
+                LIMITS_TENANT + '[limits]\nstore = "redis"\nredis_url_env = "BENCH_STORE"\n',
+            ),
+        ):
+            AUTHORIZATION = f"Bearer {TENANT_KEY}" if extra else ""
+            store_before = cpu_seconds(redis.pid)
+            (result,) = bench_router(
+                tmp,
+                gap_s=0.0,
+                scenarios=[(name, CHAT_BODY)],
+                connections=connections,
+                duration=duration,
+                profile=None,
+                extra=extra,
+                env=env,
+            )
+            store = cpu_seconds(redis.pid) - store_before
+            rows.append((result, store))
+    finally:
+        AUTHORIZATION = ""
+        redis.terminate()
+        redis.wait(timeout=10)
+    print(
+        f"\n{'non-streamed chat':34} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
+        f"{'CPU ms/req':>11} {'store ms/req':>13} {'errors':>7}"
+    )
+    for r, store in rows:
+        runs = REPEAT + 1  # the warm-up run also reached the store
+        store_ms = 1000 * store / max(1, r.requests * runs)
+        print(
+            f"{r.name:34} {r.rps:8.0f} {r.p50_ms:8.1f} {r.p99_ms:8.1f} "
+            f"{r.cpu_ms_per_request:11.3f} {store_ms:13.3f} {r.errors:7d}"
+        )
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
 
 
 BASELINES: Final = {
@@ -576,6 +664,11 @@ def main() -> None:
         help="only the non-streamed scenario, once per policy, one row each",
     )
     parser.add_argument(
+        "--limits",
+        action="store_true",
+        help="only the non-streamed scenario: no tenants, local limits, the shared store",
+    )
+    parser.add_argument(
         "--profile",
         action="store_true",
         help="also profile the router with cProfile and print the hot spots",
@@ -616,6 +709,10 @@ def main() -> None:
     if args.all_policies:
         with tempfile.TemporaryDirectory() as tmp_name:
             bench_policies(Path(tmp_name), connections=args.connections, duration=duration)
+        return
+    if args.limits:
+        with tempfile.TemporaryDirectory() as tmp_name:
+            bench_limits(Path(tmp_name), connections=args.connections, duration=duration)
         return
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)

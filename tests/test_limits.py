@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -113,6 +114,30 @@ async def test_commands_replies_errors_and_a_store_that_goes_away() -> None:
             with pytest.raises(StoreError):
                 await conn.call("PING")
     assert held is not conn
+
+
+@needs_redis
+async def test_callers_that_give_up_leave_every_other_reply_to_its_caller() -> None:
+    """Callers cancelled at any point (before, while and after their command is sent) never
+    shift the replies of the others on the one connection."""
+    rng = random.Random(5)
+    with trio.fail_after(LIMIT):
+        async with open_redis() as url, connection(url) as conn:
+            assert await conn.call("PING") == b"PONG"  # connected: the deadlines are the sends'
+            wrong: list[tuple[str, Any]] = []
+
+            async def echo(text: str, deadline: float) -> None:
+                with trio.move_on_after(deadline):
+                    if (reply := await conn.call("ECHO", text)) != text.encode():
+                        wrong.append((text, reply))
+
+            for round_ in range(10):
+                async with trio.open_nursery() as nursery:
+                    for i in range(100):
+                        nursery.start_soon(echo, f"{round_}-{i}", rng.random() * 0.003)
+            for i in range(20):
+                assert await conn.call("ECHO", f"after-{i}") == f"after-{i}".encode()
+    assert wrong == []
 
 
 # -- the store's deadline, on virtual time ----------------------------------------------------

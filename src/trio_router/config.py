@@ -524,7 +524,7 @@ class LimitsConfig:
     store: str = "local"
     redis_url_env: str = ""  # env var holding redis://[[user]:password@]host[:port][/db]
     key_prefix: str = "trio_router:"
-    timeout_s: float = 0.1  # longest a request waits for the store; then local limits
+    timeout_s: float = 0.25  # longest a request waits for the store; then local limits
     retry_s: float = 2.0  # after the store failed, local limits this long before asking again
     lease_s: float = 30.0  # a concurrency slot's time to live, renewed while its request runs
     connect_timeout_s: float = 1.0

@@ -144,10 +144,18 @@ class RedisConnection:
             if stream is not self._stream:
                 raise StoreError("the store connection broke")
             self._waiters.extend(waiters)
-            try:
-                await stream.send_all(b"".join(data))
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                self._break(StoreError(f"cannot send to the store at {self.url}: {exc}"))
+            # Sent whole or not at all: a command cut off, or one whose place in the line
+            # is taken but whose bytes never left, would pair every later reply with the
+            # wrong caller. So the caller's deadline does not stop a send; the send's own
+            # does, and then the connection is dropped.
+            with trio.CancelScope(shield=True) as sending:
+                sending.deadline = trio.current_time() + self._connect_timeout
+                try:
+                    await stream.send_all(b"".join(data))
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                    self._break(StoreError(f"cannot send to the store at {self.url}: {exc}"))
+            if sending.cancelled_caught:
+                self._break(StoreError(f"sending to the store at {self.url} timed out"), stream)
         try:
             for waiter in waiters:
                 await waiter.done.wait()

@@ -95,6 +95,18 @@ return redis.call('ZCARD', KEYS[1])
 """
 
 
+def _codes(reply: Any) -> list[int]:
+    """The admit script's reply, checked: a list of integers, its code first."""
+    lengths = {0: 1, 1: 3, 2: 2}
+    if (
+        not isinstance(reply, list)
+        or not all(isinstance(v, int) for v in reply)
+        or lengths.get(reply[0] if reply else -1) != len(reply)
+    ):
+        raise StoreError(f"the store answered the admit script with {reply!r}")
+    return reply
+
+
 def _sha(script: str) -> str:
     return hashlib.sha1(script.encode()).hexdigest()
 
@@ -168,13 +180,20 @@ class SharedLimits:
         keys = self._keys(tenant)
         started = now
         reason = ""
-        reply: Any = None
+        reply: list[int] = []
         with trio.move_on_after(self._config.timeout_s) as waited:
             try:
-                reply = await self._script(
-                    _ADMIT,
-                    keys,
-                    [tenant.requests_per_minute, tenant.max_concurrent, self._lease_ms, lease_id],
+                reply = _codes(
+                    await self._script(
+                        _ADMIT,
+                        keys,
+                        [
+                            tenant.requests_per_minute,
+                            tenant.max_concurrent,
+                            self._lease_ms,
+                            lease_id,
+                        ],
+                    )
                 )
             except StoreError as exc:
                 reason = "error"
@@ -197,10 +216,10 @@ class SharedLimits:
             self._leases.pop(lease_id, None)
             self._released_send.send_nowait((key, lease_id))
 
-    def _decide(self, tenant: Tenant, reply: Any, leases: bytes, lease_id: str) -> Ticket:
-        code = int(reply[0])
+    def _decide(self, tenant: Tenant, reply: list[int], leases: bytes, lease_id: str) -> Ticket:
+        code = reply[0]
         if code == 1:
-            retry, reset = math.ceil(int(reply[1]) / 1000), math.ceil(int(reply[2]) / 1000)
+            retry, reset = math.ceil(reply[1] / 1000), math.ceil(reply[2] / 1000)
             self._admission.count_rejection("rate_limited", tenant)
             raise RateLimitedError(
                 f"tenant {tenant.name!r} is over its {tenant.requests_per_minute} requests per "
@@ -215,7 +234,7 @@ class SharedLimits:
         if code == 2:
             self._admission.count_rejection("tenant_concurrency", tenant)
             raise RateLimitedError(
-                f"tenant {tenant.name!r} already has {int(reply[1])} requests in flight or "
+                f"tenant {tenant.name!r} already has {reply[1]} requests in flight or "
                 "queued across all router replicas (its max_concurrent)",
                 headers=((b"retry-after", b"1"),),
             )
@@ -293,7 +312,9 @@ class SharedLimits:
     async def _heartbeat(self) -> None:
         ttl = self._lease_ms  # a replica counts for one lease after its last heartbeat
         count = await self._script(_HEARTBEAT, [self._prefix + b"replicas"], [self._replica, ttl])
-        self.replicas = max(1, int(count))
+        if not isinstance(count, int):
+            raise StoreError(f"the store answered the heartbeat with {count!r}")
+        self.replicas = max(1, count)
         self._on_replicas(self.replicas)
         if self._leases:
             leases = list(self._leases.items())
