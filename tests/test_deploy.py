@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import re
 import shlex
 import shutil
@@ -28,6 +29,7 @@ from packaging.version import Version
 
 from trio_router import __version__
 from trio_router.config import Config, config_as_dict, load_config, parse_bind, parse_config
+from trio_router.limits.resp import RedisURL
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG_DIR = REPO / "config"
@@ -324,6 +326,59 @@ def test_rendered_objects_are_strictly_valid() -> None:
     """Every object `kubectl apply -k` would create is valid against the Kubernetes schema,
     unknown fields rejected."""
     for doc in rendered():
+        kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
+
+
+COMPONENT_DIR = MANIFEST_DIR / "components" / "shared-limits"
+
+
+def component_docs(name: str) -> list[dict[str, Any]]:
+    text = (COMPONENT_DIR / name).read_text(encoding="utf-8")
+    return [d for d in yaml.safe_load_all(text) if d]
+
+
+def test_the_shared_limits_component_is_the_base_with_a_store(
+    objs: dict[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    """components/shared-limits: its router.toml is the base's with store = "redis"; the
+    URL the routers get names the store's Service; its objects are strictly valid; and
+    `kubectl kustomize` of an overlay with it renders all of that (when kubectl is here)."""
+    base_toml = objs["ConfigMap"]["data"]["router.toml"]
+    (patch,) = component_docs("configmap-patch.yaml")
+    assert patch["data"]["router.toml"] == base_toml.replace('store = "local"', 'store = "redis"')
+    config = parse_config(tomllib.loads(patch["data"]["router.toml"]))
+    assert config.limits.store == "redis"
+    (deployment_patch,) = component_docs("deployment-patch.yaml")
+    (container,) = deployment_patch["spec"]["template"]["spec"]["containers"]
+    (env,) = container["env"]
+    assert env["name"] == config.limits.redis_url_env
+    url = RedisURL.parse(env["value"])
+    store = {d["kind"]: d for d in component_docs("redis.yaml")}
+    assert url.host == store["Service"]["metadata"]["name"]
+    assert url.port == store["Service"]["spec"]["ports"][0]["port"]
+    for doc in store.values():
+        kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
+    if (kubectl := shutil.which("kubectl")) is None:
+        return
+    overlay = tmp_path / "overlay"
+    overlay.mkdir()
+    (overlay / "kustomization.yaml").write_text(
+        f"resources: [{os.path.relpath(MANIFEST_DIR, overlay)}]\n"
+        f"components: [{os.path.relpath(COMPONENT_DIR, overlay)}]\n"
+    )
+    out = subprocess.run(
+        [kubectl, "kustomize", str(overlay)], check=True, capture_output=True, text=True, timeout=60
+    ).stdout
+    docs = [d for d in yaml.safe_load_all(out) if d]
+    by_name = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    router = by_name["Deployment", "trio-router"]["spec"]["template"]["spec"]["containers"][0]
+    assert {"name": env["name"], "value": env["value"]} in router["env"]
+    rendered_toml = by_name["ConfigMap", "trio-router-config"]["data"]["router.toml"]
+    assert parse_config(tomllib.loads(rendered_toml)).limits.store == "redis"
+    egress = by_name["NetworkPolicy", "trio-router"]["spec"]["egress"]
+    assert any(p["port"] == url.port for rule in egress for p in rule.get("ports", []))
+    assert by_name["Deployment", "trio-router-redis"]["metadata"]["namespace"] == "llm"
+    for doc in docs:
         kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
 
 

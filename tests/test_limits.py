@@ -154,7 +154,7 @@ async def test_a_store_that_does_not_answer_costs_one_deadline_then_local_limits
         silent.append(trio.SocketStream(theirs))  # read by no one
         return trio.SocketStream(ours)
 
-    config = LimitsConfig(store="redis", redis_url_env="X", timeout_s=0.1, retry_s=5.0)
+    config = LimitsConfig(store="redis", timeout_s=0.1, retry_s=5.0)
     admission = Admission(RoutingTable(), AdmissionConfig(), max_per_engine=8)
     limits = SharedLimits(config, RedisURL.parse("redis://store"), admission, connect=connect)
     fallbacks: list[str] = []
@@ -194,7 +194,7 @@ async def test_a_store_that_does_not_answer_costs_one_deadline_then_local_limits
 
 def test_limits_config_errors() -> None:
     with pytest.raises(ConfigError, match=r"needs limits\.redis_url_env"):
-        LimitsConfig(store="redis")
+        LimitsConfig(store="redis", redis_url_env="")
     with pytest.raises(ConfigError, match=r"limits\.store must be one of"):
         LimitsConfig(store="memcached")
     with pytest.raises(ConfigError, match=r"limits\.timeout_s must be > 0"):
