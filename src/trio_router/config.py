@@ -522,7 +522,9 @@ class LimitsConfig:
     every replica shares ("redis"), so that N replicas together admit what one would."""
 
     store: str = "local"
-    redis_url_env: str = "TRIO_ROUTER_REDIS_URL"  # env var: redis://[[user]:password@]host[:port][/db]
+    redis_url_env: str = (
+        "TRIO_ROUTER_REDIS_URL"  # env var: redis://[[user]:password@]host[:port][/db]
+    )
     key_prefix: str = "trio_router:"
     timeout_s: float = 0.25  # longest a request waits for the store; then local limits
     retry_s: float = 2.0  # after the store failed, local limits this long before asking again

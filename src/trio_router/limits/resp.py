@@ -8,11 +8,13 @@ script, one connection, one caller after another), the official `redis` client c
 What is left to write is the transport (the connection, pipelining, deadlines), which is
 what a Trio program has to own anyway; the protocol's parsing is hiredis's.
 
-One connection per replica: callers send their command under a lock and wait for their reply
-in order (Redis answers in the order it was asked); a reader task hands each reply to its
-caller. A caller that gives up (its deadline) leaves its place; the reply is read and dropped.
-A broken connection fails every waiting caller with `StoreError`; the next call opens a new
-one.
+One connection per replica. A caller takes its place in the line of replies and hands its
+command to the writer in one synchronous step (Redis answers in the order it was asked, so a
+place taken is a command that will be sent); the writer task sends every command handed to it
+since its last send in one write, and the reader task hands each reply to its caller, as many
+as one read brings. A caller that gives up (its deadline) leaves its place; the reply is read
+and dropped. A broken connection fails every waiting caller with `StoreError`; the next call
+opens a new one.
 """
 
 from __future__ import annotations
@@ -88,8 +90,8 @@ class _Waiter:
 
 
 class RedisConnection:
-    """Commands to one Redis server. `run` (a task of its owner's nursery) keeps the reader;
-    `call` sends one command and waits for its reply."""
+    """Commands to one Redis server. `run` (a task of its owner's nursery) keeps the writer
+    and the reader; `call` sends one command and waits for its reply."""
 
     def __init__(
         self,
@@ -102,22 +104,28 @@ class RedisConnection:
         self._connect_timeout = connect_timeout
         self._open = connect
         self._stream: trio.SocketStream | None = None
-        self._send_lock = trio.StrictFIFOLock()
         self._waiters: collections.deque[_Waiter] = collections.deque()
-        self._opened = trio.Event()  # the reader task has a new stream to read
+        self._outgoing: list[bytes] = []  # commands handed to the writer, not sent yet
+        self._to_send = trio.Event()  # set when `_outgoing` has something
+        self._opened = trio.Event()  # a new stream for the writer and the reader
         self._connecting: trio.Event | None = None
         self._closed = False
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Read replies of each connection in turn, until cancelled."""
+        """Write the commands and read the replies of each connection in turn, until
+        cancelled."""
         task_status.started()
         try:
             while True:
                 await self._opened.wait()
                 self._opened = trio.Event()
                 stream = self._stream
-                if stream is not None:
+                if stream is None:
+                    continue
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._write, stream)
                     await self._read(stream)
+                    nursery.cancel_scope.cancel()
         finally:
             self._closed = True
             self._break(StoreError("the store connection is closed"))
@@ -139,23 +147,15 @@ class RedisConnection:
     async def _exchange(
         self, stream: trio.SocketStream, data: list[bytes], *, many: bool = False
     ) -> Any:
+        if stream is not self._stream:
+            raise StoreError("the store connection broke")
+        # The place in the line and the command together, with no checkpoint between: a
+        # place taken whose command was never sent would pair every later reply with the
+        # wrong caller.
         waiters = [_Waiter() for _ in data]
-        async with self._send_lock:
-            if stream is not self._stream:
-                raise StoreError("the store connection broke")
-            self._waiters.extend(waiters)
-            # Sent whole or not at all: a command cut off, or one whose place in the line
-            # is taken but whose bytes never left, would pair every later reply with the
-            # wrong caller. So the caller's deadline does not stop a send; the send's own
-            # does, and then the connection is dropped.
-            with trio.CancelScope(shield=True) as sending:
-                sending.deadline = trio.current_time() + self._connect_timeout
-                try:
-                    await stream.send_all(b"".join(data))
-                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                    self._break(StoreError(f"cannot send to the store at {self.url}: {exc}"))
-            if sending.cancelled_caught:
-                self._break(StoreError(f"sending to the store at {self.url} timed out"), stream)
+        self._waiters.extend(waiters)
+        self._outgoing += data
+        self._to_send.set()
         try:
             for waiter in waiters:
                 await waiter.done.wait()
@@ -211,6 +211,25 @@ class RedisConnection:
             self._connecting = None
             connecting.set()
 
+    async def _write(self, stream: trio.SocketStream) -> None:
+        """Send what callers handed over, everything since the last send in one write; a send
+        that does not finish within the connect timeout drops the connection."""
+        while True:
+            await self._to_send.wait()
+            self._to_send = trio.Event()
+            data, self._outgoing = b"".join(self._outgoing), []
+            with trio.move_on_after(self._connect_timeout) as sending:
+                try:
+                    await stream.send_all(data)
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                    self._break(
+                        StoreError(f"cannot send to the store at {self.url}: {exc}"), stream
+                    )
+                    return
+            if sending.cancelled_caught:
+                self._break(StoreError(f"sending to the store at {self.url} timed out"), stream)
+                return
+
     async def _read(self, stream: trio.SocketStream) -> None:
         reader = hiredis.Reader(replyError=Exception)
         try:
@@ -238,6 +257,7 @@ class RedisConnection:
         if stream is not None and current is not stream:
             return
         self._stream = None
+        self._outgoing = []
         while self._waiters:
             waiter = self._waiters.popleft()
             waiter.reply = error
