@@ -460,6 +460,7 @@ def bench_router(
             env=env,
         ) as router:
             wait_for_line(log, r"is routable", timeout=30, count=len(ports))
+            wait_for_line(log, r"Running on http://", timeout=30)
             url_match = re.search(r"Running on (http://\S+)", log.read_text())
             assert url_match is not None
             url = url_match.group(1) + "/v1/chat/completions"

@@ -22,7 +22,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 from urllib.parse import unquote, urlsplit
 
 import hiredis
@@ -80,6 +80,16 @@ def encode_command(*args: bytes | str | int | float) -> bytes:
     return b"".join(parts)
 
 
+class _Dropped:
+    """The place in line of a command whose reply nobody waits for (`post`)."""
+
+    __slots__ = ()
+    wanted = False
+
+
+_DROPPED: Final = _Dropped()
+
+
 class _Waiter:
     __slots__ = ("done", "reply", "wanted")
 
@@ -104,7 +114,7 @@ class RedisConnection:
         self._connect_timeout = connect_timeout
         self._open = connect
         self._stream: trio.SocketStream | None = None
-        self._waiters: collections.deque[_Waiter] = collections.deque()
+        self._waiters: collections.deque[_Waiter | _Dropped] = collections.deque()
         self._outgoing: list[bytes] = []  # commands handed to the writer, not sent yet
         self._to_send = trio.Event()  # set when `_outgoing` has something
         self._opened = trio.Event()  # a new stream for the writer and the reader
@@ -143,6 +153,16 @@ class RedisConnection:
             stream, [encode_command(*c) for c in commands], many=True
         )
         return replies
+
+    def post(self, commands: Sequence[Sequence[bytes | str | int | float]]) -> bool:
+        """Send commands whose replies nobody needs (they are read and dropped), without
+        waiting: False, and nothing sent, when there is no open connection."""
+        if self._stream is None:
+            return False
+        self._waiters.extend(_DROPPED for _ in commands)
+        self._outgoing += (encode_command(*c) for c in commands)
+        self._to_send.set()
+        return True
 
     async def _exchange(
         self, stream: trio.SocketStream, data: list[bytes], *, many: bool = False
@@ -242,8 +262,9 @@ class RedisConnection:
                     if not self._waiters:
                         raise StoreError("the store sent a reply nobody asked for")
                     waiter = self._waiters.popleft()
-                    waiter.reply = reply
-                    waiter.done.set()
+                    if isinstance(waiter, _Waiter):
+                        waiter.reply = reply
+                        waiter.done.set()
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             self._break(StoreError(f"the store connection at {self.url} broke: {exc}"), stream)
         except StoreError as exc:
@@ -260,7 +281,8 @@ class RedisConnection:
         self._outgoing = []
         while self._waiters:
             waiter = self._waiters.popleft()
-            waiter.reply = error
-            waiter.done.set()
+            if isinstance(waiter, _Waiter):
+                waiter.reply = error
+                waiter.done.set()
         if current is not None:
             current.socket.close()

@@ -107,8 +107,9 @@ def _codes(reply: Any) -> list[int]:
     return reply
 
 
-def _sha(script: str) -> str:
-    return hashlib.sha1(script.encode()).hexdigest()
+_SHAS: Final = {
+    script: hashlib.sha1(script.encode()).hexdigest() for script in (_ADMIT, _RENEW, _HEARTBEAT)
+}
 
 
 @dataclass(eq=False, slots=True)
@@ -121,8 +122,8 @@ class Ticket:
 
 class SharedLimits:
     """admit/leave of a tenant's request against the store (see the module's docstring).
-    `run` (a task of the server's nursery) keeps the connection, the replica's heartbeat,
-    the leases' renewal and their release."""
+    `run` (a task of the server's nursery) keeps the connection, the replica's heartbeat and
+    the leases' renewal."""
 
     def __init__(
         self,
@@ -141,7 +142,6 @@ class SharedLimits:
         self._replica = secrets.token_hex(8)
         self._lease_ms = max(1, round(config.lease_s * 1000))
         self._leases: dict[str, bytes] = {}  # lease id -> its set's key, of running requests
-        self._released_send, self._released = trio.open_memory_channel[tuple[bytes, str]](math.inf)
         self._shares: dict[str, Tenant] = {}  # each tenant's share while the store is away
         self.replicas = 1  # as last seen in the store
         self.up = True  # the store answered last time it was asked
@@ -211,10 +211,10 @@ class SharedLimits:
     def leave(self, ticket: Ticket) -> None:
         """The request ended: its count given back, its lease released."""
         self._admission.leave(ticket.tenant)
-        if ticket.lease is not None:
+        if ticket.lease is not None:  # given back now; if it cannot be, it expires
             key, lease_id = ticket.lease
             self._leases.pop(lease_id, None)
-            self._released_send.send_nowait((key, lease_id))
+            self._connection.post([["ZREM", key, lease_id]])
 
     def _decide(self, tenant: Tenant, reply: list[int], leases: bytes, lease_id: str) -> Ticket:
         code = reply[0]
@@ -283,7 +283,7 @@ class SharedLimits:
 
     async def _script(self, script: str, keys: list[bytes], args: list[Any]) -> Any:
         """EVALSHA, loading the script first when the store does not have it."""
-        sha = _sha(script)
+        sha = _SHAS[script]
         try:
             return await self._connection.call("EVALSHA", sha, len(keys), *keys, *args)
         except StoreError as exc:
@@ -294,11 +294,10 @@ class SharedLimits:
 
     # -- the background --------------------------------------------------------------------
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """The connection's reader, the heartbeat (replicas, lease renewal) every third of a
-        lease, and the release of leases as their requests end."""
+        """The connection's writer and reader, and the heartbeat (replicas, lease renewal)
+        every third of a lease."""
         async with trio.open_nursery() as nursery:
             await nursery.start(self._connection.run)
-            nursery.start_soon(self._release_leases)
             task_status.started()
             interval = self._config.lease_s / 3
             while True:
@@ -321,18 +320,3 @@ class SharedLimits:
             await self._script(
                 _RENEW, [key for _, key in leases], [self._lease_ms, *(i for i, _ in leases)]
             )
-
-    async def _release_leases(self) -> None:
-        """Give back leases as their requests end, all that have ended at once."""
-        async for first in self._released:
-            batch = [first]
-            while True:
-                try:
-                    batch.append(self._released.receive_nowait())
-                except trio.WouldBlock:
-                    break
-            with trio.move_on_after(self._config.timeout_s * 10):
-                try:
-                    await self._connection.pipeline([["ZREM", key, i] for key, i in batch])
-                except StoreError as exc:  # the lease expires by itself
-                    logger.debug("limit store: %d lease(s) not released: %s", len(batch), exc)
