@@ -363,6 +363,7 @@ def test_the_shared_limits_component_is_the_base_with_a_store(
     overlay = tmp_path / "overlay"
     overlay.mkdir()
     (overlay / "kustomization.yaml").write_text(
+        f"namespace: {kustomization()['namespace']}\n"
         f"resources: [{os.path.relpath(MANIFEST_DIR, overlay)}]\n"
         f"components: [{os.path.relpath(COMPONENT_DIR, overlay)}]\n"
     )
@@ -377,7 +378,7 @@ def test_the_shared_limits_component_is_the_base_with_a_store(
     assert parse_config(tomllib.loads(rendered_toml)).limits.store == "redis"
     egress = by_name["NetworkPolicy", "trio-router"]["spec"]["egress"]
     assert any(p["port"] == url.port for rule in egress for p in rule.get("ports", []))
-    assert by_name["Deployment", "trio-router-redis"]["metadata"]["namespace"] == "llm"
+    assert {d["metadata"]["namespace"] for d in docs} == {kustomization()["namespace"]}
     for doc in docs:
         kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
 

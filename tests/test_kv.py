@@ -271,7 +271,15 @@ async def test_without_tokens_in_time_it_routes_by_prefix_and_counts_the_fallbac
                 engine.gate = trio.Event()  # /tokenize (and everything) waits
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(send, router, chat(words("doc", 40)))
-                await engines[0].wait_until(lambda: engines[0].in_flight + engines[1].in_flight > 0)
+                # The chat reaches an engine only once the router gave up on its tokens.
+                async with trio.open_nursery() as waiting:
+
+                    async def until_chat(engine: FakeEngine) -> None:
+                        await engine.wait_until(lambda: bool(engine.requests_to(CHAT)))
+                        waiting.cancel_scope.cancel()
+
+                    for engine in engines:
+                        waiting.start_soon(until_chat, engine)
                 for engine in engines:
                     assert engine.gate is not None
                     engine.gate.set()

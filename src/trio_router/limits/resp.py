@@ -1,12 +1,11 @@
 """A Redis connection on Trio: commands pipelined on one TCP connection, replies parsed by
 hiredis (Redis's own C parser).
 
-Why not a Redis client library: measured on the router's own machine (one EVALSHA of a small
-script, one connection, one caller after another), the official `redis` client costs about
-0.11 ms of CPU per call and 0.35 ms when called from Trio through a worker thread, `coredis`
-(anyio, running on Trio) about 0.47 ms; the router's whole work for a request is about 1 ms.
-What is left to write is the transport (the connection, pipelining, deadlines), which is
-what a Trio program has to own anyway; the protocol's parsing is hiredis's.
+Why not a Redis client library: called from Trio, the official `redis` client needs a worker
+thread per call and `coredis` runs through anyio; both cost the router several times the CPU
+of this connection per request at load (docs/performance.md, "Shared limits"). What is left
+to write is the transport (the connection, pipelining, deadlines), which a Trio program owns
+anyway; the protocol's parsing is hiredis's.
 
 One connection per replica. A caller takes its place in the line of replies and hands its
 command to the writer in one synchronous step (Redis answers in the order it was asked, so a
