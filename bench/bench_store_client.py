@@ -13,6 +13,7 @@ explains the choice of client; what the shared store costs the router per reques
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import time
 from collections.abc import Awaitable, Callable
@@ -44,8 +45,7 @@ async def main(calls: int) -> None:
         print(f"{'client (one EVALSHA per call)':44} {'per call':>16} {'':>9}")
         await timed("trio_router (limits.resp)", calls, partial(ours.call, "EVALSHA", sha, 1, "k"))
         if importlib.util.find_spec("redis"):
-            import redis
-
+            redis: Any = importlib.import_module("redis")  # not a dependency
             client = redis.Redis.from_url(url)
             limiter = trio.CapacityLimiter(4)
 
@@ -60,8 +60,7 @@ async def main(calls: int) -> None:
             await timed("redis (sync, called directly)", calls, direct)
             await timed("redis (sync, in a worker thread)", calls, threaded)
         if importlib.util.find_spec("coredis"):
-            import coredis
-
+            coredis: Any = importlib.import_module("coredis")  # not a dependency
             async with coredis.Redis.from_url(url) as core:
                 await timed("coredis (anyio on Trio)", calls, partial(core.evalsha, sha, ["k"]))
         nursery.cancel_scope.cancel()
