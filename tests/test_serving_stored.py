@@ -88,6 +88,33 @@ async def test_a_response_made_through_one_replica_is_found_through_another() ->
                 assert holding(engines, follow_up) == holding(engines, first)
 
 
+async def test_a_large_request_continues_at_the_holder_and_keeps_its_own_id() -> None:
+    """Bodies over the size parsed in a worker thread (only the members routing needs are
+    read): `previous_response_id` still pins the engine, a client's `request_id` is kept."""
+    engines = [FakeEngine(name=f"e{i}") for i in range(3)]
+    large = "word " * 300_000
+    with trio.fail_after(LIMIT):
+        async with open_replicas(engines) as ((a, b), _, _urls):
+            made = await a.post("/v1/responses", json={"model": "fake-model", "input": "hi"})
+            response_id, holder_name = made.json()["id"], made.headers[ENGINE]
+            names = set()
+            for i in range(3):
+                body = {"model": "fake-model", "input": large, "previous_response_id": response_id}
+                answer = await b.post("/v1/responses", json=body)
+                assert answer.status_code == 200, answer.text
+                names.add(answer.headers[ENGINE])
+                if i == 0:
+                    own = {"model": "fake-model", "input": large, "request_id": "mine-2"}
+                    kept = await b.post("/v1/responses", json=own)
+                    assert kept.json()["id"] == "mine-2"
+    assert names == {holder_name}
+    (sent,) = [
+        r for e in engines for r in e.requests_to("/v1/responses") if "mine-2" in r.body.decode()
+    ]
+    assert sent.json()["request_id"] == "mine-2"
+    assert sent.body.count(b'"request_id"') == 1
+
+
 async def test_cancel_reaches_the_engine_and_its_answers_pass_through() -> None:
     engines = [FakeEngine(name=f"e{i}") for i in range(2)]
     with trio.fail_after(LIMIT):

@@ -204,6 +204,9 @@ async def read_body(
 # -- the JSON ---------------------------------------------------------------------------------
 class _ModelOnly(msgspec.Struct):
     model: str
+    # /v1/responses: which engine holds the response it continues, and whether it names its own
+    previous_response_id: Any = None
+    request_id: Any = None
 
 
 _decode_model_only: Final = msgspec.json.Decoder(_ModelOnly).decode
@@ -256,14 +259,19 @@ def _parse_large(body: bytes | bytearray, *, model_only: bool) -> dict[str, Any]
     if not model_only:
         return parse_json(body)
     try:
-        model = _decode_model_only(body).model
+        found = _decode_model_only(body)
     except msgspec.DecodeError as exc:
         raise BadRequestError(f"request body is not valid JSON: {exc}") from None
     except msgspec.ValidationError as exc:
         raise BadRequestError(f'request body has no "model" string: {exc}') from None
-    if not model:
+    if not found.model:
         raise BadRequestError('request body has no "model" string')
-    return {"model": model}
+    payload: dict[str, Any] = {"model": found.model}
+    if found.previous_response_id is not None:
+        payload["previous_response_id"] = found.previous_response_id
+    if found.request_id is not None:
+        payload["request_id"] = found.request_id
+    return payload
 
 
 def parse_json(body: bytes | bytearray) -> dict[str, Any]:
