@@ -20,6 +20,7 @@ import pytest
 import trio
 import trio.testing
 
+from test_main import write_config as main_config
 from trio_router import server
 from trio_router.config import AdmissionConfig, LimitsConfig, TenantConfig
 from trio_router.errors import ConfigError, RateLimitedError
@@ -29,7 +30,7 @@ from trio_router.serving.admission import Admission, Tenant
 from trio_router.table import RoutingTable
 from trio_router.testing import FakeEngine, open_fake_engines
 from trio_router.testing.harness import CHAT, chat, router_config, sample
-from trio_router.testing.processes import Output, open_process
+from trio_router.testing.processes import open_process, router_url
 from trio_router.testing.redis_store import free_port, open_redis, redis_available
 
 LIMIT: Final = 30.0  # seconds: bounds a hang (router processes start in a second or two)
@@ -215,22 +216,14 @@ async def test_the_store_url_variable_is_checked_at_start(monkeypatch: pytest.Mo
 
 # -- replicas ---------------------------------------------------------------------------------
 def write_config(path: Path, engine_url: str, **limits: Any) -> Path:
+    """A router config: static discovery of `engine_url`, the shared store, tenant "team"
+    (6 requests a minute, one at a time)."""
     extra = "".join(f"{k} = {v!r}\n".replace("'", '"') for k, v in limits.items())
-    path.write_text(f"""
-[server]
-bind = "127.0.0.1:0"
-drain_s = 1.0
-access_log = false
-
-[discovery]
-mode = "static"
-
-[discovery.static]
-urls = ["{engine_url}"]
-
-[stats]
-interval_s = 0.0
-
+    return main_config(
+        path,
+        engine_url,
+        drain_s=1.0,
+        extra=f"""access_log = false
 [limits]
 store = "redis"
 redis_url_env = "STORE_URL"
@@ -240,14 +233,8 @@ name = "team"
 key_env = "TEAM_KEY"
 requests_per_minute = 6
 max_concurrent = 1
-""")
-    return path
-
-
-async def ready(stderr: Output) -> str:
-    url = (await stderr.wait_for(r"Running on (http://\S+)")).group(1)
-    await stderr.wait_for(r"is routable")
-    return url
+""",
+    )
 
 
 @needs_redis
@@ -263,7 +250,7 @@ async def test_two_replica_processes_admit_exactly_one_budget(tmp_path: Path) ->
                 open_process("--config", str(config), env=env) as (_a, _, err_a),
                 open_process("--config", str(config), env=env) as (_b, _, err_b),
             ):
-                urls = [await ready(err_a), await ready(err_b)]
+                urls = [await router_url(err_a), await router_url(err_b)]
                 async with httpx.AsyncClient(timeout=LIMIT) as client:
                     answers = [
                         await client.post(
@@ -403,7 +390,7 @@ async def test_a_killed_replicas_concurrency_slot_comes_back_within_its_lease(
                 open_process("--config", str(config), env=env) as (_b, _, err_b),
                 httpx.AsyncClient(timeout=LIMIT, headers=key) as client,
             ):
-                url_a, url_b = await ready(err_a), await ready(err_b)
+                url_a, url_b = await router_url(err_a), await router_url(err_b)
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(partial(client.post, f"{url_a}{CHAT}", json=chat()))
                     await engine.wait_until(lambda: engine.in_flight == 1)

@@ -16,7 +16,7 @@ import trio
 
 from test_main import LIMIT
 from trio_router.testing import FakeEngine, open_fake_engines
-from trio_router.testing.processes import Output, open_process
+from trio_router.testing.processes import Output, open_process, router_url
 
 ENGINES: Final = 4
 CONVERSATIONS: Final = 8  # the first half with their own system prompts, the rest share one
@@ -64,9 +64,7 @@ interval_s = 0.0
 
 async def ready(stderr: Output) -> str:
     """The router's URL, once every engine is routable."""
-    url = (await stderr.wait_for(r"Running on (http://\S+)")).group(1)
-    await stderr.wait_for(rf"(?:[\s\S]*?is routable){{{ENGINES}}}")
-    return url
+    return await router_url(stderr, engines=ENGINES)
 
 
 def text(rng: random.Random, chars: int) -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import trio
 
-__all__ = ["Output", "open_command", "open_process"]
+__all__ = ["Output", "open_command", "open_process", "router_url"]
 
 
 class Output:
@@ -88,3 +88,11 @@ def open_process(
 ) -> AbstractAsyncContextManager[tuple[trio.Process, Output, Output]]:
     """`open_command` of `python -m trio_router *args` with this interpreter."""
     return open_command([sys.executable, "-m", "trio_router", *args], env=env, cwd=cwd)
+
+
+async def router_url(stderr: Output, *, engines: int = 1) -> str:
+    """The URL of a router process (`open_process`) from what it writes, once `engines`
+    engines are routable."""
+    url = (await stderr.wait_for(r"Running on (http://\S+)")).group(1)
+    await stderr.wait_for(rf"(?:[\s\S]*?is routable){{{engines}}}")
+    return url
