@@ -25,8 +25,8 @@ from trio_router import server
 from trio_router.config import AdmissionConfig, LimitsConfig, TenantConfig
 from trio_router.errors import ConfigError, RateLimitedError
 from trio_router.limits.resp import RedisConnection, RedisURL, StoreError
-from trio_router.limits.shared import SharedLimits
 from trio_router.serving.admission import Admission, Tenant
+from trio_router.serving.limits import SharedLimits
 from trio_router.table import RoutingTable
 from trio_router.testing import FakeEngine, open_fake_engines
 from trio_router.testing.harness import CHAT, chat, router_config, sample

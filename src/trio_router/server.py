@@ -34,11 +34,11 @@ from .kv.index import BlockIndex
 from .kv.subscriber import KvEvents
 from .kv.tokens import Tokenizer
 from .limits.resp import RedisURL
-from .limits.shared import SharedLimits
 from .metrics import Metrics
 from .serving import hypercorn_seam as connection
 from .serving.admission import Admission
 from .serving.app import RouterApp
+from .serving.limits import SharedLimits
 from .serving.reload import Reloader, ReloadOutcome
 from .serving.runtime import build_runtime, tenant_keys
 from .table import Engine, RoutingTable

@@ -1,1 +1,2 @@
-"""Tenant limits kept in a store shared by every router replica (`[limits] store = "redis"`)."""
+"""The shared limit store's connection (`resp`): Redis on Trio. What the serving path does
+with it is `serving.limits`."""

@@ -19,7 +19,6 @@ from ..config import Config
 from ..discovery.supervision import Supervisors
 from ..http import Relay, TransportError, fetch
 from ..kv.tokens import Tokenizer
-from ..limits.shared import SharedLimits
 from ..metrics import Metrics
 from ..table import Engine, RoutingTable
 from ..tracing import Tracing
@@ -29,6 +28,7 @@ from .errors import error_body
 from .exchange import ClientConnection, DisconnectHook, ProxyExchange, Services, request_ids
 from .forms import FORM_PATHS
 from .intake import BodyBudget, BodyParser, authenticate
+from .limits import SharedLimits
 from .names import ModelNames
 from .runtime import Settings
 from .stored import stored_response_id

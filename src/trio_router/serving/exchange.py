@@ -48,7 +48,6 @@ from ..http import (
     read_whole,
 )
 from ..kv.tokens import Tokenizer
-from ..limits.shared import SharedLimits, Ticket
 from ..metrics import NO_LABEL, Metrics
 from ..routing.policy import Policy, RequestInfo, request_info
 from ..table import Engine, RoutingTable
@@ -75,6 +74,7 @@ from .errors import (
 )
 from .forms import FORM_PATHS, FormModel
 from .intake import BodyBudget, BodyParser, Held, authenticate, read_body, read_head
+from .limits import SharedLimits, Ticket
 from .runtime import Settings
 from .stored import (
     ResponseNotFoundError,

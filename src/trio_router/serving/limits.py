@@ -33,8 +33,8 @@ import trio
 
 from ..config import LimitsConfig
 from ..errors import RateLimitedError
-from ..serving.admission import Admission, Tenant
-from .resp import RedisConnection, RedisURL, StoreError
+from ..limits.resp import RedisConnection, RedisURL, StoreError
+from .admission import Admission, Tenant
 
 __all__ = ["SharedLimits", "Ticket"]
 
