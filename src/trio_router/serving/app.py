@@ -1,7 +1,8 @@
 """The ASGI application: dispatch only.
 
-A POST to a proxied path becomes a `ProxyExchange` (intake, routing, the engine's answer,
-everything it leaves behind); every other request goes to the admin endpoints; the lifespan
+A POST to a proxied path, and a stored response's retrieval or cancellation, becomes a
+`ProxyExchange` (intake, routing, the engine's answer, everything it leaves behind); every
+other request goes to the admin endpoints (and GET /version asks the engines theirs); the lifespan
 is answered; a WebSocket upgrade is refused. The app holds no tasks of its own (each request
 runs in the task its server gives it) and no global state; `settings` is swapped whole on a
 reload, so a request keeps the settings it started with.
