@@ -103,9 +103,6 @@ async def test_commands_replies_errors_and_a_store_that_goes_away() -> None:
             async with connection(url.replace("secret", "wrong")) as conn:
                 with pytest.raises(StoreError, match=r"WRONGPASS|invalid password"):
                     await conn.call("PING")
-            async with connection(url) as conn:
-                assert await conn.call("PING") == b"PONG"
-                held = conn
         # The server gone: a clear error, and the next call after it is back reconnects.
         async with connection(f"redis://:secret@127.0.0.1:{port}/0") as conn:
             with pytest.raises(StoreError, match="cannot connect"):
@@ -114,7 +111,6 @@ async def test_commands_replies_errors_and_a_store_that_goes_away() -> None:
                 assert await conn.call("PING") == b"PONG"
             with pytest.raises(StoreError):
                 await conn.call("PING")
-    assert held is not conn
 
 
 @needs_redis

@@ -83,19 +83,19 @@ class _Dropped:
     """The place in line of a command whose reply nobody waits for (`post`)."""
 
     __slots__ = ()
-    wanted = False
 
 
 _DROPPED: Final = _Dropped()
 
 
 class _Waiter:
-    __slots__ = ("done", "reply", "wanted")
+    """A caller's place in line: its reply, once read (a caller that gave up is not told)."""
+
+    __slots__ = ("done", "reply")
 
     def __init__(self) -> None:
         self.done = trio.Event()
         self.reply: Any = None
-        self.wanted = True
 
 
 class RedisConnection:
@@ -175,13 +175,8 @@ class RedisConnection:
         self._waiters.extend(waiters)
         self._outgoing += data
         self._to_send.set()
-        try:
-            for waiter in waiters:
-                await waiter.done.wait()
-        except BaseException:
-            for waiter in waiters:
-                waiter.wanted = False
-            raise
+        for waiter in waiters:
+            await waiter.done.wait()  # cancelled: the reply is read later, and dropped
         replies = []
         for waiter in waiters:
             if isinstance(waiter.reply, Exception):

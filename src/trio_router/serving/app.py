@@ -29,7 +29,7 @@ from .errors import error_body
 from .exchange import ClientConnection, DisconnectHook, ProxyExchange, Services, request_ids
 from .forms import FORM_PATHS
 from .intake import BodyBudget, BodyParser, authenticate
-from .limits import SharedLimits
+from .limits import Limits, LocalLimits
 from .names import ModelNames
 from .runtime import Settings
 from .stored import stored_response_id
@@ -94,7 +94,7 @@ class RouterApp:
         disconnect_hook: DisconnectHooks = no_disconnect_hook,
         tracing: Tracing | None = None,
         tokenizer: Tokenizer | None = None,
-        limits: SharedLimits | None = None,
+        limits: Limits | None = None,
     ) -> None:
         self.settings = settings
         self.admission = admission
@@ -112,7 +112,7 @@ class RouterApp:
             missing_model=lambda model: missing_model(table, model),
             new_request_id=new_request_id,
             tokenizer=tokenizer if tokenizer is not None else Tokenizer(timeout=0.1),
-            limits=limits,
+            limits=limits if limits is not None else LocalLimits(admission),
         )
         self._disconnect_hook = disconnect_hook
         self._admin = AdminEndpoints(

@@ -74,7 +74,7 @@ from .errors import (
 )
 from .forms import FORM_PATHS, FormModel
 from .intake import BodyBudget, BodyParser, Held, authenticate, read_body, read_head
-from .limits import SharedLimits, Ticket
+from .limits import Limits, Ticket
 from .runtime import Settings
 from .stored import (
     ResponseNotFoundError,
@@ -140,7 +140,7 @@ class Services:
     missing_model: Callable[[str], RequestError]
     new_request_id: Callable[[], bytes]
     tokenizer: Tokenizer  # a request's token ids, for the policies that route on them
-    limits: SharedLimits | None = None  # [limits] store = "redis": tenants' shared limits
+    limits: Limits  # where a tenant's request is admitted and left ([limits] store)
 
 
 def request_ids() -> Callable[[], bytes]:
@@ -208,8 +208,7 @@ class ProxyExchange:
         self.sent = 0  # response body bytes handed on
         self.ttfb: float | None = None
         self._span: Span | None = None  # the server span, with tracing on
-        self._tenant: Tenant | None = None  # admitted: its admission is left at the end
-        self._ticket: Ticket | None = None  # admitted by the shared limits: left there
+        self._ticket: Ticket | None = None  # admitted: left at the end
         self._method = scope["method"].encode()
         self._form: FormModel | None = None  # a form upload: where its model field is
         self._pinned: Engine | None = None  # the engine that holds the stored response
@@ -234,10 +233,8 @@ class ProxyExchange:
         finally:
             self._disarm()
             held.release()
-            if self._ticket is not None and self._services.limits is not None:
+            if self._ticket is not None:
                 self._services.limits.leave(self._ticket)
-            elif self._tenant is not None:
-                self._services.admission.leave(self._tenant)
             self._finish()
 
     def _disarm(self) -> None:
@@ -287,11 +284,7 @@ class ProxyExchange:
                 self._fell_back(skipped, chain[index], "no_engine", "no routable engine")
             payload, body = await self._as_model(chain[index], payload, body)
             info = self._route_info(payload)
-            if services.limits is not None:
-                self._ticket = await services.limits.admit(tenant)
-            else:
-                services.admission.admit(tenant)
-                self._tenant = tenant
+            self._ticket = await services.limits.admit(tenant)
             info = await self._tokens_for(info, payload, head.authorization)
         except RequestError as exc:
             held.release()

@@ -243,15 +243,14 @@ class BodyParser:
         members as they were, in their order). A large body whose model alone was read is
         parsed whole first, in a worker thread."""
         if len(body) <= LARGE_BODY_BYTES:
-            payload = {**payload, "model": model}
-            return payload, msgspec.json.encode(payload)
+            return _with_model(payload, model)
         return await trio.to_thread.run_sync(
-            partial(_with_model_large, body, model), limiter=self._limiter
+            lambda: _with_model(parse_json(body), model), limiter=self._limiter
         )
 
 
-def _with_model_large(body: bytes | bytearray, model: str) -> tuple[dict[str, Any], bytes]:
-    payload = {**parse_json(body), "model": model}
+def _with_model(payload: dict[str, Any], model: str) -> tuple[dict[str, Any], bytes]:
+    payload = {**payload, "model": model}
     return payload, msgspec.json.encode(payload)
 
 

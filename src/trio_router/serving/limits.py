@@ -27,7 +27,7 @@ import math
 import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import trio
 
@@ -36,7 +36,7 @@ from ..errors import RateLimitedError
 from ..limits.resp import RedisConnection, RedisURL, StoreError
 from .admission import Admission, Tenant
 
-__all__ = ["SharedLimits", "Ticket"]
+__all__ = ["Limits", "LocalLimits", "SharedLimits", "Ticket"]
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +120,29 @@ class Ticket:
     lease: tuple[bytes, str] | None = None  # (the leases' key, the lease id)
 
 
+class Limits(Protocol):
+    """Where a request of a tenant is admitted and left: the exchange's one way in and out."""
+
+    async def admit(self, tenant: Tenant) -> Ticket: ...
+
+    def leave(self, ticket: Ticket) -> None: ...
+
+
+class LocalLimits:
+    """Each replica counts its tenants' limits alone (`[limits] store = "local"`): the
+    admission's own bucket and count."""
+
+    def __init__(self, admission: Admission) -> None:
+        self._admission = admission
+
+    async def admit(self, tenant: Tenant) -> Ticket:
+        self._admission.admit(tenant)
+        return Ticket(tenant)
+
+    def leave(self, ticket: Ticket) -> None:
+        self._admission.leave(ticket.tenant)
+
+
 class SharedLimits:
     """admit/leave of a tenant's request against the store (see the module's docstring).
     `run` (a task of the server's nursery) keeps the connection, the replica's heartbeat and
@@ -135,6 +158,7 @@ class SharedLimits:
     ) -> None:
         self._config = config
         self._admission = admission
+        self._local = LocalLimits(admission)
         self._connection = RedisConnection(
             url, connect_timeout=config.connect_timeout_s, connect=connect
         )
@@ -170,8 +194,7 @@ class SharedLimits:
         """Admit a request of `tenant`, or raise RateLimitedError (429). Asks the store when
         the tenant has limits; local limits when it cannot (see the module's docstring)."""
         if not (tenant.requests_per_minute or tenant.max_concurrent):
-            self._admission.admit(tenant)
-            return Ticket(tenant)
+            return await self._local.admit(tenant)
         now = trio.current_time()
         if now < self._down_until:
             self._on_fallback("down")
@@ -210,7 +233,7 @@ class SharedLimits:
 
     def leave(self, ticket: Ticket) -> None:
         """The request ended: its count given back, its lease released."""
-        self._admission.leave(ticket.tenant)
+        self._local.leave(ticket)
         if ticket.lease is not None:  # given back now; if it cannot be, it expires
             key, lease_id = ticket.lease
             self._leases.pop(lease_id, None)
@@ -255,7 +278,7 @@ class SharedLimits:
             local.requests_per_minute, local.refilled_at = rate, -math.inf  # starts full
         local.max_concurrent = math.ceil(tenant.max_concurrent / self.replicas)
         self._admission.admit(local)
-        return Ticket(local)
+        return Ticket(local)  # left by the local share
 
     def _keys(self, tenant: Tenant) -> list[bytes]:
         name = tenant.name.encode()

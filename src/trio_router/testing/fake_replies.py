@@ -227,22 +227,31 @@ def completions(engine: FakeEngine, request: dict[str, Any], model: str, rid: st
     return generation(engine, request, model, rid, chat=False)
 
 
-def embeddings(engine: FakeEngine, request: dict[str, Any], model: str, rid: str) -> Reply:
+def _vectors(
+    request: dict[str, Any], model: str, ident: str, item: Callable[[int, str], dict[str, Any]]
+) -> Reply:
+    """A pooling model's answer: one `item` per input text, and the prompt's usage."""
     texts = _texts(request.get("input"))
     tokens = sum(len(_words(t)) for t in texts)
     return Reply(
         200,
         {
-            "id": f"embd-{rid}",
+            "id": ident,
             "object": "list",
             "created": int(time.time()),
             "model": model,
-            "data": [
-                {"object": "embedding", "index": i, "embedding": _embedding(t)}
-                for i, t in enumerate(texts)
-            ],
+            "data": [item(i, t) for i, t in enumerate(texts)],
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0},
         },
+    )
+
+
+def embeddings(engine: FakeEngine, request: dict[str, Any], model: str, rid: str) -> Reply:
+    return _vectors(
+        request,
+        model,
+        f"embd-{rid}",
+        lambda i, t: {"object": "embedding", "index": i, "embedding": _embedding(t)},
     )
 
 
@@ -579,19 +588,11 @@ def invocations(engine: FakeEngine, request: dict[str, Any], model: str, rid: st
 
 def pooling(engine: FakeEngine, request: dict[str, Any], model: str, rid: str) -> Reply:
     """`/pooling` and `/classify` (pooling models): one vector, or class scores, per input."""
-    texts = _texts(request.get("input"))
-    tokens = sum(len(_words(t)) for t in texts)
-    data = [{"index": i, "object": "pooling", "data": _embedding(t)} for i, t in enumerate(texts)]
-    return Reply(
-        200,
-        {
-            "id": f"pool-{rid}",
-            "object": "list",
-            "created": int(time.time()),
-            "model": model,
-            "data": data,
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0},
-        },
+    return _vectors(
+        request,
+        model,
+        f"pool-{rid}",
+        lambda i, t: {"index": i, "object": "pooling", "data": _embedding(t)},
     )
 
 
