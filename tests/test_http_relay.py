@@ -5,6 +5,8 @@ writing scripted bytes, raw HTTP/1.1, HTTP/1.0 and HTTP/2 clients)."""
 from __future__ import annotations
 
 import json
+import math
+import os
 import socket
 import struct
 from collections.abc import AsyncIterator, Sequence
@@ -93,8 +95,7 @@ def test_framed_relay_carries_exactly_the_body_at_any_split(
     while pos < len(wire):
         piece = wire[pos : pos + splits[turn % len(splits)]]
         pos, turn = pos + len(piece), turn + 1
-        relayed.feed(piece)
-        out.append(relayed.read_body_framed())
+        out.append(relayed.feed_framed(piece))  # what the relay does with each read
         general.feed(piece)
         data.append(general.read_body())
     assert relayed.done and general.done and relayed.reusable
@@ -121,6 +122,29 @@ def test_chunks_in_h11_form_pass_as_they_came() -> None:
     assert parser.read_body_framed() == b"6\r\n456789\r\n"
 
 
+def test_a_read_of_one_whole_chunk_passes_in_one_step() -> None:
+    """The relay's usual read, one event as one chunk in h11's form at a chunk boundary, comes
+    back as the very object read; anything else takes the general framing (a chunk in
+    another spelling, a chunk after a cut one, two chunks in a read, the last chunk)."""
+    parser = ResponseParser()
+    parser.feed(HEAD)
+    assert parser.read_head()
+    payload = b'data: {"choices": [1, 2]}\n\n'
+    event = b"%x\r\n%s\r\n" % (len(payload), payload)
+    assert event.startswith(b"1b\r\n")  # a hex letter: its case matters
+    assert parser.feed_framed(event) is event
+    assert parser.feed_framed(b"1B\r\n" + event[4:]) == event  # uppercase: framed anew
+    cut = parser.feed_framed(event[:9])
+    assert cut == b"5\r\ndata:\r\n"  # cut: what came, as a chunk
+    rest = parser.feed_framed(event[9:] + event)  # the rest of it, then a whole one
+    data = payload[5:] + payload
+    assert rest == b"%x\r\n%s\r\n" % (len(data), data)  # decoded and framed anew, as one
+    assert decode_chunked(cut + rest + b"0\r\n\r\n") == 2 * payload
+    assert parser.feed_framed(event + event) == event + event
+    assert not parser.done
+    assert parser.feed_framed(b"0\r\n\r\n") == b"" and parser.done and parser.reusable
+
+
 def test_framed_relay_rejects_broken_framing() -> None:
     parser = ResponseParser()
     parser.feed(HEAD + b"5\r\nabcdeXY")
@@ -130,6 +154,14 @@ def test_framed_relay_rejects_broken_framing() -> None:
 
 
 # -- the Relay on virtual time ------------------------------------------------------------------
+@pytest.fixture
+def relay_clock() -> trio.testing.MockClock:
+    """Virtual time that jumps only once every task has been blocked for 20 ms of real time:
+    the relay's thread moves bytes while the Trio side looks blocked, and an autojump clock
+    jumping at once would let virtual time pass without the thread having had a turn."""
+    return trio.testing.MockClock(autojump_threshold=0.02)
+
+
 class EngineScript:
     """A fake engine answering every POST with a chunked stream: `chunks` (one per write,
     `gap` seconds apart), then the last chunk unless `hang`."""
@@ -202,7 +234,7 @@ async def relayed_exchange(
         pool.close()
 
 
-async def test_relay_moves_a_stream_and_ends_it(autojump_clock: trio.testing.MockClock) -> None:
+async def test_relay_moves_a_stream_and_ends_it(relay_clock: trio.testing.MockClock) -> None:
     events = [b"data: %d\n\n" % i for i in range(20)]
     client = Client.make()
     async with relayed_exchange(EngineScript(events, gap=0.005)) as (relay, response, _):
@@ -215,7 +247,7 @@ async def test_relay_moves_a_stream_and_ends_it(autojump_clock: trio.testing.Moc
 
 
 async def test_relay_ends_a_silent_engine_at_the_read_timeout(
-    autojump_clock: trio.testing.MockClock,
+    relay_clock: trio.testing.MockClock,
 ) -> None:
     client = Client.make()
     async with relayed_exchange(EngineScript([b"data: 1\n\n"], hang=True), read_timeout=5.0) as (
@@ -233,7 +265,7 @@ async def test_relay_ends_a_silent_engine_at_the_read_timeout(
 
 
 async def test_a_relayed_stream_whose_client_left_leaves_the_relay(
-    autojump_clock: trio.testing.MockClock,
+    relay_clock: trio.testing.MockClock,
 ) -> None:
     client = Client.make()
     async with (
@@ -258,7 +290,7 @@ async def test_a_relayed_stream_whose_client_left_leaves_the_relay(
 
 
 async def test_relay_holds_back_the_engine_for_a_client_that_does_not_read(
-    autojump_clock: trio.testing.MockClock,
+    relay_clock: trio.testing.MockClock,
 ) -> None:
     """A client that stops reading: the relay stops reading the engine (at most one read is
     held, the rest stays with the engine), and carries on where it was once the client reads
@@ -274,7 +306,7 @@ async def test_relay_holds_back_the_engine_for_a_client_that_does_not_read(
             done.set()
 
         nursery.start_soon(run)
-        await trio.sleep(60)
+        await trio.sleep(2)
         assert not done.is_set()
         (stream,) = relay._streams
         assert 0 < len(stream._pending) <= 65536 + 16  # one read, framed
@@ -292,7 +324,7 @@ async def test_relay_holds_back_the_engine_for_a_client_that_does_not_read(
     client.close()
 
 
-async def test_relay_stops_when_the_client_resets(autojump_clock: trio.testing.MockClock) -> None:
+async def test_relay_stops_when_the_client_resets(relay_clock: trio.testing.MockClock) -> None:
     client = Client.make()
     async with (
         relayed_exchange(EngineScript([b"x" * 100] * 3, gap=1.0, hang=True)) as (
@@ -312,6 +344,114 @@ async def test_relay_stops_when_the_client_resets(autojump_clock: trio.testing.M
         with pytest.raises(ClientGoneError):
             await relay.relay(response, client)
     client.ours.close()
+
+
+# -- the relay's thread, on the real clock -------------------------------------------------------
+async def test_many_streams_cross_the_relay_thread_whole() -> None:
+    """Many streams at once through the relay's thread (real clock: the thread and the Trio
+    side run in parallel here): every client gets exactly its engine's body, every owner is
+    woken, and the relay is empty after."""
+    streams = 40
+    events = [b"data: %d %s\n\n" % (i, b"x" * (i % 7)) for i in range(30)]
+    network = FakeNetwork(EngineScript(events, gap=0.001))
+    clients = [Client.make() for _ in range(streams)]
+    results: list[tuple[bytes, int]] = []
+    with trio.fail_after(LIMIT):
+        async with network.open(), open_relay() as relay:
+            pool = UpstreamPool(connect_timeout=5.0, read_timeout=60.0, connect=network.connect)
+
+            async def one(client: Client) -> None:
+                async with pool.request(
+                    "http://10.0.0.1:8000", b"POST", b"/v1/completions", [], b"{}"
+                ) as response:
+                    results.append(await relay.relay(response, client))
+
+            async with trio.open_nursery() as nursery:
+                for client in clients:
+                    nursery.start_soon(one, client)
+            assert len(relay) == 0 and relay.relayed == streams
+            pool.close()
+    assert len(results) == streams
+    bodies = [client.drain() for client in clients]
+    for body in bodies:
+        assert decode_chunked(body + b"0\r\n\r\n") == b"".join(events)
+    assert sorted(sent for _, sent in results) == sorted(len(body) for body in bodies)
+    for client in clients:
+        client.close()
+
+
+async def test_owners_cancelled_while_the_thread_relays_leave_nothing_behind() -> None:
+    """Owners cancelled at random points while the thread moves their streams (real clock):
+    each leaves the relay at once, its engine connection is closed, and the relay keeps
+    serving the others."""
+    events = [b"data: %d\n\n" % i for i in range(200)]
+    network = FakeNetwork(EngineScript(events, gap=0.001))
+    clients = [Client.make() for _ in range(20)]
+    completed = 0
+    with trio.fail_after(LIMIT):
+        async with network.open(), open_relay() as relay:
+            pool = UpstreamPool(connect_timeout=5.0, read_timeout=60.0, connect=network.connect)
+
+            async def one(index: int, client: Client) -> None:
+                nonlocal completed
+                with trio.move_on_after(0.01 * index if index % 2 else math.inf):
+                    async with pool.request(
+                        "http://10.0.0.1:8000", b"POST", b"/v1/completions", [], b"{}"
+                    ) as response:
+                        await relay.relay(response, client)
+                        completed += 1
+
+            async with trio.open_nursery() as nursery:
+                for index, client in enumerate(clients):
+                    nursery.start_soon(one, index, client)
+            assert len(relay) == 0 and not relay._shared.by_fd
+            await network.wait_for(lambda: network.open_now["10.0.0.1"] <= completed)
+            pool.close()
+    assert completed == 10  # the even ones, never cancelled
+    for index, client in enumerate(clients):
+        body = decode_chunked(client.drain() + b"0\r\n\r\n")
+        assert body == b"".join(events) if index % 2 == 0 else b"".join(events).startswith(body)
+        client.close()
+
+
+async def test_a_client_socket_closed_meanwhile_is_not_confused_with_a_new_one() -> None:
+    """The server closes a client's socket while its stream is relayed, and a new socket gets
+    the same descriptor number: the relay, which writes to its own duplicate of the old
+    descriptor, never writes into the new socket (real clock)."""
+    events = [b"data: %d\n\n" % i for i in range(100)]
+    network = FakeNetwork(EngineScript(events, gap=0.002))
+    client = Client.make()
+    with trio.fail_after(LIMIT):
+        async with network.open(), open_relay() as relay, trio.open_nursery() as nursery:
+            pool = UpstreamPool(connect_timeout=5.0, read_timeout=60.0, connect=network.connect)
+            async with pool.request(
+                "http://10.0.0.1:8000", b"POST", b"/v1/completions", [], b"{}"
+            ) as response:
+                number = client.fileno()
+                nursery.start_soon(relay.relay, response, client)
+                await trio.sleep(0.02)
+                client.ours.close()  # as the server closes a connection
+                ours, theirs = socket.socketpair()
+                try:
+                    if ours.fileno() != number:  # make the new socket take the old number
+                        os.dup2(ours.fileno(), number)
+                        ours.close()
+                        ours = socket.socket(fileno=number)
+                    theirs.setblocking(False)
+                    await trio.sleep(0.1)  # the engine goes on sending meanwhile
+                    with pytest.raises(BlockingIOError):
+                        theirs.recv(1 << 16)  # nothing of the old stream reached it
+                finally:
+                    nursery.cancel_scope.cancel()
+                    ours.close()
+                    theirs.close()
+            pool.close()
+    # The old client's peer got the stream until the relay was cancelled, then the end.
+    received = bytearray()
+    while data := client.theirs.recv(1 << 16):
+        received += data
+    assert received.startswith(b"9\r\ndata: 0\n\n\r\n") and len(received) > 100
+    client.theirs.close()
 
 
 # -- end to end -------------------------------------------------------------------------------
