@@ -154,14 +154,6 @@ def test_framed_relay_rejects_broken_framing() -> None:
 
 
 # -- the Relay on virtual time ------------------------------------------------------------------
-@pytest.fixture
-def relay_clock() -> trio.testing.MockClock:
-    """Virtual time that jumps only once every task has been blocked for 20 ms of real time:
-    the relay's thread moves bytes while the Trio side looks blocked, and an autojump clock
-    jumping at once would let virtual time pass without the thread having had a turn."""
-    return trio.testing.MockClock(autojump_threshold=0.02)
-
-
 class EngineScript:
     """A fake engine answering every POST with a chunked stream: `chunks` (one per write,
     `gap` seconds apart), then the last chunk unless `hang`."""
@@ -234,7 +226,7 @@ async def relayed_exchange(
         pool.close()
 
 
-async def test_relay_moves_a_stream_and_ends_it(relay_clock: trio.testing.MockClock) -> None:
+async def test_relay_moves_a_stream_and_ends_it(autojump_clock: trio.testing.MockClock) -> None:
     events = [b"data: %d\n\n" % i for i in range(20)]
     client = Client.make()
     async with relayed_exchange(EngineScript(events, gap=0.005)) as (relay, response, _):
@@ -247,7 +239,7 @@ async def test_relay_moves_a_stream_and_ends_it(relay_clock: trio.testing.MockCl
 
 
 async def test_relay_ends_a_silent_engine_at_the_read_timeout(
-    relay_clock: trio.testing.MockClock,
+    autojump_clock: trio.testing.MockClock,
 ) -> None:
     client = Client.make()
     async with relayed_exchange(EngineScript([b"data: 1\n\n"], hang=True), read_timeout=5.0) as (
@@ -265,7 +257,7 @@ async def test_relay_ends_a_silent_engine_at_the_read_timeout(
 
 
 async def test_a_relayed_stream_whose_client_left_leaves_the_relay(
-    relay_clock: trio.testing.MockClock,
+    autojump_clock: trio.testing.MockClock,
 ) -> None:
     client = Client.make()
     async with (
@@ -290,7 +282,7 @@ async def test_a_relayed_stream_whose_client_left_leaves_the_relay(
 
 
 async def test_relay_holds_back_the_engine_for_a_client_that_does_not_read(
-    relay_clock: trio.testing.MockClock,
+    autojump_clock: trio.testing.MockClock,
 ) -> None:
     """A client that stops reading: the relay stops reading the engine (at most one read is
     held, the rest stays with the engine), and carries on where it was once the client reads
@@ -306,7 +298,7 @@ async def test_relay_holds_back_the_engine_for_a_client_that_does_not_read(
             done.set()
 
         nursery.start_soon(run)
-        await trio.sleep(2)
+        await trio.sleep(60)
         assert not done.is_set()
         (stream,) = relay._streams
         assert 0 < len(stream._pending) <= 65536 + 16  # one read, framed
@@ -324,7 +316,7 @@ async def test_relay_holds_back_the_engine_for_a_client_that_does_not_read(
     client.close()
 
 
-async def test_relay_stops_when_the_client_resets(relay_clock: trio.testing.MockClock) -> None:
+async def test_relay_stops_when_the_client_resets(autojump_clock: trio.testing.MockClock) -> None:
     client = Client.make()
     async with (
         relayed_exchange(EngineScript([b"x" * 100] * 3, gap=1.0, hang=True)) as (
@@ -346,11 +338,11 @@ async def test_relay_stops_when_the_client_resets(relay_clock: trio.testing.Mock
     client.ours.close()
 
 
-# -- the relay's thread, on the real clock -------------------------------------------------------
-async def test_many_streams_cross_the_relay_thread_whole() -> None:
-    """Many streams at once through the relay's thread (real clock: the thread and the Trio
-    side run in parallel here): every client gets exactly its engine's body, every owner is
-    woken, and the relay is empty after."""
+# -- many streams at once, on the real clock ----------------------------------------------------
+async def test_many_streams_cross_the_relay_whole() -> None:
+    """Many streams at once through the relay, their events interleaved (real clock): every
+    client gets exactly its engine's body, every owner is woken, and the relay is empty
+    after."""
     streams = 40
     events = [b"data: %d %s\n\n" % (i, b"x" * (i % 7)) for i in range(30)]
     network = FakeNetwork(EngineScript(events, gap=0.001))
@@ -380,8 +372,8 @@ async def test_many_streams_cross_the_relay_thread_whole() -> None:
         client.close()
 
 
-async def test_owners_cancelled_while_the_thread_relays_leave_nothing_behind() -> None:
-    """Owners cancelled at random points while the thread moves their streams (real clock):
+async def test_owners_cancelled_mid_stream_leave_nothing_behind() -> None:
+    """Owners cancelled at random points while the relay moves their streams (real clock):
     each leaves the relay at once, its engine connection is closed, and the relay keeps
     serving the others."""
     events = [b"data: %d\n\n" % i for i in range(200)]
@@ -404,7 +396,7 @@ async def test_owners_cancelled_while_the_thread_relays_leave_nothing_behind() -
             async with trio.open_nursery() as nursery:
                 for index, client in enumerate(clients):
                     nursery.start_soon(one, index, client)
-            assert len(relay) == 0 and not relay._shared.by_fd
+            assert len(relay) == 0 and not relay._by_fd
             await network.wait_for(lambda: network.open_now["10.0.0.1"] <= completed)
             pool.close()
     assert completed == 10  # the even ones, never cancelled
@@ -416,19 +408,29 @@ async def test_owners_cancelled_while_the_thread_relays_leave_nothing_behind() -
 
 async def test_a_client_socket_closed_meanwhile_is_not_confused_with_a_new_one() -> None:
     """The server closes a client's socket while its stream is relayed, and a new socket gets
-    the same descriptor number: the relay, which writes to its own duplicate of the old
-    descriptor, never writes into the new socket (real clock)."""
+    the same descriptor number: the relay ends the stream (the client is gone) at its next
+    write and never writes into the new socket (real clock)."""
     events = [b"data: %d\n\n" % i for i in range(100)]
     network = FakeNetwork(EngineScript(events, gap=0.002))
     client = Client.make()
+    gone = trio.Event()
     with trio.fail_after(LIMIT):
-        async with network.open(), open_relay() as relay, trio.open_nursery() as nursery:
+        async with network.open(), open_relay() as relay:
             pool = UpstreamPool(connect_timeout=5.0, read_timeout=60.0, connect=network.connect)
-            async with pool.request(
-                "http://10.0.0.1:8000", b"POST", b"/v1/completions", [], b"{}"
-            ) as response:
+            async with (
+                pool.request(
+                    "http://10.0.0.1:8000", b"POST", b"/v1/completions", [], b"{}"
+                ) as response,
+                trio.open_nursery() as nursery,
+            ):
+
+                async def run() -> None:
+                    with pytest.raises(ClientGoneError):
+                        await relay.relay(response, client)
+                    gone.set()
+
                 number = client.fileno()
-                nursery.start_soon(relay.relay, response, client)
+                nursery.start_soon(run)
                 await trio.sleep(0.02)
                 client.ours.close()  # as the server closes a connection
                 ours, theirs = socket.socketpair()
@@ -438,19 +440,20 @@ async def test_a_client_socket_closed_meanwhile_is_not_confused_with_a_new_one()
                         ours.close()
                         ours = socket.socket(fileno=number)
                     theirs.setblocking(False)
-                    await trio.sleep(0.1)  # the engine goes on sending meanwhile
+                    await gone.wait()
+                    await trio.sleep(0.05)  # the engine goes on sending meanwhile
                     with pytest.raises(BlockingIOError):
                         theirs.recv(1 << 16)  # nothing of the old stream reached it
                 finally:
-                    nursery.cancel_scope.cancel()
                     ours.close()
                     theirs.close()
+                assert len(relay) == 0
             pool.close()
-    # The old client's peer got the stream until the relay was cancelled, then the end.
+    # The old client's peer got the stream until its socket closed, then the end.
     received = bytearray()
     while data := client.theirs.recv(1 << 16):
         received += data
-    assert received.startswith(b"9\r\ndata: 0\n\n\r\n") and len(received) > 100
+    assert received.startswith(b"9\r\ndata: 0\n\n\r\n")
     client.theirs.close()
 
 

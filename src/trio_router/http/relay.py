@@ -1,5 +1,5 @@
 """The relay: the chunked bodies of engine answers moved to their clients, for every relayed
-stream at once, by one thread of its own, with the codec's framing check in between."""
+stream at once, from one task, with the codec's framing check in between."""
 
 from __future__ import annotations
 
@@ -7,8 +7,6 @@ import logging
 import math
 import os
 import select
-import threading
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
 from typing import Final, Protocol
@@ -17,7 +15,7 @@ import trio
 
 from .codec import ProtocolError
 from .connection import READ_SIZE
-from .errors import ClientGoneError, EngineBrokeOffError, EngineTimeoutError
+from .errors import ClientGoneError, EngineBrokeOffError, EngineTimeoutError, TransportError
 from .pool import RelaySource, UpstreamResponse
 
 __all__ = ["CHECK_S", "PAUSE_AT", "PAUSE_S", "Relay", "RelayTarget", "open_relay"]
@@ -39,56 +37,42 @@ class RelayTarget(Protocol):
 
 class Relay:
     """Moves the chunked bodies of engine answers to their clients, for every relayed stream
-    at once, in a thread of its own: what a token stream costs per event is a `recv` from the
-    engine and a `write` to the client, with nothing in between but the chunk framing check,
-    and no trip through Trio's scheduler.
+    at once, in one task: what a token stream costs per event is a `recv` from the engine and
+    a `write` to the client, with nothing in between but the chunk framing check.
 
     An HTTP/1.1 client with a chunked response under way can take the engine's chunks as they
     are. `relay()` hands such a body over: the engine's socket joins this relay's own epoll
-    set (level-triggered, registered once per stream), and when it is readable, the relay's
-    thread (blocked in `epoll_wait` with the GIL released, otherwise) reads what it holds,
-    has the codec check its chunk framing (`ResponseParser.feed_framed`: complete chunks in
-    h11's form pass as they came, anything else is framed anew) and writes it to the client's
-    socket at once; the last chunk is left to the client connection's own codec. Every socket
-    ready at a wake-up is served in the same pass; after a pass that served `PAUSE_AT` sockets
-    or more (load), the thread waits `PAUSE_S` before the next, so that a pass serves many
-    events and a wake-up is paid for many (an event waits at most that long; at light load,
-    not at all).
+    set (level-triggered, registered once per stream), and when it is readable, what it holds
+    is read, its chunk framing checked by the codec (`ResponseParser.feed_framed`:
+    complete chunks in h11's form pass as they came, anything else is framed anew) and written
+    to the client's socket at once; the last chunk is left to the client connection's own
+    codec. Every socket ready at a wake-up is served in the same pass, so a burst of events
+    on many streams costs one trip through the scheduler; after a pass that served
+    `PAUSE_AT` sockets or more (load), the relay waits `PAUSE_S` before the next, so that
+    the next pass serves more events and a wake-up is paid for many (an event waits at most
+    that long; at light load, not at all).
 
     - Backpressure: when the client's socket does not take everything, the engine's socket is
       no longer read until the rest is written (the client's socket joins the set for
       writability meanwhile): at most one read of an engine's bytes is held per stream. A
       client that takes nothing for `write_timeout` ends its stream with ClientGoneError.
-    - Every CHECK_S the relayed streams' deadlines are checked, on Trio's clock, by a task of
-      the relay: an engine silent for `read_timeout` ends its stream with EngineTimeoutError
-      (found between `read_timeout` and `read_timeout` + 2 CHECK_S after its last read: the
-      thread counts reads, the check sees the count move). A write that fails (reset, closed)
-      is a gone client; an engine that resets, closes early or breaks the framing ends its
-      stream with EngineBrokeOffError.
+    - Every CHECK_S the relayed streams' deadlines are checked: an engine silent for
+      `read_timeout` with EngineTimeoutError. A write that fails (reset, closed) is a gone
+      client; an engine that resets, closes early or breaks the framing ends its stream with
+      EngineBrokeOffError.
     - The task that called `relay()` owns its stream: cancelling it takes the stream out of
       the set at once (and the exchange then closes the engine's connection).
-    - Threads: everything a stream holds is used under the relay's lock, by its thread for a
-      pass and by the Trio thread to hand a stream in, take it out or check it; the thread
-      wakes the owners of the streams a pass ended through the Trio token, once per pass. The
-      relay writes to a duplicate of the client's descriptor, closed when the stream leaves,
-      so a socket the server closes meanwhile is never confused with one opened since.
 
     Use from the Trio thread; run it with `open_relay()`.
     """
 
     def __init__(self, *, write_timeout: float = math.inf) -> None:
-        self._shared = shared = _Shared(write_timeout)
-        self._epoll, self._streams = shared.epoll, shared.streams
-        self._lock = threading.Lock()
+        self.write_timeout = write_timeout  # a client taking nothing this long is dropped
+        self._epoll = select.epoll()
+        self._by_fd: dict[int, _Relayed] = {}  # engine sockets, and client sockets being waited on
+        self._streams: set[_Relayed] = set()
         self._streams_changed = trio.Event()
-        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)  # stops the thread
-        self._epoll.register(self._wake_r, select.EPOLLIN)
-        self._stopping = False
         self.relayed = 0  # streams handed over in all; for metrics and tests
-
-    @property
-    def write_timeout(self) -> float:
-        return self._shared.write_timeout
 
     def __len__(self) -> int:
         return len(self._streams)
@@ -105,112 +89,59 @@ class Relay:
         bytes were relayed. Raises
         ClientGoneError, EngineTimeoutError or EngineBrokeOffError (then the client's response
         cannot be ended cleanly). Cancellation takes the stream out of the relay at once."""
-        stream = _Relayed(self._shared, response.relay_source(), client)
+        stream = _Relayed(
+            response.relay_source(),
+            client,
+            epoll=self._epoll,
+            by_fd=self._by_fd,
+            streams=self._streams,
+            write_timeout=self.write_timeout,
+        )
+        self._streams.add(stream)
         self.relayed += 1
+        self._wake_ticker()
         try:
-            with self._lock:
-                self._streams.add(stream)
-                stream.start(trio.current_time())
-                self._wake_owners_now()
-            self._wake_ticker()
+            stream.start(trio.current_time())
             await stream.finished.wait()
         finally:
-            with self._lock:
-                stream.detach()
+            stream.detach()
         if stream.error is not None:
             raise stream.error
         return stream.before_last[-4096:] + stream.last[-4096:], stream.sent
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Serve every relayed stream until cancelled (the thread stops with it)."""
-        token = trio.lowlevel.current_trio_token()
+        """Serve every relayed stream until cancelled."""
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._check_forever)
             task_status.started()
-            # Not abandoned on cancellation: the check task's cancellation stops the thread,
-            # and this waits for it, so nothing of the relay runs once `run` has returned.
-            await trio.to_thread.run_sync(
-                self._serve, token, limiter=trio.CapacityLimiter(1), abandon_on_cancel=False
-            )
+            epoll, by_fd = self._epoll, self._by_fd
+            while True:
+                await trio.lowlevel.wait_readable(epoll.fileno())
+                ready = epoll.poll(0)
+                now = trio.current_time()
+                for fd, flags in ready:
+                    stream = by_fd.get(fd)
+                    if stream is not None:  # None: its stream ended earlier in this pass
+                        stream.ready(fd, flags, now)
+                if len(ready) >= PAUSE_AT:
+                    await trio.sleep(PAUSE_S)
 
     def close(self) -> None:
         """Release the epoll set (streams still relayed were ended by their owners)."""
         self._epoll.close()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
 
-    # -- the relay's thread ----------------------------------------------------------------------
-    def _serve(self, token: trio.lowlevel.TrioToken) -> None:
-        shared, lock = self._shared, self._lock
-        epoll, by_fd = shared.epoll, shared.by_fd
-        while True:
-            ready = epoll.poll()
-            with lock:
-                if self._stopping:
-                    return
-                for fd, _ in ready:
-                    stream = by_fd.get(fd)
-                    if stream is not None:  # None: its stream left earlier (or the stop pipe)
-                        stream.ready(fd)
-                ended, shared.ended = shared.ended, []
-            if ended:
-                try:
-                    token.run_sync_soon(_wake_owners, ended)
-                except trio.RunFinishedError:
-                    return
-            if len(ready) >= PAUSE_AT:
-                time.sleep(PAUSE_S)
-
-    def _stop(self) -> None:
-        with self._lock:
-            self._stopping = True
-        with suppress(BlockingIOError):
-            os.write(self._wake_w, b"x")
-
-    # -- the Trio side ---------------------------------------------------------------------------
     async def _check_forever(self) -> None:
-        try:
-            while True:
-                if not self._streams:
-                    await self._streams_changed.wait()
-                await trio.sleep(CHECK_S)
-                now = trio.current_time()
-                with self._lock:
-                    for stream in list(self._streams):
-                        stream.check(now)
-                    self._wake_owners_now()
-        finally:
-            self._stop()
-
-    def _wake_owners_now(self) -> None:
-        """Wake the owners of the streams ended so far (on the Trio thread, under the lock)."""
-        if ended := self._shared.ended:
-            self._shared.ended = []
-            _wake_owners(ended)
+        while True:
+            if not self._streams:
+                await self._streams_changed.wait()
+            await trio.sleep(CHECK_S)
+            now = trio.current_time()
+            for stream in list(self._streams):
+                stream.check(now)
 
     def _wake_ticker(self) -> None:
         self._streams_changed.set()
         self._streams_changed = trio.Event()
-
-
-class _Shared:
-    """What a relay's streams share: the epoll set, the map from its descriptors to their
-    streams (engine sockets, and client sockets being waited on), the streams, and those
-    ended whose owners are not woken yet."""
-
-    __slots__ = ("by_fd", "ended", "epoll", "streams", "write_timeout")
-
-    def __init__(self, write_timeout: float) -> None:
-        self.epoll = select.epoll()
-        self.by_fd: dict[int, _Relayed] = {}
-        self.streams: set[_Relayed] = set()
-        self.ended: list[_Relayed] = []
-        self.write_timeout = write_timeout  # a client taking nothing this long is dropped
-
-
-def _wake_owners(streams: list[_Relayed]) -> None:
-    for stream in streams:
-        stream.finished.set()
 
 
 @asynccontextmanager
@@ -228,52 +159,55 @@ async def open_relay(*, write_timeout: float = math.inf) -> AsyncIterator[Relay]
 
 
 class _Relayed:
-    """One stream in a `Relay`: the engine's side (socket, parser), the client's socket (a
-    duplicate of its descriptor), and the bytes read but not yet written. Used under the
-    relay's lock only."""
+    """One stream in a `Relay`: the engine's side (socket, parser), the client's socket, and
+    the bytes read but not yet written."""
 
     __slots__ = (
+        "_by_fd",
         "_client",
+        "_client_fd",
         "_conn",
-        "_ended",
         "_engine_fd",
-        "_out",
+        "_epoll",
         "_parser",
         "_pending",
         "_read_timeout",
-        "_reads_seen",
-        "_shared",
+        "_streams",
         "_url",
-        "_waiting",
-        "_writes_seen",
+        "_write_timeout",
         "before_last",
         "deadline",
         "error",
         "finished",
         "last",
-        "reads",
         "sent",
         "write_deadline",
-        "writes",
     )
 
-    def __init__(self, shared: _Shared, source: RelaySource, client: RelayTarget) -> None:
-        self._shared = shared
+    def __init__(
+        self,
+        source: RelaySource,
+        client: RelayTarget,
+        *,
+        epoll: select.epoll,
+        by_fd: dict[int, _Relayed],
+        streams: set[_Relayed],
+        write_timeout: float,
+    ) -> None:
+        # The relay's epoll set, its fd -> stream map and its set of streams, shared by its
+        # streams (each registers and unregisters its own sockets there).
+        self._epoll, self._by_fd, self._streams = epoll, by_fd, streams
+        self._write_timeout = write_timeout
         self._conn, self._parser = source.conn, source.parser
         self._url = source.url
         self._read_timeout = source.read_timeout
         self._client = client
         self._engine_fd = -1
-        self._out = -1  # the relay's duplicate of the client's descriptor
-        self._waiting = False  # for the client's socket to take more (registered for it)
+        self._client_fd = -1  # registered for writability while a write waits
         self._pending = b""
-        self._ended = False
-        # The thread counts; the check (on Trio's clock) turns the counts into deadlines.
-        self.reads = self.writes = 0  # engine reads; partial writes while the client lags
-        self._reads_seen = self._writes_seen = 0
         self.deadline = math.inf  # the engine's silence budget
         self.write_deadline = math.inf  # the client's, while a write waits
-        self.error: Exception | None = None
+        self.error: TransportError | None = None
         self.finished = trio.Event()
         self.before_last = self.last = b""  # the last two pieces: where a usage summary is
         self.sent = 0  # bytes handed to the client's socket
@@ -281,144 +215,119 @@ class _Relayed:
     def start(self, now: float) -> None:
         """Watch the engine's socket, and relay what was already received."""
         self.deadline = now + self._read_timeout
-        try:
-            self._out = os.dup(self._client.fileno())  # -1 (closed by the server): EBADF
-        except OSError:
-            self._end(ClientGoneError())
-            return
-        shared = self._shared
         self._engine_fd = self._conn.raw.fileno()
-        shared.epoll.register(self._engine_fd, select.EPOLLIN)
-        shared.by_fd[self._engine_fd] = self
-        self._take(b"")
+        self._epoll.register(self._engine_fd, select.EPOLLIN)
+        self._by_fd[self._engine_fd] = self
+        self._forward(now)
 
-    def ready(self, fd: int) -> None:
-        """The relay's thread found `fd` (the engine's socket, or the client's while a write
-        waits) ready."""
+    def ready(self, fd: int, flags: int, now: float) -> None:
+        if fd == self._client_fd:
+            self._flush(now)
+            return
         try:
-            if fd == self._out:
-                self._flush()
-                return
-            try:
-                data = self._conn.raw.recv(READ_SIZE)
-            except BlockingIOError:
-                return
-            except OSError as exc:
-                self._end(
-                    EngineBrokeOffError(
-                        f"engine {self._url} reset the connection mid-response: {exc}"
-                    )
+            data = self._conn.raw.recv(READ_SIZE)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            self._finish(
+                EngineBrokeOffError(f"engine {self._url} reset the connection mid-response: {exc}")
+            )
+            return
+        if data:
+            self.deadline = now + self._read_timeout
+            self._forward(now, data)
+        else:
+            self._finish(
+                EngineBrokeOffError(
+                    f"engine {self._url} broke off the response body: connection closed "
+                    "before the end of the response body"
                 )
-                return
-            if not data:
-                self._end(
-                    EngineBrokeOffError(
-                        f"engine {self._url} broke off the response body: connection closed "
-                        "before the end of the response body"
-                    )
-                )
-                return
-            self.reads += 1
-            self._take(data)
-        except Exception as exc:  # a defect: this stream ends with it, the others go on
-            logger.exception("the relay failed on a stream from %s", self._url)
-            self._end(exc)
+            )
 
     def check(self, now: float) -> None:
         """The periodic check: a client that takes nothing, an engine silent for too long."""
-        if self._waiting:
-            if self.writes != self._writes_seen or self.write_deadline == math.inf:
-                self._writes_seen = self.writes
-                self.write_deadline = now + self._shared.write_timeout
-            elif now >= self.write_deadline:
-                logger.info(
-                    "a client took nothing of a relayed stream for %g s; dropping it",
-                    self._shared.write_timeout,
-                )
-                self._end(ClientGoneError())
-        elif self.reads != self._reads_seen:
-            self._reads_seen = self.reads
-            self.deadline = now + self._read_timeout
+        if now >= self.write_deadline:
+            logger.info(
+                "a client took nothing of a relayed stream for %g s; dropping it",
+                self._write_timeout,
+            )
+            self._finish(ClientGoneError())
         elif now >= self.deadline:
-            self._end(
+            self._finish(
                 EngineTimeoutError(
                     f"engine {self._url} was silent for {self._read_timeout:g} s mid-response "
                     "(proxy.read_timeout_s)"
                 )
             )
 
-    def _take(self, data: bytes) -> None:
+    def _forward(self, now: float, data: bytes = b"") -> None:
         """Frame what the engine sent (and what the parser held) and write it."""
         try:
             out = self._parser.feed_framed(data) if data else self._parser.read_body_framed()
         except ProtocolError as exc:
-            self._end(EngineBrokeOffError(f"engine {self._url} broke off the response body: {exc}"))
+            self._finish(
+                EngineBrokeOffError(f"engine {self._url} broke off the response body: {exc}")
+            )
             return
         if out:
             self.before_last, self.last = self.last, out
             self.sent += len(out)
             self._pending = out
-            self._flush()
+            self._flush(now)
         elif self._parser.done:
-            self._end(None)
+            self._finish(None)
 
-    def _flush(self) -> None:
+    def _flush(self, now: float) -> None:
         """Write what is pending; wait for the client's socket if it does not take it all."""
         data = self._pending
         try:
-            written = os.write(self._out, data)
+            written = os.write(self._client.fileno(), data)
         except BlockingIOError:
             written = 0
-        except OSError:  # reset, broken pipe
-            self._end(ClientGoneError())
+        except OSError:  # reset, broken pipe, or closed by the server (fileno() is -1)
+            self._finish(ClientGoneError())
             return
-        shared = self._shared
+        epoll = self._epoll
         if written < len(data):
             self._pending = data[written:]
-            if written:
-                self.writes += 1
-            if not self._waiting:
-                self._waiting = True
+            self.deadline = math.inf  # the client is slow, not the engine
+            if written or self.write_deadline == math.inf:
+                self.write_deadline = now + self._write_timeout
+            if self._client_fd < 0:
                 if self._engine_fd >= 0:
-                    shared.epoll.modify(self._engine_fd, 0)  # read no more until this is written
-                shared.epoll.register(self._out, select.EPOLLOUT)
-                shared.by_fd[self._out] = self
+                    epoll.modify(self._engine_fd, 0)  # read no more until this is written
+                self._client_fd = self._client.fileno()
+                epoll.register(self._client_fd, select.EPOLLOUT)
+                self._by_fd[self._client_fd] = self
             return
         self._pending = b""
-        if self._waiting:
-            self._waiting = False
-            self._unregister(self._out)
+        self.write_deadline = math.inf
+        if self._client_fd >= 0:
+            self._unregister(self._client_fd)
+            self._client_fd = -1
             if self._engine_fd >= 0:
-                shared.epoll.modify(self._engine_fd, select.EPOLLIN)
-            self.write_deadline = math.inf
-            self._reads_seen = -1  # the engine's silence budget starts again at the next check
+                epoll.modify(self._engine_fd, select.EPOLLIN)
+            self.deadline = now + self._read_timeout
         if self._parser.done:
-            self._end(None)
+            self._finish(None)
 
-    def _end(self, error: Exception | None) -> None:
-        if self._ended:
+    def _finish(self, error: TransportError | None) -> None:
+        if self.finished.is_set():
             return
-        self._ended = True
         self.error = error
         self.detach()
-        self._shared.ended.append(self)
+        self.finished.set()
 
     def detach(self) -> None:
         """Leave the relay (synchronous; idempotent)."""
-        if self._engine_fd >= 0:
-            self._unregister(self._engine_fd)
-            self._engine_fd = -1
-        if self._out >= 0:
-            if self._waiting:
-                self._unregister(self._out)
-                self._waiting = False
-            os.close(self._out)
-            self._out = -1
-        self._shared.streams.discard(self)
+        for fd in (self._engine_fd, self._client_fd):
+            if fd >= 0:
+                self._unregister(fd)
+        self._engine_fd = self._client_fd = -1
+        self._streams.discard(self)
 
     def _unregister(self, fd: int) -> None:
-        shared = self._shared
-        if shared.by_fd.get(fd) is self:
-            del shared.by_fd[fd]
+        if self._by_fd.get(fd) is self:
+            del self._by_fd[fd]
             with suppress(OSError, ValueError):  # closed meanwhile: the kernel dropped it
-                shared.epoll.unregister(fd)
+                self._epoll.unregister(fd)
