@@ -117,13 +117,16 @@ class Relay:
             epoll, by_fd = self._epoll, self._by_fd
             while True:
                 await trio.lowlevel.wait_readable(epoll.fileno())
-                ready = epoll.poll(0)
-                now = trio.current_time()
-                for fd, flags in ready:
-                    stream = by_fd.get(fd)
-                    if stream is not None:  # None: its stream ended earlier in this pass
-                        stream.ready(fd, flags, now)
-                if len(ready) >= PAUSE_AT:
+                # Passes follow each other without waiting on the epoll set while they are
+                # busy: after the pause, what became ready meanwhile is served at once.
+                while ready := epoll.poll(0):
+                    now = trio.current_time()
+                    for fd, flags in ready:
+                        stream = by_fd.get(fd)
+                        if stream is not None:  # None: its stream ended earlier in this pass
+                            stream.ready(fd, flags, now)
+                    if len(ready) < PAUSE_AT:
+                        break
                     await trio.sleep(PAUSE_S)
 
     def close(self) -> None:
