@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from trio_router import server
 from trio_router.http import ClientGoneError, EngineTimeoutError, UpstreamPool, open_relay
 from trio_router.http.codec import ResponseParser
-from trio_router.http.relay import CHECK_S
+from trio_router.http.relay import CHECK_S, PAUSE_S
 from trio_router.table import RoutingTable
 from trio_router.testing.fake_network import FakeNetwork, FakeReply, FakeRequest
 from trio_router.testing.harness import router_config, sample
@@ -236,6 +236,46 @@ async def test_relay_moves_a_stream_and_ends_it(autojump_clock: trio.testing.Moc
         assert response.complete and len(relay) == 0 and relay.relayed == 1
     assert decode_chunked(client.drain() + b"0\r\n\r\n") == b"".join(events)
     client.close()
+
+
+async def test_a_busy_relay_serves_many_events_per_pass_and_delays_none_by_more_than_the_pause(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Eight streams whose events come 0.2 ms apart: after a pass that found four sockets or
+    more ready, the relay pauses PAUSE_S, so that a pass serves many events; no stream ends
+    later than its engine's last event plus that pause."""
+    events = [b"data: %d\n\n" % i for i in range(50)]
+    gap = 0.0002
+    network = FakeNetwork(EngineScript(events, gap=gap))
+    clients = [Client.make() for _ in range(8)]
+    ends: list[float] = []
+    async with network.open(), open_relay() as relay:
+        pool = UpstreamPool(connect_timeout=5.0, read_timeout=60.0, connect=network.connect)
+        ready = trio.Event()
+        waiting = 0
+
+        async def one(client: Client) -> None:
+            nonlocal waiting
+            async with pool.request(
+                "http://10.0.0.1:8000", b"POST", b"/v1/completions", [], b"{}"
+            ) as response:
+                waiting += 1
+                if waiting == len(clients):
+                    ready.set()
+                await ready.wait()  # every stream handed over together
+                started = trio.current_time()
+                await relay.relay(response, client)
+                ends.append(trio.current_time() - started)
+
+        async with trio.open_nursery() as nursery:
+            for client in clients:
+                nursery.start_soon(one, client)
+        pool.close()
+    assert relay.passes <= 20  # not one pass per 0.2 ms but about one per PAUSE_S
+    assert max(ends) <= len(events) * gap + PAUSE_S + 1e-6
+    for client in clients:
+        assert decode_chunked(client.drain() + b"0\r\n\r\n") == b"".join(events)
+        client.close()
 
 
 async def test_relay_ends_a_silent_engine_at_the_read_timeout(
