@@ -47,10 +47,11 @@ class Relay:
     complete chunks in h11's form pass as they came, anything else is framed anew) and written
     to the client's socket at once; the last chunk is left to the client connection's own
     codec. Every socket ready at a wake-up is served in the same pass, so a burst of events
-    on many streams costs one trip through the scheduler; after a pass that served
-    `PAUSE_AT` sockets or more (load), the relay waits `PAUSE_S` before the next, so that
-    the next pass serves more events and a wake-up is paid for many (an event waits at most
-    that long; at light load, not at all).
+    on many streams costs one trip through the scheduler. After a pass that served
+    `PAUSE_AT` sockets or more (load), the relay waits `PAUSE_S` and then serves what became
+    ready meanwhile at once, without another wait on the epoll set: under load a pass serves
+    many events and one trip through the scheduler is paid for all of them (an event waits at
+    most `PAUSE_S`; at light load, not at all).
 
     - Backpressure: when the client's socket does not take everything, the engine's socket is
       no longer read until the rest is written (the client's socket joins the set for
