@@ -526,3 +526,63 @@ async def test_the_disconnect_hook_cancels_an_armed_request_when_its_client_leav
         await HOOKED_DONE[1].wait()
     assert HOOKED == [("hold", True), ("finish", False)]
     assert connection.disconnect_hook({"type": "http", "extensions": {}}) is None
+
+
+# -- accepting ----------------------------------------------------------------------------------
+@asynccontextmanager
+async def listening() -> AsyncIterator[tuple[socket.socket, trio.SocketListener, tuple[str, int]]]:
+    raw = socket.socket()
+    raw.bind(("127.0.0.1", 0))
+    raw.listen(64)
+    listener = trio.SocketListener(trio.socket.from_stdlib_socket(raw))
+    try:
+        yield raw, listener, raw.getsockname()
+    finally:
+        await listener.aclose()
+
+
+async def test_a_burst_of_new_connections_is_accepted_in_one_turn() -> None:
+    """Connections waiting together in the listen backlog all come out of the first accept's
+    turn: the next `accept()` calls hand them out without a trip through the scheduler."""
+    async with listening() as (raw, listener, address):
+        draining = connection._DrainingListener(listener, raw, None)
+        clients = [socket.create_connection(address) for _ in range(20)]
+        try:
+            with trio.fail_after(LIMIT):
+                streams = [await draining.accept()]
+            with trio.testing.assert_no_checkpoints():
+                streams += [await draining.accept() for _ in range(19)]
+            peers = {stream.socket.getpeername() for stream in streams}
+            assert peers == {client.getsockname() for client in clients}
+            for stream in streams:
+                await stream.aclose()
+        finally:
+            for client in clients:
+                client.close()
+
+
+async def test_beyond_the_connection_bound_connections_wait_in_the_backlog(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """`server.max_connections` = 3 and five clients: three are accepted (two of them drained
+    with the first), the fourth only once a connection ended and gave its slot back."""
+    slots = trio.Semaphore(3)
+    async with listening() as (raw, listener, address):
+        draining = connection._DrainingListener(listener, raw, slots)
+        clients = [socket.create_connection(address) for _ in range(5)]
+        try:
+            streams = [await draining.accept() for _ in range(3)]
+            assert slots.value == 0
+            with trio.move_on_after(60) as waited:
+                await draining.accept()
+            assert waited.cancelled_caught  # no slot: the fourth waits in the backlog
+            await streams.pop().aclose()
+            slots.release()  # as a connection gives its slot back when it ends
+            with trio.fail_after(1):
+                streams.append(await draining.accept())
+            assert slots.value == 0
+            for stream in streams:
+                await stream.aclose()
+        finally:
+            for client in clients:
+                client.close()

@@ -25,6 +25,8 @@ import importlib.metadata
 import logging
 import math
 import os
+import socket
+from collections import deque
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
 from functools import partial
@@ -372,22 +374,53 @@ def _checked() -> bool:
     return True
 
 
-class _BoundedListener(trio.abc.Listener[trio.SocketStream]):
-    """Accepts a connection only once one of `slots` is free (the connection gives it back
-    when it ends): beyond the bound, connections wait in the listen backlog."""
+class _DrainingListener(trio.abc.Listener[trio.SocketStream]):
+    """Accepts every connection waiting in the listen backlog in one turn: after one accept
+    (Trio's, which waits and is a checkpoint), the rest that are already there are accepted at
+    once without a trip through the scheduler each, and handed out by the next `accept()`
+    calls. A burst of new connections (clients reconnecting after a rollout) then reaches the
+    server in one go instead of one connection per scheduler turn, each turn as long as
+    whatever else is running. With `slots`, a connection is accepted only once one of them is
+    free (the connection gives it back when it ends): beyond the bound, connections wait in
+    the listen backlog."""
 
-    def __init__(self, listener: trio.SocketListener, slots: trio.Semaphore) -> None:
-        self._listener, self._slots = listener, slots
+    def __init__(
+        self, listener: trio.SocketListener, raw: socket.socket, slots: trio.Semaphore | None
+    ) -> None:
+        self._listener, self._raw, self._slots = listener, raw, slots
+        self._accepted: deque[trio.SocketStream] = deque()
 
     async def accept(self) -> trio.SocketStream:
-        await self._slots.acquire()
+        if self._accepted:  # no checkpoint: the whole burst is handed out in this turn
+            return self._accepted.popleft()
+        if self._slots is not None:
+            await self._slots.acquire()
         try:
-            return await self._listener.accept()
+            stream = await self._listener.accept()
         except BaseException:
-            self._slots.release()
+            if self._slots is not None:
+                self._slots.release()
             raise
+        self._drain()
+        return stream
+
+    def _drain(self) -> None:
+        """Accept, without waiting, what else the backlog holds (while slots are free)."""
+        while self._slots is None or self._slots.value > 0:
+            try:
+                sock, _ = self._raw.accept()
+            except OSError:  # nothing more waiting, or an error the next accept() reports
+                return
+            if self._slots is not None:
+                self._slots.acquire_nowait()
+            self._accepted.append(trio.SocketStream(trio.socket.from_stdlib_socket(sock)))
 
     async def aclose(self) -> None:
+        while self._accepted:
+            stream = self._accepted.popleft()
+            await trio.aclose_forcefully(stream)
+            if self._slots is not None:
+                self._slots.release()
         await self._listener.aclose()
 
 
@@ -431,7 +464,7 @@ async def serve(
             for sock in sockets.insecure_sockets:
                 sock.listen(config.backlog)
                 listener = trio.SocketListener(trio.socket.from_stdlib_socket(sock))
-                listeners.append(listener if slots is None else _BoundedListener(listener, slots))
+                listeners.append(_DrainingListener(listener, sock, slots))
                 binds.append(f"http://{repr_socket_addr(sock.family, sock.getsockname())}")
                 await config.log.info(f"Running on {binds[-1]} (CTRL + C to quit)")
             handler = partial(
