@@ -10,7 +10,8 @@ below, the reason phrases and the disconnect hook, and at a higher CPU cost.
   class (`KeepAliveConnection`) handed to the accept loop directly (nothing global is
   replaced: other servers in the process, such as the fake engines of the tests and the demo,
   are Hypercorn's own), a bound on open connections (beyond it, accepting waits), the listen
-  backlog, and a deadline on client writes.
+  backlog drained in one turn (a burst of new connections is accepted together), and a
+  deadline on client writes.
 - `current_client()`: for the request being handled, its client connection's socket as a
   `ClientSocket` (plain TCP only), so that the app can write a relayed body to it without
   knowing how Hypercorn is built.
