@@ -266,20 +266,6 @@ class ResponseParser:
         body is not over)."""
         return self._mode == _CHUNKED
 
-    def feed_framed(self, data: bytes) -> bytes:
-        """`feed(data)` then `read_body_framed()`, in one step when `data` is exactly one
-        complete chunk in h11's form read at a chunk boundary (a token stream's usual read:
-        one event), which comes back as it is."""
-        if self._chunk == _CHUNK_SIZE and self._pos >= len(self._buf) and self._mode == _CHUNKED:
-            size_line = _CANONICAL_CHUNK_SIZE.match(data)
-            if size_line is not None:
-                stop = size_line.end() + int(data[: size_line.end() - 2], 16)
-                if stop + 2 == len(data) and data.endswith(b"\r\n"):
-                    self._buf, self._pos = data, len(data)
-                    return data
-        self.feed(data)
-        return self.read_body_framed()
-
     def read_body_framed(self) -> bytes:
         """For a chunked body: every body byte the buffer holds now, as the bytes that carry
         it on another chunked HTTP/1.1 connection (b"" if none). Complete chunks already in

@@ -43,7 +43,7 @@ class Relay:
     An HTTP/1.1 client with a chunked response under way can take the engine's chunks as they
     are. `relay()` hands such a body over: the engine's socket joins this relay's own epoll
     set (level-triggered, registered once per stream), and when it is readable, what it holds
-    is read, its chunk framing checked by the codec (`ResponseParser.feed_framed`:
+    is read, its chunk framing checked by the codec (`ResponseParser.read_body_framed`:
     complete chunks in h11's form pass as they came, anything else is framed anew) and written
     to the client's socket at once; the last chunk is left to the client connection's own
     codec. Every socket ready at a wake-up is served in the same pass, so a burst of events
@@ -240,8 +240,9 @@ class _Relayed:
             )
             return
         if data:
+            self._parser.feed(data)
             self.deadline = now + self._read_timeout
-            self._forward(now, data)
+            self._forward(now)
         else:
             self._finish(
                 EngineBrokeOffError(
@@ -266,10 +267,9 @@ class _Relayed:
                 )
             )
 
-    def _forward(self, now: float, data: bytes = b"") -> None:
-        """Frame what the engine sent (and what the parser held) and write it."""
+    def _forward(self, now: float) -> None:
         try:
-            out = self._parser.feed_framed(data) if data else self._parser.read_body_framed()
+            out = self._parser.read_body_framed()
         except ProtocolError as exc:
             self._finish(
                 EngineBrokeOffError(f"engine {self._url} broke off the response body: {exc}")
