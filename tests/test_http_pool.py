@@ -214,7 +214,7 @@ async def test_stream_arrives_chunk_by_chunk() -> None:
                 # The engine holds every later event until the gate opens.
                 assert first.startswith(b"data: ") and first.endswith(b"\n\n")
                 assert json.loads(first[6:])["choices"][0]["delta"]["role"] == "assistant"
-                assert not resp.complete
+                assert not resp.complete and not resp.at_hand()
                 assert engine.completed == 0
                 assert engine.gate is not None
                 engine.gate.set()
@@ -283,6 +283,8 @@ async def test_a_body_here_whole_comes_as_one_complete_chunk(framing: bytes) -> 
             async with pool.request(server.url, b"GET", b"/", [], b"") as resp:
                 await written.wait()
                 assert not resp.complete
+                assert resp.at_hand()  # it came with the head: no wait for it
+                assert resp.at_hand()  # asking again reads nothing more
                 assert await anext(aiter(resp)) == b"hello world!"
                 assert resp.complete
                 assert [chunk async for chunk in resp] == []
@@ -706,6 +708,25 @@ async def test_malformed_response_is_a_broken_answer() -> None:
                 async with pool.request(server.url, b"GET", b"/", [], b""):
                     raise AssertionError("not reached")
             assert not isinstance(info.value, EngineUnreachableError)
+
+
+async def test_a_broken_body_found_by_at_hand_breaks_the_next_step() -> None:
+    async def handler(index: int, stream: trio.SocketStream) -> None:
+        if await read_request(server, index, stream, h11.Connection(h11.SERVER)):
+            await stream.send_all(
+                b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\nbanana\r\n"
+            )
+            await stream.receive_some(65536)
+
+    with trio.fail_after(LIMIT):
+        async with (
+            wire_server(handler) as server,
+            new_pool() as pool,
+            pool.request(server.url, b"GET", b"/", [], b"") as resp,
+        ):
+            assert resp.at_hand()  # written with the head: here with it
+            with pytest.raises(EngineBrokeOffError, match="broke off the response body"):
+                await anext(aiter(resp))
 
 
 # -- leaving early and cancellation close the upstream connection -------------------------

@@ -230,10 +230,25 @@ async def test_relay_moves_a_stream_and_ends_it(autojump_clock: trio.testing.Moc
     events = [b"data: %d\n\n" % i for i in range(20)]
     client = Client.make()
     async with relayed_exchange(EngineScript(events, gap=0.005)) as (relay, response, _):
-        last, sent = await relay.relay(response, client)
+        last, sent, _ = await relay.relay(response, client)
         assert last.endswith(b"data: 19\n\n\r\n")  # the last event, as it was written
         assert sent == len(client.drain())
         assert response.complete and len(relay) == 0 and relay.relayed == 1
+    assert decode_chunked(client.drain() + b"0\r\n\r\n") == b"".join(events)
+    client.close()
+
+
+async def test_with_hold_last_an_end_that_comes_alone_leaves_nothing_held(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The engine's end comes in a read of its own (after a gap): every event is written, and
+    nothing is held for the caller (the bytes of the read that ends a body are held only
+    when it carries some: see the end-to-end tests at every read split)."""
+    events = [b"data: %d\n\n" % i for i in range(5)]
+    client = Client.make()
+    async with relayed_exchange(EngineScript(events, gap=0.005)) as (relay, response, _):
+        _, sent, held = await relay.relay(response, client, hold_last=True)
+        assert held == b"" and sent == len(client.drain())
     assert decode_chunked(client.drain() + b"0\r\n\r\n") == b"".join(events)
     client.close()
 
@@ -387,7 +402,7 @@ async def test_many_streams_cross_the_relay_whole() -> None:
     events = [b"data: %d %s\n\n" % (i, b"x" * (i % 7)) for i in range(30)]
     network = FakeNetwork(EngineScript(events, gap=0.001))
     clients = [Client.make() for _ in range(streams)]
-    results: list[tuple[bytes, int]] = []
+    results: list[tuple[bytes, int, bytes]] = []
     with trio.fail_after(LIMIT):
         async with network.open(), open_relay() as relay:
             pool = UpstreamPool(connect_timeout=5.0, read_timeout=60.0, connect=network.connect)
@@ -407,7 +422,7 @@ async def test_many_streams_cross_the_relay_whole() -> None:
     bodies = [client.drain() for client in clients]
     for body in bodies:
         assert decode_chunked(body + b"0\r\n\r\n") == b"".join(events)
-    assert sorted(sent for _, sent in results) == sorted(len(body) for body in bodies)
+    assert sorted(sent for _, sent, _ in results) == sorted(len(body) for body in bodies)
     for client in clients:
         client.close()
 
@@ -509,6 +524,7 @@ class ScriptedEngine:
     then: str = "end"  # "end", "reset", or "hang"
     head: bytes = HEAD
     closed: trio.Event = field(default_factory=trio.Event)  # the router closed a stream
+    gate: trio.Event | None = None  # if given, the pieces wait for it after the head
 
     async def serve(self, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
         listeners = await trio.open_tcp_listeners(0, host="127.0.2.1")
@@ -548,6 +564,8 @@ class ScriptedEngine:
                     conn.start_next_cycle()
                     continue
                 await stream.send_all(self.head)
+                if self.gate is not None:
+                    await self.gate.wait()
                 for piece in self.pieces:
                     await trio.testing.wait_all_tasks_blocked()
                     await stream.send_all(piece)
@@ -654,6 +672,26 @@ async def test_http11_relay_and_http10_general_path_deliver_the_same_body(script
                 head, _, general = (await read_all(stream)).partition(b"\r\n\r\n")
             assert b"transfer-encoding" not in head.lower() and general == b"".join(EVENTS)
             assert await relayed_count(url) == before + 1  # HTTP/1.0: not relayed
+
+
+async def test_a_streamed_head_goes_out_before_the_first_event_comes() -> None:
+    """The head is written with the body's first bytes only when they came with it: a
+    streamed answer's head reaches the client while the engine has not sent an event yet."""
+    engine = ScriptedEngine(SCRIPTS["several chunks per read"], gate=trio.Event())
+    with trio.fail_after(LIMIT):
+        async with open_scripted_router(engine) as (url, _):
+            stream, _ = await raw_request(url, "1.1")
+            async with stream:
+                received = b""
+                while b"\r\n\r\n" not in received:  # the engine waits for the gate
+                    received += await stream.receive_some()
+                assert received.startswith(b"HTTP/1.1 200 OK\r\n")
+                assert received.endswith(b"\r\n\r\n")
+                assert engine.gate is not None
+                engine.gate.set()
+                while not received.endswith(b"\r\n0\r\n\r\n"):
+                    received += await stream.receive_some()
+            assert decode_chunked(received.partition(b"\r\n\r\n")[2]) == b"".join(EVENTS)
 
 
 async def test_http2_clients_take_the_general_path() -> None:

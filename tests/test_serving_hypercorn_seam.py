@@ -52,6 +52,9 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     while (await receive()).get("more_body"):
         pass
     path = scope["path"]
+    if path.startswith("/held/"):
+        await held(send, path.removeprefix("/held/"))
+        return
     if path.startswith("/hook/"):
         await hooked(scope, receive, send, path.removeprefix("/hook/"))
         return
@@ -132,6 +135,41 @@ async def hooked(scope: dict[str, Any], receive: Any, send: Any, what: str) -> N
             pass
     HOOKED.append((what, cancel.cancelled_caught))
     done.set()
+
+
+HELD_SENT = [trio.Event()]  # /held/...: set once the message before the pause is sent
+HELD_GO = [trio.Event()]  # /held/...: set by the test to have the app go on
+
+
+async def held(send: Any, what: str) -> None:
+    """/held/head: the head held (`hold_next`), then, once HELD_GO is set, the body.
+    /held/none: the same without holding. /held/body: a chunked body's first piece, bytes
+    handed to `write_with_next` (framed by the app), then the end once HELD_GO is set.
+    /held/after: a whole answer, then `hold_next` with no message after it."""
+    client = connection.current_client()
+    assert client is not None
+    if what in ("head", "none"):
+        if what == "head":
+            client.hold_next()
+        await send(
+            {"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"4")]}
+        )
+        HELD_SENT[0].set()
+        await HELD_GO[0].wait()
+        await send({"type": "http.response.body", "body": b"body"})
+    elif what == "body":
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"first", "more_body": True})
+        client.write_with_next(b"6\r\nsecond\r\n")
+        HELD_SENT[0].set()
+        await HELD_GO[0].wait()
+        await send({"type": "http.response.body", "body": b""})
+    else:
+        await send(
+            {"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"4")]}
+        )
+        await send({"type": "http.response.body", "body": b"done"})
+        client.hold_next()
 
 
 def pattern(size: int, seed: int = 0) -> bytes:
@@ -586,3 +624,61 @@ async def test_beyond_the_connection_bound_connections_wait_in_the_backlog(
         finally:
             for client in clients:
                 client.close()
+
+
+async def paused_at(stream: trio.SocketStream, path: str) -> bytes:
+    """Request `path` (a /held/ one) and return what reached the client while the app waits
+    for HELD_GO (nothing more comes while it waits: the autojump clock moves on only once
+    every task is blocked)."""
+    HELD_SENT[0], HELD_GO[0] = trio.Event(), trio.Event()
+    await request(stream, path)
+    await HELD_SENT[0].wait()
+    received = b""
+    with trio.move_on_after(1.0):
+        while True:
+            received += await stream.receive_some()
+    return received
+
+
+async def test_a_held_head_goes_out_with_the_body_that_follows(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with serve() as served:
+        stream = await served.connect()
+        early = await paused_at(stream, "/held/none")
+        assert early.startswith(b"HTTP/1.1 200 OK\r\n")  # not held: the head is out at once
+        assert early.endswith(b"\r\n\r\n")
+        HELD_GO[0].set()
+        assert await stream.receive_some() == b"body"
+
+        assert await paused_at(stream, "/held/head") == b""  # held until the body comes
+        HELD_GO[0].set()
+        head, body = await read_response(stream)
+        assert head.startswith(b"HTTP/1.1 200 OK\r\n") and body == b"body"
+
+
+async def test_bytes_written_with_the_next_write_go_out_in_front_of_the_end(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with serve() as served:
+        stream = await served.connect()
+        early = await paused_at(stream, "/held/body")
+        assert early.endswith(b"\r\n\r\n5\r\nfirst\r\n")  # the held piece is not out yet
+        HELD_GO[0].set()
+        received = early
+        while not received.endswith(b"0\r\n\r\n"):
+            received += await stream.receive_some()
+        assert received.endswith(b"5\r\nfirst\r\n6\r\nsecond\r\n0\r\n\r\n")
+
+
+async def test_nothing_stays_held_past_the_end_of_a_response(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with serve() as served:
+        stream = await served.connect()
+        await request(stream, "/held/after")  # asks to hold a write no message makes
+        assert (await read_response(stream))[1] == b"done"
+        # The next response on the connection is written as usual: its head at once.
+        assert (await paused_at(stream, "/held/none")).startswith(b"HTTP/1.1 200 OK\r\n")
+        HELD_GO[0].set()
+        assert await stream.receive_some() == b"body"

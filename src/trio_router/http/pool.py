@@ -307,6 +307,7 @@ class UpstreamResponse:
         "_method",
         "_origin",
         "_parser",
+        "_peeked",
         "_pool",
         "_req_headers",
         "_target",
@@ -335,6 +336,7 @@ class UpstreamResponse:
         self._parser: ResponseParser | None = None
         self._done = False
         self._unchecked = 0  # chunks returned since the last checkpoint
+        self._peeked: bytes | ProtocolError = b""  # what at_hand() read: the next chunk
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
 
@@ -478,6 +480,21 @@ class UpstreamResponse:
             raise ValueError("only the rest of a chunked body that is not over can be relayed")
         return RelaySource(self._conn, self._parser, self._base_url, self._pool.read_timeout)
 
+    def at_hand(self) -> bool:
+        """The body's next chunk, or its end, is here already: the next step of the iteration
+        returns (or raises) without waiting for the engine."""
+        parser = self._parser
+        if self._peeked:
+            return True
+        if self._conn is None or parser is None:
+            return self._done
+        try:
+            self._peeked = parser.read_body()
+        except ProtocolError as exc:
+            self._peeked = exc  # raised by the iteration's next step
+            return True
+        return bool(self._peeked) or parser.done
+
     def __aiter__(self) -> UpstreamResponse:
         return self
 
@@ -488,6 +505,11 @@ class UpstreamResponse:
                 raise StopAsyncIteration
             raise trio.ClosedResourceError("the upstream response was already closed")
         try:
+            if peeked := self._peeked:
+                self._peeked = b""
+                if isinstance(peeked, ProtocolError):
+                    raise peeked
+                return peeked
             while True:
                 data = parser.read_body()
                 if data:

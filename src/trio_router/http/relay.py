@@ -83,12 +83,16 @@ class Relay:
         self,
         response: UpstreamResponse,
         client: RelayTarget,
-    ) -> tuple[bytes, int]:
+        *,
+        hold_last: bool = False,
+    ) -> tuple[bytes, int, bytes]:
         """Move the rest of `response`'s body (`response.relayable`) to `client`. Returns
         when the engine's last chunk has been read and everything before it written (the
         caller then ends its response, which writes the last chunk), with the end of what
-        was relayed (up to 8 KiB: where the engine's usage summary would be) and how many
-        bytes were relayed. Raises
+        was relayed (up to 8 KiB: where the engine's usage summary would be), how many
+        bytes were relayed, and, with `hold_last`, the bytes of the read that ended the body,
+        not written: the caller writes them with the end of its response, in one write
+        (b"" without `hold_last`, or when that read held nothing before the end). Raises
         ClientGoneError, EngineTimeoutError or EngineBrokeOffError (then the client's response
         cannot be ended cleanly). Cancellation takes the stream out of the relay at once."""
         stream = _Relayed(
@@ -98,6 +102,7 @@ class Relay:
             by_fd=self._by_fd,
             streams=self._streams,
             write_timeout=self.write_timeout,
+            hold_last=hold_last,
         )
         self._streams.add(stream)
         self.relayed += 1
@@ -109,7 +114,7 @@ class Relay:
             stream.detach()
         if stream.error is not None:
             raise stream.error
-        return stream.before_last[-4096:] + stream.last[-4096:], stream.sent
+        return stream.before_last[-4096:] + stream.last[-4096:], stream.sent, stream.held
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve every relayed stream until cancelled."""
@@ -175,6 +180,7 @@ class _Relayed:
         "_conn",
         "_engine_fd",
         "_epoll",
+        "_hold_last",
         "_parser",
         "_pending",
         "_read_timeout",
@@ -185,6 +191,7 @@ class _Relayed:
         "deadline",
         "error",
         "finished",
+        "held",
         "last",
         "sent",
         "write_deadline",
@@ -199,11 +206,13 @@ class _Relayed:
         by_fd: dict[int, _Relayed],
         streams: set[_Relayed],
         write_timeout: float,
+        hold_last: bool = False,
     ) -> None:
         # The relay's epoll set, its fd -> stream map and its set of streams, shared by its
         # streams (each registers and unregisters its own sockets there).
         self._epoll, self._by_fd, self._streams = epoll, by_fd, streams
         self._write_timeout = write_timeout
+        self._hold_last = hold_last
         self._conn, self._parser = source.conn, source.parser
         self._url = source.url
         self._read_timeout = source.read_timeout
@@ -216,7 +225,8 @@ class _Relayed:
         self.error: TransportError | None = None
         self.finished = trio.Event()
         self.before_last = self.last = b""  # the last two pieces: where a usage summary is
-        self.sent = 0  # bytes handed to the client's socket
+        self.sent = 0  # bytes handed to the client's socket (or held for the caller)
+        self.held = b""  # with hold_last: the read that ended the body, for the caller
 
     def start(self, now: float) -> None:
         """Watch the engine's socket, and relay what was already received."""
@@ -278,6 +288,10 @@ class _Relayed:
         if out:
             self.before_last, self.last = self.last, out
             self.sent += len(out)
+            if self._hold_last and self._parser.done:
+                self.held = out  # written by the caller, with the end of its response
+                self._finish(None)
+                return
             self._pending = out
             self._flush(now)
         elif self._parser.done:

@@ -115,6 +115,10 @@ class ClientConnection(RelayTarget, Protocol):
 
     def writes_pending(self) -> bool: ...
 
+    def hold_next(self) -> None: ...
+
+    def write_with_next(self, data: bytes) -> None: ...
+
 
 class DisconnectHook(Protocol):
     """Cancels a request's scope when its client goes away (the server's own detection)."""
@@ -245,8 +249,15 @@ class ProxyExchange:
             self._hook = None
 
     async def _end(self, message: Message) -> None:
-        """Send the last message of the answer."""
+        """Send the last message of the answer (with body bytes, in one write with the end of
+        the response)."""
         self._disarm()
+        if (
+            message["body"]
+            and self._scope["http_version"] == "1.1"
+            and (client := self._services.client_socket()) is not None
+        ):
+            client.hold_next()
         await self._send(message)
 
     # -- intake -------------------------------------------------------------------------------
@@ -838,6 +849,11 @@ class ProxyExchange:
         services, send = self._services, self._send
         self.status = response.status
         echo = self._settings.names.echo(self.model, self.served_model)
+        if self._scope["http_version"] == "1.1" and response.at_hand():
+            # The body's first bytes came with the head: both go out in one write.
+            client = services.client_socket()
+            if client is not None:
+                client.hold_next()
         await send(
             {
                 "type": "http.response.start",
@@ -923,8 +939,10 @@ class ProxyExchange:
         client = self._services.client_socket()
         if client is None or not response.relayable or client.writes_pending():
             return None
-        tail, relayed = await relay.relay(response, client)
+        tail, relayed, held = await relay.relay(response, client, hold_last=True)
         self.sent += relayed
+        if held:  # the read that ended the body: written with the response's end
+            client.write_with_next(held)
         await self._end(_END_BODY)
         return tail
 

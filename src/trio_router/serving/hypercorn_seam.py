@@ -78,8 +78,22 @@ class ClientSocket:
 
     def writes_pending(self) -> bool:
         """Hypercorn is still writing to the connection (a write the socket did not take at
-        once): the app must not write around it now."""
-        return self._connection.send_lock.locked()
+        once), or holds bytes for its next write: the app must not write around it now."""
+        connection = self._connection
+        return connection.send_lock.locked() or bool(connection.held)
+
+    def hold_next(self) -> None:
+        """What Hypercorn writes next for the app's next message is held back and goes out in
+        one write with what it writes after it: a response head with the body's first bytes,
+        the last body bytes with the end of the response. Call it just before sending that
+        message, and only when the next message follows at once (the held bytes wait for
+        it)."""
+        self._connection.hold_next = True
+
+    def write_with_next(self, data: bytes) -> None:
+        """`data` (bytes of the response body, written around Hypercorn) goes out in front of
+        what Hypercorn writes next (the end of the response): one write for both."""
+        self._connection.held += data
 
 
 _client: contextvars.ContextVar[ClientSocket | None] = contextvars.ContextVar(
@@ -233,6 +247,9 @@ class KeepAliveConnection(TCPServer):
       lock) only for what the socket did not take; an empty write (the end of a
       Content-Length body) is skipped. Hypercorn's way cost a lock round trip and a shielded
       checkpoint per write, three writes per response;
+    - the app can have bytes go out together (`ClientSocket.hold_next`, `write_with_next`):
+      a response head with a body that is already there, the last body bytes (relayed or
+      not) with the end of the response, one write instead of two or three;
     - a write that makes no progress for `write_timeout` seconds (a client that stopped
       reading) closes the connection, and a write can be cancelled (the drain deadline at
       shutdown): Hypercorn shields its writes, so a client that never reads held a shutdown
@@ -264,6 +281,10 @@ class KeepAliveConnection(TCPServer):
         # way). Its fileno() is -1 once it is closed, so a write never reaches a descriptor
         # number the process has reused since.
         self._socket = stream.socket if isinstance(stream, trio.SocketStream) else None
+        # Bytes held for the next write (see ClientSocket.hold_next and write_with_next), and
+        # whether the next write is itself held.
+        self.held = b""
+        self.hold_next = False
 
     async def close_idle(self) -> None:
         """Close the connection from the server's side (it is idle past its timeout, or the
@@ -281,14 +302,30 @@ class KeepAliveConnection(TCPServer):
 
     async def protocol_send(self, event: Event) -> None:
         if type(event) is not RawData:
+            # Nothing stays held past a write: the end of every response is one, and so is
+            # anything the connection does next.
+            self.hold_next = False
+            if self.held:
+                if type(event) is Closed:
+                    self._write_held()
+                else:
+                    await self._write(b"")
             await super().protocol_send(event)
             return
-        data = event.data
+        if self.hold_next:  # held: it goes out with the next write
+            self.hold_next = False
+            self.held += event.data
+            return
+        await self._write(event.data)
+
+    async def _write(self, data: bytes) -> None:
+        if self.held:
+            data, self.held = self.held + data, b""
         if not data:
             return
         sock = self._socket
         if sock is None:  # TLS: Hypercorn's own way
-            await super().protocol_send(event)
+            await super().protocol_send(RawData(data=data))
             return
         if not self.send_lock.locked():
             try:
@@ -304,6 +341,14 @@ class KeepAliveConnection(TCPServer):
         async with self.send_lock:
             if not await self._send_rest(sock, data):
                 await self.protocol.handle(Closed())
+
+    def _write_held(self) -> None:
+        """The connection closes with bytes held: they go out if the socket takes them now
+        (what the client would have had without the holding), else they are dropped."""
+        data, self.held = self.held, b""
+        if self._socket is not None:
+            with suppress(OSError):
+                os.write(self._socket.fileno(), data)
 
     async def _send_rest(self, sock: trio.socket.SocketType, data: bytes) -> bool:
         """Write `data`, waiting for the socket as needed; False (the connection closed) if
