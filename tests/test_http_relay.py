@@ -694,6 +694,34 @@ async def test_a_streamed_head_goes_out_before_the_first_event_comes() -> None:
             assert decode_chunked(received.partition(b"\r\n\r\n")[2]) == b"".join(EVENTS)
 
 
+async def test_a_stream_relayed_from_its_first_event_has_its_time_to_first_byte(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """No body byte came with the head: the relay takes the body from its first byte, and
+    the time to first byte is when that byte came (5 virtual seconds after the head)."""
+    engine = ScriptedEngine(SCRIPTS["several chunks per read"], gate=trio.Event())
+    with trio.fail_after(60.0):
+        async with open_scripted_router(engine) as (url, _):
+            before = await relayed_count(url)
+            stream, _ = await raw_request(url, "1.1")
+            async with stream:
+                received = b""
+                while b"\r\n\r\n" not in received:
+                    received += await stream.receive_some()
+                await trio.sleep(5.0)  # the engine's time to its first event
+                assert engine.gate is not None
+                engine.gate.set()
+                while not received.endswith(b"\r\n0\r\n\r\n"):
+                    received += await stream.receive_some()
+            assert decode_chunked(received.partition(b"\r\n\r\n")[2]) == b"".join(EVENTS)
+            assert await relayed_count(url) == before + 1
+            async with httpx.AsyncClient() as client:
+                text = (await client.get(f"{url}/metrics")).text
+    ttfb = "trio_router_time_to_first_byte_seconds"
+    assert sample(text, f"{ttfb}_count", model="fake-model") == 1
+    assert 5.0 <= sample(text, f"{ttfb}_sum", model="fake-model") < 5.5
+
+
 async def test_http2_clients_take_the_general_path() -> None:
     engine = ScriptedEngine(SCRIPTS["one chunk per read"])
     with trio.fail_after(LIMIT):

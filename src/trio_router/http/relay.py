@@ -7,7 +7,7 @@ import logging
 import math
 import os
 import select
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
 from typing import Final, Protocol
 
@@ -85,6 +85,7 @@ class Relay:
         client: RelayTarget,
         *,
         hold_last: bool = False,
+        on_first: Callable[[float], None] | None = None,
     ) -> tuple[bytes, int, bytes]:
         """Move the rest of `response`'s body (`response.relayable`) to `client`. Returns
         when the engine's last chunk has been read and everything before it written (the
@@ -92,7 +93,9 @@ class Relay:
         was relayed (up to 8 KiB: where the engine's usage summary would be), how many
         bytes were relayed, and, with `hold_last`, the bytes of the read that ended the body,
         not written: the caller writes them with the end of its response, in one write
-        (b"" without `hold_last`, or when that read held nothing before the end). Raises
+        (b"" without `hold_last`, or when that read held nothing before the end).
+        `on_first(now)` is called (from the relay's task) when the first bytes are passed on.
+        Raises
         ClientGoneError, EngineTimeoutError or EngineBrokeOffError (then the client's response
         cannot be ended cleanly). Cancellation takes the stream out of the relay at once."""
         stream = _Relayed(
@@ -103,6 +106,7 @@ class Relay:
             streams=self._streams,
             write_timeout=self.write_timeout,
             hold_last=hold_last,
+            on_first=on_first,
         )
         self._streams.add(stream)
         self.relayed += 1
@@ -181,6 +185,7 @@ class _Relayed:
         "_engine_fd",
         "_epoll",
         "_hold_last",
+        "_on_first",
         "_parser",
         "_pending",
         "_read_timeout",
@@ -207,12 +212,14 @@ class _Relayed:
         streams: set[_Relayed],
         write_timeout: float,
         hold_last: bool = False,
+        on_first: Callable[[float], None] | None = None,
     ) -> None:
         # The relay's epoll set, its fd -> stream map and its set of streams, shared by its
         # streams (each registers and unregisters its own sockets there).
         self._epoll, self._by_fd, self._streams = epoll, by_fd, streams
         self._write_timeout = write_timeout
         self._hold_last = hold_last
+        self._on_first = on_first
         self._conn, self._parser = source.conn, source.parser
         self._url = source.url
         self._read_timeout = source.read_timeout
@@ -286,6 +293,9 @@ class _Relayed:
             )
             return
         if out:
+            if self._on_first is not None:
+                self._on_first(now)
+                self._on_first = None
             self.before_last, self.last = self.last, out
             self.sent += len(out)
             if self._hold_last and self._parser.done:

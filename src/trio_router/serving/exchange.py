@@ -844,16 +844,17 @@ class ProxyExchange:
 
     # -- the answer ---------------------------------------------------------------------------
     async def _respond(self, response: UpstreamResponse, engine: Engine, request_id: bytes) -> None:
-        """Send the engine's answer to the client: its head, then its body as it comes,
-        relayed after the first chunk when the client connection allows it."""
+        """Send the engine's answer to the client: its head, then its body as it comes. To an
+        HTTP/1.1 client a chunked body is relayed (`_relay`): from its first byte when none
+        came with the head (a stream before its first event), else after the first chunk,
+        which then goes out with the head in one write."""
         services, send = self._services, self._send
         self.status = response.status
         echo = self._settings.names.echo(self.model, self.served_model)
-        if self._scope["http_version"] == "1.1" and response.at_hand():
-            # The body's first bytes came with the head: both go out in one write.
-            client = services.client_socket()
-            if client is not None:
-                client.hold_next()
+        client = services.client_socket() if self._scope["http_version"] == "1.1" else None
+        at_hand = response.at_hand()
+        if at_hand and client is not None:
+            client.hold_next()  # the body's first bytes came with the head: one write for both
         await send(
             {
                 "type": "http.response.start",
@@ -861,33 +862,44 @@ class ProxyExchange:
                 "headers": self._head(response.headers, engine, request_id, sized=echo is None),
             }
         )
-        relay = services.relay if self._scope["http_version"] == "1.1" and echo is None else None
+        relay = services.relay if client is not None and echo is None else None
         previous = chunk = b""
         ended = False  # the end of the response was sent
-        async for chunk in response:
-            if self.ttfb is None:
-                self.ttfb = trio.current_time() - self.started
-                services.metrics.observe_ttfb(self.served_model, self.ttfb)
-            ended = response.complete  # the last chunk ends the response
-            if echo is not None:  # an alias: the engine's name for the model is not sent
-                chunk = echo.feed(chunk, final=ended)
-            message = {"type": "http.response.body", "body": chunk, "more_body": not ended}
-            await (self._end(message) if ended else send(message))
-            self.sent += len(chunk)
-            previous = chunk
-            if relay is not None and not ended:
-                tail = await self._relay(relay, response)
-                if tail is not None:
-                    previous, chunk = b"", tail
-                    ended = True
-                    break
-                relay = None  # the general path, to the end
+        if relay is not None and not at_hand:
+            assert client is not None
+            tail = await self._relay(relay, response, client)
+            if tail is not None:
+                chunk, ended = tail, True
+        if not ended:
+            async for chunk in response:
+                if self.ttfb is None:
+                    self._first_byte(trio.current_time())
+                ended = response.complete  # the last chunk ends the response
+                if echo is not None:  # an alias: the engine's name for the model is not sent
+                    chunk = echo.feed(chunk, final=ended)
+                message = {"type": "http.response.body", "body": chunk, "more_body": not ended}
+                await (self._end(message) if ended else send(message))
+                self.sent += len(chunk)
+                previous = chunk
+                if relay is not None and not ended:
+                    assert client is not None
+                    tail = await self._relay(relay, response, client)
+                    if tail is not None:
+                        previous, chunk = b"", tail
+                        ended = True
+                        break
+                    relay = None  # the general path, to the end
         if not ended:
             tail = b"" if echo is None else echo.feed(b"", final=True)
             await self._end({**_END_BODY, "body": tail} if tail else _END_BODY)
             self.sent += len(tail)
         if response.status == 200 and (usage := _usage(previous[-4096:] + chunk[-4096:])):
             services.metrics.tokens(self.served_model, *usage)
+
+    def _first_byte(self, now: float) -> None:
+        """The engine's first body bytes came (`now`): the time to first byte."""
+        self.ttfb = now - self.started
+        self._services.metrics.observe_ttfb(self.served_model, self.ttfb)
 
     def _head(
         self,
@@ -931,15 +943,17 @@ class ProxyExchange:
         await self._end({"type": "http.response.body", "body": body, "more_body": False})
         self.sent += len(body)
 
-    async def _relay(self, relay: Relay, response: UpstreamResponse) -> bytes | None:
+    async def _relay(
+        self, relay: Relay, response: UpstreamResponse, client: ClientConnection
+    ) -> bytes | None:
         """The rest of the body relayed and the answer ended; the end of what was relayed
         (where a usage summary is), or None if this connection cannot be relayed to now. The
-        head and the first chunk went out through the server, which frames the body as
-        chunked; the rest can go around it."""
-        client = self._services.client_socket()
-        if client is None or not response.relayable or client.writes_pending():
+        head went out through the server, which frames the body as chunked (an HTTP/1.1
+        client, no Content-Length): what follows can go around it."""
+        if not response.relayable or client.writes_pending():
             return None
-        tail, relayed, held = await relay.relay(response, client, hold_last=True)
+        first = self._first_byte if self.ttfb is None else None
+        tail, relayed, held = await relay.relay(response, client, hold_last=True, on_first=first)
         self.sent += relayed
         if held:  # the read that ended the body: written with the response's end
             client.write_with_next(held)
