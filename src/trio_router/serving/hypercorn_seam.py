@@ -14,7 +14,7 @@ below, the reason phrases and the disconnect hook, and at a higher CPU cost.
   deadline on client writes.
 - `current_client()`: for the request being handled, its client connection's socket as a
   `ClientSocket` (plain TCP only), so that the app can write a relayed body to it without
-  knowing how Hypercorn is built.
+  knowing how Hypercorn is built, and have bytes go out in one write with Hypercorn's next.
 - `disconnect_hook(scope)`: the request's `Disconnect`, which cancels the cancel scope the app
   arms it with when the client goes away, without a watcher task per request.
 """
