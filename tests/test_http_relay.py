@@ -694,6 +694,23 @@ async def test_a_streamed_head_goes_out_before_the_first_event_comes() -> None:
             assert decode_chunked(received.partition(b"\r\n\r\n")[2]) == b"".join(EVENTS)
 
 
+@pytest.mark.parametrize("script", ["one chunk per read", "several chunks per read"])
+async def test_events_that_came_with_the_head_go_out_with_it_and_the_relay_takes_the_rest(
+    script: str,
+) -> None:
+    pieces = SCRIPTS[script]
+    engine = ScriptedEngine(pieces[1:], head=HEAD + pieces[0])
+    with trio.fail_after(LIMIT):
+        async with open_scripted_router(engine) as (url, _):
+            before = await relayed_count(url)
+            stream, _ = await raw_request(url, "1.1")
+            async with stream:
+                head, _, body = (await read_all(stream)).partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200 OK\r\n")
+            assert decode_chunked(body) == b"".join(EVENTS)
+            assert await relayed_count(url) == before + 1
+
+
 async def test_a_stream_relayed_from_its_first_event_has_its_time_to_first_byte(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
