@@ -622,6 +622,15 @@ async def raw_request(url: str, version: str) -> tuple[trio.SocketStream, bytes]
     return stream, body
 
 
+async def fetch_raw(url: str, version: str) -> tuple[bytes, bytes]:
+    """A streamed request over a raw HTTP/`version` connection: the answer's head and body
+    (as sent: chunked for HTTP/1.1)."""
+    stream, _ = await raw_request(url, version)
+    async with stream:
+        head, _, body = (await read_all(stream)).partition(b"\r\n\r\n")
+    return head, body
+
+
 async def read_all(stream: trio.SocketStream) -> bytes:
     """Everything until the router closes the connection or ends a chunked body."""
     data = b""
@@ -660,16 +669,12 @@ async def test_http11_relay_and_http10_general_path_deliver_the_same_body(script
     with trio.fail_after(LIMIT):
         async with open_scripted_router(engine) as (url, _):
             before = await relayed_count(url)
-            stream, _ = await raw_request(url, "1.1")
-            async with stream:
-                head, _, relayed = (await read_all(stream)).partition(b"\r\n\r\n")
+            head, relayed = await fetch_raw(url, "1.1")
             assert b"transfer-encoding: chunked" in head.lower()
             assert decode_chunked(relayed) == b"".join(EVENTS)
             assert await relayed_count(url) == before + 1
 
-            stream, _ = await raw_request(url, "1.0")
-            async with stream:
-                head, _, general = (await read_all(stream)).partition(b"\r\n\r\n")
+            head, general = await fetch_raw(url, "1.0")
             assert b"transfer-encoding" not in head.lower() and general == b"".join(EVENTS)
             assert await relayed_count(url) == before + 1  # HTTP/1.0: not relayed
 
@@ -703,9 +708,7 @@ async def test_events_that_came_with_the_head_go_out_with_it_and_the_relay_takes
     with trio.fail_after(LIMIT):
         async with open_scripted_router(engine) as (url, _):
             before = await relayed_count(url)
-            stream, _ = await raw_request(url, "1.1")
-            async with stream:
-                head, _, body = (await read_all(stream)).partition(b"\r\n\r\n")
+            head, body = await fetch_raw(url, "1.1")
             assert head.startswith(b"HTTP/1.1 200 OK\r\n")
             assert decode_chunked(body) == b"".join(EVENTS)
             assert await relayed_count(url) == before + 1
