@@ -344,9 +344,10 @@ class KeepAliveConnection(TCPServer):
 
     def _write_held(self) -> None:
         """The connection closes with bytes held: they go out if the socket takes them now
-        (what the client would have had without the holding), else they are dropped."""
+        (what the client would have had without the holding), else they are dropped (also
+        behind a write still waiting, which they must not overtake)."""
         data, self.held = self.held, b""
-        if self._socket is not None:
+        if self._socket is not None and not self.send_lock.locked():
             with suppress(OSError):
                 os.write(self._socket.fileno(), data)
 
