@@ -769,6 +769,18 @@ async def test_engine_reset_mid_relay_cuts_the_client() -> None:
             assert await requests_with_status(url, name, 502) == 1
 
 
+async def test_a_body_broken_in_the_read_of_the_head_still_gives_the_client_the_head() -> None:
+    """The body's first bytes, here with the head, break the framing: the head (held for
+    them) still reaches the client before the router cuts the connection, as it did when
+    the head went out alone."""
+    engine = ScriptedEngine([], head=HEAD + b"zz\r\nbanana\r\n")
+    with trio.fail_after(LIMIT):
+        async with open_scripted_router(engine) as (url, name):
+            head, body = await fetch_raw(url, "1.1")
+            assert head.startswith(b"HTTP/1.1 200 OK\r\n") and body == b""
+            assert await requests_with_status(url, name, 502) == 1
+
+
 async def test_client_leaving_mid_relay_closes_the_engine_connection() -> None:
     engine = ScriptedEngine(SCRIPTS["one chunk per read"][:2], then="hang")
     with trio.fail_after(LIMIT):
