@@ -248,17 +248,20 @@ class ProxyExchange:
             self._hook.disarm()
             self._hook = None
 
-    async def _end(self, message: Message) -> None:
-        """Send the last message of the answer (with body bytes, in one write with the end of
-        the response)."""
+    async def _end(self, message: Message, client: ClientConnection | None = None) -> None:
+        """Send the last message of the answer (with body bytes and `client`, the HTTP/1.1
+        client connection, in one write with the end of the response)."""
         self._disarm()
-        if (
-            message["body"]
-            and self._scope["http_version"] == "1.1"
-            and (client := self._services.client_socket()) is not None
-        ):
+        if client is not None and message["body"]:
             client.hold_next()
         await self._send(message)
+
+    def _http11_client(self) -> ClientConnection | None:
+        """The client connection, when it speaks HTTP/1.1 (bytes can then be written around
+        the server and joined to its writes)."""
+        if self._scope["http_version"] != "1.1":
+            return None
+        return self._services.client_socket()
 
     # -- intake -------------------------------------------------------------------------------
     async def _serve(self, receive: Receive, held: Held) -> None:
@@ -851,10 +854,11 @@ class ProxyExchange:
         services, send = self._services, self._send
         self.status = response.status
         echo = self._settings.names.echo(self.model, self.served_model)
-        client = services.client_socket() if self._scope["http_version"] == "1.1" else None
-        at_hand = response.at_hand()
-        if at_hand and client is not None:
-            client.hold_next()  # the body's first bytes came with the head: one write for both
+        client = self._http11_client()
+        at_hand = False  # the body's first bytes came with the head: one write for both
+        if client is not None and response.at_hand():
+            at_hand = True
+            client.hold_next()
         await send(
             {
                 "type": "http.response.start",
@@ -862,11 +866,10 @@ class ProxyExchange:
                 "headers": self._head(response.headers, engine, request_id, sized=echo is None),
             }
         )
-        relay = services.relay if client is not None and echo is None else None
+        relay = services.relay if echo is None else None
         previous = chunk = b""
         ended = False  # the end of the response was sent
-        if relay is not None and not at_hand:
-            assert client is not None
+        if relay is not None and client is not None and not at_hand:
             tail = await self._relay(relay, response, client)
             if tail is not None:
                 chunk, ended = tail, True
@@ -878,11 +881,10 @@ class ProxyExchange:
                 if echo is not None:  # an alias: the engine's name for the model is not sent
                     chunk = echo.feed(chunk, final=ended)
                 message = {"type": "http.response.body", "body": chunk, "more_body": not ended}
-                await (self._end(message) if ended else send(message))
+                await (self._end(message, client) if ended else send(message))
                 self.sent += len(chunk)
                 previous = chunk
-                if relay is not None and not ended:
-                    assert client is not None
+                if relay is not None and client is not None and not ended:
                     tail = await self._relay(relay, response, client)
                     if tail is not None:
                         previous, chunk = b"", tail
@@ -891,7 +893,7 @@ class ProxyExchange:
                     relay = None  # the general path, to the end
         if not ended:
             tail = b"" if echo is None else echo.feed(b"", final=True)
-            await self._end({**_END_BODY, "body": tail} if tail else _END_BODY)
+            await self._end({**_END_BODY, "body": tail} if tail else _END_BODY, client)
             self.sent += len(tail)
         if response.status == 200 and (usage := _usage(previous[-4096:] + chunk[-4096:])):
             services.metrics.tokens(self.served_model, *usage)
@@ -940,7 +942,10 @@ class ProxyExchange:
                 "headers": self._head(headers, engine, self._request_id),
             }
         )
-        await self._end({"type": "http.response.body", "body": body, "more_body": False})
+        await self._end(
+            {"type": "http.response.body", "body": body, "more_body": False},
+            self._http11_client(),
+        )
         self.sent += len(body)
 
     async def _relay(
