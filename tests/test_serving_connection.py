@@ -1,7 +1,8 @@
-"""`connection.KeepAliveConnection`, the connection class trio_router gives Hypercorn's trio worker:
-keep-alive timing, shutdown, writes the socket cannot take at once, clients that vanish.
+"""`connection.ClientConnection`, trio_router's server connections driving Hypercorn's protocols
+(`hypercorn_seam.serve`): keep-alive timing, shutdown, writes the socket cannot take at once,
+clients that vanish, the disconnect hook, joined writes, accepting.
 
-Real sockets on 127.0.0.1: `hypercorn.trio.serve` with a small ASGI app, raw TCP clients. The
+Real sockets on 127.0.0.1: `hypercorn_seam.serve` with a small ASGI app, raw TCP clients. The
 timing tests run on the autojump clock (loopback data is ready at the next I/O poll, so the
 clock only jumps while every side waits): a 5 s keep-alive takes milliseconds.
 """
@@ -19,17 +20,13 @@ from typing import Any, Final
 
 import httpx
 import hypercorn.config
-import hypercorn.trio
-import hypercorn.trio.run
 import pytest
 import trio
 import trio.testing
-from hypercorn.events import Closed, RawData
-from hypercorn.trio.tcp_server import TCPServer
-from hypercorn.trio.worker_context import WorkerContext
 
 from trio_router.asgi import answer_lifespan
-from trio_router.serving import hypercorn_seam as connection
+from trio_router.serving import connection, hypercorn_seam
+from trio_router.serving.answer import answer_of
 
 KEEP_ALIVE: Final = 5.0
 BIG: Final = 16 * 1024 * 1024  # more than the kernel takes in one write on loopback
@@ -53,13 +50,13 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         pass
     path = scope["path"]
     if path.startswith("/held/"):
-        await held(send, path.removeprefix("/held/"))
+        await held(scope, send, path.removeprefix("/held/"))
         return
     if path.startswith("/hook/"):
         await hooked(scope, receive, send, path.removeprefix("/hook/"))
         return
-    if path == "/client":  # what the connection seam tells the app about its client
-        body = type(connection.current_client()).__name__.encode()
+    if path == "/client":  # the answer writer the server gave the request
+        body = type(answer_of(scope)).__name__.encode()
         await send(
             {
                 "type": "http.response.start",
@@ -114,22 +111,19 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
 
 
 async def hooked(scope: dict[str, Any], receive: Any, send: Any, what: str) -> None:
-    """/hook/hold: the request armed with the disconnect hook, a first chunk sent, then held
-    until cancelled. /hook/finish: armed, then disarmed before the last message."""
-    hook = connection.disconnect_hook(scope)
-    assert hook is not None
+    """/hook/hold: the request's scope armed with its answer writer, a first chunk sent, then
+    held until cancelled. /hook/finish: armed, then the answer ended (which disarms it)."""
+    answer = answer_of(scope)
+    assert answer is not None
     done = HOOKED_DONE[len(HOOKED)]
     with trio.CancelScope() as cancel:
-        hook.arm(cancel)
+        answer.arm(cancel)
         if what == "hold":
-            await send({"type": "http.response.start", "status": 200, "headers": []})
-            await send({"type": "http.response.body", "body": b"first", "more_body": True})
+            answer.start(200, [])
+            await answer.body(b"first")
             await trio.sleep_forever()
-        hook.disarm()
-        await send(
-            {"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"4")]}
-        )
-        await send({"type": "http.response.body", "body": b"done"})
+        answer.start(200, [(b"content-length", b"4")])
+        await answer.end(b"done")
         # The end of the exchange is reported to the app as a disconnect; the hook is not.
         while (await receive())["type"] != "http.disconnect":
             pass
@@ -141,35 +135,33 @@ HELD_SENT = [trio.Event()]  # /held/...: set once the message before the pause i
 HELD_GO = [trio.Event()]  # /held/...: set by the test to have the app go on
 
 
-async def held(send: Any, what: str) -> None:
-    """/held/head: the head held (`hold_next`), then, once HELD_GO is set, the body.
-    /held/none: the same without holding. /held/body: a chunked body's first piece, bytes
-    handed to `write_with_next` (framed by the app), then the end once HELD_GO is set.
-    /held/after: a whole answer, then `hold_next` with no message after it."""
-    client = connection.current_client()
-    assert client is not None
+async def held(scope: dict[str, Any], send: Any, what: str) -> None:
+    """/held/head: the head given to the answer writer, then, once HELD_GO is set, the body
+    and the end. /held/none: the head sent as a plain ASGI message, then the same. /held/body:
+    a chunked body's first piece, its last handed to the writer, then the end once HELD_GO is
+    set. /held/after: a whole answer, then a write held with no message after it."""
+    answer = answer_of(scope)
+    assert isinstance(answer, connection.ConnectionAnswer)
+    headers = [(b"content-length", b"4")]
     if what in ("head", "none"):
         if what == "head":
-            client.hold_next()
-        await send(
-            {"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"4")]}
-        )
+            answer.start(200, headers)
+        else:
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
         HELD_SENT[0].set()
         await HELD_GO[0].wait()
-        await send({"type": "http.response.body", "body": b"body"})
+        await answer.end(b"body")
     elif what == "body":
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": b"first", "more_body": True})
-        client.write_with_next(b"6\r\nsecond\r\n")
+        answer.start(200, [])
+        await answer.body(b"first")
+        answer._connection.write_with_next(b"6\r\nsecond\r\n")  # as a relay's last read
         HELD_SENT[0].set()
         await HELD_GO[0].wait()
-        await send({"type": "http.response.body", "body": b""})
+        await answer.end()
     else:
-        await send(
-            {"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"4")]}
-        )
-        await send({"type": "http.response.body", "body": b"done"})
-        client.hold_next()
+        answer.start(200, headers)
+        await answer.end(b"done")
+        answer._connection.hold_next()
 
 
 def pattern(size: int, seed: int = 0) -> bytes:
@@ -193,8 +185,8 @@ class Served:
 
 @asynccontextmanager
 async def serve() -> AsyncIterator[Served]:
-    """`app` on Hypercorn's trio worker with trio_router's connection class; `stop` starts
-    Hypercorn's graceful shutdown."""
+    """`app` served by `hypercorn_seam.serve` (trio_router's connections driving Hypercorn's
+    protocols); `stop` starts the graceful shutdown."""
     config = hypercorn.config.Config()
     config.bind = ["127.0.0.1:0"]
     config.keep_alive_timeout = KEEP_ALIVE
@@ -206,7 +198,7 @@ async def serve() -> AsyncIterator[Served]:
         async with trio.open_nursery() as nursery:
             asgi: Any = app
             urls = await nursery.start(
-                partial(connection.serve, asgi, config, shutdown_trigger=stop.wait)
+                partial(hypercorn_seam.serve, asgi, config, shutdown_trigger=stop.wait)
             )
             served = Served(int(urls[0].rsplit(":", 1)[1]), stop)
             try:
@@ -271,7 +263,7 @@ def timer_tasks() -> int:
     count, pending = 0, [root]
     while pending:
         task = pending.pop()
-        count += task.name.endswith("KeepAliveTimer._run")
+        count += task.name.endswith("ClientConnection._keep_alive")
         pending.extend(child for nursery in task.child_nurseries for child in nursery.child_tasks)
     return count
 
@@ -443,36 +435,42 @@ async def test_a_client_reset_mid_answer_reaches_the_app_as_a_disconnect(
 
 
 class RecordingProtocol:
-    """Stands in for Hypercorn's protocol object behind one connection: records the events
-    the connection hands it."""
+    """Stands in for the protocol behind one connection: counts the connection's reports that
+    it closed."""
 
     def __init__(self) -> None:
-        self.events: list[object] = []
+        self.closings = 0
 
-    async def handle(self, event: object) -> None:
-        self.events.append(event)
+    async def initiate(self) -> None:
+        pass
+
+    async def received(self, data: bytes) -> None:
+        pass
+
+    async def closed(self) -> None:
+        self.closings += 1
 
 
 async def test_writes_to_a_reset_or_closed_socket_tell_the_protocol_it_closed() -> None:
     """The write path itself, on a real socket pair: a reset peer and a closed socket are
-    reported as Closed, never raised to the application's send."""
+    reported as closed to the protocol, never raised to the application's send."""
     with trio.fail_after(LIMIT):
         for how in ("reset", "closed"):
             ours, peer = socket_pair()
-            conn = connection.KeepAliveConnection(
-                app, hypercorn.config.Config(), WorkerContext(None), {}, ours
-            )
-            protocol = conn.protocol = RecordingProtocol()  # type: ignore[assignment]
+            recording = RecordingProtocol()
+            settings = connection.ConnectionSettings(terminated=trio.Event(), keep_alive_s=5)
+            conn = connection.ClientConnection(ours, settings, lambda c, n: recording)
+            conn._protocol = recording  # as `run` sets it
             if how == "reset":
                 peer.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                 await peer.aclose()
-                await conn.protocol_send(RawData(b"first"))  # may still be taken
-                await conn.protocol_send(RawData(b"second"))
+                await conn.write(b"first")  # may still be taken
+                await conn.write(b"second")
             else:
                 await ours.aclose()
-                await conn.protocol_send(RawData(b"data"))
+                await conn.write(b"data")
                 await peer.aclose()
-            assert any(isinstance(event, Closed) for event in protocol.events), how
+            assert recording.closings, how
             await ours.aclose()
 
 
@@ -514,36 +512,47 @@ async def test_http2_streams_share_the_connection_and_its_writes() -> None:
             assert timer_tasks() == 1  # one connection, one timer
 
 
-# -- installation ---------------------------------------------------------------------------
-async def test_installed_for_this_server_only(
+# -- the fence and the fallback -------------------------------------------------------------
+def test_every_hypercorn_touchpoint_has_the_parameters_it_was_written_against() -> None:
+    """The installed Hypercorn fits the seam: every internal it uses (TOUCHPOINTS) has the
+    parameters the seam passes."""
+    assert hypercorn_seam.fits() == []
+    names = [name for name, _ in hypercorn_seam.TOUCHPOINTS]
+    assert "hypercorn.protocol.ProtocolWrapper" in names
+    assert "hypercorn.typing.TaskGroup.spawn_app" in names
+
+
+async def test_a_hypercorn_that_does_not_fit_serves_through_its_own_connections(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """`serve` drives its own connections with the class (its requests see their client
-    socket) and replaces nothing in Hypercorn, so other servers in the process keep
-    Hypercorn's own class; on an unknown Hypercorn it serves with Hypercorn's and says so."""
-    original = hypercorn.trio.run.TCPServer  # type: ignore[attr-defined]
+    """A touchpoint whose parameters changed is named in a warning, and Hypercorn's own
+    `serve` serves instead: requests then get no answer writer (the app uses plain ASGI)."""
     async with serve() as served:
-        assert hypercorn.trio.run.TCPServer is original  # type: ignore[attr-defined]
         stream = await served.connect()
         await request(stream, "/client")
-        assert (await read_response(stream))[1] == b"ClientSocket"
+        assert (await read_response(stream))[1] == b"ConnectionAnswer"
 
-        config = hypercorn.config.Config()
-        config.bind = ["127.0.0.1:0"]
-        config.accesslog = None
-        config.errorlog = logging.getLogger("test_connection.hypercorn")
-        async with trio.open_nursery() as nursery:
-            asgi: Any = app
-            urls = await nursery.start(partial(hypercorn.trio.serve, asgi, config))
-            plain = await trio.open_tcp_stream("127.0.0.1", int(urls[0].rsplit(":", 1)[1]))
-            async with plain:
-                await request(plain, "/client")
-                assert (await read_response(plain))[1] == b"NoneType"
-            nursery.cancel_scope.cancel()
-
-    monkeypatch.delattr(TCPServer, "_initiate_server_close")
-    assert not connection._checked()
+    # As if the seam had been written for a `handle` with another parameter, and for a
+    # helper this Hypercorn does not have.
+    changed = tuple(
+        (name, (*params, "extra") if name.endswith(".handle") else params)
+        for name, params in hypercorn_seam.TOUCHPOINTS
+    )
+    monkeypatch.setattr(
+        hypercorn_seam, "TOUCHPOINTS", (*changed, ("hypercorn.protocol.gone", ("x",)))
+    )
+    assert hypercorn_seam.fits() == [
+        "hypercorn.protocol.ProtocolWrapper.handle('self', 'event') "
+        "(expected ('self', 'event', 'extra'))",
+        "hypercorn.protocol.gone"
+        "not there: module 'hypercorn.protocol' has no attribute 'gone' (expected ('x',))",
+    ]
+    async with serve() as served:
+        plain = await served.connect()
+        await request(plain, "/client")
+        assert (await read_response(plain))[1] == b"NoneType"
     assert "serving with Hypercorn's own" in caplog.text
+    assert "ProtocolWrapper.handle" in caplog.text
 
 
 async def test_the_disconnect_hook_cancels_an_armed_request_when_its_client_leaves() -> None:
@@ -563,7 +572,7 @@ async def test_the_disconnect_hook_cancels_an_armed_request_when_its_client_leav
         assert (await read_response(kept))[1] == b"done"
         await HOOKED_DONE[1].wait()
     assert HOOKED == [("hold", True), ("finish", False)]
-    assert connection.disconnect_hook({"type": "http", "extensions": {}}) is None
+    assert answer_of({"type": "http", "extensions": {}}) is None
 
 
 # -- accepting ----------------------------------------------------------------------------------
@@ -583,7 +592,7 @@ async def test_a_burst_of_new_connections_is_accepted_in_one_turn() -> None:
     """Connections waiting together in the listen backlog all come out of the first accept's
     turn: the next `accept()` calls hand them out without a trip through the scheduler."""
     async with listening() as (raw, listener, address):
-        draining = connection._DrainingListener(listener, raw, None)
+        draining = connection.DrainingListener(listener, raw, None)
         clients = [socket.create_connection(address) for _ in range(20)]
         try:
             with trio.fail_after(LIMIT):
@@ -606,7 +615,7 @@ async def test_beyond_the_connection_bound_connections_wait_in_the_backlog(
     with the first), the fourth only once a connection ended and gave its slot back."""
     slots = trio.Semaphore(3)
     async with listening() as (raw, listener, address):
-        draining = connection._DrainingListener(listener, raw, slots)
+        draining = connection.DrainingListener(listener, raw, slots)
         clients = [socket.create_connection(address) for _ in range(5)]
         try:
             streams = [await draining.accept() for _ in range(3)]
