@@ -173,7 +173,7 @@ def run(
                 info = infos[i % len(infos)]
                 candidates = table.routable(model)
                 t0 = time.perf_counter_ns()
-                engine, _why = policy.choose(candidates, info)
+                engine = policy.choose(candidates, info).engine
                 costs.append(time.perf_counter_ns() - t0 - overhead)
                 engine.in_flight += 1
                 drained = engines[rng.randrange(len(engines))]

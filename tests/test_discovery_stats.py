@@ -415,11 +415,14 @@ async def test_least_loaded_follows_scraped_queues(autojump_clock: trio.testing.
             )
         await trio.sleep(1)
         for _ in range(20):
-            engine, why = policy.choose(table.routable("m"), RequestInfo("m"))
+            decision = policy.choose(table.routable("m"), RequestInfo("m"))
+            engine, why = decision.engine, decision.reason
             assert engine.uid == "uid-idle", why
         busy.mode = "500"  # its stats go stale: only in-flight counts, and both are 0
         await trio.sleep(20)
-        chosen = {policy.choose(table.routable("m"), RequestInfo("m"))[0].uid for _ in range(40)}
+        chosen = {
+            policy.choose(table.routable("m"), RequestInfo("m")).engine.uid for _ in range(40)
+        }
         assert chosen == {"uid-busy", "uid-idle"}
         nursery.cancel_scope.cancel()
 

@@ -153,7 +153,8 @@ def test_round_robin_is_fair_per_model() -> None:
     counts: Counter[tuple[str, str]] = Counter()
     for _ in range(300):  # interleaved models must not alias each other's turn
         for model in (MODEL, "other"):
-            engine, why = policy.choose(table.routable(model), RequestInfo(model))
+            decision = policy.choose(table.routable(model), RequestInfo(model))
+            engine, why = decision.engine, decision.reason
             counts[model, engine.name] += 1
     assert len(counts) == 4 and set(counts.values()) == {150}
     assert "round robin" in why
@@ -163,7 +164,7 @@ def test_round_robin_skips_excluded() -> None:
     table = make_table([make_engine(i) for i in range(3)])
     policy = make("round_robin", table)
     chosen = {
-        policy.choose(table.routable(MODEL), RequestInfo(MODEL), exclude=["uid-0001"])[0].uid
+        policy.choose(table.routable(MODEL), RequestInfo(MODEL), exclude=["uid-0001"]).engine.uid
         for _ in range(10)
     }
     assert chosen == {"uid-0000", "uid-0002"}
@@ -180,7 +181,8 @@ def test_least_loaded_prefers_the_idle_engine() -> None:
     table = make_table(engines)
     policy = make("least_loaded", table)
     for _ in range(50):
-        engine, why = policy.choose(table.routable(MODEL), RequestInfo(MODEL))
+        decision = policy.choose(table.routable(MODEL), RequestInfo(MODEL))
+        engine, why = decision.engine, decision.reason
         assert engine is engines[2], why
 
 
@@ -189,7 +191,7 @@ def test_least_loaded_spreads_equal_engines_and_prefers_light_ones_at_scale() ->
     table = make_table(engines)
     policy = make("least_loaded", table)
     for _ in range(400):  # requests that stay in flight: exact scan keeps them level
-        engine, _ = policy.choose(table.routable(MODEL), RequestInfo(MODEL))
+        engine = policy.choose(table.routable(MODEL), RequestInfo(MODEL)).engine
         engine.in_flight += 1
     assert [e.in_flight for e in engines] == [100] * 4
 
@@ -199,7 +201,8 @@ def test_least_loaded_spreads_equal_engines_and_prefers_light_ones_at_scale() ->
     table = make_table(many)
     policy = make("least_loaded", table)
     picks = Counter(
-        policy.choose(table.routable(MODEL), RequestInfo(MODEL))[0].in_flight for _ in range(4000)
+        policy.choose(table.routable(MODEL), RequestInfo(MODEL)).engine.in_flight
+        for _ in range(4000)
     )
     assert picks[0] > 0.7 * 4000  # two choices: an idle one unless both draws hit busy ones
 
@@ -213,14 +216,14 @@ def test_least_loaded_reacts_to_scraped_queues_and_ignores_stale_ones() -> None:
     table = make_table(engines)
     policy = make("least_loaded", table, clock)
     for _ in range(50):
-        assert policy.choose(table.routable(MODEL), RequestInfo(MODEL))[0] is engines[1]
+        assert policy.choose(table.routable(MODEL), RequestInfo(MODEL)).engine is engines[1]
     engines[1].stats = EngineStats.scraped({"kv_cache_usage": 0.9}, now=clock.now, stale_after=15.0)
     engines[0].stats = EngineStats.scraped({"kv_cache_usage": 0.1}, now=clock.now, stale_after=15.0)
     for _ in range(50):
-        assert policy.choose(table.routable(MODEL), RequestInfo(MODEL))[0] is engines[0]
+        assert policy.choose(table.routable(MODEL), RequestInfo(MODEL)).engine is engines[0]
     clock.now += 15.5  # both stale: only in-flight counts, and they are equal
     chosen = Counter(
-        policy.choose(table.routable(MODEL), RequestInfo(MODEL))[0].uid for _ in range(200)
+        policy.choose(table.routable(MODEL), RequestInfo(MODEL)).engine.uid for _ in range(200)
     )
     assert min(chosen.values()) > 50
 
@@ -244,7 +247,7 @@ def keys(n: int) -> list[str]:
 
 
 def assignment(policy: Policy, candidates: Sequence[Engine], ks: list[str]) -> dict[str, str]:
-    return {k: policy.choose(candidates, RequestInfo(MODEL, session_key=k))[0].uid for k in ks}
+    return {k: policy.choose(candidates, RequestInfo(MODEL, session_key=k)).engine.uid for k in ks}
 
 
 def test_session_same_key_same_engine_and_keys_spread() -> None:
@@ -311,15 +314,15 @@ def test_session_for_a_model_on_few_engines_matches_the_shared_ring() -> None:
     assignment(both, table.routable(MODEL), keys(10))  # the ring now holds all 40 engines
     ks = keys(1000)
     adapter = {
-        k: both.choose(table.routable("adapter"), RequestInfo("adapter", session_key=k))[0].uid
+        k: both.choose(table.routable("adapter"), RequestInfo("adapter", session_key=k)).engine.uid
         for k in ks
     }
     alone_table = make_table([make_engine(i, ("adapter",)) for i in range(0, 40, 10)])
     only = make("session", alone_table)
     alone = {
-        k: only.choose(alone_table.routable("adapter"), RequestInfo("adapter", session_key=k))[
-            0
-        ].uid
+        k: only.choose(
+            alone_table.routable("adapter"), RequestInfo("adapter", session_key=k)
+        ).engine.uid
         for k in ks
     }
     assert adapter == alone and len(set(alone.values())) == 4
@@ -330,10 +333,11 @@ def test_session_bounded_load_spills_a_hot_session() -> None:
     table = make_table(engines)
     policy = make("session", table)
     hot = RequestInfo(MODEL, session_key="hot")
-    owner, _ = policy.choose(table.routable(MODEL), hot)
+    owner = policy.choose(table.routable(MODEL), hot).engine
     for _ in range(100):  # 100 concurrent requests of one session, none finishing
         average = sum(e.in_flight for e in engines) / len(engines)
-        engine, why = policy.choose(table.routable(MODEL), hot)
+        decision = policy.choose(table.routable(MODEL), hot)
+        engine, why = decision.engine, decision.reason
         assert engine.in_flight <= 1.25 * average + 1, why
         engine.in_flight += 1
     assert owner.in_flight == max(e.in_flight for e in engines)  # the owner is used first
@@ -341,7 +345,7 @@ def test_session_bounded_load_spills_a_hot_session() -> None:
     assert sum(e.in_flight > 0 for e in engines) >= 5
     for engine in engines:  # once load drains, the session is back on its owner
         engine.in_flight = 0
-    assert policy.choose(table.routable(MODEL), hot)[0] is owner
+    assert policy.choose(table.routable(MODEL), hot).engine is owner
 
 
 def test_session_bounded_load_with_a_sampled_average_at_scale() -> None:
@@ -349,7 +353,7 @@ def test_session_bounded_load_with_a_sampled_average_at_scale() -> None:
     table = make_table(engines)
     policy = make("session", table)
     for i in range(10 * len(engines)):  # ten hot sessions, 800 requests that stay in flight
-        engine, _ = policy.choose(table.routable(MODEL), RequestInfo(MODEL, f"hot-{i % 10}"))
+        engine = policy.choose(table.routable(MODEL), RequestInfo(MODEL, f"hot-{i % 10}")).engine
         engine.in_flight += 1
     loads = sorted(e.in_flight for e in engines)
     assert loads[-1] <= 1.25 * 10 + 1 + 4  # the bound, give or take the sampling error
@@ -361,7 +365,8 @@ def test_session_without_key_is_least_loaded() -> None:
     engines[0].in_flight = engines[2].in_flight = 4
     table = make_table(engines)
     policy = make("session", table)
-    engine, why = policy.choose(table.routable(MODEL), RequestInfo(MODEL, session_key=None))
+    decision = policy.choose(table.routable(MODEL), RequestInfo(MODEL, session_key=None))
+    engine, why = decision.engine, decision.reason
     assert engine is engines[1] and "no key" in why
 
 
@@ -401,7 +406,8 @@ def test_prefix_growing_conversations_keep_their_engine() -> None:
     holding: dict[int, Engine] = {}  # each conversation's last request stays in flight
     for n in range(6):
         for c, conversation in enumerate(conversations):
-            engine, why = policy.choose(table.routable(MODEL), turn(conversation, n))
+            decision = policy.choose(table.routable(MODEL), turn(conversation, n))
+            engine, why = decision.engine, decision.reason
             if c in holding:
                 holding[c].in_flight -= 1
             holding[c] = engine
@@ -425,9 +431,8 @@ def test_prefix_a_long_system_prompt_is_the_key_alone() -> None:
     def homes(system: str, **knobs: Any) -> set[str]:
         chosen = set()
         for question in questions:
-            engine, why = policy.choose(
-                table.routable(MODEL), chat(question, system=system, **knobs)
-            )
+            decision = policy.choose(table.routable(MODEL), chat(question, system=system, **knobs))
+            engine, why = decision.engine, decision.reason
             assert "ring owner" in why
             chosen.add(engine.uid)
         return chosen
@@ -462,10 +467,10 @@ def test_prefix_independent_replicas_agree_on_every_decision(
             restarted = make("prefix_aware", make_table(engines), seed=3)
         for conversation in conversations:
             info = turn(conversation, step)
-            choice = a.choose(first.routable(MODEL), info)[0].uid
-            assert b.choose(second.routable(MODEL), info)[0].uid == choice
+            choice = a.choose(first.routable(MODEL), info).engine.uid
+            assert b.choose(second.routable(MODEL), info).engine.uid == choice
             if restarted is not None:
-                assert restarted.choose(first.routable(MODEL), info)[0].uid == choice
+                assert restarted.choose(first.routable(MODEL), info).engine.uid == choice
 
 
 @settings(max_examples=25, deadline=None)
@@ -478,10 +483,10 @@ def test_prefix_losing_one_of_n_engines_moves_only_its_conversations(
     policy = make("prefix_aware", table)
     rng = random.Random(seed)
     openings = [RequestInfo(MODEL, opening=text(rng.randrange(1 << 30), 300)) for _ in range(400)]
-    before = [policy.choose(table.routable(MODEL), o)[0].uid for o in openings]
+    before = [policy.choose(table.routable(MODEL), o).engine.uid for o in openings]
     gone = engines[lost % n].uid
     table.remove(gone)
-    after = [policy.choose(table.routable(MODEL), o)[0].uid for o in openings]
+    after = [policy.choose(table.routable(MODEL), o).engine.uid for o in openings]
     moved = [i for i, (x, y) in enumerate(zip(before, after, strict=True)) if x != y]
     assert all(before[i] == gone for i in moved)  # only the lost engine's conversations move
     assert gone not in after
@@ -494,11 +499,12 @@ def test_prefix_hot_opening_spreads_under_load_and_returns() -> None:
     table = make_table(engines)
     policy = make("prefix_aware", table)
     hot = RequestInfo(MODEL, opening="one system prompt and the same question for everyone")
-    owner, _ = policy.choose(table.routable(MODEL), hot)
+    owner = policy.choose(table.routable(MODEL), hot).engine
     spread = []
     for _ in range(200):  # 200 concurrent requests with one opening, none finishing
         average = sum(e.in_flight for e in engines) / len(engines)
-        engine, why = policy.choose(table.routable(MODEL), hot)
+        decision = policy.choose(table.routable(MODEL), hot)
+        engine, why = decision.engine, decision.reason
         assert engine.in_flight <= 1.5 * average + 8, why
         engine.in_flight += 1
         spread.append(engine.uid)
@@ -508,11 +514,12 @@ def test_prefix_hot_opening_spreads_under_load_and_returns() -> None:
     # A second replica, with the same load figures, spills the same way.
     twin = make("prefix_aware", make_table(engines), seed=7)
     assert (
-        twin.choose(table.routable(MODEL), hot)[0] is policy.choose(table.routable(MODEL), hot)[0]
+        twin.choose(table.routable(MODEL), hot).engine
+        is policy.choose(table.routable(MODEL), hot).engine
     )
     for engine in engines:  # once load drains, the opening is back on its owner
         engine.in_flight = 0
-    assert policy.choose(table.routable(MODEL), hot)[0] is owner
+    assert policy.choose(table.routable(MODEL), hot).engine is owner
 
 
 def test_prefix_without_a_prompt_goes_to_the_least_loaded() -> None:
@@ -520,7 +527,8 @@ def test_prefix_without_a_prompt_goes_to_the_least_loaded() -> None:
     table = make_table(engines)
     policy = make("prefix_aware", table)
     engines[0].in_flight = 1
-    engine, why = policy.choose(table.routable(MODEL), RequestInfo(MODEL, opening=None))
+    decision = policy.choose(table.routable(MODEL), RequestInfo(MODEL, opening=None))
+    engine, why = decision.engine, decision.reason
     assert engine is engines[1] and "no key" in why
 
 
@@ -529,13 +537,13 @@ def test_prefix_removed_engine_gets_nothing_and_a_returning_one_its_share_back()
     table = make_table(engines)
     policy = make("prefix_aware", table)
     info = chat(text(5, 3000))
-    holder, _ = policy.choose(table.routable(MODEL), info)
+    holder = policy.choose(table.routable(MODEL), info).engine
     table.remove(holder.uid)
-    second, _ = policy.choose(table.routable(MODEL), info)
+    second = policy.choose(table.routable(MODEL), info).engine
     assert second is not holder
     back = make_engine(int(holder.uid[4:]))  # same uid, e.g. a static engine re-added
     table.put(back)
-    assert policy.choose(table.routable(MODEL), info)[0] is back  # the ring is the ring
+    assert policy.choose(table.routable(MODEL), info).engine is back  # the ring is the ring
 
 
 # -- every policy ------------------------------------------------------------------------------
@@ -601,7 +609,8 @@ def test_every_policy_honours_exclude(
             policy.choose(table.routable(MODEL), info, exclude=exclude)
         return
     for _ in range(3):
-        engine, why = policy.choose(table.routable(MODEL), info, exclude=exclude)
+        decision = policy.choose(table.routable(MODEL), info, exclude=exclude)
+        engine, why = decision.engine, decision.reason
         assert engine.uid in allowed and why
 
 

@@ -57,7 +57,7 @@ class Bench:
         )
 
     def pick(self, exclude: Collection[str]) -> Engine:
-        return self.policy.choose(self.table.routable("m"), RequestInfo("m"), exclude)[0]
+        return self.policy.choose(self.table.routable("m"), RequestInfo("m"), exclude).engine
 
     def tenant(self, name: str) -> Tenant:
         tenant = self.admission.tenant_of_key(f"key-{name}".encode())

@@ -16,7 +16,7 @@ from typing import Final
 
 from ..table import Engine
 from .balance import LeastLoadedPolicy, LoadGauge, View
-from .request import RequestInfo
+from .request import Decision, RequestInfo
 
 __all__ = ["PrefixAwarePolicy", "SessionPolicy", "key_hash", "opening_hash"]
 
@@ -159,12 +159,12 @@ class SessionPolicy:
 
     def choose(
         self, candidates: Sequence[Engine], request: RequestInfo, exclude: Collection[str] = ()
-    ) -> tuple[Engine, str]:
+    ) -> Decision:
         now = self._gauge.now()
         key = self.key(request)
         if key is None or not candidates:
             engine, load, how = self._fallback.pick(candidates, exclude, now, request.model)
-            return engine, f"{self.name}: no key; least loaded ({how}): load {load:.3g}"
+            return Decision(engine, f"{self.name}: no key; least loaded ({how}): load {load:.3g}")
         view = self._view(request.model, candidates)
         by_uid, n = view.by_uid, len(view.by_uid)
         points, owners = view.ring or (self._ring.points, self._ring.owners)
@@ -186,20 +186,21 @@ class SessionPolicy:
             if uid not in exclude:
                 load = load_of(candidate, now)
                 if load <= self._slack:  # the bound is at least the slack: no average needed
-                    return candidate, self._why(passed, load, bound)
+                    return Decision(candidate, self._why(passed, load, bound))
                 if bound is None:
                     bound = self._load_factor * self._average(view, now) + self._slack
                 if load <= bound:
-                    return candidate, self._why(passed, load, bound)
+                    return Decision(candidate, self._why(passed, load, bound))
                 passed += 1
                 if passed >= WALK_MAX:
                     break
             if len(visited) == n:
                 break
         engine, load, how = self._fallback.pick(candidates, exclude, now, request.model)
-        return engine, (
+        return Decision(
+            engine,
             f"{self.name}: {passed} ring engine(s) over the load bound "
-            f"{bound or 0:.3g}; least loaded ({how}): load {load:.3g}"
+            f"{bound or 0:.3g}; least loaded ({how}): load {load:.3g}",
         )
 
     def _why(self, passed: int, load: float, bound: float | None) -> str:

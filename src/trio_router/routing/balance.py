@@ -11,7 +11,7 @@ from typing import Final
 
 from ..errors import NoEngineError
 from ..table import Engine
-from .request import RequestInfo
+from .request import Decision, RequestInfo
 
 __all__ = ["LeastLoadedPolicy", "LoadGauge", "RoundRobinPolicy", "View", "no_engine"]
 
@@ -80,14 +80,14 @@ class RoundRobinPolicy:
 
     def choose(
         self, candidates: Sequence[Engine], request: RequestInfo, exclude: Collection[str] = ()
-    ) -> tuple[Engine, str]:
+    ) -> Decision:
         n = len(candidates)
         start = self._next.get(request.model, 0) % n if n else 0
         for step in range(n):
             engine = candidates[(start + step) % n]
             if engine.uid not in exclude:
                 self._next[request.model] = start + step + 1
-                return engine, f"round robin: slot {(start + step) % n} of {n}"
+                return Decision(engine, f"round robin: slot {(start + step) % n} of {n}")
         raise no_engine(request.model, candidates)
 
     def forget(self, uid: str) -> None:
@@ -108,9 +108,9 @@ class LeastLoadedPolicy:
 
     def choose(
         self, candidates: Sequence[Engine], request: RequestInfo, exclude: Collection[str] = ()
-    ) -> tuple[Engine, str]:
+    ) -> Decision:
         engine, load, how = self.pick(candidates, exclude, self._gauge.now(), request.model)
-        return engine, f"least loaded ({how} of {len(candidates)}): load {load:.3g}"
+        return Decision(engine, f"least loaded ({how} of {len(candidates)}): load {load:.3g}")
 
     def pick(
         self, candidates: Sequence[Engine], exclude: Collection[str], now: float, model: str

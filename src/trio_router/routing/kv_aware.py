@@ -23,17 +23,14 @@ completions request) is routed by `prefix_aware`. Pure and synchronous, like eve
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from typing import Final
 
 from ..kv.index import BlockIndex, block_keys
 from ..table import Engine
 from .affinity import PrefixAwarePolicy
 from .balance import LoadGauge, no_engine
-from .request import RequestInfo
+from .request import Decision, RequestInfo
 
 __all__ = ["KvAwarePolicy"]
-
-_NO_DECISION: Final = (0, 0)
 
 
 class KvAwarePolicy:
@@ -57,18 +54,14 @@ class KvAwarePolicy:
         self._index, self._gauge, self._ties = index, gauge, ties
         self._load_tokens, self._slack = load_tokens, slack
         self._block_size, self._ttl = block_size, speculative_ttl
-        # (cached tokens predicted, prompt tokens) of the decision just made, read by the
-        # caller in the same synchronous step; (0, 0) when routed without tokens.
-        self.last_decision: tuple[int, int] = _NO_DECISION
 
     def choose(
         self, candidates: Sequence[Engine], request: RequestInfo, exclude: Collection[str] = ()
-    ) -> tuple[Engine, str]:
+    ) -> Decision:
         tokens = request.tokens
         if tokens is None:
-            self.last_decision = _NO_DECISION
-            engine, why = self._ties.choose(candidates, request, exclude)
-            return engine, f"kv_aware: no tokens; {why}"
+            tie = self._ties.choose(candidates, request, exclude)
+            return Decision(tie.engine, f"kv_aware: no tokens; {tie.reason}")
         usable = [e for e in candidates if e.uid not in exclude]
         if not usable:
             raise no_engine(request.model, candidates)
@@ -92,16 +85,18 @@ class KvAwarePolicy:
             engine = next(e for e in usable if e.uid == uid)
             how = "cheapest"
         else:
-            engine, _ = self._ties.choose(
+            engine = self._ties.choose(
                 usable, request, [e.uid for e in usable if e.uid not in tied]
-            )
+            ).engine
             how = f"{len(tied)} tied: prefix_aware"
         blocks = matched[engine.uid]
         index.speculate(engine.uid, keys, now=now, until=now + self._ttl)
-        self.last_decision = (min(blocks * block, prompt), prompt)
-        return engine, (
+        return Decision(
+            engine,
             f"kv_aware: {blocks}/{len(keys)} blocks of {block} cached, load "
-            f"{loads[engine.uid]:.3g} ({how})"
+            f"{loads[engine.uid]:.3g} ({how})",
+            cached_tokens=min(blocks * block, prompt),
+            prompt_tokens=prompt,
         )
 
     def cached_share(self, engine: Engine, tokens: Sequence[int]) -> float:

@@ -31,9 +31,9 @@ from ..table import Engine
 from .affinity import PrefixAwarePolicy, SessionPolicy
 from .balance import LeastLoadedPolicy, LoadGauge, RoundRobinPolicy
 from .kv_aware import KvAwarePolicy
-from .request import RequestInfo, request_info
+from .request import Decision, RequestInfo, request_info
 
-__all__ = ["Policy", "RequestInfo", "make_policy", "request_info"]
+__all__ = ["Decision", "Policy", "RequestInfo", "make_policy", "request_info"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,9 +52,9 @@ class Policy(Protocol):
 
     def choose(
         self, candidates: Sequence[Engine], request: RequestInfo, exclude: Collection[str] = ()
-    ) -> tuple[Engine, str]:
-        """The engine for `request` among `candidates` whose uid is not in `exclude`, and a
-        short reason for the decision log. Raises NoEngineError when none is left."""
+    ) -> Decision:
+        """The engine for `request` among `candidates` whose uid is not in `exclude` (with a
+        short reason for the decision log). Raises NoEngineError when none is left."""
         ...
 
     def forget(self, uid: str) -> None:

@@ -1,5 +1,6 @@
 """What a policy may know of a request: `RequestInfo`, read from the parsed body and headers by
-`request_info` (the session key, and for `prefix_aware` the conversation's opening)."""
+`request_info` (the session key, and for `prefix_aware` the conversation's opening); and what
+it decides: `Decision`."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from typing import Any, Final
 
 from ..config import RoutingConfig
 from ..errors import BadRequestError
+from ..table import Engine
 
-__all__ = ["RequestInfo", "render_opening", "request_info"]
+__all__ = ["Decision", "RequestInfo", "render_opening", "request_info"]
 
 _ROLE_SEP, _MESSAGE_SEP = "\x1f", "\x1e"  # separators that do not occur in ordinary text
 _HEADER_ROLES: Final = frozenset({"system", "developer"})  # a conversation's shared header
@@ -24,6 +26,18 @@ class RequestInfo:
     session_key: str | None = None  # routing.session_header, else body["user"], else None
     opening: str | None = None  # prefix_aware: the conversation's opening (`render_opening`)
     tokens: tuple[int, ...] | None = None  # kv_aware: the prompt's token ids, if known
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """A policy's choice: the engine, a short reason for the decision log, and for a choice
+    made on the prompt's token ids (`kv_aware`) the prompt tokens it expects `engine` to hold
+    cached (`cached_tokens`, None otherwise) of `prompt_tokens`."""
+
+    engine: Engine
+    reason: str
+    cached_tokens: int | None = None
+    prompt_tokens: int = 0
 
 
 def request_info(
