@@ -18,7 +18,7 @@ import trio
 
 from trio_router import server
 from trio_router.config import DisaggregationConfig
-from trio_router.serving.disaggregation import prefill_body, prompt_chars, transfer_params
+from trio_router.routing.disaggregation import prefill_body, prompt_chars, transfer_params
 from trio_router.table import RoutingTable
 from trio_router.testing import FakeEngine, serve_fake_engine
 from trio_router.testing.fake_apiserver import FakeApiServer

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import trio
 
-from ..config import ProxyConfig
+from ..config import Config, ProxyConfig
 from ..table import Engine, EngineState, RoutingTable
 
 __all__ = ["Outliers"]
@@ -35,9 +35,9 @@ class Outliers:
         self._held: dict[str, float] = {}  # not readmitted before this trio time
         self._ejections: dict[str, int] = {}  # consecutive outlier ejections: the hold factor
 
-    def configure(self, config: ProxyConfig) -> None:
-        """Apply new outlier-detection settings (config reload)."""
-        self._ejection = config
+    def configure(self, config: Config) -> None:
+        """Apply the outlier-detection settings of a reloaded config (its [proxy])."""
+        self._ejection = config.proxy
 
     def hold_left(self, uid: str, now: float) -> float:
         """Seconds before a probe may readmit `uid` (<= 0: it may now)."""

@@ -21,7 +21,7 @@ from typing import Any, Final
 import trio
 
 from ..asgi import jittered
-from ..config import ProbeConfig, ProxyConfig
+from ..config import Config, ProbeConfig, ProxyConfig, env_key
 from ..http import EngineUnreachableError, TransportError, UpstreamPool, fetch
 from ..http.connection import Connector, open_tcp_socket
 from ..table import Engine, Model, RoutingTable
@@ -86,6 +86,12 @@ class Prober:
     def __init__(self, *, timeout: float, api_key: str = "") -> None:
         self.timeout = timeout  # seconds; may be changed live (config reload)
         self.api_key = api_key  # sent as Bearer to engines (probes and scrapes); may change
+
+    def configure(self, config: Config) -> None:
+        """Take a reloaded config: its probe deadline, and the key sent to engines
+        (`proxy.api_key_env`, checked before)."""
+        self.timeout = config.probe.timeout_s
+        self.api_key = env_key(config.proxy.api_key_env, "proxy.api_key_env")
 
     def headers(self) -> list[tuple[bytes, bytes]]:
         """The headers of a request the router itself sends to an engine."""

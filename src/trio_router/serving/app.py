@@ -1,11 +1,13 @@
 """The ASGI application: dispatch only.
 
-A POST to a proxied path, and a stored response's retrieval or cancellation, becomes a
-`ProxyExchange` (intake, routing, the engine's answer, everything it leaves behind); every
-other request goes to the admin endpoints (and GET /version asks the engines theirs); the lifespan
+A POST to a proxied path, and a stored response's retrieval or cancellation, is a proxy
+exchange (`exchange.run_exchange`: intake, routing, the engine's answer, everything it leaves
+behind), answered through the writer the server built for the request (`answer.answer_of`),
+or, on a server that builds none, through plain ASGI (`answer.open_asgi_answer`); every other
+request goes to the admin endpoints (and GET /version asks the engines theirs); the lifespan
 is answered; a WebSocket upgrade is refused. The app holds no tasks of its own (each request
-runs in the task its server gives it) and no global state; `settings` is swapped whole on a
-reload, so a request keeps the settings it started with.
+runs in the task its server gives it) and no global state; `runtime` is swapped whole on a
+reload, so a request keeps the runtime it started with.
 """
 
 from __future__ import annotations
@@ -16,25 +18,19 @@ from collections.abc import Callable
 from typing import Final
 
 from ..asgi import Receive, Scope, Send, answer_lifespan
-from ..config import Config
-from ..discovery.supervision import Supervisors
-from ..http import Relay, TransportError, fetch
-from ..kv.tokens import Tokenizer
-from ..metrics import Metrics
-from ..table import Engine, RoutingTable
-from ..tracing import Tracing
-from .admin import ADMIN_PATHS, AdminEndpoints, missing_model
-from .admission import Admission, Tenant
+from ..http import TransportError, fetch
+from ..limits.tenants import Tenant
+from ..table import Engine
+from .admin import ADMIN_PATHS, AdminEndpoints
+from .answer import answer_of, open_asgi_answer
 from .errors import error_body
-from .exchange import ClientConnection, DisconnectHook, ProxyExchange, Services, request_ids
+from .exchange import run_exchange
 from .forms import FORM_PATHS
-from .intake import BodyBudget, BodyParser, authenticate
-from .limits import Limits, LocalLimits
 from .names import ModelNames
-from .runtime import Settings
+from .runtime import Runtime
 from .stored import stored_response_id
 
-__all__ = ["PROXIED_PATHS", "DisconnectHooks", "RouterApp", "no_disconnect_hook"]
+__all__ = ["PROXIED_PATHS", "RouterApp"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,84 +63,41 @@ PROXIED_PATHS: Final = FORM_PATHS | frozenset(
 
 VERSION_MAX_BYTES: Final = 4096
 
-# The server's disconnect detection for one request's scope, or None where it has none.
-DisconnectHooks = Callable[[Scope], DisconnectHook | None]
-
-
-def no_disconnect_hook(scope: Scope) -> None:
-    """For a server that gives no way to see a client leave while the app waits: the exchange
-    then runs to its end."""
-    return None
-
 
 class RouterApp:
-    """The ASGI callable. Built by `server.run` with every collaborator."""
+    """The ASGI callable, serving with `runtime` (swapped whole on a reload). `health` tells
+    whether discovery is live and current (GET /health)."""
 
-    def __init__(
-        self,
-        *,
-        settings: Settings,
-        table: RoutingTable,
-        supervisors: Supervisors,
-        metrics: Metrics,
-        health: Callable[[], tuple[bool, str, str]],
-        admission: Admission,
-        relay: Relay | None = None,
-        client_socket: Callable[[], ClientConnection | None] = lambda: None,
-        disconnect_hook: DisconnectHooks = no_disconnect_hook,
-        tracing: Tracing | None = None,
-        tokenizer: Tokenizer | None = None,
-        limits: Limits | None = None,
-    ) -> None:
-        self.settings = settings
-        self.admission = admission
-        new_request_id = request_ids()
-        self._services = Services(
-            table=table,
-            admission=admission,
-            outliers=supervisors.outliers,
-            metrics=metrics,
-            tracing=tracing,
-            relay=relay,
-            client_socket=client_socket,
-            bodies=BodyBudget(settings.max_buffered_body_bytes),
-            parser=BodyParser(),
-            missing_model=lambda model: missing_model(table, model),
-            new_request_id=new_request_id,
-            tokenizer=tokenizer if tokenizer is not None else Tokenizer(timeout=0.1),
-            limits=limits if limits is not None else LocalLimits(admission),
-        )
-        self._disconnect_hook = disconnect_hook
+    def __init__(self, runtime: Runtime, *, health: Callable[[], tuple[bool, str, str]]) -> None:
+        self.runtime = runtime
+        services = runtime.services
         self._admin = AdminEndpoints(
-            table,
-            metrics,
+            services.table,
+            services.metrics,
             health,
             proxied=PROXIED_PATHS,
             authenticate=self._authenticate,
-            new_request_id=new_request_id,
+            new_request_id=services.new_request_id,
             names=self._names,
             version_of=self._engine_version,
         )
 
-    @property
-    def config(self) -> Config:
-        return self.settings.config
-
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind == "http":
+            rt = self.runtime
             path = scope["path"]
             if (
                 scope["method"] == "POST"
                 and (
-                    path in PROXIED_PATHS
-                    or (self.settings.proxy_unknown_paths and path not in ADMIN_PATHS)
+                    path in PROXIED_PATHS or (rt.proxy_unknown_paths and path not in ADMIN_PATHS)
                 )
             ) or stored_response_id(scope["method"], path) is not None:
-                exchange = ProxyExchange(
-                    self._services, self.settings, scope, send, self._disconnect_hook(scope)
-                )
-                await exchange.run(receive)
+                if (answer := answer_of(scope)) is not None:
+                    await run_exchange(scope, receive, answer, rt)
+                else:  # a server that builds no answer writer
+                    async with open_asgi_answer(receive, send) as (answer, receive_body):
+                        await run_exchange(scope, receive_body, answer, rt)
             else:
                 await self._admin(scope, send)
         elif kind == "lifespan":
@@ -153,20 +106,20 @@ class RouterApp:
             await _refuse_websocket(scope, receive, send)
 
     def _authenticate(self, authorization: bytes | None) -> Tenant:
-        return authenticate(self.admission, self.settings.client_key, authorization)
+        return self.runtime.services.tenants.authenticate(authorization)
 
     def _names(self) -> ModelNames:
-        return self.settings.names
+        return self.runtime.names
 
     async def _engine_version(self, engine: Engine) -> str | None:
         """The version `engine`'s GET /version tells, or None (no answer, or not one)."""
-        settings = self.settings
+        rt = self.runtime
         headers = []
-        if settings.upstream_authorization is not None:
-            headers.append((b"authorization", settings.upstream_authorization))
+        if rt.upstream_authorization is not None:
+            headers.append((b"authorization", rt.upstream_authorization))
         try:
             status, body = await fetch(
-                settings.pool, engine.url, b"/version", headers, max_bytes=VERSION_MAX_BYTES
+                rt.pool, engine.url, b"/version", headers, max_bytes=VERSION_MAX_BYTES
             )
             version = json.loads(body).get("version") if status == 200 else None
         except (TransportError, ValueError, AttributeError) as exc:

@@ -1,9 +1,10 @@
 """The serving layer's one error boundary: what a client is answered when something fails.
 
 `from_transport` turns a failed exchange with an engine (`http.errors`) into the
-`RequestError` a client gets; `error_response` sends any `RequestError` as the OpenAI-style
-JSON error; every error answer of the router goes through it. `send_json` and `http_date` are
-the pieces the admin endpoints share.
+`RequestError` a client gets (`engine_unreachable` is its 502 for an engine that could not be
+reached); `error_answer` makes any `RequestError` the OpenAI-style JSON error (status,
+headers, body), which `error_response` sends over ASGI; every error answer of the router is
+one. `send_json` and `http_date` are the pieces the admin endpoints share.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ __all__ = [
     "MODEL_HEADER",
     "PREFILL_ENGINE_HEADER",
     "REQUEST_ID_HEADER",
+    "engine_unreachable",
+    "error_answer",
     "error_body",
     "error_response",
     "from_transport",
@@ -61,7 +64,7 @@ def from_transport(exc: TransportError) -> RequestError:
     HTTP/1.1). A client that left is told nothing: ValueError."""
     message = str(exc)
     if isinstance(exc, EngineUnreachableError):
-        return EngineFailedError(message, status=502, code="engine_unreachable")
+        return engine_unreachable(message)
     if isinstance(exc, EngineTimeoutError):
         return EngineFailedError(message, status=504, code="engine_timeout")
     if isinstance(exc, LocalLimitError):
@@ -73,23 +76,24 @@ def from_transport(exc: TransportError) -> RequestError:
     return EngineFailedError(message, status=502, code="bad_engine_response")
 
 
+def engine_unreachable(message: str) -> EngineFailedError:
+    """502 `engine_unreachable`: the request reached no engine (`message` says which, and
+    after how many attempts)."""
+    return EngineFailedError(message, status=502, code="engine_unreachable")
+
+
 def error_body(message: str, *, type: str, code: str) -> bytes:
     """The OpenAI-style JSON error body."""
     return json.dumps({"error": {"message": message, "type": type, "code": code}}).encode()
 
 
-async def error_response(
-    send: Send,
-    exc: RequestError,
-    request_id: bytes | None,
-    engine: str = "",
-    *,
-    close: bool = False,
-) -> None:
-    """Answer `exc` as the OpenAI-style JSON error; names the engine when one had been chosen
-    (`engine`), the request id, `WWW-Authenticate` for a 401, the error's own headers and
-    `Retry-After` for a 503. `close` tells the client that the connection ends with it (its
-    request body was not read)."""
+def error_answer(
+    exc: RequestError, request_id: bytes | None, engine: str = "", *, close: bool = False
+) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    """`exc` as the OpenAI-style JSON error: its status, headers and body. The headers name
+    the engine when one had been chosen (`engine`), the request id, `WWW-Authenticate` for a
+    401, the error's own headers and `Retry-After` for a 503; `close` tells the client that
+    the connection ends with it (its request body was not read)."""
     extra: list[tuple[bytes, bytes]] = [(b"connection", b"close")] if close else []
     if request_id is not None:
         extra.append((REQUEST_ID_HEADER, request_id))
@@ -101,26 +105,39 @@ async def error_response(
         extra.extend(exc.headers)
     elif exc.status == 503:
         extra.append((b"retry-after", b"1"))
-    await send_json(send, exc.status, error_body(str(exc), type=exc.type, code=exc.code), extra)
+    body = error_body(str(exc), type=exc.type, code=exc.code)
+    return exc.status, _json_head(body, extra), body
+
+
+async def error_response(
+    send: Send,
+    exc: RequestError,
+    request_id: bytes | None,
+    engine: str = "",
+    *,
+    close: bool = False,
+) -> None:
+    """Send `exc` as the OpenAI-style JSON error (`error_answer`) over ASGI `send`."""
+    status, headers, body = error_answer(exc, request_id, engine, close=close)
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 async def send_json(
     send: Send, status: int, body: bytes, extra: Sequence[tuple[bytes, bytes]] = ()
 ) -> None:
     """A whole JSON answer, dated by the router."""
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                *_JSON_HEADERS,
-                (b"content-length", b"%d" % len(body)),
-                (b"date", http_date()),
-                *extra,
-            ],
-        }
-    )
+    await send({"type": "http.response.start", "status": status, "headers": _json_head(body, extra)})
     await send({"type": "http.response.body", "body": body})
+
+
+def _json_head(body: bytes, extra: Sequence[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    return [
+        *_JSON_HEADERS,
+        (b"content-length", b"%d" % len(body)),
+        (b"date", http_date()),
+        *extra,
+    ]
 
 
 def http_date() -> bytes:

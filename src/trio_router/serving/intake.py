@@ -25,6 +25,7 @@ import msgspec
 import trio
 
 from ..asgi import Receive
+from ..config import Config
 from ..errors import (
     AuthError,
     BadRequestError,
@@ -112,6 +113,10 @@ class BodyBudget:
 
     def __init__(self, limit: int) -> None:
         self.limit, self.used = limit, 0
+
+    def configure(self, config: Config) -> None:
+        """Take `server.max_buffered_body_bytes` of a reloaded config (bodies held now stay)."""
+        self.limit = config.server.max_buffered_body_bytes
 
 
 class Held:

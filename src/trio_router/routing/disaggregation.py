@@ -15,7 +15,8 @@ request across two engines:
 A prefill that ended on its own before the cap returns no parameters: the decode engine then
 prefills itself. This module holds the pure parts: who may take which step (`Roles`), whether
 a request takes the prefill step at all (`Disaggregation.skip_reason`), the two bodies, and
-the parameters found in a prefill answer. The exchange (`exchange.py`) runs the steps.
+the parameters found in a prefill answer. The serving path runs the steps
+(`serving/disaggregated.py`).
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ from typing import Any, Final
 import msgspec
 
 from ..config import DisaggregationConfig
-from ..routing.kv_aware import KvAwarePolicy
-from ..routing.policy import Policy
 from ..table import Engine
+from .kv_aware import KvAwarePolicy
+from .policy import Policy
 
 __all__ = [
     "PD_PATHS",

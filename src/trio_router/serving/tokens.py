@@ -19,6 +19,7 @@ from typing import Any, Final
 
 import trio
 
+from ..config import Config
 from ..http import MalformedResponseError, TransportError, UpstreamPool, fetch
 from ..table import Engine
 
@@ -56,9 +57,13 @@ class Tokenizer:
         on_answer: Callable[[float], None] = lambda seconds: None,
         on_fallback: Callable[[str], None] = lambda reason: None,
     ) -> None:
-        self.timeout = timeout  # seconds; may change on reload
+        self.timeout = timeout  # seconds
         self._turn = itertools.count()
         self._on_answer, self._on_fallback = on_answer, on_fallback
+
+    def configure(self, config: Config) -> None:
+        """Take `routing.tokenize_timeout_s` of a reloaded config."""
+        self.timeout = config.routing.tokenize_timeout_s
 
     async def tokens(
         self,

@@ -1,0 +1,325 @@
+"""One attempt at one engine: `attempt(engine, prepared, record, rt, take=...) -> Outcome`.
+
+An attempt sends the request to an engine whose admission slot it was given, hands the
+engine's answer to `take` (the client's answer writer, `Deliver`; or read whole, `read_answer`:
+the prefill step), and returns what happened as a value: `Answered`, `Refused` (a 429 or 503
+read whole while a fallback model is left), `Unreachable` (the request never reached the
+engine: another may be tried) or `Failed` (the engine failed after it had the request: before
+any byte reached the client, `error` is the client's answer; after, the client's answer is
+cut). Inside it, however it ends: the attempt's trace span, the engine's figures and outlier
+reports, and the admission slot given back.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Final
+
+import trio
+
+from ..errors import RequestError
+from ..http import (
+    ClientGoneError,
+    EngineUnreachableError,
+    LocalLimitError,
+    TransportError,
+    UpstreamResponse,
+    read_whole,
+)
+from ..table import Engine
+from .answer import Answer
+from .errors import (
+    ENGINE_HEADER,
+    MODEL_HEADER,
+    PREFILL_ENGINE_HEADER,
+    REQUEST_ID_HEADER,
+    from_transport,
+    http_date,
+)
+from .prepared import Prepared
+from .record import ExchangeRecord
+from .runtime import Runtime
+from .stored import new_response_id, with_request_id
+
+__all__ = [
+    "MAX_REFUSAL_BYTES",
+    "Answered",
+    "Deliver",
+    "Failed",
+    "Outcome",
+    "Refused",
+    "Take",
+    "Unreachable",
+    "attempt",
+    "client_head",
+]
+
+logger = logging.getLogger(__name__)
+
+MAX_REFUSAL_BYTES: Final = 64 * 1024  # an engine's 429/503 read whole while a fallback is left
+# Response headers of the engine replaced by the router's own (the pool already dropped the
+# hop-by-hop ones). The engine's Date passes through, as a gateway's should; the router dates
+# only the answers it makes itself, or an engine's answer that came without one.
+_REPLACED: Final = frozenset({ENGINE_HEADER, PREFILL_ENGINE_HEADER, MODEL_HEADER, REQUEST_ID_HEADER})
+_USAGE: Final = re.compile(
+    rb'"usage"\s*:\s*\{[^{}]*"prompt_tokens"\s*:\s*(\d+)[^{}]*'
+    rb'"completion_tokens"\s*:\s*(\d+)'
+)
+
+# What an attempt does with the engine's answer: passes it to the client, or reads it whole
+# (returning the body).
+Take = Callable[[UpstreamResponse, Engine], Awaitable[bytes]]
+
+
+@dataclass(frozen=True, slots=True)
+class Answered:
+    """The engine answered, and `take` had its answer (`body`: what it kept of it)."""
+
+    engine: Engine
+    status: int
+    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+    body: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """The engine answered 429 or 503 while a fallback model is left, read whole: the
+    client's answer if no fallback model takes the request."""
+
+    engine: Engine
+    status: int
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Unreachable:
+    """The request never reached the engine: another engine may have it."""
+
+    engine: Engine
+    error: EngineUnreachableError
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """The request failed. `error`: the client's answer, or with `cut` the failure of an
+    answer that had begun (the client's connection is cut, the error's status counted);
+    None when the client left. `fallback`: a fallback model may take the request (no
+    engine, the queue), and `refused` is then the answer if none does."""
+
+    error: RequestError | None
+    cut: bool = False
+    fallback: bool = False
+    refused: Refused | None = None
+
+
+Outcome = Answered | Refused | Unreachable | Failed
+
+
+async def attempt(
+    engine: Engine,
+    prepared: Prepared,
+    record: ExchangeRecord,
+    rt: Runtime,
+    *,
+    take: Take,
+    body: bytes | bytearray | None = None,
+    prefill: bool = False,
+) -> Outcome:
+    """One attempt at `engine` (its admission slot held; given back here): `prepared` sent
+    (with `body` instead of its own, if given), the answer handed to `take` (see the module's
+    docstring). `prefill`: the prefill step of a disaggregated request (its span is attempt
+    0, any answer but 200 or a 4xx fails the engine, and a 429 or 503 is never a refusal).
+    Cancellation propagates, the slot given back and the span ended."""
+    services, tracing = rt.services, rt.services.tracing
+    headers, span = prepared.headers, None
+    if record.span is not None and tracing is not None:
+        span, headers = tracing.start_attempt(
+            record.span,
+            engine.name,
+            engine.url,
+            0 if prefill else record.attempts,
+            prepared.target,
+            headers,
+        )
+    if body is None:
+        body = prepared.body
+        if prepared.name_responses:
+            body = with_request_id(body, new_response_id(engine))
+    generation, status, failure = engine.generation, None, "cancelled"
+    try:
+        async with rt.pool.request(
+            engine.url, prepared.method, prepared.target, headers, body
+        ) as response:
+            status = response.status
+            if prepared.refusable and status in (429, 503) and not prefill:
+                what = f"engine {engine.name}'s {status} answer"
+                refused = await read_whole(response, MAX_REFUSAL_BYTES, what)
+                failure = None
+                logger.info(
+                    "request %s for %s: engine %s answered %d; a fallback model is left",
+                    record.request_id_text,
+                    prepared.model,
+                    engine.name,
+                    status,
+                )
+                return Refused(engine, status, response.headers, refused)
+            kept = await take(response, engine)
+        failure = None
+        _answered(engine, generation, status, record, rt, prefill=prefill)
+        return Answered(engine, status, response.headers, kept)
+    except EngineUnreachableError as exc:
+        failure = str(exc)
+        services.outliers.report_unreachable(engine, generation, failure, refused=exc.connect_failed)
+        services.metrics.engine_unreachable(engine.name)
+        return Unreachable(engine, exc)
+    except TransportError as exc:
+        failure = str(exc)
+        answered = status is not None
+        return _broken(engine, generation, exc, record, rt, answered=answered, prefill=prefill)
+    finally:
+        services.admission.release(engine)
+        if span is not None and tracing is not None:
+            tracing.end_attempt(span, status=status, error=failure)
+
+
+def _answered(
+    engine: Engine,
+    generation: int,
+    status: int,
+    record: ExchangeRecord,
+    rt: Runtime,
+    *,
+    prefill: bool,
+) -> None:
+    """An answer came whole: the engine's figures and health."""
+    outliers = rt.services.outliers
+    if prefill:
+        if status == 200 or 400 <= status < 500:  # a 4xx is the request's fault, not its
+            outliers.request_succeeded(engine)
+        else:
+            outliers.request_failed(engine, generation, f"prefill: answered {status}")
+        return
+    engine.requests.record(record.ttfb, trio.current_time() - record.started, ok=status < 500)
+    if status >= 500 and rt.config.proxy.eject_on_5xx:
+        outliers.request_failed(engine, generation, f"answered {status}")
+    else:
+        outliers.request_succeeded(engine)
+
+
+def _broken(
+    engine: Engine,
+    generation: int,
+    exc: TransportError,
+    record: ExchangeRecord,
+    rt: Runtime,
+    *,
+    answered: bool,
+    prefill: bool,
+) -> Failed:
+    """The attempt failed after the engine had the request (or the router could not open a
+    connection, which is not the engine's fault): before any byte of the answer, the error
+    is the client's answer; after, the answer is cut."""
+    if isinstance(exc, ClientGoneError):  # the relay found the client gone
+        return Failed(None)
+    if prefill:  # its answer never reaches the client
+        rt.services.outliers.request_failed(engine, generation, f"prefill: {exc}")
+        return Failed(from_transport(exc))
+    if not isinstance(exc, LocalLimitError):  # the router's own limits: not the engine's
+        engine.requests.record(record.ttfb, trio.current_time() - record.started, ok=False)
+        rt.services.outliers.request_failed(engine, generation, str(exc))
+    error = from_transport(exc)
+    if not answered:
+        return Failed(error)
+    logger.warning(
+        "request %s for %s on engine %s broke off mid-response: %s",
+        record.request_id_text,
+        record.served_model,
+        engine.name,
+        exc,
+    )
+    return Failed(error, cut=True)
+
+
+def client_head(
+    headers: list[tuple[bytes, bytes]],
+    engine: Engine,
+    record: ExchangeRecord,
+    *,
+    sized: bool = True,
+) -> list[tuple[bytes, bytes]]:
+    """The client's response headers from an engine's: the router's own replaced, a Date
+    added when the engine sent none, the engines that served it and the model named. Not
+    `sized`: the body is rewritten, its Content-Length left out."""
+    out = []
+    dated = False
+    for header in headers:
+        name = header[0]
+        if name not in _REPLACED and (sized or name != b"content-length"):
+            out.append(header)
+            dated = dated or name == b"date"
+    if not dated:
+        out.append((b"date", http_date()))
+    out.append((ENGINE_HEADER, engine.name.encode()))
+    out.append((MODEL_HEADER, record.served_model.encode()))
+    if record.prefill_engine and record.prefill_engine != engine.name:
+        out.append((PREFILL_ENGINE_HEADER, record.prefill_engine.encode()))
+    out.append((REQUEST_ID_HEADER, record.request_id))
+    return out
+
+
+class Deliver:
+    """A `Take` that passes an engine's answer to the client through `answer`: its head,
+    then its body as it comes (the model's name echoed back as the client asked for it when
+    an alias named it), then the end; the usage summary at its end counted."""
+
+    __slots__ = ("_answer", "_record", "_rt", "_asked")
+
+    def __init__(self, answer: Answer, record: ExchangeRecord, rt: Runtime, asked: str) -> None:
+        self._answer, self._record, self._rt, self._asked = answer, record, rt, asked
+
+    async def __call__(self, response: UpstreamResponse, engine: Engine) -> bytes:
+        answer, record = self._answer, self._record
+        record.status = response.status
+        echo = self._rt.names.echo(self._asked, record.served_model)
+        answer.start(response.status, client_head(response.headers, engine, record, sized=echo is None))
+        rewrite = None if echo is None else _rewrite(echo.feed)
+        on_first = record.first_byte if record.ttfb is None else None
+        try:
+            tail = await answer.relay(response, rewrite=rewrite, on_first=on_first)
+        finally:
+            record.sent = answer.sent
+        await answer.end()
+        record.sent = answer.sent
+        if response.status == 200 and (usage := usage_of(tail)):
+            self._rt.services.metrics.tokens(record.served_model, *usage)
+        return b""
+
+
+def _rewrite(feed: Callable[..., bytes]) -> Callable[[bytes, bool], bytes]:
+    def rewrite(piece: bytes, final: bool) -> bytes:
+        return feed(piece, final=final)
+
+    return rewrite
+
+
+def usage_of(tail: bytes) -> tuple[int, int] | None:
+    """(prompt, completion) tokens from the `usage` summary at the end of an engine's answer
+    (a JSON body, or a stream's last events), if it has one."""
+    found = None
+    for found in _USAGE.finditer(tail):  # noqa: B007 (the last one counts)
+        pass
+    return (int(found.group(1)), int(found.group(2))) if found is not None else None
+
+
+def read_answer(max_bytes: int, what: str) -> Take:
+    """A `Take` that reads the answer whole (at most `max_bytes`; MalformedResponseError past
+    it), for `what` (in that error's message)."""
+
+    async def take(response: UpstreamResponse, engine: Engine) -> bytes:
+        return await read_whole(response, max_bytes, f"{what} {engine.name}")
+
+    return take

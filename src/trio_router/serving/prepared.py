@@ -1,0 +1,211 @@
+"""A request made ready to route: `Prepared`, a frozen value, from one resolving step.
+
+`resolve` reads what routing needs of a request whose head and body are in (the body's JSON
+object, or a form upload's model field), the models to try in order (the one asked for, or
+what its alias names, then its fallbacks; a stored response's request goes to the engine that
+holds it, with no fallback), and the first of them a routable engine serves. `for_model`
+makes the request for another model of its chain (its body's "model" rewritten): a new value,
+the old one unchanged. `with_tokens` adds the prompt's token ids when the policy routes on
+them (`tokens.TokenIds`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from ..asgi import Scope
+from ..errors import BadRequestError, NoEngineError, RequestError, UnknownModelError
+from ..limits.tenants import Tenant
+from ..routing.policy import RequestInfo, request_info
+from ..table import Engine, RoutingTable
+from ..routing.disaggregation import PD_PATHS
+from .forms import FORM_PATHS, FormModel
+from .intake import RequestHead
+from .record import ExchangeRecord
+from .runtime import Runtime
+from .admin import missing_model
+from .stored import ResponseNotFoundError, holder, stored_response_id
+
+__all__ = ["Prepared", "for_model", "next_model", "resolve", "with_tokens"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A request ready to route to one model of its chain (see the module's docstring)."""
+
+    tenant: Tenant
+    request_id: bytes  # as sent on
+    method: bytes
+    path: str
+    target: bytes  # the path and query as the client sent them
+    headers: list[tuple[bytes, bytes]]  # to forward to the engine
+    authorization: bytes | None  # the client's, as sent
+    body: bytes | bytearray  # for the model it names now
+    payload: dict[str, Any]  # what routing reads of the body
+    chain: tuple[str, ...]  # the models to try, in order
+    index: int  # the model it names now: chain[index]
+    info: RequestInfo  # what the policy may know of it
+    refusable: bool = False  # a fallback model is left: an engine's 429/503 is not final
+    pinned: Engine | None = None  # the engine that holds its stored response
+    form: FormModel | None = None  # a form upload: where its model field is
+    name_responses: bool = False  # /v1/responses: the router names the response
+
+    @property
+    def model(self) -> str:
+        return self.chain[self.index]
+
+
+def next_model(table: RoutingTable, prepared: Prepared, after: int) -> int | None:
+    """The index of the first model after `after` in the chain that a routable engine
+    serves (the pinned engine, when the request has one), or None."""
+    chain, pinned = prepared.chain, prepared.pinned
+    for i in range(after + 1, len(chain)):
+        engines = table.routable(chain[i])
+        if engines and (pinned is None or pinned in engines):
+            return i
+    return None
+
+
+async def resolve(
+    scope: Scope,
+    head: RequestHead,
+    tenant: Tenant,
+    body: bytes | bytearray,
+    rt: Runtime,
+    record: ExchangeRecord,
+) -> Prepared:
+    """The request whose head, tenant and body are given, for the first model of its chain a
+    routable engine serves (see the module's docstring). Raises RequestError: the client's
+    answer (a body that is not valid, no engine for any model of its chain)."""
+    target = scope["raw_path"]
+    if query := scope["query_string"]:
+        target += b"?" + query
+    prepared = Prepared(
+        tenant=tenant,
+        request_id=head.request_id,
+        method=scope["method"].encode(),
+        path=scope["path"],
+        target=target,
+        headers=head.headers,
+        authorization=head.authorization,
+        body=body,
+        payload={},
+        chain=(),
+        index=0,
+        info=RequestInfo(model=""),
+    )
+    prepared = await _read(prepared, scope, rt)
+    record.model = prepared.payload["model"]
+    index = next_model(rt.services.table, prepared, -1)
+    if index is None:
+        raise _missing(prepared, rt, record)
+    for skipped in prepared.chain[:index]:  # no routable engine: the next model at once
+        fell_back(rt, record, skipped, prepared.chain[index], "no_engine", "no routable engine")
+    return await for_model(prepared, index, rt, record)
+
+
+async def _read(prepared: Prepared, scope: Scope, rt: Runtime) -> Prepared:
+    """`prepared` with what routing reads of its body and the models to try."""
+    services, path = rt.services, prepared.path
+    if (stored := stored_response_id(scope["method"], path)) is not None:
+        pinned = holder(services.table, stored)
+        if pinned is None:
+            raise ResponseNotFoundError(
+                f"response {stored!r} is not found: it was not created through this router"
+            )
+        model = next((m.id for m in pinned.models if m.parent is None), pinned.models[0].id)
+        return dataclasses.replace(prepared, payload={"model": model}, chain=(model,), pinned=pinned)
+    if path in FORM_PATHS:
+        content_type = next((v for k, v in scope["headers"] if k == b"content-type"), None)
+        form = await services.parser.form(prepared.body, content_type)
+        payload: dict[str, Any] = {"model": form.model}
+        prepared = dataclasses.replace(prepared, form=form)
+    else:
+        model_only = not (rt.needs_request_info or rt.disaggregation is not None)
+        payload = await services.parser.parse(prepared.body, model_only=model_only)
+    chain = rt.names.chain(payload["model"])
+    prepared = dataclasses.replace(prepared, payload=payload, chain=chain)
+    if path != "/v1/responses":
+        return prepared
+    previous = payload.get("previous_response_id")
+    if isinstance(previous, str) and (pinned := holder(services.table, previous)):
+        if chain[0] not in pinned.model_ids:
+            raise BadRequestError(
+                f"response {previous!r} is held by engine {pinned.name}, which does not "
+                f"serve model {chain[0]!r}"
+            )
+        prepared = dataclasses.replace(prepared, pinned=pinned, chain=chain[:1])
+    return dataclasses.replace(prepared, name_responses="request_id" not in payload)
+
+
+def _missing(prepared: Prepared, rt: Runtime, record: ExchangeRecord) -> RequestError:
+    """The error for a request no model of its chain has a routable engine for."""
+    chain = prepared.chain
+    if prepared.pinned is not None:
+        return NoEngineError(
+            f"engine {prepared.pinned.name} does not serve model {chain[0]!r} right now"
+        )
+    error = missing_model(rt.services.table, chain[0])
+    if not isinstance(error, UnknownModelError):
+        record.model_label = chain[0]  # clients choose unknown names: those get no label
+    if len(chain) > 1:
+        error.args = (f"{error} (nor its fallbacks: {', '.join(chain[1:])})",)
+    return error
+
+
+def fell_back(
+    rt: Runtime, record: ExchangeRecord, model: str, fallback: str, reason: str, why: str
+) -> None:
+    """The request goes on to `fallback`: logged and counted."""
+    logger.info(
+        "request %s: model %s cannot take it (%s); fallback model %s",
+        record.request_id_text,
+        model,
+        why,
+        fallback,
+    )
+    rt.services.metrics.model_fallback(model, fallback, reason)
+
+
+async def for_model(
+    prepared: Prepared, index: int, rt: Runtime, record: ExchangeRecord
+) -> Prepared:
+    """The request for the model `chain[index]`: its body's "model" rewritten (the JSON
+    member, or the form's field) unless it names it already, and what the policy may know of
+    it."""
+    model = prepared.chain[index]
+    record.served_model = record.model_label = model
+    payload, body, form = prepared.payload, prepared.body, prepared.form
+    if payload["model"] != model:
+        if form is not None:
+            body = form.rewritten(body, model)
+            form = FormModel(model, form.start, form.start + len(model.encode()))
+            payload = {"model": model}
+        else:
+            payload, body = await rt.services.parser.with_model(body, payload, model)
+    if rt.needs_request_info or rt.disaggregation is not None:
+        info = request_info(payload, prepared.headers, rt.config.routing)
+    else:
+        info = RequestInfo(model=payload["model"])
+    moved = dataclasses.replace(
+        prepared, index=index, payload=payload, body=body, form=form, info=info
+    )
+    refusable = next_model(rt.services.table, moved, index) is not None
+    return dataclasses.replace(moved, refusable=refusable) if refusable else moved
+
+
+async def with_tokens(prepared: Prepared, rt: Runtime) -> Prepared:
+    """`prepared` with the prompt's token ids when the policy (or disaggregation) routes on
+    them and its path is one /tokenize renders; unchanged when they cannot be had in time
+    (the policy then routes without them)."""
+    if not rt.needs_tokens or prepared.path not in PD_PATHS:
+        return prepared
+    tokens = await rt.token_ids(prepared.payload, prepared.model, prepared.authorization)
+    if tokens is None:
+        return prepared
+    return dataclasses.replace(prepared, info=dataclasses.replace(prepared.info, tokens=tokens))

@@ -1,0 +1,138 @@
+"""What one proxied request leaves behind: `ExchangeRecord`, filled in as the request goes, and
+written once however it ends (`finish`): the request's metrics, its trace span and its access
+record."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Final
+
+import trio
+
+from ..asgi import Scope
+from ..metrics import NO_LABEL, Metrics
+from ..tracing import Tracing
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
+
+__all__ = ["ExchangeRecord", "Recording"]
+
+access_logger: Final = logging.getLogger("trio_router.access")  # one record per request
+
+
+@dataclass(frozen=True, slots=True)
+class Recording:
+    """Where records go, and how (the same for every request of one configuration)."""
+
+    metrics: Metrics
+    tracing: Tracing | None
+    policy: str  # the routing policy's name, for the access record
+    access_log: bool  # server.access_log
+
+
+@dataclass(eq=False, slots=True)
+class ExchangeRecord:
+    """One request's facts, as far as they are known (see the module's docstring)."""
+
+    recording: Recording
+    method: str
+    path: str
+    client: str  # host:port, or ""
+    started: float = field(default_factory=trio.current_time)
+    span: Span | None = None  # the server span, with tracing on
+    request_id: bytes = b""  # as sent on (the client's, or one the router made)
+    tenant: str = ""
+    model: str = ""  # as the client asked for it
+    served_model: str = ""  # the model it went to (what an alias names, or a fallback)
+    model_label: str = NO_LABEL  # the metrics' label: client-chosen unknown names are not one
+    engine: str = ""  # the engine that answered (or was tried last)
+    prefill_engine: str = ""  # disaggregated: the engine that took the prefill step
+    status: int = 0  # 0: no answer (cancelled: the drain deadline)
+    attempts: int = 0  # engines tried
+    sent: int = 0  # response body bytes handed on
+    ttfb: float | None = None  # the engine's first body bytes, after `started`
+
+    @classmethod
+    def begin(cls, recording: Recording, scope: Scope) -> ExchangeRecord:
+        """The record of the request `scope` describes, its span started (tracing on)."""
+        client = scope.get("client")
+        record = cls(
+            recording, scope["method"], scope["path"], f"{client[0]}:{client[1]}" if client else ""
+        )
+        if (tracing := recording.tracing) is not None:
+            record.span = tracing.start_request(scope["method"], scope["path"], scope["headers"])
+        return record
+
+    @property
+    def request_id_text(self) -> str:
+        """The request id for logs and records."""
+        return self.request_id.decode(errors="replace")
+
+    def first_byte(self, now: float) -> None:
+        """The engine's first body bytes came (`now`): the time to first byte."""
+        self.ttfb = now - self.started
+        self.recording.metrics.observe_ttfb(self.served_model, self.ttfb)
+
+    def finish(self) -> None:
+        """However the request ended: it is counted, traced and logged once."""
+        recording = self.recording
+        duration = trio.current_time() - self.started
+        if self.status:
+            recording.metrics.observe_request(
+                self.model_label, self.engine or NO_LABEL, self.status, duration
+            )
+        if recording.tracing is not None and self.span is not None:
+            recording.tracing.end_request(
+                self.span,
+                status=self.status,
+                request_id=self.request_id_text,
+                model=self.model,
+                tenant=self.tenant,
+                engine=self.engine,
+                retries=max(0, self.attempts - 1),
+            )
+        if recording.access_log and access_logger.isEnabledFor(logging.INFO):
+            self._log_access(duration)
+
+    def _log_access(self, duration: float) -> None:
+        """One access record: a line of text, or with `server.log_format = "json"` these
+        fields in a JSON object."""
+        request_id = self.request_id_text
+        fields = {
+            "request_id": request_id,
+            "method": self.method,
+            "path": self.path,
+            "tenant": self.tenant,
+            "model": self.model,
+            "served_model": self.served_model,
+            "engine": self.engine,
+            "prefill_engine": self.prefill_engine,
+            "policy": self.recording.policy,
+            "status": self.status,
+            "duration_ms": round(duration * 1000, 2),
+            "ttfb_ms": None if self.ttfb is None else round(self.ttfb * 1000, 2),
+            "bytes": self.sent,
+            "retries": max(0, self.attempts - 1),
+            "client": self.client,
+        }
+        access_logger.info(
+            "%s %s %s %s %s -> %s %d in %.1f ms",
+            self.client,
+            request_id,
+            self.method,
+            self.path,
+            _models_text(self.model, self.served_model),
+            self.engine or "-",
+            self.status,
+            duration * 1000,
+            extra={"fields": fields},
+        )
+
+
+def _models_text(asked: str, served: str) -> str:
+    """The model of an access line: as asked, and the one that answered when another did."""
+    if not served or served == asked:
+        return asked or "-"
+    return f"{asked or '-'}({served})"
