@@ -14,12 +14,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from trio_router import server
 from trio_router.config import POLICIES, Config, RoutingConfig, parse_config
 from trio_router.errors import BadRequestError, ConfigError, NoEngineError
 from trio_router.routing.balance import EXACT_SCAN_MAX
 from trio_router.routing.policy import Policy, make_policy
 from trio_router.routing.request import RequestInfo, render_opening, request_info
-from trio_router.serving.runtime import build_runtime
 from trio_router.table import Engine, EngineState, EngineStats, Model, RoutingTable
 
 MODEL = "llama"
@@ -549,29 +549,26 @@ def test_prefix_removed_engine_gets_nothing_and_a_returning_one_its_share_back()
 # -- every policy ------------------------------------------------------------------------------
 
 
-def test_a_replaced_policy_is_unsubscribed_and_freed() -> None:
-    """What a reload does with a policy it replaces: `build_runtime` subscribes the new one,
-    `Runtime.retired` hands back the old subscription, and ending it frees the old policy."""
+async def test_a_replaced_policy_is_unsubscribed_and_freed() -> None:
+    """What a reload does with a policy it replaces (`server.Router.apply`): `build_runtime`
+    subscribes the new one and the old subscription is ended, which frees the old policy; an
+    unchanged [routing] keeps the policy and its subscription."""
     table = make_table([make_engine(i) for i in range(3)])
-    first = build_runtime(Config(routing=RoutingConfig(policy="session")), table)
-    same = build_runtime(Config(routing=RoutingConfig(policy="session")), table, first)
-    assert same.settings.policy is first.settings.policy  # [routing] unchanged: kept
-    assert same.retired(first) == (None, None)
-    second = build_runtime(Config(routing=RoutingConfig(policy="prefix_aware")), table, same)
-    pool, unsubscribe = second.retired(same)
-    assert pool is None and unsubscribe is not None  # proxy timeouts unchanged: same pool
-    ref = weakref.ref(first.settings.policy)
-    del first, same
-    gc.collect()
-    assert ref() is not None  # the table's listener still holds it
-    unsubscribe()
-    del unsubscribe  # it refers to the listener, which refers to the policy
-    gc.collect()
-    assert ref() is None
-    current = weakref.ref(second.settings.policy)
-    del second
-    gc.collect()
-    assert current() is not None  # the new policy is the one subscribed now
+    session = Config(routing=RoutingConfig(policy="session"))
+    async with server.open_router(session, table=table) as router:
+        first = router.runtime
+        router.apply(session)
+        assert router.runtime.policy is first.policy  # [routing] unchanged: kept
+        assert router.runtime.retired(first) == (None, None)
+        router.apply(Config(routing=RoutingConfig(policy="prefix_aware")))
+        assert router.runtime.pool is first.pool  # proxy timeouts unchanged: the same pool
+        ref = weakref.ref(first.policy)
+        del first
+        gc.collect()
+        assert ref() is None  # its subscription ended with the reload
+        current = weakref.ref(router.runtime.policy)
+        gc.collect()
+        assert current() is not None  # the new policy is the one subscribed now
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -1,7 +1,8 @@
-"""The ASGI app called directly, with no server and no client socket: dispatch, every error
-the router answers itself, how a failed exchange with an engine maps to an answer, and a
-client leaving through the disconnect hook. Engines are on the fake network (socket pairs),
-so the exchange and its deadlines run on the autojump clock."""
+"""The ASGI app called directly, with no server and no client socket (so it answers through
+plain ASGI): dispatch, every error the router answers itself, how a failed exchange with an
+engine maps to an answer, and a client leaving (`http.disconnect`). The router is built by
+`server.open_router`, as the process builds it; engines are on the fake network (socket
+pairs), so the exchange and its deadlines run on the autojump clock."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 import trio
 import trio.testing
 
+from trio_router import server
 from trio_router._version import __version__
 from trio_router.config import (
     Config,
@@ -24,7 +26,6 @@ from trio_router.config import (
     ProxyConfig,
     ServerConfig,
 )
-from trio_router.discovery.supervision import Prober, open_supervisors
 from trio_router.errors import BadRequestError, EngineFailedError, OverloadedError
 from trio_router.http import (
     ClientGoneError,
@@ -38,10 +39,8 @@ from trio_router.http import (
 )
 from trio_router.metrics import Metrics
 from trio_router.serving.admin import VERSION_RETRY_S, VERSION_TIMEOUT_S
-from trio_router.serving.admission import Admission
 from trio_router.serving.app import RouterApp
 from trio_router.serving.errors import from_transport
-from trio_router.serving.runtime import build_runtime
 from trio_router.table import Engine, Model, RoutingTable
 from trio_router.testing.fake_network import CloseConnection, FakeNetwork, FakeReply, FakeRequest
 from trio_router.testing.harness import sample
@@ -64,31 +63,11 @@ class Answer:
 
 
 @dataclass
-class Hook:
-    """A disconnect hook as the server's seam gives one: `leave()` is the client going."""
-
-    scope: trio.CancelScope | None = None
-    armed: list[bool] = field(default_factory=list)
-
-    def arm(self, scope: trio.CancelScope) -> None:
-        self.scope = scope
-        self.armed.append(True)
-
-    def disarm(self) -> None:
-        self.scope = None
-
-    def leave(self) -> None:
-        if self.scope is not None:
-            self.scope.cancel()
-
-
-@dataclass
 class Bench:
     app: RouterApp
     table: RoutingTable
     metrics: Metrics
     network: FakeNetwork
-    hooks: list[Hook]
 
     async def call(
         self,
@@ -97,9 +76,10 @@ class Bench:
         body: bytes = b"",
         headers: tuple[tuple[bytes, bytes], ...] = (),
         *,
-        hook: Hook | None = None,
+        leave: trio.Event | None = None,
     ) -> Answer | None:
-        """One request through the app; its answer, or None if it sent none."""
+        """One request through the app; its answer, or None if it sent none. The client
+        leaves (the server's `http.disconnect`) once `leave` is set."""
         scope = {
             "type": "http",
             "http_version": "1.1",
@@ -117,13 +97,15 @@ class Bench:
         async def receive() -> dict[str, Any]:
             if pending:
                 return pending.pop()
-            await trio.sleep_forever()
-            raise AssertionError("not reached")
+            if leave is None:
+                await trio.sleep_forever()
+            else:
+                await leave.wait()
+            return {"type": "http.disconnect"}
 
         async def send(message: dict[str, Any]) -> None:
             sent.append(message)
 
-        self.hooks.append(hook or Hook())
         await self.app(scope, receive, send)
         if not sent:
             return None
@@ -157,9 +139,9 @@ async def engine(request: FakeRequest) -> FakeReply:
 async def open_bench(
     hosts: tuple[str, ...] = (OK,), roles: tuple[str, ...] = (), **sections: Any
 ) -> AsyncIterator[Bench]:
-    """The app with every collaborator real, engines `hosts` routable (serving model "m"),
-    with `roles` (prefill/decode, in order) if given, the upstream pool on the fake network.
-    `sections` update config sections."""
+    """The router as `server.open_router` builds it, engines `hosts` routable (serving model
+    "m"), with `roles` (prefill/decode, in order) if given, its connections to engines on the
+    fake network. `sections` update config sections."""
     config = Config()
     for name, values in sections.items():
         config = dataclasses.replace(config, **{name: values})
@@ -169,34 +151,11 @@ async def open_bench(
         table.put(Engine(uid=f"uid-{i}", name=host, url=f"http://{host}:8000", role=role))
         table.mark_routable(f"uid-{i}", 0, [Model("m")])
     network = FakeNetwork(engine, refuses=lambda host: host == DOWN)
-    runtime = build_runtime(config, table)
-    pool = UpstreamPool(
-        connect_timeout=config.proxy.connect_timeout_s,
-        read_timeout=config.proxy.read_timeout_s,
-        connect=network.connect,
-    )
-    settings = dataclasses.replace(runtime.settings, pool=pool)
-    metrics = Metrics(table)
-    admission = Admission(table, config.admission, max_per_engine=8)
-    hooks: list[Hook] = []
     async with (
         network.open(),
-        open_supervisors(
-            table, Prober(timeout=1.0), ProbeConfig(), ejection=config.proxy
-        ) as supervisors,
+        server.open_router(config, table=table, connect=network.connect) as router,
     ):
-        app = RouterApp(
-            settings=settings,
-            table=table,
-            supervisors=supervisors,
-            metrics=metrics,
-            health=lambda: (True, "ok", ""),
-            admission=admission,
-            disconnect_hook=lambda scope: hooks[-1],
-        )
-        yield Bench(app, table, metrics, network, hooks)
-        runtime.unsubscribe()
-        pool.close()
+        yield Bench(router.app, table, router.runtime.services.metrics, network)
 
 
 def requests_total(bench: Bench, status: int, engine: str = "", model: str = "m") -> float:
@@ -394,24 +353,23 @@ async def test_a_prefill_step_past_its_deadline_is_given_up_for_the_decode_engin
     assert prefill is not None and prefill.request_failures == 1  # the engine's failure
 
 
-async def test_a_client_leaving_cancels_the_exchange_through_the_disconnect_hook(
+async def test_a_client_leaving_cancels_the_exchange(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    """The hook is armed with the request's scope; the client leaving cancels it while the
-    engine is awaited: nothing is answered, the engine's connection is closed, and the
-    request is counted as 499."""
+    """Over plain ASGI, the server's `http.disconnect` after the body cancels the request
+    while the engine is awaited: nothing is answered, the engine's connection is closed, and
+    the request is counted as 499."""
     async with open_bench((SILENT,)) as bench:
-        hook = Hook()
+        leave = trio.Event()
         body = json.dumps({"model": "m", "messages": []}).encode()
         async with trio.open_nursery() as nursery:
 
             async def request() -> None:
-                assert await bench.call("POST", CHAT, body, hook=hook) is None
+                assert await bench.call("POST", CHAT, body, leave=leave) is None
 
             nursery.start_soon(request)
             await bench.network.wait_for(lambda: bench.network.open_now[SILENT] == 1)
             await trio.sleep(5)
-            hook.leave()
+            leave.set()
         await bench.network.wait_for(lambda: bench.network.open_now[SILENT] == 0)
-        assert hook.armed == [True] and hook.scope is None  # disarmed when the request ended
         assert requests_total(bench, 499, SILENT) == 1
