@@ -141,6 +141,21 @@ def test_dump_round_trips() -> None:
     assert parse_config(tomllib.loads(dump_toml(config))) == config
 
 
+def test_dump_round_trips_static_engines_with_more_than_a_url() -> None:
+    config = parse_config(
+        tomllib.loads(
+            "[discovery]\nmode = 'static'\n[discovery.static]\nurls = ['http://a:1', "
+            "{url = 'http://b:1', role = 'prefill', kv_events = 'tcp://b:5557'}]\n"
+        )
+    )
+    text = dump_toml(config)
+    assert (
+        'urls = ["http://a:1", {url = "http://b:1", role = "prefill", kv_events = "tcp://b:5557"}]'
+        in text
+    )
+    assert parse_config(tomllib.loads(text)) == config
+
+
 def test_parse_bind() -> None:
     assert parse_bind("0.0.0.0:8080") == ("0.0.0.0", 8080)
     assert parse_bind("[::1]:9000") == ("::1", 9000)
