@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from trio_router.config import POLICIES, RoutingConfig
+from trio_router.config import POLICIES, PolicyName, RoutingConfig
 from trio_router.discovery.stats import parse_vllm_metrics
 from trio_router.routing.policy import Policy, RequestInfo, make_policy, request_info
 from trio_router.table import Engine, EngineState, EngineStats, Model, RoutingTable
@@ -186,7 +186,7 @@ def run(
     return min(rounds)
 
 
-def build(name: str, table: RoutingTable, seed: int, **knobs: Any) -> Policy:
+def build(name: PolicyName, table: RoutingTable, seed: int, **knobs: Any) -> Policy:
     policy = make_policy(
         RoutingConfig(policy=name, **knobs), clock=lambda: NOW, rng=random.Random(seed)
     )

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from trio_router import server
-from trio_router.config import POLICIES, Config, RoutingConfig, parse_config
+from trio_router.config import POLICIES, Config, PolicyName, RoutingConfig, parse_config
 from trio_router.errors import BadRequestError, ConfigError, NoEngineError
 from trio_router.routing.balance import EXACT_SCAN_MAX
 from trio_router.routing.policy import Policy, make_policy
@@ -54,7 +54,7 @@ def make_table(engines: Sequence[Engine]) -> RoutingTable:
 
 
 def make(
-    name: str, table: RoutingTable, clock: Clock | None = None, seed: int = 1, **knobs: Any
+    name: PolicyName, table: RoutingTable, clock: Clock | None = None, seed: int = 1, **knobs: Any
 ) -> Policy:
     """The policy `name`, subscribed to `table`'s removals as the router subscribes it."""
     policy = make_policy(
@@ -582,7 +582,7 @@ async def test_a_replaced_policy_is_unsubscribed_and_freed() -> None:
     warm=st.booleans(),
 )
 def test_every_policy_honours_exclude(
-    name: str,
+    name: PolicyName,
     n: int,
     loads: list[int],
     excluded: set[int],

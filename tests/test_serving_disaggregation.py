@@ -17,7 +17,7 @@ import pytest
 import trio
 
 from trio_router import server
-from trio_router.config import DisaggregationConfig
+from trio_router.config import DisaggregationConfig, Role
 from trio_router.routing.disaggregation import prefill_body, prompt_chars, transfer_params
 from trio_router.table import RoutingTable
 from trio_router.testing import FakeEngine, serve_fake_engine
@@ -53,7 +53,7 @@ def body(*, stream: bool = False, **extra: Any) -> dict[str, Any]:
 
 @asynccontextmanager
 async def pd_router(
-    engines: list[FakeEngine], roles: list[str], **pd: Any
+    engines: list[FakeEngine], roles: list[Role], **pd: Any
 ) -> AsyncIterator[Router]:
     config = DisaggregationConfig(enabled=True, **pd)
     async with open_router(engines, roles=roles, disaggregation=config) as router:

@@ -27,6 +27,7 @@ from ..config import (
     DiscoveryConfig,
     KubernetesConfig,
     ProbeConfig,
+    Role,
     ServerConfig,
     StaticConfig,
     StaticEngine,
@@ -208,7 +209,7 @@ async def open_router(
     env: dict[str, str] | None = None,
     wait_models: Sequence[str] = ("fake-model",),
     kv_index: BlockIndex | None = None,
-    roles: Sequence[str] = (),
+    roles: Sequence[Role] = (),
     **sections: Any,
 ) -> AsyncIterator[Router]:
     """Serve `engines` on 127.0.1.1, 127.0.1.2, ... and the router in front of them; yield
@@ -220,9 +221,10 @@ async def open_router(
             await nursery.start(_serve_engine, engine, f"127.0.1.{i + 1}", scope)
             for i, (engine, scope) in enumerate(zip(engines, scopes, strict=True))
         ]
+        no_role: Role = ""
         static = [
             StaticEngine(url=url, role=role)
-            for url, role in itertools.zip_longest(urls, roles[: len(urls)], fillvalue="")
+            for url, role in itertools.zip_longest(urls, roles[: len(urls)], fillvalue=no_role)
         ]
         config = router_config(static, **sections)
         table = RoutingTable()
