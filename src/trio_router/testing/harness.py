@@ -34,7 +34,8 @@ from ..config import (
 )
 from ..kv.index import BlockIndex
 from ..table import RoutingTable
-from .fake_engine import FakeEngine, serve_fake_engine
+from .fake_engine import FakeEngine
+from .fake_engine_app import serve_fake_engine
 
 __all__ = [
     "CHAT",
