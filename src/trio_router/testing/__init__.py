@@ -17,6 +17,10 @@
 - `harness`: the real router (`server.run`) in front of fake engines, and raw-socket clients.
 - `processes`: subprocesses (a router process, or any command) with their output searchable.
 - `vllm_engines`: real vLLM engines (vLLM's CPU build and a tiny local model).
+
+The fakes need only the router's own dependencies (`trio-router demo` serves them); the
+modules with test clients (`fake_transport`, `harness`) need httpx, from the package's
+`testing` extra (`pip install 'trio_router[testing]'`).
 """
 
 from .fake_engine import FakeEngine, SeenRequest

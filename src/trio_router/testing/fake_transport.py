@@ -1,12 +1,24 @@
-"""A `FakeEngine`'s probe and scrape endpoints as an `httpx.MockTransport`, without sockets."""
+"""A `FakeEngine`'s probe and scrape endpoints as an `httpx.MockTransport`, without sockets.
+
+httpx is not a dependency of the router: it comes with the package's `testing` extra
+(`pip install 'trio_router[testing]'`), which the `test` extra includes.
+"""
 
 from __future__ import annotations
 
-import httpx
 import trio
 
 from .fake_engine import FakeEngine, SeenRequest
 from .fake_replies import error_body
+
+try:
+    import httpx
+except ModuleNotFoundError as exc:  # the router runs without it; only test clients need it
+    raise ModuleNotFoundError(
+        "trio_router.testing.fake_transport needs httpx, which the package's `testing` extra "
+        "installs: pip install 'trio_router[testing]'",
+        name=exc.name,
+    ) from exc
 
 __all__ = ["fake_engine_transport"]
 
