@@ -35,7 +35,7 @@ from trio_router.discovery.loop import (
 from trio_router.discovery.readiness import Readiness
 from trio_router.table import Engine, EventType, RoutingTable
 from trio_router.testing.fake_pod_source import FakePodSource, FakeWatch, RecordingSink
-from trio_router.testing.pods import pod_json
+from trio_router.testing.pods import PodFacts, pod_json
 
 CONFIG = KubernetesConfig(relist_interval_s=3600.0, stale_after_s=180.0)
 REFUSED = KubernetesConnectionError("Kubernetes API unreachable: connection refused")
@@ -74,14 +74,15 @@ def base_delay(k: int, tuning: WatchTuning = DEFAULT_TUNING) -> float:
 
 # -- pods --------------------------------------------------------------------------------------
 def test_pod_from_dict_reads_the_readiness_fields() -> None:
-    raw = pod_json("e", uid="u1", ip="10.0.0.7", restarts=2, terminating=True)
+    raw = pod_json(PodFacts("e", uid="u1", ip="10.0.0.7", restarts=2, terminating=True))
     raw["status"]["containerStatuses"].append({"name": "sidecar", "restartCount": 3})
     raw["status"]["conditions"].insert(0, {"type": "PodScheduled", "status": "True"})
     pod = pod_from_dict(raw)
     assert (pod.uid, pod.name, pod.ip, pod.phase) == ("u1", "e", "10.0.0.7", "Running")
     assert pod.ready and pod.terminating and pod.restart_count == 5
-    assert not pod_from_dict(pod_json("e", ready=False)).ready
-    assert pod_from_dict(pod_json("e", phase="Failed")).unroutable_reason() == "phase Failed"
+    assert not pod_from_dict(pod_json(PodFacts("e", ready=False))).ready
+    failed = pod_from_dict(pod_json(PodFacts("e", phase="Failed")))
+    assert failed.unroutable_reason() == "phase Failed"
 
 
 @pytest.mark.parametrize(
@@ -142,14 +143,16 @@ def test_watch_lines_decode_to_what_the_tolerant_path_reads(
     raw = {
         "type": kind,
         "object": pod_json(
-            name,
-            ip=ip,
-            ready=ready,
-            phase=phase,
-            restarts=restarts,
-            terminating=terminating,
-            realistic=realistic,
-            resource_version=rv,
+            PodFacts(
+                name,
+                ip=ip,
+                ready=ready,
+                phase=phase,
+                restarts=restarts,
+                terminating=terminating,
+                realistic=realistic,
+                resource_version=rv,
+            )
         ),
     }
     line = json.dumps(raw).encode()
@@ -171,7 +174,7 @@ def test_watch_lines_decode_to_what_the_tolerant_path_reads(
                 },
             },
         },
-        {"type": "ADDED", "object": pod_json("e", restarts=2) | {"status": "odd"}},
+        {"type": "ADDED", "object": pod_json(PodFacts("e", restarts=2)) | {"status": "odd"}},
         {"type": 5, "object": []},
     ],
 )
@@ -205,10 +208,10 @@ async def test_1_7_clean_end_rewatches_at_once_from_the_last_rv(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     source, sink = FakePodSource(), RecordingSink()
-    source.emit("ADDED", pod_json("a"))
+    source.emit("ADDED", pod_json(PodFacts("a")))
     async with running(source, sink) as status:
         await trio.sleep(100)
-        source.emit("MODIFIED", pod_json("a", restarts=1))
+        source.emit("MODIFIED", pod_json(PodFacts("a", restarts=1)))
         await source.wait_for(lambda: len(source.watch_calls) >= 4)
     (t0, rv0, timeout0), (t1, rv1, _), *_ = source.watch_calls
     assert t0 + timeout0 <= t1 <= t0 + timeout0 + DEFAULT_TUNING.resume_jitter_s  # no backoff
@@ -223,11 +226,11 @@ async def test_1_9_expired_watch_relists_at_once_and_replaces(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     source, sink = FakePodSource(), RecordingSink()
-    source.emit("ADDED", pod_json("a"))
+    source.emit("ADDED", pod_json(PodFacts("a")))
     source.watch_plans.append(FakeWatch(5.0, gone()))  # serves 5 s, then 410
     async with running(source, sink) as status:
         await trio.sleep(1)
-        source.emit("ADDED", pod_json("b"))
+        source.emit("ADDED", pod_json(PodFacts("b")))
         await source.wait_for(lambda: len(source.list_calls) == 2)
         assert source.list_calls[1] == pytest.approx(source.list_calls[0] + 5.0)
         assert [p.name for p in sink.replaced[1]] == ["a", "b"]
@@ -328,12 +331,13 @@ async def test_watch_resets_do_not_grow_the_delay(autojump_clock: trio.testing.M
     """A stream that delivered events and then was reset resumes at once from the last
     resourceVersion, however often it happens; the health stays good."""
     source, sink = FakePodSource(), RecordingSink()
-    source.emit("ADDED", pod_json("a"))
+    source.emit("ADDED", pod_json(PodFacts("a")))
     reset = KubernetesConnectionError("connection reset by peer")
     source.watch_plans.extend([FakeWatch(3.0, reset)] * 60)  # a reset every 3 s for 3 min
     async with running(source, sink) as status:
         for i in range(40):
-            source.emit("MODIFIED", pod_json("a", restarts=i + 1))  # keeps the streams busy
+            # keeps the streams busy
+            source.emit("MODIFIED", pod_json(PodFacts("a", restarts=i + 1)))
             changed = trio.current_time()
             await sink.wait_for(partial(last_restarts_are, sink, i + 1))
             assert trio.current_time() - changed <= 1.1
@@ -353,11 +357,11 @@ async def test_streams_that_die_at_once_are_not_a_hot_loop(
     """A stream that starts, delivers, and dies at once, over and over: resumed no more than
     once per `resume_spacing_s`."""
     source, sink = FakePodSource(), RecordingSink()
-    source.emit("ADDED", pod_json("a"))
+    source.emit("ADDED", pod_json(PodFacts("a")))
     source.watch_plans.extend([FakeWatch(0.001, KubernetesConnectionError("reset"))] * 2000)
     async with running(source, sink):
         for i in range(200):
-            source.emit("MODIFIED", pod_json("a", restarts=i + 1))
+            source.emit("MODIFIED", pod_json(PodFacts("a", restarts=i + 1)))
             await trio.sleep(0.5)
     assert len(source.watch_calls) <= 100 * 1.0 / DEFAULT_TUNING.resume_spacing_s + 2
 
@@ -405,7 +409,7 @@ async def test_1_13_first_list_failing_keeps_retrying(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     source, sink = FakePodSource(), RecordingSink()
-    source.emit("ADDED", pod_json("a"))
+    source.emit("ADDED", pod_json(PodFacts("a")))
     source.list_failures.extend([REFUSED] * 4)
     status = DiscoveryStatus()
     async with trio.open_nursery() as nursery:
@@ -426,7 +430,7 @@ async def test_1_15_bookmarks_advance_the_rv_and_touch_nothing(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     source, sink = FakePodSource(), RecordingSink()
-    source.emit("ADDED", pod_json("a"))
+    source.emit("ADDED", pod_json(PodFacts("a")))
     source.watch_plans.append(FakeWatch(10.0))
     async with running(source, sink) as status:
         await trio.sleep(1)
@@ -465,7 +469,7 @@ async def test_1_23_health_turns_503_when_the_watch_is_stale(
         assert metrics["healthy"] == 0 and metrics["health_reason"] == reason
         assert metrics["last_progress_age_seconds"] == pytest.approx(181)
         assert metrics["last_list_age_seconds"] == pytest.approx(trio.current_time() - start)
-        source.emit("ADDED", pod_json("b"))  # progress: healthy again
+        source.emit("ADDED", pod_json(PodFacts("b")))  # progress: healthy again
         await sink.wait_for(lambda: len(sink.applied) == 1)
         assert status.health(trio.current_time()) == (True, "ok")
 
@@ -484,7 +488,7 @@ async def test_1_23_health_turns_503_after_consecutive_errors(
         assert not ok and reason.startswith(
             f"Kubernetes watch failing: {FAILING_AFTER_ERRORS} consecutive errors"
         )
-        source.emit("ADDED", pod_json("a"))  # the next event clears the error streak
+        source.emit("ADDED", pod_json(PodFacts("a")))  # the next event clears the error streak
         await sink.wait_for(lambda: len(sink.applied) == 1)
         assert status.health(trio.current_time()) == (True, "ok")
 
@@ -519,9 +523,9 @@ async def test_short_watch_with_no_event_counts_as_an_error(
 async def test_events_are_applied_in_order_as_pods(autojump_clock: trio.testing.MockClock) -> None:
     source, sink = FakePodSource(), RecordingSink()
     async with running(source, sink) as status:
-        source.emit("ADDED", pod_json("a", ready=False))
-        source.emit("MODIFIED", pod_json("a", ip="10.0.0.9"))
-        source.emit("DELETED", pod_json("a", ip="10.0.0.9"))
+        source.emit("ADDED", pod_json(PodFacts("a", ready=False)))
+        source.emit("MODIFIED", pod_json(PodFacts("a", ip="10.0.0.9")))
+        source.emit("DELETED", pod_json(PodFacts("a", ip="10.0.0.9")))
         await sink.wait_for(lambda: len(sink.applied) == 3)
         assert [(e.type, e.pod.ready, e.pod.ip) for e in sink.applied] == [
             (EventType.ADDED, False, "10.0.0.1"),

@@ -17,14 +17,14 @@ from trio_router.discovery.loop import (
 )
 from trio_router.testing.core import FakeEngines, open_core
 from trio_router.testing.fake_pod_source import FakePodSource, FakeWatch
-from trio_router.testing.pods import pod_json
+from trio_router.testing.pods import PodFacts, pod_json
 
 CONFIG = KubernetesConfig(relist_interval_s=3600.0, stale_after_s=180.0)
 REFUSED = KubernetesConnectionError("Kubernetes API unreachable: connection refused")
 
 
-def engine_pod(n: int, **fields: object) -> dict[str, object]:
-    return pod_json(f"engine-{n}", uid=f"uid-{n}", ip=f"127.0.1.{n}", **fields)  # type: ignore[arg-type]
+def engine_pod(n: int) -> dict[str, object]:
+    return pod_json(PodFacts(f"engine-{n}", uid=f"uid-{n}", ip=f"127.0.1.{n}"))
 
 
 async def test_1_14_long_api_outage(autojump_clock: trio.testing.MockClock) -> None:

@@ -3,6 +3,7 @@ codes) and the demo, each run the way an operator runs it -- most as a real subp
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
 import shlex
@@ -23,7 +24,7 @@ from trio_router.__main__ import load_with_overrides, main
 from trio_router.config import config_as_dict, load_config
 from trio_router.errors import ConfigError
 from trio_router.testing import FakeEngine, open_fake_engines
-from trio_router.testing.processes import Output, open_process
+from trio_router.testing.processes import Output, open_command, open_process
 
 REPO: Final = Path(__file__).resolve().parent.parent
 LIMIT: Final = 20.0  # bounds a hang; a subprocess needs ~1 s to import and start
@@ -268,6 +269,33 @@ async def test_demo_prints_commands_that_work() -> None:
             process.send_signal(signal.SIGINT)
             code = await process.wait()
     assert code == 0, stderr.text
+
+
+# httpx is in the `testing` extra, not a runtime dependency: a process where it cannot be
+# imported, running `python -m trio_router` with the arguments that follow.
+WITHOUT_HTTPX: Final = (
+    "import runpy, sys; sys.modules['httpx'] = None; "
+    "runpy.run_module('trio_router', run_name='__main__', alter_sys=True)"
+)
+
+
+async def test_demo_runs_without_httpx() -> None:
+    with trio.fail_after(LIMIT):
+        async with open_command(
+            [sys.executable, "-c", WITHOUT_HTTPX, "demo", "--port", "0", "--engines", "1"]
+        ) as (process, stdout, stderr):
+            await stdout.wait_for("Press Ctrl-C")  # the engine was probed and is routable
+            process.send_signal(signal.SIGINT)
+            code = await process.wait()
+    assert code == 0, stderr.text
+
+
+def test_test_clients_without_httpx_name_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "httpx", None)
+    for module in ("trio_router.testing.harness", "trio_router.testing.fake_transport"):
+        monkeypatch.delitem(sys.modules, module, raising=False)
+        with pytest.raises(ModuleNotFoundError, match=r"pip install 'trio_router\[testing\]'"):
+            importlib.import_module(module)
 
 
 async def test_json_logs_carry_one_access_record_per_request(tmp_path: Path) -> None:

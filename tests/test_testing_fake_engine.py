@@ -21,10 +21,10 @@ from openai.types.responses import Response
 from trio_router.testing import (
     FakeEngine,
     fake_engine_app,
-    fake_engine_transport,
     open_fake_engines,
     serve_fake_engine,
 )
+from trio_router.testing.fake_transport import fake_engine_transport
 
 LIMIT = 10.0
 

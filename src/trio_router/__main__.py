@@ -125,9 +125,6 @@ def _configure_logging(level: str, log_format: str = "text") -> None:
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level.upper())
-    # httpx (the demo's fake engines) logs every request at INFO: only failures are worth a line.
-    for name in ("httpx", "httpcore"):
-        logging.getLogger(name).setLevel(max(logging.WARNING, root.level))
 
 
 def load_with_overrides(path: str, *, bind: str | None = None) -> Config:

@@ -98,6 +98,29 @@ class Metrics:
         kv: Callable[[], Mapping[str, tuple[Mapping[str, int], int]]] | None = None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
+        self._add_request_metrics()
+        self._add_routing_metrics()
+        self._add_token_metrics()
+        self._add_disaggregation_metrics()
+        self._add_limit_store_metrics()
+        info = Info("trio_router_build", "trio_router's version.", registry=self.registry)
+        info.info({"version": __version__})
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
+        self.registry.register(_TableCollector(table))
+        if discovery_snapshot is not None:
+            self.registry.register(_DiscoveryCollector(discovery_snapshot))
+        if relayed is not None:
+            self.registry.register(_RelayCollector(relayed))
+        if admission is not None:
+            self.registry.register(_AdmissionCollector(admission))
+        if kv is not None:
+            self.registry.register(_KvCollector(kv))
+
+    def _add_request_metrics(self) -> None:
+        """Events counted as they happen: each proxied request (count, duration, time to first
+        byte), engines that could not be reached, and config reloads."""
         self._requests = Counter(
             "trio_router_requests",
             "Proxied requests by model, engine and HTTP status "
@@ -133,6 +156,12 @@ class Metrics:
             ["result"],
             registry=self.registry,
         )
+        self._children: dict[tuple[str, str, int], _Child] = {}
+        self._ttfb_children: dict[str, Any] = {}
+
+    def _add_routing_metrics(self) -> None:
+        """Where requests went: time waited at the router, refusals by admission, and the
+        engines chosen."""
         self._queue_wait = Histogram(
             "trio_router_queue_wait_seconds",
             "Time requests waited at the router for a free "
@@ -157,6 +186,10 @@ class Metrics:
             registry=self.registry,
         )
         self._decisions: dict[tuple[str, str, str], Any] = {}
+
+    def _add_token_metrics(self) -> None:
+        """Tokens: those the engines reported per model, and kv_aware's tokenizing and
+        predictions of cached tokens."""
         self._token_children: dict[str, tuple[Any, Any]] = {}
         self._tokens = Counter(
             "trio_router_tokens",
@@ -193,6 +226,10 @@ class Metrics:
             ["engine"],
             registry=self.registry,
         )
+
+    def _add_disaggregation_metrics(self) -> None:
+        """Requests that took another way: prefill/decode decisions, fallbacks and prefill
+        time, and fallbacks to another model."""
         self._pd_decisions = Counter(
             "trio_router_pd_decisions",
             "Requests with [disaggregation] on, by route: disaggregated (prefill then "
@@ -224,6 +261,10 @@ class Metrics:
             buckets=TTFB_BUCKETS,
             registry=self.registry,
         )
+
+    def _add_limit_store_metrics(self) -> None:
+        """The shared limit store: admission time and fallbacks to local limits (its gauges
+        are made on first use, only with a shared store)."""
         self._store_seconds = Histogram(
             "trio_router_limit_store_seconds",
             "Time to admit a request at the shared limit store ([limits] store = redis), of "
@@ -241,22 +282,6 @@ class Metrics:
         )
         self._store_up: Gauge | None = None  # only with a shared store
         self._store_replicas: Gauge | None = None
-        info = Info("trio_router_build", "trio_router's version.", registry=self.registry)
-        info.info({"version": __version__})
-        ProcessCollector(registry=self.registry)
-        PlatformCollector(registry=self.registry)
-        GCCollector(registry=self.registry)
-        self._children: dict[tuple[str, str, int], _Child] = {}
-        self._ttfb_children: dict[str, Any] = {}
-        self.registry.register(_TableCollector(table))
-        if discovery_snapshot is not None:
-            self.registry.register(_DiscoveryCollector(discovery_snapshot))
-        if relayed is not None:
-            self.registry.register(_RelayCollector(relayed))
-        if admission is not None:
-            self.registry.register(_AdmissionCollector(admission))
-        if kv is not None:
-            self.registry.register(_KvCollector(kv))
 
     def observe_request(self, model: str, engine: str, status: int, seconds: float) -> None:
         """Count one finished request and record its duration."""

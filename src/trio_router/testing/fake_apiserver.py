@@ -27,7 +27,7 @@ from urllib.parse import parse_qsl, urlsplit
 import h11
 import trio
 
-from .pods import COMPACT, Changes, RawObject, pod_json, selector, status_json
+from .pods import COMPACT, Changes, PodFacts, RawObject, pod_json, selector, status_json
 
 TRUE: Final = ("true", "True", "1")
 CHUNK_BYTES: Final = 64 * 1024
@@ -159,7 +159,9 @@ class FakeApiServer(Changes):
 
     def add_pod(self, name: str, *, silent: bool = False, **fields: Any) -> RawObject:
         """Create a pod (ADDED). `silent`: watches never see it (only a LIST does)."""
-        return self._record("ADDED", pod_json(name, namespace=self.namespace, **fields), silent)
+        return self._record(
+            "ADDED", pod_json(PodFacts(name, namespace=self.namespace, **fields)), silent
+        )
 
     def modify_pod(self, name: str, *, silent: bool = False, **fields: Any) -> RawObject:
         """Rebuild the pod with `fields` changed (MODIFIED); the UID and labels stay."""
@@ -168,7 +170,9 @@ class FakeApiServer(Changes):
         fields.setdefault("labels", old["metadata"]["labels"])
         fields.setdefault("ip", old["status"].get("podIP", ""))
         fields.setdefault("realistic", "spec" in old)
-        return self._record("MODIFIED", pod_json(name, namespace=self.namespace, **fields), silent)
+        return self._record(
+            "MODIFIED", pod_json(PodFacts(name, namespace=self.namespace, **fields)), silent
+        )
 
     def delete_pod(self, name: str, *, silent: bool = False) -> RawObject:
         return self._record("DELETED", self._pods[name], silent)

@@ -14,10 +14,11 @@ A `FakeKvTransfer` on a `FakeEngine` makes it a prefill engine, a decode engine,
   answers like a prefill that ended on its own: no parameters.
 - **Decode step** (`kv_transfer_params.do_remote_prefill` true): the engine pulls the blocks
   from the prefill engine named in the parameters (an HTTP request to its `remote_host` and
-  `remote_port`, standing in for the NIXL read), which frees them; parameters a prefill
-  engine did not give (another engine id, other blocks, a missing field, the private field
-  changed) fail the request with 500, as the real transfer fails. A request without
-  parameters is prefilled by the decode engine itself and counted in `recomputed`.
+  `remote_port`, spoken with h11, standing in for the NIXL read), which frees them;
+  parameters a prefill engine did not give (another engine id, other blocks, a missing
+  field, the private field changed) fail the request with 500, as the real transfer fails.
+  A request without parameters is prefilled by the decode engine itself and counted in
+  `recomputed`.
 
 A prefill-only engine refuses whole requests (400): every request it gets must be a prefill
 step. Observations (`prefills`, `pulled`, `recomputed`, `refused`, `held_blocks()`) let a
@@ -26,6 +27,7 @@ test check that nothing was left held and nothing recomputed by mistake.
 
 from __future__ import annotations
 
+import json
 import math
 import secrets
 from collections.abc import Iterator
@@ -33,12 +35,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-import httpx
+import h11
 import trio
 
 __all__ = ["PULL_PATH", "FakeKvTransfer"]
 
 PULL_PATH: Final = "/_fake/kv/pull"  # where a decode engine reads a prefill engine's blocks
+PULL_DEADLINE_S: Final = 5.0  # for one read of a prefill engine's blocks
 ROLES: Final = ("prefill", "decode", "both")
 
 
@@ -191,13 +194,45 @@ class FakeKvTransfer:
         ]
         if missing:
             return f"kv_transfer_params without {missing}"
-        url = f"http://{params['remote_host']}:{params['remote_port']}{PULL_PATH}"
+        host, port = str(params["remote_host"]), params["remote_port"]
+        url = f"http://{host}:{port}{PULL_PATH}"
+        if not isinstance(port, int):
+            return f"KV transfer from {url} failed: remote_port is not a number"
         try:
-            async with httpx.AsyncClient(timeout=5.0) as client:
-                answer = await client.post(url, json=params)
-        except httpx.HTTPError as exc:
+            with trio.fail_after(PULL_DEADLINE_S):
+                status = await _post_json(host, port, PULL_PATH, params)
+        except (OSError, trio.BrokenResourceError, h11.ProtocolError, trio.TooSlowError) as exc:
             return f"KV transfer from {url} failed: {exc!r}"
-        if answer.status_code != 200:
+        if status != 200:
             return f"KV transfer from {url}: the prefill engine holds no such blocks"
         self.pulled += 1
         return None
+
+
+async def _post_json(host: str, port: int, path: str, payload: dict[str, Any]) -> int:
+    """POST `payload` as JSON on a connection of its own, spoken with h11 (which the router
+    depends on anyway); the answer's status once the whole answer has arrived. The
+    connection is closed on return and on cancellation."""
+    body = json.dumps(payload).encode()
+    client = h11.Connection(h11.CLIENT)
+    request = h11.Request(
+        method="POST",
+        target=path,
+        headers=[
+            ("host", f"{host}:{port}"),
+            ("content-type", "application/json"),
+            ("content-length", str(len(body))),
+            ("connection", "close"),
+        ],
+    )
+    async with await trio.open_tcp_stream(host, port) as stream:
+        for event in (request, h11.Data(data=body), h11.EndOfMessage()):
+            await stream.send_all(client.send(event) or b"")
+        status = 0
+        # An engine that closes before the end of its answer makes h11 raise ProtocolError.
+        while not isinstance(answer := client.next_event(), h11.EndOfMessage):
+            if answer is h11.NEED_DATA:
+                client.receive_data(await stream.receive_some())
+            elif isinstance(answer, h11.Response):
+                status = answer.status_code
+        return status

@@ -5,6 +5,9 @@ helpers play clients that can vanish mid-answer; `sample` reads one Prometheus s
 
 Everything waits on events (the routing table's `wait_changed`, the engines' `wait_until`),
 never on sleeps; callers bound the whole with `trio.fail_after`.
+
+The router's client here is an `httpx.AsyncClient`: httpx comes with the package's `testing`
+extra (`pip install 'trio_router[testing]'`), which the `test` extra includes.
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Final
 
-import httpx
 import trio
 
 from .. import server
@@ -35,7 +37,17 @@ from ..config import (
 )
 from ..kv.index import BlockIndex
 from ..table import RoutingTable
-from .fake_engine import FakeEngine, serve_fake_engine
+from .fake_engine import FakeEngine
+from .fake_engine_app import serve_fake_engine
+
+try:
+    import httpx
+except ModuleNotFoundError as exc:  # the router runs without it; only test clients need it
+    raise ModuleNotFoundError(
+        "trio_router.testing.harness needs httpx, which the package's `testing` extra "
+        "installs: pip install 'trio_router[testing]'",
+        name=exc.name,
+    ) from exc
 
 __all__ = [
     "CHAT",

@@ -3,65 +3,84 @@ selectors, and `Changes` (what a fake's `wait_for` waits on)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import KW_ONLY, dataclass
 from typing import Any, Final
 
 import trio
 
-__all__ = ["COMPACT", "Changes", "RawObject", "pod_json", "selector", "status_json"]
+__all__ = [
+    "COMPACT",
+    "Changes",
+    "PodFacts",
+    "RawObject",
+    "pod_json",
+    "selector",
+    "status_json",
+]
 
 RawObject = dict[str, Any]
 COMPACT: Final = (",", ":")  # JSON separators, as the API server writes it
 
 
-def pod_json(
-    name: str,
-    *,
-    uid: str | None = None,
-    ip: str = "10.0.0.1",
-    ready: bool = True,
-    phase: str = "Running",
-    labels: dict[str, str] | None = None,
-    namespace: str = "default",
-    restarts: int = 0,
-    terminating: bool = False,
-    resource_version: str = "",
-    realistic: bool = False,
-    heartbeat: int = 0,
-) -> RawObject:
-    """The raw JSON of a v1 Pod with the fields discovery reads. `realistic` adds what a real
-    vLLM pod object carries besides them (spec, owner, managed fields, container details:
-    about 2.2 KB as a watch event); `heartbeat` changes a timestamp that routing does not read."""
+@dataclass(frozen=True, slots=True)
+class PodFacts:
+    """What a fake pod is: the fields discovery reads, with the defaults of a ready vLLM pod,
+    and whether its JSON carries the rest of a real pod object (`realistic`)."""
+
+    name: str
+    _: KW_ONLY
+    uid: str | None = None  # None: "uid-<name>"
+    ip: str = "10.0.0.1"  # "": no pod IP yet
+    ready: bool = True
+    phase: str = "Running"
+    labels: Mapping[str, str] | None = None  # None: {"app": "vllm"}
+    namespace: str = "default"
+    restarts: int = 0
+    terminating: bool = False
+    resource_version: str = ""
+    # What a real vLLM pod object carries besides those (spec, owner, managed fields,
+    # container details): about 2.2 KB as a watch event.
+    realistic: bool = False
+    heartbeat: int = 0  # changes a timestamp of a realistic pod that routing does not read
+
+
+def pod_json(facts: PodFacts) -> RawObject:
+    """The raw JSON of the v1 Pod that `facts` describe."""
     meta: RawObject = {
-        "name": name,
-        "namespace": namespace,
-        "uid": uid or f"uid-{name}",
-        "labels": dict(labels if labels is not None else {"app": "vllm"}),
+        "name": facts.name,
+        "namespace": facts.namespace,
+        "uid": facts.uid or f"uid-{facts.name}",
+        "labels": dict(facts.labels if facts.labels is not None else {"app": "vllm"}),
     }
-    if resource_version:
-        meta["resourceVersion"] = resource_version
-    if terminating:
+    if facts.resource_version:
+        meta["resourceVersion"] = facts.resource_version
+    if facts.terminating:
         meta["deletionTimestamp"] = "2024-01-01T00:00:00Z"
     status: RawObject = {
-        "phase": phase,
-        "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
-        "containerStatuses": [{"name": "vllm", "ready": ready, "restartCount": restarts}],
+        "phase": facts.phase,
+        "conditions": [{"type": "Ready", "status": "True" if facts.ready else "False"}],
+        "containerStatuses": [
+            {"name": "vllm", "ready": facts.ready, "restartCount": facts.restarts}
+        ],
     }
-    if ip:
-        status["podIP"] = ip
+    if facts.ip:
+        status["podIP"] = facts.ip
     pod: RawObject = {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "status": status}
-    if realistic:
-        _add_realistic_fields(pod, heartbeat)
+    if facts.realistic:
+        stamp = f"2026-11-30T10:{facts.heartbeat // 60 % 60:02d}:{facts.heartbeat % 60:02d}Z"
+        _add_realistic_metadata(meta, stamp)
+        pod["spec"] = _realistic_spec()
+        _add_realistic_status(status, stamp)
     return pod
 
 
-def _add_realistic_fields(pod: RawObject, heartbeat: int) -> None:
-    """The rest of a vLLM pod as the API server sends it, trimmed to typical sizes."""
-    meta, status = pod["metadata"], pod["status"]
-    name, stamp = meta["name"], f"2026-11-30T10:{heartbeat // 60 % 60:02d}:{heartbeat % 60:02d}Z"
+def _add_realistic_metadata(meta: RawObject, stamp: str) -> None:
+    """The rest of a vLLM pod's metadata as the API server sends it, trimmed to typical
+    sizes; `stamp` is the time of the kubelet's last status update."""
     meta.update(
         {
-            "generateName": name.rsplit("-", 1)[0] + "-",
+            "generateName": meta["name"].rsplit("-", 1)[0] + "-",
             "creationTimestamp": "2026-11-30T09:00:00Z",
             "labels": {
                 **meta["labels"],
@@ -97,7 +116,11 @@ def _add_realistic_fields(pod: RawObject, heartbeat: int) -> None:
             ],
         }
     )
-    pod["spec"] = {
+
+
+def _realistic_spec() -> RawObject:
+    """A vLLM pod's spec: one GPU container with its readiness probe and model cache."""
+    return {
         "containers": [
             {
                 "name": "vllm",
@@ -117,6 +140,11 @@ def _add_realistic_fields(pod: RawObject, heartbeat: int) -> None:
         "nodeName": "gpu-node-17",
         "restartPolicy": "Always",
     }
+
+
+def _add_realistic_status(status: RawObject, stamp: str) -> None:
+    """The rest of a vLLM pod's status: every condition (Ready and ContainersReady as the
+    pod's readiness), the host, the pod IPs and the container's image and state."""
     ready = status["conditions"][0]["status"]
     status["conditions"] = [
         {
