@@ -36,6 +36,7 @@ from trio_router.http import (
     MalformedResponseError,
     UpstreamPool,
 )
+from trio_router.limits.tenants import Tenants
 from trio_router.metrics import Metrics
 from trio_router.serving.admin import VERSION_RETRY_S, VERSION_TIMEOUT_S
 from trio_router.serving.admission import Admission
@@ -177,7 +178,8 @@ async def open_bench(
     )
     settings = dataclasses.replace(runtime.settings, pool=pool)
     metrics = Metrics(table)
-    admission = Admission(table, config.admission, max_per_engine=8)
+    capped = dataclasses.replace(config.proxy, max_connections_per_engine=8)
+    admission = Admission(table, dataclasses.replace(config, proxy=capped))
     hooks: list[Hook] = []
     async with (
         network.open(),
@@ -192,6 +194,7 @@ async def open_bench(
             metrics=metrics,
             health=lambda: (True, "ok", ""),
             admission=admission,
+            tenants=Tenants(config),
             disconnect_hook=lambda scope: hooks[-1],
         )
         yield Bench(app, table, metrics, network, hooks)

@@ -33,14 +33,15 @@ from .http import UpstreamPool, open_relay
 from .kv.index import BlockIndex
 from .kv.subscriber import KvEvents
 from .kv.tokens import Tokenizer
-from .limits.resp import RedisURL
+from .limits.redis import RedisURL
+from .limits.shared import SharedLimits
+from .limits.tenants import Tenants, client_keys
 from .metrics import Metrics
 from .serving import hypercorn_seam as connection
 from .serving.admission import Admission
 from .serving.app import RouterApp
-from .serving.limits import SharedLimits
 from .serving.reload import Reloader, ReloadOutcome
-from .serving.runtime import build_runtime, tenant_keys
+from .serving.runtime import build_runtime
 from .table import Engine, RoutingTable
 from .tracing import FLUSH_S, check_environment, open_tracing
 
@@ -74,9 +75,8 @@ def static_kv_endpoints(config: Config) -> Callable[[Engine], tuple[str, str]]:
 
 def check_keys(config: Config) -> None:
     """Raise ConfigError, as serving would, if a key variable `config` names is unset."""
-    env_key(config.server.api_key_env, "server.api_key_env")
+    client_keys(config)
     env_key(config.proxy.api_key_env, "proxy.api_key_env")
-    tenant_keys(config)
     check_environment(config.tracing)
     store_url(config)
 
@@ -93,9 +93,9 @@ def store_url(config: Config) -> RedisURL | None:
         raise ConfigError(f"limits.redis_url_env ({config.limits.redis_url_env}): {exc}") from None
 
 
-def _shared_limits(config: Config, admission: Admission) -> SharedLimits | None:
+def _shared_limits(config: Config) -> SharedLimits | None:
     url = store_url(config)
-    return None if url is None else SharedLimits(config.limits, url, admission)
+    return None if url is None else SharedLimits(config.limits, url)
 
 
 async def _sweep_pool(pool: Callable[[], UpstreamPool]) -> None:
@@ -190,15 +190,9 @@ async def run(
     prober = Prober(timeout=config.probe.timeout_s, api_key=runtime.engine_key)
     source: KubernetesPodSource | None = None
 
-    admission = Admission(
-        table,
-        config.admission,
-        max_per_engine=config.proxy.max_connections_per_engine,
-        tenants=config.tenants,
-        keys=runtime.tenant_keys,
-    )
-
-    shared_limits = _shared_limits(config, admission)
+    admission = Admission(table, config)
+    tenants = Tenants(config)  # its keys were checked by build_runtime
+    shared_limits = _shared_limits(config)
 
     kv_events: KvEvents | None = None
     if config.kv_events.mode != "off":
@@ -290,6 +284,7 @@ async def run(
                 client_socket=connection.current_client,
                 disconnect_hook=connection.disconnect_hook,
                 admission=admission,
+                tenants=tenants,
                 tracing=tracing,
                 tokenizer=tokenizer,
                 limits=shared_limits,
@@ -300,6 +295,7 @@ async def run(
                     on_fallback=metrics.limit_store_fallback,
                     on_state=metrics.limit_store_state,
                     on_replicas=metrics.limit_store_replicas,
+                    on_reject=metrics.rejected,
                 )
                 await nursery.start(shared_limits.run)
             stop = trio.Event()

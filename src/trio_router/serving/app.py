@@ -20,16 +20,17 @@ from ..config import Config
 from ..discovery.supervision import Supervisors
 from ..http import Relay, TransportError, fetch
 from ..kv.tokens import Tokenizer
+from ..limits.local import Limits, LocalLimits
+from ..limits.tenants import Tenant, Tenants
 from ..metrics import Metrics
 from ..table import Engine, RoutingTable
 from ..tracing import Tracing
 from .admin import ADMIN_PATHS, AdminEndpoints, missing_model
-from .admission import Admission, Tenant
+from .admission import Admission
 from .errors import error_body
 from .exchange import ClientConnection, DisconnectHook, ProxyExchange, Services, request_ids
 from .forms import FORM_PATHS
-from .intake import BodyBudget, BodyParser, authenticate
-from .limits import Limits, LocalLimits
+from .intake import BodyBudget, BodyParser
 from .names import ModelNames
 from .runtime import Settings
 from .stored import stored_response_id
@@ -89,6 +90,7 @@ class RouterApp:
         metrics: Metrics,
         health: Callable[[], tuple[bool, str, str]],
         admission: Admission,
+        tenants: Tenants,
         relay: Relay | None = None,
         client_socket: Callable[[], ClientConnection | None] = lambda: None,
         disconnect_hook: DisconnectHooks = no_disconnect_hook,
@@ -98,6 +100,7 @@ class RouterApp:
     ) -> None:
         self.settings = settings
         self.admission = admission
+        self.tenants = tenants
         new_request_id = request_ids()
         self._services = Services(
             table=table,
@@ -112,7 +115,8 @@ class RouterApp:
             missing_model=lambda model: missing_model(table, model),
             new_request_id=new_request_id,
             tokenizer=tokenizer if tokenizer is not None else Tokenizer(timeout=0.1),
-            limits=limits if limits is not None else LocalLimits(admission),
+            limits=limits if limits is not None else LocalLimits(on_reject=metrics.rejected),
+            tenants=tenants,
         )
         self._disconnect_hook = disconnect_hook
         self._admin = AdminEndpoints(
@@ -153,7 +157,7 @@ class RouterApp:
             await _refuse_websocket(scope, receive, send)
 
     def _authenticate(self, authorization: bytes | None) -> Tenant:
-        return authenticate(self.admission, self.settings.client_key, authorization)
+        return self.tenants.authenticate(authorization)
 
     def _names(self) -> ModelNames:
         return self.settings.names

@@ -48,11 +48,13 @@ from ..http import (
     read_whole,
 )
 from ..kv.tokens import Tokenizer
+from ..limits.local import Limits, Ticket
+from ..limits.tenants import Tenant, Tenants
 from ..metrics import NO_LABEL, Metrics
 from ..routing.policy import Policy, RequestInfo, request_info
 from ..table import Engine, RoutingTable
 from ..tracing import Tracing
-from .admission import Admission, Tenant
+from .admission import Admission
 from .disaggregation import (
     MAX_PREFILL_ANSWER_BYTES,
     PD_PATHS,
@@ -73,8 +75,7 @@ from .errors import (
     http_date,
 )
 from .forms import FORM_PATHS, FormModel
-from .intake import BodyBudget, BodyParser, Held, authenticate, read_body, read_head
-from .limits import Limits, Ticket
+from .intake import BodyBudget, BodyParser, Held, read_body, read_head
 from .runtime import Settings
 from .stored import (
     ResponseNotFoundError,
@@ -145,6 +146,7 @@ class Services:
     new_request_id: Callable[[], bytes]
     tokenizer: Tokenizer  # a request's token ids, for the policies that route on them
     limits: Limits  # where a tenant's request is admitted and left ([limits] store)
+    tenants: Tenants  # who a request is, by its key
 
 
 def request_ids() -> Callable[[], bytes]:
@@ -278,7 +280,7 @@ class ProxyExchange:
         try:
             if head.invalid is not None:
                 raise head.invalid
-            tenant = authenticate(services.admission, settings.client_key, head.authorization)
+            tenant = services.tenants.authenticate(head.authorization)
             self.tenant_name = tenant.name
             body = await read_body(
                 receive,

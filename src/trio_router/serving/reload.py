@@ -146,12 +146,8 @@ class Reloader:
         self._app.settings, self.runtime = runtime.settings, runtime
         self._prober.api_key = runtime.engine_key
         self._supervisors.outliers.configure(effective.proxy)
-        self._app.admission.configure(
-            effective.admission,
-            max_per_engine=effective.proxy.max_connections_per_engine,
-            tenants=effective.tenants,
-            keys=runtime.tenant_keys,
-        )
+        self._app.tenants.configure(effective)  # its keys were checked by build_runtime
+        self._app.admission.configure(effective)
         if effective.probe != old.probe or effective.stats != old.stats:
             self._supervisors.update_config(
                 effective.probe,

@@ -12,14 +12,14 @@ does not (`Runtime.retired`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..config import Config, env_key
-from ..errors import ConfigError
 from ..http import UpstreamPool
 from ..kv.index import BlockIndex
 from ..kv.local_tokenizer import LocalTokenizer
+from ..limits.tenants import client_keys
 from ..routing.policy import Policy, make_policy
 from ..table import Engine, RoutingTable
 from .disaggregation import Disaggregation
@@ -36,7 +36,6 @@ class Settings:
     pool: UpstreamPool
     retries: int
     max_body_bytes: int
-    client_key: bytes | None  # the Bearer token clients must send, or None (no auth)
     upstream_authorization: bytes | None  # the Authorization value sent to engines, or None
     body_timeout: float  # seconds a request body may stop arriving
     max_buffered_body_bytes: int  # request bodies held at once, in all
@@ -55,7 +54,6 @@ class Runtime:
     config: Config
     settings: Settings  # what every new request reads (policy, upstream pool, keys, bounds)
     engine_key: str  # Bearer key of the requests the router itself sends engines ("": none)
-    tenant_keys: Mapping[str, str]  # client key -> tenant name
     unsubscribe: Callable[[], None]  # ends the policy's subscription to table removals
 
     @property
@@ -68,18 +66,6 @@ class Runtime:
         pool = previous.pool if previous.pool is not self.pool else None
         unsubscribe = previous.unsubscribe if previous.unsubscribe is not self.unsubscribe else None
         return pool, unsubscribe
-
-
-def tenant_keys(config: Config) -> dict[str, str]:
-    """Each tenant's key (from its `key_env`) and name; ConfigError if one is unset or two
-    tenants share a key."""
-    keys: dict[str, str] = {}
-    for tenant in config.tenants:
-        key = env_key(tenant.key_env, f"tenants[{tenant.name!r}].key_env")
-        if key in keys:
-            raise ConfigError(f"tenants {keys[key]!r} and {tenant.name!r} have the same key")
-        keys[key] = tenant.name
-    return keys
 
 
 def new_pool(config: Config) -> UpstreamPool:
@@ -100,9 +86,8 @@ def build_runtime(
     `[routing]` is unchanged and its pool when the proxy timeouts are. `kv_index` is the
     block index `kv_aware` reads (the process's one). Raises ConfigError (a key variable
     unset) before anything is built or subscribed."""
-    client_key = env_key(config.server.api_key_env, "server.api_key_env")
+    client_keys(config)  # checked here, so that a reload fails before it changes anything
     engine_key = env_key(config.proxy.api_key_env, "proxy.api_key_env")
-    keys = tenant_keys(config)
     old = previous.config if previous is not None else None
     if (
         old is not None
@@ -152,7 +137,6 @@ def build_runtime(
         pool=pool,
         retries=config.proxy.retries,
         max_body_bytes=config.server.max_body_bytes,
-        client_key=client_key.encode() if client_key else None,
         upstream_authorization=b"Bearer " + engine_key.encode() if engine_key else None,
         body_timeout=config.server.request_body_timeout_s,
         max_buffered_body_bytes=config.server.max_buffered_body_bytes,
@@ -167,6 +151,5 @@ def build_runtime(
         config=config,
         settings=settings,
         engine_key=engine_key,
-        tenant_keys=keys,
         unsubscribe=unsubscribe,
     )
