@@ -3,7 +3,7 @@ after another, against a redis-server of its own on 127.0.0.1.
 
     python bench/bench_store_client.py [--calls 3000]
 
-Measures trio_router's connection (`limits.resp`: Trio transport, hiredis parsing) and, when
+Measures trio_router's connection (`limits.redis`: Trio transport, hiredis parsing) and, when
 they are installed (they are not dependencies), the official `redis` client called from Trio
 through a worker thread (and directly, for what the thread adds) and `coredis` on Trio. This
 explains the choice of client; what the shared store costs the router per request is
@@ -22,7 +22,7 @@ from typing import Any
 
 import trio
 
-from trio_router.limits.resp import RedisConnection, RedisURL
+from trio_router.limits.redis import RedisConnection, RedisURL
 from trio_router.testing.redis_store import open_redis
 
 SCRIPT = "local v = redis.call('INCR', KEYS[1]) redis.call('PEXPIRE', KEYS[1], 60000) return v"
@@ -43,7 +43,7 @@ async def main(calls: int) -> None:
         await nursery.start(ours.run)
         sha = await ours.call("SCRIPT", "LOAD", SCRIPT)
         print(f"{'client (one EVALSHA per call)':44} {'per call':>16} {'':>9}")
-        await timed("trio_router (limits.resp)", calls, partial(ours.call, "EVALSHA", sha, 1, "k"))
+        await timed("trio_router (limits.redis)", calls, partial(ours.call, "EVALSHA", sha, 1, "k"))
         if importlib.util.find_spec("redis"):
             redis: Any = importlib.import_module("redis")  # not a dependency
             client = redis.Redis.from_url(url)

@@ -29,7 +29,7 @@ from packaging.version import Version
 
 from trio_router import __version__
 from trio_router.config import Config, config_as_dict, load_config, parse_bind, parse_config
-from trio_router.limits.resp import RedisURL
+from trio_router.limits.redis import RedisURL
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG_DIR = REPO / "config"

@@ -1,10 +1,13 @@
-"""Tenant limits shared across router replicas (`limits`): against a real `redis-server` on
-loopback (started and stopped by the tests), real router processes and in-process routers on
-real sockets; the store's deadline and the return to it on the autojump clock, with a store
-that never answers."""
+"""Tenants and their limits (`limits`): who a request is by its key, and a tenant's state
+across a reconfiguration (`tenants`); the token bucket and the concurrency bound counted by
+one replica (`local`, on the autojump clock); limits shared across router replicas
+(`shared`): against a real `redis-server` on loopback (started and stopped by the tests),
+real router processes and in-process routers on real sockets; the store's deadline and the
+return to it on the autojump clock, with a store that never answers."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import random
@@ -22,11 +25,12 @@ import trio.testing
 
 from test_main import write_config as main_config
 from trio_router import server
-from trio_router.config import AdmissionConfig, LimitsConfig, TenantConfig
-from trio_router.errors import ConfigError, RateLimitedError
-from trio_router.limits.resp import RedisConnection, RedisURL, StoreError
-from trio_router.serving.admission import Admission, Tenant
-from trio_router.serving.limits import SharedLimits
+from trio_router.config import Config, LimitsConfig, ServerConfig, TenantConfig
+from trio_router.errors import AuthError, ConfigError, RateLimitedError
+from trio_router.limits.local import LocalLimits
+from trio_router.limits.redis import RedisConnection, RedisError, RedisURL
+from trio_router.limits.shared import SharedLimits
+from trio_router.limits.tenants import Tenant, Tenants, client_keys
 from trio_router.table import RoutingTable
 from trio_router.testing import FakeEngine, open_fake_engines
 from trio_router.testing.harness import CHAT, chat, router_config, sample
@@ -41,6 +45,133 @@ needs_redis = pytest.mark.skipif(
     not redis_available() and os.environ.get("TRIO_ROUTER_REDIS") != "require",
     reason="needs redis-server (apt-get install redis-server)",
 )
+
+
+# -- tenants ----------------------------------------------------------------------------------
+def tenants_config(*tenants: TenantConfig, server_key_env: str = "") -> Config:
+    return Config(server=ServerConfig(api_key_env=server_key_env), tenants=tenants)
+
+
+def test_keys_decide_the_tenant(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With tenants, a tenant's key or the server's (the anonymous tenant); with only the
+    server's key, that key; with neither, anything. Every other answer is 401."""
+    for name, value in {"A_KEY": "key-a", "B_KEY": "key-b", "SERVER_KEY": "key-s"}.items():
+        monkeypatch.setenv(name, value)
+    a, b = TenantConfig(name="a", key_env="A_KEY"), TenantConfig(name="b", key_env="B_KEY")
+    both = Tenants(tenants_config(a, b, server_key_env="SERVER_KEY"))
+    assert both.configured
+    assert both.authenticate(b"Bearer key-a").name == "a"
+    assert both.authenticate(b"bearer  key-b ").name == "b"  # the scheme in any case
+    assert both.authenticate(b"Bearer key-s") is both.anonymous
+    assert both.anonymous.name == ""
+    only_tenants = Tenants(tenants_config(a))
+    assert only_tenants.authenticate(b"Bearer key-a").name == "a"
+    only_server = Tenants(tenants_config(server_key_env="SERVER_KEY"))
+    assert not only_server.configured
+    assert only_server.authenticate(b"Bearer key-s") is only_server.anonymous
+    open_door = Tenants(Config())
+    assert open_door.authenticate(None) is open_door.anonymous
+    assert open_door.authenticate(b"Basic whatever") is open_door.anonymous
+    refused = [
+        (both, b"Bearer key-x", "invalid API key"),
+        (both, b"Basic key-a", "invalid API key"),
+        (both, None, "missing API key: send it as 'Authorization: Bearer <key>'"),
+        (only_tenants, b"Bearer key-s", "invalid API key"),
+        (only_server, b"Bearer key-a", "invalid API key"),
+        (only_server, None, "missing API key"),
+    ]
+    for tenants, authorization, message in refused:
+        with pytest.raises(AuthError, match=message) as refusal:
+            tenants.authenticate(authorization)
+        assert refusal.value.status == 401
+
+
+async def test_a_reconfiguration_keeps_the_tenants_that_remain(
+    monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.testing.MockClock
+) -> None:
+    """A tenant that remains is the same object with its bucket and count (a changed rate
+    starts full); a removed one is no longer known by its key; a new key takes effect."""
+    for name, value in {"A_KEY": "key-a", "B_KEY": "key-b", "C_KEY": "key-c"}.items():
+        monkeypatch.setenv(name, value)
+    a = TenantConfig(name="a", key_env="A_KEY", requests_per_minute=6, max_concurrent=4)
+    b = TenantConfig(name="b", key_env="B_KEY", requests_per_minute=60)
+    tenants = Tenants(tenants_config(a, b))
+    limits = LocalLimits()
+    first_a = tenants.authenticate(b"Bearer key-a")
+    first_b = tenants.authenticate(b"Bearer key-b")
+    for _ in range(2):
+        limits.admit_nowait(first_a)
+    limits.admit_nowait(first_b)
+    assert (first_a.active, first_a.tokens, first_b.tokens) == (2, 4.0, 59.0)
+    a_weighted = dataclasses.replace(a, weight=3)
+    b_faster = dataclasses.replace(b, requests_per_minute=120)
+    c = TenantConfig(name="c", key_env="C_KEY")
+    tenants.configure(tenants_config(a_weighted, b_faster, c))
+    again_a = tenants.authenticate(b"Bearer key-a")
+    assert again_a is first_a and (again_a.active, again_a.tokens) == (2, 4.0)  # kept
+    assert again_a.weight == 3
+    again_b = tenants.authenticate(b"Bearer key-b")
+    assert again_b is first_b and again_b.tokens == 120.0  # a new rate starts full
+    assert tenants.authenticate(b"Bearer key-c").name == "c"
+    monkeypatch.setenv("B_KEY", "key-b2")
+    tenants.configure(tenants_config(c, dataclasses.replace(b, key_env="B_KEY")))
+    with pytest.raises(AuthError, match="invalid API key"):
+        tenants.authenticate(b"Bearer key-a")  # removed
+    with pytest.raises(AuthError, match="invalid API key"):
+        tenants.authenticate(b"Bearer key-b")  # its old key
+    assert tenants.authenticate(b"Bearer key-b2") is first_b
+    limits.leave(limits.admit_nowait(first_a))  # a removed tenant's requests end as before
+    assert first_a.active == 2
+
+
+def test_client_keys_are_checked_before_anything_changes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("A_KEY", "same")
+    monkeypatch.setenv("B_KEY", "same")
+    monkeypatch.delenv("NO_KEY", raising=False)
+    a, b = TenantConfig(name="a", key_env="A_KEY"), TenantConfig(name="b", key_env="B_KEY")
+    tenants = Tenants(tenants_config(a))
+    for config, message in (
+        (tenants_config(a, b), "tenants 'a' and 'b' have the same key"),
+        (tenants_config(TenantConfig(name="n", key_env="NO_KEY")), r"tenants\['n'\]\.key_env"),
+        (tenants_config(a, server_key_env="NO_KEY"), r"server\.api_key_env names .*'NO_KEY'"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            client_keys(config)
+        with pytest.raises(ConfigError, match=message):
+            tenants.configure(config)
+        assert tenants.authenticate(b"Bearer same").name == "a"  # nothing changed
+    keys = client_keys(tenants_config(a, server_key_env="A_KEY"))
+    assert (keys.server, keys.tenants) == (b"same", ((b"same", "a"),))
+
+
+# -- local limits -----------------------------------------------------------------------------
+async def test_token_bucket_and_concurrency_limits(autojump_clock: trio.testing.MockClock) -> None:
+    rejects: list[tuple[str, str]] = []
+    limits = LocalLimits(on_reject=lambda reason, tenant: rejects.append((reason, tenant)))
+    c, d = Tenant(name="c"), Tenant(name="d")
+    c.configure(TenantConfig(name="c", key_env="C", requests_per_minute=6))
+    d.configure(TenantConfig(name="d", key_env="D", max_concurrent=2))
+    for _ in range(6):
+        await limits.admit(c)
+    with pytest.raises(RateLimitedError) as over:
+        await limits.admit(c)
+    headers = dict(over.value.headers)
+    assert headers[b"retry-after"] == b"10" and headers[b"x-ratelimit-limit-requests"] == b"6"
+    assert headers[b"x-ratelimit-remaining-requests"] == b"0"
+    assert headers[b"x-ratelimit-reset-requests"] == b"60s"  # until full again
+    await trio.sleep(10)
+    await limits.admit(c)  # one more token after 10 s
+    assert c.active == 7
+    await limits.admit(d)
+    ticket = await limits.admit(d)
+    with pytest.raises(RateLimitedError, match="max_concurrent") as busy:
+        await limits.admit(d)
+    assert (b"retry-after", b"1") in busy.value.headers
+    limits.leave(ticket)
+    await limits.admit(d)
+    assert rejects == [("rate_limited", "c"), ("tenant_concurrency", "d")]
 
 
 # -- the connection ---------------------------------------------------------------------------
@@ -86,7 +217,7 @@ async def test_commands_replies_errors_and_a_store_that_goes_away() -> None:
                     2,
                     b"2",
                 ]
-                with pytest.raises(StoreError, match="ERR unknown command"):
+                with pytest.raises(RedisError, match="ERR unknown command"):
                     await conn.call("NOSUCHCOMMAND")
                 # Many callers at once on the one connection: each gets its own reply.
                 replies: dict[int, Any] = {}
@@ -101,15 +232,15 @@ async def test_commands_replies_errors_and_a_store_that_goes_away() -> None:
                 assert await conn.call("SELECT", 0) == b"OK"
                 assert await conn.call("GET", "k") is None  # the URL's database was 3
             async with connection(url.replace("secret", "wrong")) as conn:
-                with pytest.raises(StoreError, match=r"WRONGPASS|invalid password"):
+                with pytest.raises(RedisError, match=r"WRONGPASS|invalid password"):
                     await conn.call("PING")
         # The server gone: a clear error, and the next call after it is back reconnects.
         async with connection(f"redis://:secret@127.0.0.1:{port}/0") as conn:
-            with pytest.raises(StoreError, match="cannot connect"):
+            with pytest.raises(RedisError, match="cannot connect"):
                 await conn.call("PING")
             async with open_redis(port, password="secret"):
                 assert await conn.call("PING") == b"PONG"
-            with pytest.raises(StoreError):
+            with pytest.raises(RedisError):
                 await conn.call("PING")
 
 
@@ -152,15 +283,16 @@ async def test_a_store_that_does_not_answer_costs_one_deadline_then_local_limits
         return trio.SocketStream(ours)
 
     config = LimitsConfig(store="redis", timeout_s=0.1, retry_s=5.0)
-    admission = Admission(RoutingTable(), AdmissionConfig(), max_per_engine=8)
-    limits = SharedLimits(config, RedisURL.parse("redis://store"), admission, connect=connect)
+    limits = SharedLimits(config, RedisURL.parse("redis://store"), connect=connect)
     fallbacks: list[str] = []
     states: list[bool] = []
+    rejects: list[tuple[str, str]] = []
     limits.observe(
         on_call=lambda s: None,
         on_fallback=fallbacks.append,
         on_state=states.append,
         on_replicas=lambda n: None,
+        on_reject=lambda reason, tenant: rejects.append((reason, tenant)),
     )
     tenant = Tenant(name="t")
     tenant.configure(TenantConfig(name="t", key_env="K", requests_per_minute=3))
@@ -186,6 +318,7 @@ async def test_a_store_that_does_not_answer_costs_one_deadline_then_local_limits
     assert again == pytest.approx(0.1)
     assert fallbacks == ["timeout", "down", "down", "down", "timeout"]
     assert states == [True, False]  # down once; never heard back
+    assert rejects == [("rate_limited", "t")]  # by the local share, reported all the same
     assert len(silent) >= 1
 
 

@@ -1,6 +1,6 @@
-"""Admission: saturation, the router's queue, tenant fairness and limits. Virtual time for the
-queue, its timeouts, the token buckets and the fairness order (the admission object against
-a real routing table and policy); real sockets for the router end to end."""
+"""Admission: saturation, the router's queue and tenant fairness. Virtual time for the queue,
+its timeouts and the fairness order (the admission object against a real routing table and
+policy); real sockets for the router end to end, tenants' limits included."""
 
 from __future__ import annotations
 
@@ -14,10 +14,11 @@ import pytest
 import trio
 import trio.testing
 
-from trio_router.config import AdmissionConfig, RoutingConfig, TenantConfig
+from trio_router.config import AdmissionConfig, Config, RoutingConfig, TenantConfig
 from trio_router.errors import NoEngineError, QueueTimeoutError, RateLimitedError
+from trio_router.limits.tenants import ANONYMOUS, Tenant
 from trio_router.routing.policy import RequestInfo, make_policy
-from trio_router.serving.admission import Admission, Tenant
+from trio_router.serving.admission import Admission
 from trio_router.table import Engine, EngineState, EngineStats, Model, RoutingTable
 from trio_router.testing import FakeEngine
 from trio_router.testing.harness import CHAT, LIMIT, chat, open_router
@@ -35,7 +36,8 @@ def routable(uid: str) -> Engine:
 
 
 class Bench:
-    """Two engines, a round-robin policy and an admission object, as the app wires them."""
+    """Two engines, a round-robin policy, an admission object and tenants, as the app wires
+    them."""
 
     def __init__(
         self, config: AdmissionConfig, *, tenants: tuple[TenantConfig, ...] = (), engines: int = 2
@@ -48,26 +50,24 @@ class Bench:
         self.rejects: list[tuple[str, str]] = []
         self.admission = Admission(
             self.table,
-            config,
-            max_per_engine=512,
-            tenants=tenants,
-            keys={f"key-{t.name}": t.name for t in tenants},
+            Config(admission=config),  # proxy.max_connections_per_engine: 512
             on_wait=lambda model, s: self.waits.append(s),
             on_reject=lambda reason, tenant: self.rejects.append((reason, tenant)),
         )
+        self.anonymous = Tenant(name=ANONYMOUS)
+        self.tenants: dict[str, Tenant] = {}
+        for tenant_config in tenants:
+            tenant = self.tenants[tenant_config.name] = Tenant(name=tenant_config.name)
+            tenant.configure(tenant_config)
 
     def pick(self, exclude: Collection[str]) -> Engine:
         return self.policy.choose(self.table.routable("m"), RequestInfo("m"), exclude).engine
 
     def tenant(self, name: str) -> Tenant:
-        tenant = self.admission.tenant_of_key(f"key-{name}".encode())
-        assert tenant is not None
-        return tenant
+        return self.tenants[name]
 
     async def acquire(self, tenant: Tenant | None = None, **kwargs: Any) -> Engine:
-        return await self.admission.acquire(
-            tenant or self.admission.anonymous, "m", self.pick, **kwargs
-        )
+        return await self.admission.acquire(tenant or self.anonymous, "m", self.pick, **kwargs)
 
 
 async def test_saturated_engines_are_skipped_and_a_freed_slot_dispatches_at_once(
@@ -196,32 +196,6 @@ async def test_fifo_without_fairness(autojump_clock: trio.testing.MockClock) -> 
     assert order == ["a0", "a1", "a2", "b3"]
 
 
-async def test_token_bucket_and_concurrency_limits(autojump_clock: trio.testing.MockClock) -> None:
-    tenants = (
-        TenantConfig(name="c", key_env="C", requests_per_minute=6),
-        TenantConfig(name="d", key_env="D", max_concurrent=2),
-    )
-    bench = Bench(AdmissionConfig(), tenants=tenants)
-    c, d = bench.tenant("c"), bench.tenant("d")
-    for _ in range(6):
-        bench.admission.admit(c)
-    with pytest.raises(RateLimitedError) as over:
-        bench.admission.admit(c)
-    headers = dict(over.value.headers)
-    assert headers[b"retry-after"] == b"10" and headers[b"x-ratelimit-limit-requests"] == b"6"
-    assert headers[b"x-ratelimit-remaining-requests"] == b"0"
-    await trio.sleep(10)
-    bench.admission.admit(c)  # one more token after 10 s
-    assert c.active == 7
-    bench.admission.admit(d)
-    bench.admission.admit(d)
-    with pytest.raises(RateLimitedError, match="max_concurrent"):
-        bench.admission.admit(d)
-    bench.admission.leave(d)
-    bench.admission.admit(d)
-    assert [r for r, _ in bench.rejects] == ["rate_limited", "tenant_concurrency"]
-
-
 async def test_a_queued_client_that_leaves_leaves_the_queue(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
@@ -263,7 +237,7 @@ async def test_reload_with_a_full_queue_drops_nothing(
             nursery.start_soon(wait)
         await trio.testing.wait_all_tasks_blocked()
         assert bench.admission.queued() == {"m": 4}
-        bench.admission.configure(AdmissionConfig(max_in_flight_per_engine=3), max_per_engine=512)
+        bench.admission.configure(Config(admission=AdmissionConfig(max_in_flight_per_engine=3)))
     assert sorted(got) == ["e0", "e0", "e1", "e1"]  # the new cap let all four go at once
 
 

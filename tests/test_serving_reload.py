@@ -38,6 +38,7 @@ def config_text(
     bind: str = "127.0.0.1:0",
     probe_interval: float = 60.0,
     stats_interval: float = 0.0,
+    tenants: str = "",
 ) -> str:
     return f"""
 [server]
@@ -58,7 +59,7 @@ api_key_env = "{engine_key_env}"
 retries = {retries}
 [stats]
 interval_s = {stats_interval}
-"""
+{tenants}"""
 
 
 @dataclass
@@ -246,3 +247,48 @@ async def test_probe_and_stats_settings_apply_live(tmp_path: Path) -> None:
             await engine.wait_until(lambda: len(engine.requests_to("/v1/models")) > probes + 3)
             await engine.wait_until(lambda: len(engine.requests_to("/metrics")) >= 2)
             assert (await router.client.post(CHAT, json=chat())).status_code == 200
+
+
+TENANT_A = """
+[[tenants]]
+name = "a"
+key_env = "TENANT_A_KEY"
+requests_per_minute = 2
+"""
+TENANT_B = """
+[[tenants]]
+name = "b"
+key_env = "TENANT_B_KEY"
+"""
+TENANT_C = """
+[[tenants]]
+name = "c"
+key_env = "TENANT_C_KEY"
+"""
+
+
+async def test_tenants_apply_live_and_keep_their_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """[[tenants]] is live: a new tenant's key works at once, a tenant that remains keeps its
+    spent bucket, and a tenant whose key variable is unset fails the reload, changing
+    nothing."""
+    monkeypatch.setenv("TENANT_A_KEY", "key-a")
+    monkeypatch.setenv("TENANT_B_KEY", "key-b")
+    monkeypatch.delenv("TENANT_C_KEY", raising=False)
+    a, b = {"authorization": "Bearer key-a"}, {"authorization": "Bearer key-b"}
+    with trio.fail_after(LIMIT):
+        async with open_reloadable_router(tmp_path, [FakeEngine()], tenants=TENANT_A) as router:
+
+            async def status(headers: dict[str, str]) -> int:
+                return (await router.client.post(CHAT, json=chat(), headers=headers)).status_code
+
+            assert [await status(a), await status(a), await status(b)] == [200, 200, 401]
+            router.path.write_text(config_text(router.urls, tenants=TENANT_A + TENANT_B))
+            assert (await router.reloads.sighup()).applied == ("[tenants]",)
+            assert await status(b) == 200
+            assert await status(a) == 429  # its bucket, spent before the reload
+            router.path.write_text(config_text(router.urls, tenants=TENANT_B + TENANT_C))
+            outcome = await router.reloads.sighup()
+            assert not outcome.ok and "tenants['c'].key_env" in outcome.error
+            assert [await status(a), await status(b)] == [429, 200]  # nothing changed

@@ -1,2 +1,3 @@
-"""The shared limit store's connection (`resp`): Redis on Trio. What the serving path does
-with it is `serving.limits`."""
+"""Tenants and their limits: who a request is (`tenants`), its tenant's limits counted by
+this replica (`local`) or shared by every replica through Redis (`shared`, over the Redis
+client `redis`)."""

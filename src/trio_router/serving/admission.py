@@ -1,5 +1,6 @@
-"""Admission: which request goes to an engine now, which waits at the router, and which is
-turned away. Tenants, their rate limits, saturated engines and the fair queue.
+"""Admission: which request goes to an engine now and which waits at the router for one:
+saturated engines, the router's queue and its fairness across tenants. Whether a tenant may
+send a request at all (its rate, its concurrency) is for `limits` to say, before this.
 
 - **Saturation.** An engine is saturated when this router's requests in flight to it reach
   the per-engine cap (`admission.max_in_flight_per_engine`, and never more than
@@ -17,9 +18,6 @@ turned away. Tenants, their rate limits, saturated engines and the fair queue.
   tenants with waiting requests, weighted by their `weight` (stride scheduling), and in
   arrival order within a tenant: a tenant's backlog delays another tenant's next request by
   about one dispatch at most. `"none"`: arrival order.
-- **Tenants.** Each has a request rate (a token bucket holding `requests_per_minute`, refilled
-  at that rate) and a bound on its requests in flight and queued; beyond either: 429 with
-  `Retry-After` and OpenAI's `x-ratelimit-*` headers.
 
 Everything here is synchronous bookkeeping on the Trio thread but the wait in `acquire` and
 the `run` task that dispatches when the routing table changes.
@@ -27,73 +25,29 @@ the `run` task that dispatches when the routing table changes.
 
 from __future__ import annotations
 
-import hmac
-import math
 from collections import deque
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Final
+from weakref import WeakKeyDictionary
 
 import trio
 
-from ..config import AdmissionConfig, TenantConfig
+from ..config import Config
 from ..errors import NoEngineError, QueueTimeoutError, RateLimitedError
+from ..limits.tenants import Tenant
 from ..table import Engine, RoutingTable
 
-__all__ = ["Admission", "Tenant"]
-
-ANONYMOUS: Final = ""  # the tenant of requests when no tenants are configured
+__all__ = ["Admission"]
 
 # Picks an engine for a request among the routable ones whose uid is not excluded; raises
 # NoEngineError when none is left.
 Pick = Callable[[Collection[str]], Engine]
 
-
-@dataclass(eq=False)
-class Tenant:
-    """One tenant's limits and live state."""
-
-    name: str
-    weight: int = 1
-    requests_per_minute: int = 0
-    max_concurrent: int = 0
-    tokens: float = 0.0
-    refilled_at: float = -math.inf
-    active: int = 0  # requests in flight or queued
-    stride_pass: float = 0.0  # fair-queue position: grows by 1/weight per dispatch
-
-    def configure(self, config: TenantConfig) -> None:
-        if config.requests_per_minute != self.requests_per_minute:
-            self.tokens = float(config.requests_per_minute)  # a new rate starts full
-        self.weight = config.weight
-        self.requests_per_minute = config.requests_per_minute
-        self.max_concurrent = config.max_concurrent
-
-    def take_token(self, now: float) -> RateLimitedError | None:
-        """Spend one request of the rate, or the error saying when one will be there."""
-        rate = self.requests_per_minute
-        if not rate:
-            return None
-        per_s = rate / 60.0
-        if self.refilled_at == -math.inf:
-            self.tokens = float(rate)
-        else:
-            self.tokens = min(float(rate), self.tokens + (now - self.refilled_at) * per_s)
-        self.refilled_at = now
-        if self.tokens >= 1.0:
-            self.tokens -= 1.0
-            return None
-        wait = math.ceil((1.0 - self.tokens) / per_s)
-        reset = math.ceil((rate - self.tokens) / per_s)
-        return RateLimitedError(
-            f"tenant {self.name!r} is over its {rate} requests per minute",
-            headers=(
-                (b"retry-after", b"%d" % wait),
-                (b"x-ratelimit-limit-requests", b"%d" % rate),
-                (b"x-ratelimit-remaining-requests", b"0"),
-                (b"x-ratelimit-reset-requests", b"%ds" % reset),
-            ),
-        )
+# Each tenant's position in the fair queue (stride scheduling): grows by 1/weight per
+# dispatch, one for all models' queues; kept as long as the tenant (a reload keeps the
+# tenants that remain), dropped with it.
+Passes = WeakKeyDictionary[Tenant, float]
 
 
 def _queue_full(size: int) -> RateLimitedError:
@@ -151,6 +105,7 @@ class _ModelQueue:
     """The requests waiting for one model, in dispatch order."""
 
     fair: bool
+    passes: Passes  # the admission's, shared by every model's queue
     by_tenant: dict[Tenant, deque[_Waiter]] = field(default_factory=dict)
     clock: float = 0.0  # the stride pass of the last dispatch
 
@@ -162,13 +117,14 @@ class _ModelQueue:
         waiting = self.by_tenant.get(key)
         if waiting is None:
             waiting = self.by_tenant[key] = deque()
-            key.stride_pass = max(key.stride_pass, self.clock)  # no credit for idle time
+            passes = self.passes
+            passes[key] = max(passes.get(key, 0.0), self.clock)  # no credit for idle time
         waiting.append(waiter)
 
     def head(self) -> _Waiter | None:
         if not self.by_tenant:
             return None
-        key = min(self.by_tenant, key=lambda t: t.stride_pass)
+        key = min(self.by_tenant, key=self.passes.__getitem__)
         return self.by_tenant[key][0]
 
     def pop(self, waiter: _Waiter) -> None:
@@ -176,8 +132,7 @@ class _ModelQueue:
         key = waiter.key
         waiting = self.by_tenant[key]
         waiting.popleft()
-        key.stride_pass += 1.0 / key.weight
-        self.clock = key.stride_pass
+        self.clock = self.passes[key] = self.passes[key] + 1.0 / key.weight
         if not waiting:
             del self.by_tenant[key]
 
@@ -200,46 +155,33 @@ class Admission:
     def __init__(
         self,
         table: RoutingTable,
-        config: AdmissionConfig,
+        config: Config,
         *,
-        max_per_engine: int,
-        tenants: Sequence[TenantConfig] = (),
-        keys: Mapping[str, str] | None = None,
         on_wait: Callable[[str, float], None] | None = None,
         on_reject: Callable[[str, str], None] | None = None,
     ) -> None:
         self._table = table
-        self._tenants: dict[str, Tenant] = {}
-        self._anonymous = Tenant(name=ANONYMOUS)
         self._queues: dict[str, _ModelQueue] = {}
         self._waiting = 0
         self._by_tenant: dict[Tenant, list[_Waiter]] = {}  # waiting requests, oldest first
+        self._passes: Passes = WeakKeyDictionary()
         self.saturated: set[str] = set()  # uids of engines that take no more now
         self._on_wait = on_wait  # (model, seconds waited) of each request that waited
         self._on_reject = on_reject  # (reason, tenant) of each request turned away
-        self.configure(config, max_per_engine=max_per_engine, tenants=tenants, keys=keys)
+        self.configure(config)
 
     # -- configuration -------------------------------------------------------------------
-    def configure(
-        self,
-        config: AdmissionConfig,
-        *,
-        max_per_engine: int,
-        tenants: Sequence[TenantConfig] = (),
-        keys: Mapping[str, str] | None = None,
-    ) -> None:
-        """Apply settings (at start and on reload): requests queued or in flight keep going;
-        tenants that remain keep their state (a changed rate starts full)."""
-        self._config = config
-        caps = [c for c in (config.max_in_flight_per_engine, max_per_engine) if c > 0]
+    def configure(self, config: Config) -> None:
+        """Apply `config.admission` and `proxy.max_connections_per_engine` (at start and on
+        reload): requests queued or in flight keep going."""
+        self._config = admission = config.admission
+        caps = [
+            c
+            for c in (admission.max_in_flight_per_engine, config.proxy.max_connections_per_engine)
+            if c > 0
+        ]
         self._cap = min(caps) if caps else 0
-        old, self._tenants = self._tenants, {}
-        for tenant_config in tenants:
-            tenant = old.get(tenant_config.name) or Tenant(name=tenant_config.name)
-            tenant.configure(tenant_config)
-            self._tenants[tenant.name] = tenant
-        self._keys = [(key.encode(), name) for key, name in (keys or {}).items()]
-        fair = config.fairness == "tenant"
+        fair = admission.fairness == "tenant"
         for queue in self._queues.values():
             queue.fair = fair  # waiting requests keep their line; new ones follow the setting
         self._fair = fair
@@ -250,48 +192,11 @@ class Admission:
     def observe(
         self, *, on_wait: Callable[[str, float], None], on_reject: Callable[[str, str], None]
     ) -> None:
-        """Report each wait (model, seconds) and each rejection (reason, tenant)."""
+        """Report each wait (model, seconds) and each rejection by the queue (reason,
+        tenant)."""
         self._on_wait, self._on_reject = on_wait, on_reject
 
-    @property
-    def tenants_configured(self) -> bool:
-        return bool(self._tenants)
-
-    def tenant_of_key(self, key: bytes | None) -> Tenant | None:
-        """The tenant whose key this is (constant-time comparisons), or None."""
-        found = None
-        for candidate, name in self._keys:
-            if key is not None and hmac.compare_digest(candidate, key):
-                found = name
-        return self._tenants.get(found) if found is not None else None
-
-    @property
-    def anonymous(self) -> Tenant:
-        return self._anonymous
-
     # -- per request ---------------------------------------------------------------------
-    def admit(self, tenant: Tenant) -> None:
-        """Count a new request of `tenant`, or raise RateLimitedError (429) when it is over
-        its rate or its concurrency. Every admitted request ends with `leave`."""
-        if tenant.max_concurrent and tenant.active >= tenant.max_concurrent:
-            self._reject("tenant_concurrency", tenant)
-            raise RateLimitedError(
-                f"tenant {tenant.name!r} already has {tenant.active} requests in flight or "
-                f"queued (its max_concurrent)",
-                headers=((b"retry-after", b"1"),),
-            )
-        if (error := tenant.take_token(trio.current_time())) is not None:
-            self._reject("rate_limited", tenant)
-            raise error
-        tenant.active += 1
-
-    def leave(self, tenant: Tenant) -> None:
-        tenant.active -= 1
-
-    def count_rejection(self, reason: str, tenant: Tenant) -> None:
-        """A request turned away by limits decided elsewhere (the shared store)."""
-        self._reject(reason, tenant)
-
     async def acquire(
         self,
         tenant: Tenant,
@@ -357,7 +262,7 @@ class Admission:
         waiter = _Waiter(tenant, model, pick, tried, trio.current_time())
         queue = self._queues.get(model)
         if queue is None:
-            queue = self._queues[model] = _ModelQueue(fair=self._fair)
+            queue = self._queues[model] = _ModelQueue(fair=self._fair, passes=self._passes)
         queue.push(waiter)
         self._by_tenant.setdefault(tenant, []).append(waiter)
         self._waiting += 1

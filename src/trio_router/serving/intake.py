@@ -9,12 +9,10 @@
   (`BodyBudget`, `server.max_buffered_body_bytes`).
 - `BodyParser`: the JSON of a body; large bodies are parsed in a worker thread, and only
   their model when routing needs no more.
-- `authenticate`: the tenant a request's key belongs to.
 """
 
 from __future__ import annotations
 
-import hmac
 import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -27,7 +25,6 @@ import trio
 from ..asgi import Receive
 from ..config import Config
 from ..errors import (
-    AuthError,
     BadRequestError,
     BodyTooLargeError,
     OverloadedError,
@@ -35,7 +32,6 @@ from ..errors import (
     RequestTimeoutError,
 )
 from ..http.codec import FIELD_VALUE_CHARS
-from .admission import Admission, Tenant
 from .errors import REQUEST_ID_HEADER
 from .forms import FormModel, form_model
 
@@ -45,7 +41,6 @@ __all__ = [
     "BodyParser",
     "Held",
     "RequestHead",
-    "authenticate",
     "read_body",
     "read_head",
 ]
@@ -291,32 +286,3 @@ def parse_json(body: bytes | bytearray) -> dict[str, Any]:
     if not isinstance(model, str) or not model:
         raise BadRequestError('request body has no "model" string')
     return payload
-
-
-# -- the caller -------------------------------------------------------------------------------
-def authenticate(
-    admission: Admission, client_key: bytes | None, authorization: bytes | None
-) -> Tenant:
-    """The tenant a request's key belongs to. With `[[tenants]]`, one of their keys (or
-    `server.api_key_env`'s, for the anonymous tenant) is needed; with only
-    `server.api_key_env`, that key; with neither, nothing. AuthError otherwise; keys are
-    compared in constant time."""
-    if admission.tenants_configured:
-        token = _bearer(authorization)
-        if (tenant := admission.tenant_of_key(token)) is not None:
-            return tenant
-        if client_key is None or not hmac.compare_digest(token, client_key):
-            raise AuthError("invalid API key")
-    elif client_key is not None and not hmac.compare_digest(_bearer(authorization), client_key):
-        raise AuthError("invalid API key")
-    return admission.anonymous
-
-
-def _bearer(authorization: bytes | None) -> bytes:
-    """The token of "Bearer <token>"; AuthError if there is none."""
-    if authorization is None:
-        raise AuthError("missing API key: send it as 'Authorization: Bearer <key>'")
-    scheme, _, token = authorization.partition(b" ")
-    if scheme.lower() != b"bearer":
-        raise AuthError("invalid API key")
-    return token.strip()

@@ -26,17 +26,17 @@ import logging
 import math
 import secrets
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import Any, Final, Protocol
+from typing import Any, Final
 
 import trio
 
 from ..config import LimitsConfig
 from ..errors import RateLimitedError
-from ..limits.resp import RedisConnection, RedisURL, StoreError
-from .admission import Admission, Tenant
+from .local import LocalLimits, OnReject, Ticket
+from .redis import RedisConnection, RedisError, RedisURL
+from .tenants import Tenant
 
-__all__ = ["Limits", "LocalLimits", "SharedLimits", "Ticket"]
+__all__ = ["SharedLimits"]
 
 logger = logging.getLogger(__name__)
 
@@ -103,44 +103,13 @@ def _codes(reply: Any) -> list[int]:
         or not all(isinstance(v, int) for v in reply)
         or lengths.get(reply[0] if reply else -1) != len(reply)
     ):
-        raise StoreError(f"the store answered the admit script with {reply!r}")
+        raise RedisError(f"the store answered the admit script with {reply!r}")
     return reply
 
 
 _SHAS: Final = {
     script: hashlib.sha1(script.encode()).hexdigest() for script in (_ADMIT, _RENEW, _HEARTBEAT)
 }
-
-
-@dataclass(eq=False, slots=True)
-class Ticket:
-    """One admitted request: what `leave` gives back (the tenant it counts for, its lease)."""
-
-    tenant: Tenant
-    lease: tuple[bytes, str] | None = None  # (the leases' key, the lease id)
-
-
-class Limits(Protocol):
-    """Where a request of a tenant is admitted and left: the exchange's one way in and out."""
-
-    async def admit(self, tenant: Tenant) -> Ticket: ...
-
-    def leave(self, ticket: Ticket) -> None: ...
-
-
-class LocalLimits:
-    """Each replica counts its tenants' limits alone (`[limits] store = "local"`): the
-    admission's own bucket and count."""
-
-    def __init__(self, admission: Admission) -> None:
-        self._admission = admission
-
-    async def admit(self, tenant: Tenant) -> Ticket:
-        self._admission.admit(tenant)
-        return Ticket(tenant)
-
-    def leave(self, ticket: Ticket) -> None:
-        self._admission.leave(ticket.tenant)
 
 
 class SharedLimits:
@@ -152,13 +121,11 @@ class SharedLimits:
         self,
         config: LimitsConfig,
         url: RedisURL,
-        admission: Admission,
         *,
         connect: Callable[[str, int], Awaitable[trio.SocketStream]] = trio.open_tcp_stream,
     ) -> None:
         self._config = config
-        self._admission = admission
-        self._local = LocalLimits(admission)
+        self._local = LocalLimits()  # requests of tenants without limits, and the fallback
         self._connection = RedisConnection(
             url, connect_timeout=config.connect_timeout_s, connect=connect
         )
@@ -174,6 +141,7 @@ class SharedLimits:
         self._on_fallback: Callable[[str], None] = lambda reason: None
         self._on_state: Callable[[bool], None] = lambda up: None
         self._on_replicas: Callable[[int], None] = lambda count: None
+        self._on_reject: OnReject = lambda reason, tenant: None
 
     def observe(
         self,
@@ -182,11 +150,14 @@ class SharedLimits:
         on_fallback: Callable[[str], None],
         on_state: Callable[[bool], None],
         on_replicas: Callable[[int], None],
+        on_reject: OnReject,
     ) -> None:
-        """Report the store's latency, each fallback (reason), its state (up or not) and
-        the replicas it counts."""
+        """Report the store's latency, each fallback (reason), its state (up or not), the
+        replicas it counts, and each request turned away (reason, tenant name), by the store
+        or by the local fallback."""
         self._on_call, self._on_fallback, self._on_state = on_call, on_fallback, on_state
-        self._on_replicas = on_replicas
+        self._on_replicas, self._on_reject = on_replicas, on_reject
+        self._local.observe(on_reject=on_reject)
         on_state(self.up)
 
     # -- per request -----------------------------------------------------------------------
@@ -218,7 +189,7 @@ class SharedLimits:
                         ],
                     )
                 )
-            except StoreError as exc:
+            except RedisError as exc:
                 reason = "error"
                 self._failed(f"{exc}")
         if waited.cancelled_caught:
@@ -243,7 +214,7 @@ class SharedLimits:
         code = reply[0]
         if code == 1:
             retry, reset = math.ceil(reply[1] / 1000), math.ceil(reply[2] / 1000)
-            self._admission.count_rejection("rate_limited", tenant)
+            self._on_reject("rate_limited", tenant.name)
             raise RateLimitedError(
                 f"tenant {tenant.name!r} is over its {tenant.requests_per_minute} requests per "
                 "minute (across all router replicas)",
@@ -255,7 +226,7 @@ class SharedLimits:
                 ),
             )
         if code == 2:
-            self._admission.count_rejection("tenant_concurrency", tenant)
+            self._on_reject("tenant_concurrency", tenant.name)
             raise RateLimitedError(
                 f"tenant {tenant.name!r} already has {reply[1]} requests in flight or "
                 "queued across all router replicas (its max_concurrent)",
@@ -277,8 +248,7 @@ class SharedLimits:
         if local.requests_per_minute != rate:
             local.requests_per_minute, local.refilled_at = rate, -math.inf  # starts full
         local.max_concurrent = math.ceil(tenant.max_concurrent / self.replicas)
-        self._admission.admit(local)
-        return Ticket(local)  # left by the local share
+        return self._local.admit_nowait(local)  # left by the local share
 
     def _keys(self, tenant: Tenant) -> list[bytes]:
         name = tenant.name.encode()
@@ -309,7 +279,7 @@ class SharedLimits:
         sha = _SHAS[script]
         try:
             return await self._connection.call("EVALSHA", sha, len(keys), *keys, *args)
-        except StoreError as exc:
+        except RedisError as exc:
             if not str(exc).startswith("NOSCRIPT"):
                 raise
         await self._connection.call("SCRIPT", "LOAD", script)
@@ -327,7 +297,7 @@ class SharedLimits:
                 with trio.move_on_after(max(self._config.timeout_s, min(interval, 5.0))):
                     try:
                         await self._heartbeat()
-                    except StoreError as exc:
+                    except RedisError as exc:
                         logger.debug("limit store heartbeat failed: %s", exc)
                 await trio.sleep(interval)
 
@@ -335,7 +305,7 @@ class SharedLimits:
         ttl = self._lease_ms  # a replica counts for one lease after its last heartbeat
         count = await self._script(_HEARTBEAT, [self._prefix + b"replicas"], [self._replica, ttl])
         if not isinstance(count, int):
-            raise StoreError(f"the store answered the heartbeat with {count!r}")
+            raise RedisError(f"the store answered the heartbeat with {count!r}")
         self.replicas = max(1, count)
         self._on_replicas(self.replicas)
         if self._leases:

@@ -1,18 +1,18 @@
-"""A Redis connection on Trio: commands pipelined on one TCP connection, replies parsed by
-hiredis (Redis's own C parser).
+"""The Redis client of the shared limit store (`shared`): commands pipelined on one TCP
+connection on Trio, replies parsed by hiredis (Redis's own C parser).
 
-Why not a Redis client library: called from Trio, the official `redis` client needs a worker
-thread per call and `coredis` runs through anyio; both cost the router several times the CPU
-of this connection per request at load (docs/performance.md, "Shared limits"). What is left
-to write is the transport (the connection, pipelining, deadlines), which a Trio program owns
-anyway; the protocol's parsing is hiredis's.
+Why not an existing Redis client library: called from Trio, the official `redis` client
+needs a worker thread per call and `coredis` runs through anyio; both cost the router several
+times the CPU of this connection per request at load (docs/performance.md, "Shared limits").
+What is left to write is the transport (the connection, pipelining, deadlines), which a Trio
+program owns anyway; the protocol's parsing is hiredis's.
 
 One connection per replica. A caller takes its place in the line of replies and hands its
 command to the writer in one synchronous step (Redis answers in the order it was asked, so a
 place taken is a command that will be sent); the writer task sends every command handed to it
 since its last send in one write, and the reader task hands each reply to its caller, as many
 as one read brings. A caller that gives up (its deadline) leaves its place; the reply is read
-and dropped. A broken connection fails every waiting caller with `StoreError`; the next call
+and dropped. A broken connection fails every waiting caller with `RedisError`; the next call
 opens a new one.
 """
 
@@ -27,18 +27,20 @@ from urllib.parse import unquote, urlsplit
 import hiredis
 import trio
 
-__all__ = ["RedisConnection", "RedisURL", "StoreError", "encode_command"]
+__all__ = ["RedisConnection", "RedisError", "RedisURL", "encode_command"]
 
 _READ_BYTES = 64 * 1024
 
 
-class StoreError(Exception):
-    """The store cannot answer: not reachable, the connection broke, or it answered an
-    error."""
+class RedisError(Exception):
+    """The Redis server cannot answer: not reachable, the connection broke, or it answered
+    an error."""
 
 
 @dataclass(frozen=True, slots=True)
 class RedisURL:
+    """Where the Redis server is, and how to log in to it."""
+
     host: str
     port: int
     db: int
@@ -137,10 +139,10 @@ class RedisConnection:
                     nursery.cancel_scope.cancel()
         finally:
             self._closed = True
-            self._break(StoreError("the store connection is closed"))
+            self._break(RedisError("the store connection is closed"))
 
     async def call(self, *args: bytes | str | int | float) -> Any:
-        """The reply to one command; StoreError when the store cannot answer (an error reply
+        """The reply to one command; RedisError when the store cannot answer (an error reply
         included). Cancellation (the caller's deadline) leaves the reply to be dropped."""
         stream = self._stream or await self._connect()
         return await self._exchange(stream, [encode_command(*args)])
@@ -167,7 +169,7 @@ class RedisConnection:
         self, stream: trio.SocketStream, data: list[bytes], *, many: bool = False
     ) -> Any:
         if stream is not self._stream:
-            raise StoreError("the store connection broke")
+            raise RedisError("the store connection broke")
         # The place in the line and the command together, with no checkpoint between: a
         # place taken whose command was never sent would pair every later reply with the
         # wrong caller.
@@ -180,7 +182,7 @@ class RedisConnection:
         replies = []
         for waiter in waiters:
             if isinstance(waiter.reply, Exception):
-                raise StoreError(str(waiter.reply)) from None
+                raise RedisError(str(waiter.reply)) from None
             replies.append(waiter.reply)
         return replies if many else replies[0]
 
@@ -188,18 +190,18 @@ class RedisConnection:
         """The open connection, opened (AUTH, SELECT) by the first caller that needs it;
         callers meanwhile wait for it."""
         if self._closed:
-            raise StoreError("the store connection is closed")
+            raise RedisError("the store connection is closed")
         if self._connecting is not None:
             await self._connecting.wait()
             if self._stream is None:
-                raise StoreError(f"cannot connect to the store at {self.url}")
+                raise RedisError(f"cannot connect to the store at {self.url}")
             return self._stream
         self._connecting = connecting = trio.Event()
         try:
             with trio.move_on_after(self._connect_timeout) as timed:
                 stream = await self._open(self.url.host, self.url.port)
             if timed.cancelled_caught:
-                raise StoreError(
+                raise RedisError(
                     f"cannot connect to the store at {self.url}: no answer within "
                     f"{self._connect_timeout:g} s"
                 )
@@ -217,9 +219,9 @@ class RedisConnection:
                 await self._exchange(stream, [encode_command(*c) for c in setup], many=True)
             return stream
         except OSError as exc:
-            raise StoreError(f"cannot connect to the store at {self.url}: {exc}") from None
+            raise RedisError(f"cannot connect to the store at {self.url}: {exc}") from None
         except BaseException:
-            self._break(StoreError("the store connection broke"))
+            self._break(RedisError("the store connection broke"))
             raise
         finally:
             self._connecting = None
@@ -237,11 +239,11 @@ class RedisConnection:
                     await stream.send_all(data)
                 except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
                     self._break(
-                        StoreError(f"cannot send to the store at {self.url}: {exc}"), stream
+                        RedisError(f"cannot send to the store at {self.url}: {exc}"), stream
                     )
                     return
             if sending.cancelled_caught:
-                self._break(StoreError(f"sending to the store at {self.url} timed out"), stream)
+                self._break(RedisError(f"sending to the store at {self.url} timed out"), stream)
                 return
 
     async def _read(self, stream: trio.SocketStream) -> None:
@@ -250,23 +252,23 @@ class RedisConnection:
             while True:
                 data = await stream.receive_some(_READ_BYTES)
                 if not data:
-                    raise StoreError(f"the store at {self.url} closed the connection")
+                    raise RedisError(f"the store at {self.url} closed the connection")
                 reader.feed(bytes(data))
                 while (reply := reader.gets()) is not False:
                     if not self._waiters:
-                        raise StoreError("the store sent a reply nobody asked for")
+                        raise RedisError("the store sent a reply nobody asked for")
                     waiter = self._waiters.popleft()
                     if isinstance(waiter, _Waiter):
                         waiter.reply = reply
                         waiter.done.set()
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-            self._break(StoreError(f"the store connection at {self.url} broke: {exc}"), stream)
-        except StoreError as exc:
+            self._break(RedisError(f"the store connection at {self.url} broke: {exc}"), stream)
+        except RedisError as exc:
             self._break(exc, stream)
         except hiredis.ProtocolError as exc:
-            self._break(StoreError(f"the store at {self.url} sent invalid RESP: {exc}"), stream)
+            self._break(RedisError(f"the store at {self.url} sent invalid RESP: {exc}"), stream)
 
-    def _break(self, error: StoreError, stream: trio.SocketStream | None = None) -> None:
+    def _break(self, error: RedisError, stream: trio.SocketStream | None = None) -> None:
         """Fail every waiting caller and drop the connection (the next call opens one)."""
         current = self._stream
         if stream is not None and current is not stream:
