@@ -105,7 +105,7 @@ async def test_the_head_goes_out_with_what_follows_it() -> None:
 
 async def test_an_engine_body_passes_chunk_by_chunk_its_last_with_the_end() -> None:
     events = [b"data: 1\n\n", b"data: 2\n\n", USAGE]
-    script = [SSE_HEAD, chunk(events[0]), 0.05, chunk(events[1]), 0.05]
+    script: list[bytes | float | None] = [SSE_HEAD, chunk(events[0]), 0.05, chunk(events[1]), 0.05]
     script.append(chunk(events[2]) + b"0\r\n\r\n")  # the last event with the end
     sent = Recorder()
     firsts: list[float] = []
@@ -129,7 +129,13 @@ async def test_an_engine_body_passes_chunk_by_chunk_its_last_with_the_end() -> N
 
 
 async def test_a_rewritten_body_goes_out_rewritten() -> None:
-    script = [SSE_HEAD, chunk(b'{"model":"a"}'), 0.02, chunk(b'{"model":"a"}'), b"0\r\n\r\n"]
+    script: list[bytes | float | None] = [
+        SSE_HEAD,
+        chunk(b'{"model":"a"}'),
+        0.02,
+        chunk(b'{"model":"a"}'),
+        b"0\r\n\r\n",
+    ]
     sent = Recorder()
     async with UpstreamPool(connect_timeout=LIMIT, read_timeout=LIMIT) as pool:
         with trio.fail_after(LIMIT):
@@ -257,7 +263,15 @@ async def ask(port: int) -> trio.SocketStream:
 async def test_a_relayed_body_can_be_followed_by_more_from_elsewhere() -> None:
     """The engine breaks off after two events: the relay raises, the answer stays open, and
     more body (as from a second engine) and the end follow with no seam in the framing."""
-    script = [SSE_HEAD, 0.05, chunk(b"data: 1\n\n"), 0.05, chunk(b"data: 2\n\n"), 0.05, None]
+    script: list[bytes | float | None] = [
+        SSE_HEAD,
+        0.05,
+        chunk(b"data: 1\n\n"),
+        0.05,
+        chunk(b"data: 2\n\n"),
+        0.05,
+        None,
+    ]
     errors: list[Exception] = []
 
     async def step(answer: Answer, pool: UpstreamPool) -> None:
@@ -292,7 +306,13 @@ async def test_a_relayed_body_s_last_read_goes_out_with_the_end() -> None:
     the end of the answer, not before."""
     relayed = trio.Event()
     go = trio.Event()
-    script = [SSE_HEAD, 0.05, chunk(b"data: 1\n\n"), 0.05, chunk(USAGE) + b"0\r\n\r\n"]
+    script: list[bytes | float | None] = [
+        SSE_HEAD,
+        0.05,
+        chunk(b"data: 1\n\n"),
+        0.05,
+        chunk(USAGE) + b"0\r\n\r\n",
+    ]
     tails: list[bytes] = []
 
     async def step(answer: Answer, pool: UpstreamPool) -> None:
@@ -321,7 +341,12 @@ async def test_a_relayed_body_s_last_read_goes_out_with_the_end() -> None:
 async def test_a_head_with_the_body_already_there_goes_out_with_it() -> None:
     """An engine whose head came with its first event: the client gets them together, then
     the rest relayed; the engine's body counted once."""
-    script = [SSE_HEAD + chunk(b"data: 1\n\n"), 0.05, chunk(b"data: 2\n\n"), b"0\r\n\r\n"]
+    script: list[bytes | float | None] = [
+        SSE_HEAD + chunk(b"data: 1\n\n"),
+        0.05,
+        chunk(b"data: 2\n\n"),
+        b"0\r\n\r\n",
+    ]
     sent: list[int] = []
 
     async def step(answer: Answer, pool: UpstreamPool) -> None:

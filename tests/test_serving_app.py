@@ -10,7 +10,7 @@ import dataclasses
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Final
 
 import pytest
@@ -22,7 +22,6 @@ from trio_router._version import __version__
 from trio_router.config import (
     Config,
     DisaggregationConfig,
-    ProbeConfig,
     ProxyConfig,
     ServerConfig,
 )
@@ -35,7 +34,6 @@ from trio_router.http import (
     InvalidRequestError,
     LocalLimitError,
     MalformedResponseError,
-    UpstreamPool,
 )
 from trio_router.metrics import Metrics
 from trio_router.serving.admin import VERSION_RETRY_S, VERSION_TIMEOUT_S

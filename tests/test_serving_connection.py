@@ -451,6 +451,10 @@ class RecordingProtocol:
         self.closings += 1
 
 
+def opened(protocol: RecordingProtocol, connection: Any, nursery: Any) -> RecordingProtocol:
+    return protocol
+
+
 async def test_writes_to_a_reset_or_closed_socket_tell_the_protocol_it_closed() -> None:
     """The write path itself, on a real socket pair: a reset peer and a closed socket are
     reported as closed to the protocol, never raised to the application's send."""
@@ -459,7 +463,7 @@ async def test_writes_to_a_reset_or_closed_socket_tell_the_protocol_it_closed() 
             ours, peer = socket_pair()
             recording = RecordingProtocol()
             settings = connection.ConnectionSettings(terminated=trio.Event(), keep_alive_s=5)
-            conn = connection.ClientConnection(ours, settings, lambda c, n: recording)
+            conn = connection.ClientConnection(ours, settings, partial(opened, recording))
             conn._protocol = recording  # as `run` sets it
             if how == "reset":
                 peer.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))

@@ -73,10 +73,10 @@ class Answer(Protocol):
         on_first: Callable[[float], None] | None = None,
     ) -> bytes:
         """The rest of `response`'s body, passed on as it comes (through `rewrite`, if given);
-        returns the end of it (`tail_of` its last two pieces: where a usage summary is). `on_first(now)`
-        is called when the first bytes pass. Raises the upstream's TransportError (the engine
-        broke off or fell silent, ClientGoneError: the client left), the answer still open.
-        Cancellation leaves it open too."""
+        returns the end of it (`tail_of` its last two pieces: where a usage summary is).
+        `on_first(now)` is called when the first bytes pass. Raises the upstream's
+        TransportError (the engine broke off or fell silent, ClientGoneError: the client
+        left), the answer still open. Cancellation leaves it open too."""
         ...
 
     async def end(self, data: bytes = b"") -> None:

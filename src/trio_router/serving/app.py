@@ -89,9 +89,7 @@ class RouterApp:
             path = scope["path"]
             if (
                 scope["method"] == "POST"
-                and (
-                    path in PROXIED_PATHS or (rt.proxy_unknown_paths and path not in ADMIN_PATHS)
-                )
+                and (path in PROXIED_PATHS or (rt.proxy_unknown_paths and path not in ADMIN_PATHS))
             ) or stored_response_id(scope["method"], path) is not None:
                 if (answer := answer_of(scope)) is not None:
                     await run_exchange(scope, receive, answer, rt)

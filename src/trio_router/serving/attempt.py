@@ -63,7 +63,9 @@ MAX_REFUSAL_BYTES: Final = 64 * 1024  # an engine's 429/503 read whole while a f
 # Response headers of the engine replaced by the router's own (the pool already dropped the
 # hop-by-hop ones). The engine's Date passes through, as a gateway's should; the router dates
 # only the answers it makes itself, or an engine's answer that came without one.
-_REPLACED: Final = frozenset({ENGINE_HEADER, PREFILL_ENGINE_HEADER, MODEL_HEADER, REQUEST_ID_HEADER})
+_REPLACED: Final = frozenset(
+    {ENGINE_HEADER, PREFILL_ENGINE_HEADER, MODEL_HEADER, REQUEST_ID_HEADER}
+)
 _USAGE: Final = re.compile(
     rb'"usage"\s*:\s*\{[^{}]*"prompt_tokens"\s*:\s*(\d+)[^{}]*'
     rb'"completion_tokens"\s*:\s*(\d+)'
@@ -149,7 +151,8 @@ async def attempt(
         body = prepared.body
         if prepared.name_responses:
             body = with_request_id(body, new_response_id(engine))
-    generation, status, failure = engine.generation, None, "cancelled"
+    generation, status = engine.generation, None
+    failure: str | None = "cancelled"
     try:
         async with rt.pool.request(
             engine.url, prepared.method, prepared.target, headers, body
@@ -173,7 +176,9 @@ async def attempt(
         return Answered(engine, status, response.headers, kept)
     except EngineUnreachableError as exc:
         failure = str(exc)
-        services.outliers.report_unreachable(engine, generation, failure, refused=exc.connect_failed)
+        services.outliers.report_unreachable(
+            engine, generation, failure, refused=exc.connect_failed
+        )
         services.metrics.engine_unreachable(engine.name)
         return Unreachable(engine, exc)
     except TransportError as exc:
@@ -276,7 +281,7 @@ class Deliver:
     then its body as it comes (the model's name echoed back as the client asked for it when
     an alias named it), then the end; the usage summary at its end counted."""
 
-    __slots__ = ("_answer", "_record", "_rt", "_asked")
+    __slots__ = ("_answer", "_asked", "_record", "_rt")
 
     def __init__(self, answer: Answer, record: ExchangeRecord, rt: Runtime, asked: str) -> None:
         self._answer, self._record, self._rt, self._asked = answer, record, rt, asked
@@ -285,7 +290,9 @@ class Deliver:
         answer, record = self._answer, self._record
         record.status = response.status
         echo = self._rt.names.echo(self._asked, record.served_model)
-        answer.start(response.status, client_head(response.headers, engine, record, sized=echo is None))
+        answer.start(
+            response.status, client_head(response.headers, engine, record, sized=echo is None)
+        )
         rewrite = None if echo is None else _rewrite(echo.feed)
         on_first = record.first_byte if record.ttfb is None else None
         try:

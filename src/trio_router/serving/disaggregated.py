@@ -109,7 +109,9 @@ async def _prefilled(
     try:
         with trio.move_on_after(timeout):  # the step's own: a wait in the queue is not its fault
             body = prefill_body(prepared.payload)
-            outcome = await attempt(engine, prepared, record, rt, take=take, body=body, prefill=True)
+            outcome = await attempt(
+                engine, prepared, record, rt, take=take, body=body, prefill=True
+            )
     finally:
         metrics.pd_prefill(trio.current_time() - started)
     if outcome is None:

@@ -127,7 +127,9 @@ async def send_json(
     send: Send, status: int, body: bytes, extra: Sequence[tuple[bytes, bytes]] = ()
 ) -> None:
     """A whole JSON answer, dated by the router."""
-    await send({"type": "http.response.start", "status": status, "headers": _json_head(body, extra)})
+    await send(
+        {"type": "http.response.start", "status": status, "headers": _json_head(body, extra)}
+    )
     await send({"type": "http.response.body", "body": body})
 
 

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 from ..errors import NoEngineError, RequestError
 from ..http import EngineUnreachableError
+from ..routing.disaggregation import Roles
 from ..routing.policy import Policy
 from ..table import Engine
 from .attempt import Failed, Outcome, Refused, Take, Unreachable, attempt
-from ..routing.disaggregation import Roles
 from .errors import engine_unreachable
 from .prepared import Prepared
 from .record import ExchangeRecord

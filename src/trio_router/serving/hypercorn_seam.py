@@ -61,8 +61,10 @@ App = Callable[[Scope, Receive, Send], Awaitable[None]]
 TOUCHPOINTS: Final = (
     (
         "hypercorn.protocol.ProtocolWrapper",
-        ("app", "config", "context", "task_group", "state", "ssl", "client", "server", "send")
-        + ("alpn_protocol",),
+        (
+            *("app", "config", "context", "task_group", "state", "ssl", "client", "server"),
+            *("send", "alpn_protocol"),
+        ),
     ),
     ("hypercorn.protocol.ProtocolWrapper.initiate", ("self",)),
     ("hypercorn.protocol.ProtocolWrapper.handle", ("self", "event")),
@@ -125,12 +127,16 @@ class HypercornProtocol:
         state: dict[str, Any],
     ) -> None:
         self._connection = connection
+        # Plain-dict ASGI and our task group where Hypercorn's types name its TypedDicts and
+        # its own task group: the same protocol (TOUCHPOINTS), other static types.
+        asgi: Any = app
+        task_group: Any = tasks
         self._protocol = ProtocolWrapper(
-            app,
+            asgi,
             config,
             context,
-            tasks,
-            state,
+            task_group,
+            hypercorn.typing.ConnectionState(state),
             False,  # plain TCP
             connection.client,
             connection.server,
@@ -277,7 +283,8 @@ async def serve(
         )
         return
     state: dict[str, Any] = {}
-    lifespan = Lifespan(_lifespan_app(app), config, state)
+    lifespan_app: Any = _lifespan_app(app)  # plain-dict ASGI (see HypercornProtocol)
+    lifespan = Lifespan(lifespan_app, config, state)
     context = WorkerContext(None)
     async with trio.open_nursery() as lifespan_nursery:
         await lifespan_nursery.start(lifespan.handle_lifespan)

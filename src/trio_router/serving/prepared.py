@@ -19,14 +19,14 @@ from typing import Any
 from ..asgi import Scope
 from ..errors import BadRequestError, NoEngineError, RequestError, UnknownModelError
 from ..limits.tenants import Tenant
+from ..routing.disaggregation import PD_PATHS
 from ..routing.policy import RequestInfo, request_info
 from ..table import Engine, RoutingTable
-from ..routing.disaggregation import PD_PATHS
+from .admin import missing_model
 from .forms import FORM_PATHS, FormModel
 from .intake import RequestHead
 from .record import ExchangeRecord
 from .runtime import Runtime
-from .admin import missing_model
 from .stored import ResponseNotFoundError, holder, stored_response_id
 
 __all__ = ["Prepared", "for_model", "next_model", "resolve", "with_tokens"]
@@ -119,7 +119,9 @@ async def _read(prepared: Prepared, scope: Scope, rt: Runtime) -> Prepared:
                 f"response {stored!r} is not found: it was not created through this router"
             )
         model = next((m.id for m in pinned.models if m.parent is None), pinned.models[0].id)
-        return dataclasses.replace(prepared, payload={"model": model}, chain=(model,), pinned=pinned)
+        return dataclasses.replace(
+            prepared, payload={"model": model}, chain=(model,), pinned=pinned
+        )
     if path in FORM_PATHS:
         content_type = next((v for k, v in scope["headers"] if k == b"content-type"), None)
         form = await services.parser.form(prepared.body, content_type)

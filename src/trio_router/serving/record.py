@@ -132,7 +132,13 @@ class ExchangeRecord:
         # (which no record of ours shows): about a third of a record's cost.
         access_logger.handle(
             access_logger.makeRecord(
-                access_logger.name, logging.INFO, "", 0, _ACCESS, args, None,
+                access_logger.name,
+                logging.INFO,
+                "",
+                0,
+                _ACCESS,
+                args,
+                None,
                 extra={"fields": fields},
             )
         )

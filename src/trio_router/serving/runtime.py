@@ -28,11 +28,11 @@ from ..kv.local_tokenizer import LocalTokenizer
 from ..limits.local import Limits
 from ..limits.tenants import Tenants
 from ..metrics import Metrics
+from ..routing.disaggregation import Disaggregation
 from ..routing.policy import Policy, make_policy
 from ..table import Engine, RoutingTable
 from ..tracing import Tracing
 from .admission import Admission
-from ..routing.disaggregation import Disaggregation
 from .intake import BodyBudget, BodyParser
 from .names import ModelNames
 from .record import Recording
