@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
+from typing import Final
 
 import pytest
 import trio
@@ -16,13 +17,15 @@ import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trio_router.config import RoutingConfig
+from trio_router.config import RoutingConfig, StatsConfig
 from trio_router.discovery import stats as stats_module
 from trio_router.discovery.stats import parse_vllm_metrics, run_stats_scraper
 from trio_router.http import UpstreamPool
 from trio_router.routing.policy import RequestInfo, make_policy
 from trio_router.table import NO_STATS, Engine, EngineState, Model, RequestStats, RoutingTable
 from trio_router.testing.fake_network import FakeNetwork, FakeReply, FakeRequest, Handler
+
+STATS: Final = StatsConfig(interval_s=5.0, timeout_s=2.0)
 
 FIXTURE = (Path(__file__).parent / "fixtures" / "vllm_metrics.txt").read_text()
 KEYS = {"running", "waiting", "kv_cache_usage", "prefix_cache_hits", "prefix_cache_queries"}
@@ -234,8 +237,7 @@ async def test_scraper_stores_fresh_gauges_every_interval(
                 engine,
                 table,
                 client,
-                interval=5.0,
-                timeout=2.0,
+                STATS,
                 generation=0,
                 headers=lambda: [(b"authorization", b"Bearer engine-key")],
             )
@@ -269,11 +271,7 @@ async def test_scraper_skips_an_engine_that_is_not_routable(
     table = RoutingTable()
     table.put(engine)
     async with engine_pool(fake) as (client, _network), trio.open_nursery() as nursery:
-        nursery.start_soon(
-            partial(
-                run_stats_scraper, engine, table, client, interval=5.0, timeout=2.0, generation=0
-            )
-        )
+        nursery.start_soon(partial(run_stats_scraper, engine, table, client, STATS, generation=0))
         await trio.sleep(1)
         assert len(fake.requests) == 1
         table.mark_failed(engine.uid, 0, "probe failed", eject=True)
@@ -290,11 +288,7 @@ async def test_scraper_deadline_failures_and_expiry(autojump_clock: trio.testing
     table = RoutingTable()
     table.put(engine)
     async with engine_pool(fake) as (client, _network), trio.open_nursery() as nursery:
-        nursery.start_soon(
-            partial(
-                run_stats_scraper, engine, table, client, interval=5.0, timeout=2.0, generation=0
-            )
-        )
+        nursery.start_soon(partial(run_stats_scraper, engine, table, client, STATS, generation=0))
         await trio.sleep(1)
         scraped_at = engine.stats.scraped_at
         fake.mode = "hang"  # every later scrape hits its 2 s deadline
@@ -324,7 +318,7 @@ async def test_scraper_ignores_an_oversized_body(
     table.put(engine)
     async with engine_pool(fake) as (client, _network):
         with trio.move_on_after(1):
-            await run_stats_scraper(engine, table, client, interval=5.0, timeout=2.0, generation=0)
+            await run_stats_scraper(engine, table, client, STATS, generation=0)
     assert fake.requests and engine.stats is NO_STATS
 
 
@@ -343,8 +337,7 @@ async def test_scraper_ends_when_its_entry_is_gone_or_newer(
                         engine,
                         table,
                         client,
-                        interval=5.0,
-                        timeout=2.0,
+                        STATS,
                         generation=0,
                     )
                 )
@@ -367,8 +360,7 @@ async def test_scraper_ends_when_its_entry_is_gone_or_newer(
                         other,
                         table,
                         client,
-                        interval=5.0,
-                        timeout=2.0,
+                        STATS,
                         generation=0,
                     )
                 )
@@ -380,9 +372,8 @@ async def test_scraper_ends_when_its_entry_is_gone_or_newer(
 async def test_scraper_is_disabled_by_a_zero_interval() -> None:
     async with engine_pool(FakeMetrics()) as (client, _network):
         with trio.fail_after(1):
-            await run_stats_scraper(
-                routable_engine(), RoutingTable(), client, interval=0, timeout=1.0, generation=0
-            )
+            stats = StatsConfig(interval_s=0, timeout_s=1.0)
+            await run_stats_scraper(routable_engine(), RoutingTable(), client, stats, generation=0)
 
 
 async def test_least_loaded_follows_scraped_queues(autojump_clock: trio.testing.MockClock) -> None:
@@ -408,8 +399,7 @@ async def test_least_loaded_follows_scraped_queues(autojump_clock: trio.testing.
                     engine,
                     table,
                     client,
-                    interval=5.0,
-                    timeout=2.0,
+                    STATS,
                     generation=0,
                 )
             )

@@ -247,7 +247,11 @@ async def served(step: AppStep) -> AsyncIterator[int]:
     ):
         urls = await nursery.start(
             partial(
-                hypercorn_seam.serve, app, config, shutdown_trigger=trio.sleep_forever, relay=relay
+                hypercorn_seam.serve,
+                app,
+                config,
+                shutdown_trigger=trio.sleep_forever,
+                options=hypercorn_seam.ServeOptions(relay=relay),
             )
         )
         yield int(urls[0].rsplit(":", 1)[1])

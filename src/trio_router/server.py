@@ -156,8 +156,7 @@ class EngineWork:
                 engine,
                 table,
                 pool,
-                interval=stats.interval_s,
-                timeout=stats.timeout_s,
+                stats,
                 generation=generation,
                 headers=prober.headers,
                 on_change=admission.load_changed,
@@ -514,10 +513,12 @@ async def run(
             router.app,
             hconfig,
             shutdown_trigger=stop.wait,
-            max_connections=config.server.max_connections,
-            write_timeout=config.server.write_timeout_s,
-            relay=router.relay,
-            drain_s=lambda: router.config.server.drain_s,
+            options=hypercorn_seam.ServeOptions(
+                max_connections=config.server.max_connections,
+                write_timeout_s=config.server.write_timeout_s,
+                relay=router.relay,
+                drain_s=lambda: router.config.server.drain_s,
+            ),
             task_status=task_status,
         )
         logger.info("server stopped; stopping discovery and probes")

@@ -18,6 +18,7 @@ from typing import Final
 import trio
 
 from ..asgi import jittered
+from ..config import StatsConfig
 from ..http import TransportError, UpstreamPool, fetch
 from ..table import NO_STATS, Engine, EngineStats, RoutingTable
 
@@ -99,27 +100,27 @@ async def run_stats_scraper(
     engine: Engine,
     table: RoutingTable,
     pool: UpstreamPool,
+    stats: StatsConfig,
     *,
-    interval: float,
-    timeout: float,  # noqa: ASYNC109 (per scrape)
     generation: int,
     headers: Callable[[], list[tuple[bytes, bytes]]] = list,
     on_change: Callable[[Engine], None] | None = None,
 ) -> None:
-    """Scrape `engine`'s /metrics about every `interval` seconds (±10% jitter) while it is
-    routable, over `pool` (the engine's own connections, kept alive between scrapes), and
-    store its gauges in `engine.stats`, believed for 3 * `interval`. An engine that is not
+    """Scrape `engine`'s /metrics about every `stats.interval_s` seconds (±10% jitter) while
+    it is routable, over `pool` (the engine's own connections, kept alive between scrapes),
+    and store its gauges in `engine.stats`, believed for 3 intervals. An engine that is not
     routable is not scraped: its figures would route nothing, and a hanging engine would
-    cost a connection per scrape. `headers()` gives the
-    request's headers (the engine API key); `on_change(engine)` is called after each stored
-    result (admission checks saturation). Each scrape has the hard deadline `timeout`
-    (connect, headers and the whole body): a deadline per scrape, not a bound on this
-    function. A result is stored only if `table.current(engine.uid, generation)` is still
-    `engine` after the await; once it is not (the engine was removed or must be probed
-    afresh), this returns, and the supervisor starts a new scraper for the new generation.
-    Failed scrapes store nothing; figures older than 3 * `interval` are cleared. Runs until
-    cancelled (the engine's supervisor scope: DELETED stops it); cancellation abandons the
-    scrape in progress and closes its connection. Returns at once if `interval` <= 0."""
+    cost a connection per scrape. `headers()` gives the request's headers (the engine API
+    key); `on_change(engine)` is called after each stored result (admission checks
+    saturation). Each scrape has the hard deadline `stats.timeout_s` (connect, headers and
+    the whole body): a deadline per scrape, not a bound on this function. A result is stored
+    only if `table.current(engine.uid, generation)` is still `engine` after the await; once
+    it is not (the engine was removed or must be probed afresh), this returns, and the
+    supervisor starts a new scraper for the new generation. Failed scrapes store nothing;
+    figures older than 3 intervals are cleared. Runs until cancelled (the engine's
+    supervisor scope: DELETED stops it); cancellation abandons the scrape in progress and
+    closes its connection. Returns at once if the interval is 0."""
+    interval, timeout = stats.interval_s, stats.timeout_s
     if interval <= 0:
         return
     stale_after = STALE_INTERVALS * interval

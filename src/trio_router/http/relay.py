@@ -9,6 +9,7 @@ import os
 import select
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass
 from typing import Final, Protocol
 
 import trio
@@ -72,6 +73,7 @@ class Relay:
         self._epoll = select.epoll()
         self._by_fd: dict[int, _Relayed] = {}  # engine sockets, and client sockets being waited on
         self._streams: set[_Relayed] = set()
+        self._shared = _Shared(self._epoll, self._by_fd, self._streams)
         self._streams_changed = trio.Event()
         self.relayed = 0  # streams handed over in all; for metrics and tests
         self.passes = 0  # passes over the ready sockets; for tests
@@ -99,11 +101,9 @@ class Relay:
         ClientGoneError, EngineTimeoutError or EngineBrokeOffError (then the client's response
         cannot be ended cleanly). Cancellation takes the stream out of the relay at once."""
         stream = _Relayed(
+            self._shared,
             response.relay_source(),
             client,
-            epoll=self._epoll,
-            by_fd=self._by_fd,
-            streams=self._streams,
             write_timeout=self.write_timeout,
             hold_last=hold_last,
             on_first=on_first,
@@ -173,6 +173,15 @@ async def open_relay(*, write_timeout: float = math.inf) -> AsyncIterator[Relay]
         relay.close()
 
 
+@dataclass(frozen=True, slots=True)
+class _Shared:
+    """What a relay's streams share: its epoll set, its fd -> stream map, its streams."""
+
+    epoll: select.epoll
+    by_fd: dict[int, _Relayed]
+    streams: set[_Relayed]
+
+
 class _Relayed:
     """One stream in a `Relay`: the engine's side (socket, parser), the client's socket, and
     the bytes read but not yet written."""
@@ -204,19 +213,17 @@ class _Relayed:
 
     def __init__(
         self,
+        shared: _Shared,
         source: RelaySource,
         client: RelayTarget,
         *,
-        epoll: select.epoll,
-        by_fd: dict[int, _Relayed],
-        streams: set[_Relayed],
         write_timeout: float,
         hold_last: bool = False,
         on_first: Callable[[float], None] | None = None,
     ) -> None:
         # The relay's epoll set, its fd -> stream map and its set of streams, shared by its
         # streams (each registers and unregisters its own sockets there).
-        self._epoll, self._by_fd, self._streams = epoll, by_fd, streams
+        self._epoll, self._by_fd, self._streams = shared.epoll, shared.by_fd, shared.streams
         self._write_timeout = write_timeout
         self._hold_last = hold_last
         self._on_first = on_first

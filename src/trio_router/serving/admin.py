@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
 import msgspec
@@ -18,13 +18,47 @@ from ..errors import AuthError, NoEngineError, RequestError, UnknownModelError
 from ..metrics import CONTENT_TYPE, Metrics
 from ..table import Engine, RoutingTable
 from .errors import REQUEST_ID_HEADER, error_body, error_response, http_date, send_json
+from .forms import FORM_PATHS
 from .names import ModelNames
 
-__all__ = ["ADMIN_PATHS", "UNAUTHENTICATED_PATHS", "AdminEndpoints", "missing_model"]
+__all__ = [
+    "ADMIN_PATHS",
+    "PROXIED_PATHS",
+    "UNAUTHENTICATED_PATHS",
+    "AdminEndpoints",
+    "missing_model",
+]
 
 logger = logging.getLogger(__name__)
 
 ADMIN_PATHS: Final = frozenset({"/v1/models", "/engines", "/health", "/metrics", "/version"})
+# The POST endpoints routed by the model their body names (JSON, or a form for audio). Also
+# routed: GET /v1/responses/{id} and POST /v1/responses/{id}/cancel, to the engine that holds
+# the response (`stored`).
+PROXIED_PATHS: Final = FORM_PATHS | frozenset(
+    {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/embeddings",
+        "/v1/responses",
+        "/tokenize",
+        "/detokenize",
+        "/v1/rerank",
+        "/rerank",
+        "/v1/score",
+        "/score",
+        "/v1/messages",  # the Anthropic Messages API
+        "/v1/messages/count_tokens",
+        "/invocations",  # SageMaker
+        "/pooling",
+        "/classify",
+        "/v2/rerank",
+        "/v1/chat/completions/render",
+        "/v1/completions/render",
+        "/v1/messages/render",
+    }
+)
+
 # As vLLM's own server: only its /v1 paths ask for the key.
 UNAUTHENTICATED_PATHS: Final = frozenset({"/health", "/metrics", "/version"})
 VERSION_TIMEOUT_S: Final = 2.0  # GET /version waits this long for the engines' versions
@@ -57,14 +91,12 @@ class AdminEndpoints:
         metrics: Metrics,
         health: Callable[[], tuple[bool, str, str]],
         *,
-        proxied: Collection[str],
         authenticate: Callable[[bytes | None], object],
         new_request_id: Callable[[], bytes],
         names: Callable[[], ModelNames],
         version_of: VersionOf,
     ) -> None:
         self._table, self._metrics, self._health = table, metrics, health
-        self._proxied = proxied
         self._authenticate = authenticate  # raises AuthError
         self._new_request_id = new_request_id
         self._names = names
@@ -86,7 +118,7 @@ class AdminEndpoints:
             request_id = self._new_request_id()
         rid = ((REQUEST_ID_HEADER, request_id),)
         model_id = path.removeprefix("/v1/models/") if path.startswith("/v1/models/") else None
-        if path in self._proxied:
+        if path in PROXIED_PATHS:
             await self._wrong_method(send, path, b"POST", rid)
         elif path not in ADMIN_PATHS and not model_id:
             body = error_body(

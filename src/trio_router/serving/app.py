@@ -21,11 +21,10 @@ from ..asgi import Receive, Scope, Send, answer_lifespan
 from ..http import TransportError, fetch
 from ..limits.tenants import Tenant
 from ..table import Engine
-from .admin import ADMIN_PATHS, AdminEndpoints
+from .admin import ADMIN_PATHS, PROXIED_PATHS, AdminEndpoints
 from .answer import answer_of, open_asgi_answer
 from .errors import error_body
 from .exchange import run_exchange
-from .forms import FORM_PATHS
 from .names import ModelNames
 from .runtime import Runtime
 from .stored import stored_response_id
@@ -33,33 +32,6 @@ from .stored import stored_response_id
 __all__ = ["PROXIED_PATHS", "RouterApp"]
 
 logger = logging.getLogger(__name__)
-
-# The POST endpoints routed by the model their body names (JSON, or a form for audio). Also
-# routed: GET /v1/responses/{id} and POST /v1/responses/{id}/cancel, to the engine that holds
-# the response (`stored`).
-PROXIED_PATHS: Final = FORM_PATHS | frozenset(
-    {
-        "/v1/chat/completions",
-        "/v1/completions",
-        "/v1/embeddings",
-        "/v1/responses",
-        "/tokenize",
-        "/detokenize",
-        "/v1/rerank",
-        "/rerank",
-        "/v1/score",
-        "/score",
-        "/v1/messages",  # the Anthropic Messages API
-        "/v1/messages/count_tokens",
-        "/invocations",  # SageMaker
-        "/pooling",
-        "/classify",
-        "/v2/rerank",
-        "/v1/chat/completions/render",
-        "/v1/completions/render",
-        "/v1/messages/render",
-    }
-)
 
 VERSION_MAX_BYTES: Final = 4096
 
@@ -75,7 +47,6 @@ class RouterApp:
             services.table,
             services.metrics,
             health,
-            proxied=PROXIED_PATHS,
             authenticate=self._authenticate,
             new_request_id=services.new_request_id,
             names=self._names,

@@ -30,6 +30,7 @@ import inspect
 import logging
 import math
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Final
 
@@ -51,7 +52,7 @@ from .connection import (
     DrainingListener,
 )
 
-__all__ = ["TOUCHPOINTS", "HypercornProtocol", "RequestTasks", "fits", "serve"]
+__all__ = ["TOUCHPOINTS", "HypercornProtocol", "RequestTasks", "ServeOptions", "fits", "serve"]
 
 logger = logging.getLogger(__name__)
 
@@ -249,25 +250,33 @@ def _listeners(
     return listeners, binds
 
 
+@dataclass(frozen=True, slots=True)
+class ServeOptions:
+    """What trio_router's server adds to Hypercorn's config."""
+
+    max_connections: int = 0  # open at once (0: no bound); beyond, the listen backlog
+    write_timeout_s: float = math.inf  # a client taking nothing this long is dropped
+    relay: Relay | None = None  # engine bodies relayed to HTTP/1.1 clients
+    drain_s: Callable[[], float] | None = None  # the drain, read when it starts
+
+
 async def serve(
     app: App,
     config: hypercorn.config.Config,
     *,
     shutdown_trigger: Callable[[], Awaitable[None]],
-    max_connections: int = 0,
-    write_timeout: float = math.inf,
-    relay: Relay | None = None,
-    drain_s: Callable[[], float] | None = None,
+    options: ServeOptions = ServeOptions(),
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the ASGI `app` as `hypercorn.trio.serve(app, config, ...)` does (lifespan,
     HTTP/1.1 and HTTP/2, graceful shutdown: `shutdown_trigger` returning starts it, and
-    in-flight requests get `drain_s()` seconds, read then, or `config.graceful_timeout`), each
-    connection a `ClientConnection`: at most `max_connections` open at once (0: no bound;
-    beyond it, new connections wait in the listen backlog of `config.backlog`), client writes
-    bounded by `write_timeout`, engine bodies relayed by `relay`. Started (with the bound URLs)
-    once it accepts connections. On a Hypercorn that does not fit, `hypercorn.trio.serve`
-    serves instead, with a warning."""
+    in-flight requests get `options.drain_s()` seconds, read then, or
+    `config.graceful_timeout`), each connection a `ClientConnection`: at most
+    `options.max_connections` open at once (beyond it, new connections wait in the listen
+    backlog of `config.backlog`), client writes bounded by `options.write_timeout_s`, engine
+    bodies relayed by `options.relay`. Started (with the bound URLs) once it accepts
+    connections. On a Hypercorn that does not fit, `hypercorn.trio.serve` serves instead,
+    with a warning."""
     if misfits := fits():
         logger.warning(
             "this Hypercorn (%s) is not the one trio_router's connections were written for "
@@ -289,13 +298,14 @@ async def serve(
     async with trio.open_nursery() as lifespan_nursery:
         await lifespan_nursery.start(lifespan.handle_lifespan)
         await lifespan.wait_for_startup()
-        slots = trio.Semaphore(max_connections) if max_connections > 0 else None
+        bound = options.max_connections
+        slots = trio.Semaphore(bound) if bound > 0 else None
         settings = ConnectionSettings(
             terminated=context.terminated,
             keep_alive_s=config.keep_alive_timeout,
-            write_timeout_s=write_timeout,
+            write_timeout_s=options.write_timeout_s,
             read_timeout_s=config.read_timeout,
-            relay=relay,
+            relay=options.relay,
             slots=slots,
         )
         shared = dict(state)  # what the lifespan left there, for every request's scope
@@ -325,6 +335,7 @@ async def serve(
                     nursery.cancel_scope.cancel(reason="shutting down: no new connections")
             finally:
                 await context.terminated.set()
+                drain_s = options.drain_s
                 drain = drain_s() if drain_s is not None else config.graceful_timeout
                 server_nursery.cancel_scope.deadline = trio.current_time() + drain
         await lifespan.wait_for_shutdown()
