@@ -695,3 +695,39 @@ async def test_nothing_stays_held_past_the_end_of_a_response(
         assert (await paused_at(stream, "/held/none")).startswith(b"HTTP/1.1 200 OK\r\n")
         HELD_GO[0].set()
         assert await stream.receive_some() == b"body"
+
+
+async def test_what_the_lifespan_stores_in_its_state_every_request_sees() -> None:
+    """ASGI's lifespan state: what the app stores at startup is in each request's
+    `scope["state"]` (a copy per request)."""
+    seen: list[Any] = []
+
+    async def stateful(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                scope["state"]["pool"] = "opened at startup"
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        seen.append(dict(scope["state"]))
+        scope["state"]["pool"] = "changed by a request"
+        headers = [(b"content-length", b"0")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": b""})
+
+    config = hypercorn.config.Config()
+    config.bind = ["127.0.0.1:0"]
+    config.accesslog = None
+    config.errorlog = logging.getLogger("test_connection.hypercorn")
+    with trio.fail_after(LIMIT):
+        async with trio.open_nursery() as nursery:
+            urls = await nursery.start(
+                partial(hypercorn_seam.serve, stateful, config, shutdown_trigger=trio.sleep_forever)
+            )
+            client = await trio.open_tcp_stream("127.0.0.1", int(urls[0].rsplit(":", 1)[1]))
+            async with client:
+                for _ in range(2):
+                    await request(client, "/")
+                    assert (await read_response(client))[0].startswith(b"HTTP/1.1 200")
+            nursery.cancel_scope.cancel()
+    assert seen == [{"pool": "opened at startup"}] * 2
