@@ -731,3 +731,22 @@ async def test_what_the_lifespan_stores_in_its_state_every_request_sees() -> Non
                     assert (await read_response(client))[0].startswith(b"HTTP/1.1 200")
             nursery.cancel_scope.cancel()
     assert seen == [{"pool": "opened at startup"}] * 2
+
+
+async def test_a_client_gone_before_its_connection_is_served_costs_nothing() -> None:
+    """A client that resets its connection before the server gets to it (its address can no
+    longer be read): the connection ends quietly, its socket closed and its slot given back;
+    nothing reaches the server's other connections."""
+    with trio.fail_after(LIMIT):
+        ours, peer = socket_pair()
+        peer.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        await peer.aclose()
+        await trio.sleep(0.05)  # the reset has arrived
+        slots = trio.Semaphore(1)
+        await slots.acquire()
+        recording = RecordingProtocol()
+        settings = connection.ConnectionSettings(
+            terminated=trio.Event(), keep_alive_s=5, slots=slots
+        )
+        await connection.ClientConnection(ours, settings, partial(opened, recording)).run()
+        assert slots.value == 1 and ours.socket.fileno() == -1

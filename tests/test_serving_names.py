@@ -197,6 +197,25 @@ async def test_engines_that_all_refuse_send_the_request_to_the_fallback() -> Non
     assert last.headers[ENGINE_HEADER] == router.engine_urls[2].removeprefix("http://")
 
 
+async def test_an_engine_that_keeps_refusing_is_ejected_though_a_fallback_took_its_requests() -> (
+    None
+):
+    """A refusal (503, with `proxy.eject_on_5xx`) is the engine's answer for its health, as any
+    other: two in a row eject it (`eject_after_failures` = 2), although a fallback model took
+    both requests."""
+    big = [FakeEngine(name=f"big{i}", models=["big-model"]) for i in range(2)]
+    big[0].inference_fail_status = 503
+    proxy = {"eject_on_5xx": True, "eject_after_failures": 2, "max_ejected_percent": 100}
+    with trio.fail_after(LIMIT):
+        async with fallback_router([*big, FakeEngine(name="small")], proxy=proxy) as router:
+            big[1].inference_fail_status = 503
+            for _ in range(2):  # each goes to both big engines, then to the fallback
+                response = await router.client.post(CHAT, json=chat("big-model"))
+                assert response.headers[MODEL_HEADER] == "fake-model"
+            routable = {e.name for e in router.table.routable("big-model")}
+    assert routable == set()  # both ejected by their refusals
+
+
 async def test_without_fallbacks_an_engines_refusal_is_the_answer() -> None:
     engines = [FakeEngine(name=f"e{i}") for i in range(2)]
     for engine in engines:

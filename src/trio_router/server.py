@@ -52,7 +52,7 @@ from .serving.admission import Admission
 from .serving.app import RouterApp
 from .serving.exchange import request_ids
 from .serving.intake import BodyBudget, BodyParser
-from .serving.reload import ReloadOutcome, plan
+from .serving.reload import ReloadOutcome, log_applied, plan
 from .serving.runtime import Runtime, Services, build_runtime
 from .serving.tokens import Tokenizer
 from .table import Engine, RoutingTable
@@ -200,6 +200,7 @@ class Router:
         retired_pool, unsubscribe = runtime.retired(previous)
         if unsubscribe is not None:
             unsubscribe()
+        log_applied(outcome)
         return outcome, retired_pool
 
     async def reload(self, load: Callable[[], Config]) -> ReloadOutcome:

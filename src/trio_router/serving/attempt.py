@@ -134,7 +134,8 @@ async def attempt(
     """One attempt at `engine` (its admission slot held; given back here): `prepared` sent
     (with `body` instead of its own, if given), the answer handed to `take` (see the module's
     docstring). `prefill`: the prefill step of a disaggregated request (its span is attempt
-    0, any answer but 200 or a 4xx fails the engine, and a 429 or 503 is never a refusal).
+    0, any answer but 200 or a 4xx fails the engine, a 200 is left for the step to judge, a
+    429 or 503 is never a refusal, and an unreachable engine is not counted as a request's).
     Cancellation propagates, the slot given back and the span ended."""
     services, tracing = rt.services, rt.services.tracing
     headers, span = prepared.headers, None
@@ -162,6 +163,7 @@ async def attempt(
                 what = f"engine {engine.name}'s {status} answer"
                 refused = await read_whole(response, MAX_REFUSAL_BYTES, what)
                 failure = None
+                _answered(engine, generation, status, record, rt, prefill=False)
                 logger.info(
                     "request %s for %s: engine %s answered %d; a fallback model is left",
                     record.request_id_text,
@@ -179,7 +181,8 @@ async def attempt(
         services.outliers.report_unreachable(
             engine, generation, failure, refused=exc.connect_failed
         )
-        services.metrics.engine_unreachable(engine.name)
+        if not prefill:
+            services.metrics.engine_unreachable(engine.name)
         return Unreachable(engine, exc)
     except TransportError as exc:
         failure = str(exc)
@@ -202,10 +205,10 @@ def _answered(
 ) -> None:
     """An answer came whole: the engine's figures and health."""
     outliers = rt.services.outliers
-    if prefill:
-        if status == 200 or 400 <= status < 500:  # a 4xx is the request's fault, not its
+    if prefill:  # a 200 is judged by the step, once it has read its parameters
+        if 400 <= status < 500:  # the request's fault, not the engine's
             outliers.request_succeeded(engine)
-        else:
+        elif status != 200:
             outliers.request_failed(engine, generation, f"prefill: answered {status}")
         return
     engine.requests.record(record.ttfb, trio.current_time() - record.started, ok=status < 500)

@@ -119,16 +119,20 @@ class ClientConnection:
         self._nursery: trio.Nursery | None = None  # the connection's: requests and its timer
         self._timer = trio.CancelScope()
         self._timer_running = self._timer_closed = self._idle = False
-        sock = self._socket
-        self.client = address_of(sock.family, sock.getpeername())
-        self.server = address_of(sock.family, sock.getsockname())
+        self.client: tuple[str, int] | None = None  # the peer's address, once it runs
+        self.server: tuple[str, int] | None = None
 
     def fileno(self) -> int:
         """The socket's descriptor, -1 once it is closed (a relay's write target)."""
         return self._socket.fileno()
 
     async def run(self) -> None:
+        """Serve the connection to its end, however it ends (a client gone before it is
+        served, a reset: OSError), its socket closed and its slot given back."""
         try:
+            sock = self._socket
+            self.client = address_of(sock.family, sock.getpeername())
+            self.server = address_of(sock.family, sock.getsockname())
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 protocol = self._protocol = self._open_protocol(self, nursery)

@@ -88,6 +88,7 @@ async def _prefilled(
     itself (no prefill engine free, the step failed, or its answer had no parameters; each
     counted as a fallback); or the prefill engine's 4xx answer (`Refused`), the client's."""
     metrics, timeout = rt.services.metrics, pd.config.prefill_timeout_s
+    body = prefill_body(prepared.payload)  # before a slot is held: nothing here to give back
     engine: Engine | Failed | None = None
     with trio.move_on_after(timeout):  # the wait for a prefill engine
         route = Route(pd.prefill_policy, _prefill, phase="prefill")
@@ -108,7 +109,6 @@ async def _prefilled(
     take = read_answer(MAX_PREFILL_ANSWER_BYTES, "prefill engine")
     try:
         with trio.move_on_after(timeout):  # the step's own: a wait in the queue is not its fault
-            body = prefill_body(prepared.payload)
             outcome = await attempt(
                 engine, prepared, record, rt, take=take, body=body, prefill=True
             )
@@ -127,6 +127,7 @@ async def _prefilled(
         elif (params := transfer_params(outcome.body)) is None:
             failure, reason = "no kv_transfer_params in its answer", "missing_params"
         else:
+            rt.services.outliers.request_succeeded(engine)
             record.prefill_engine = engine.name
             return decode_body(prepared.payload, params)
     elif isinstance(outcome, Unreachable):

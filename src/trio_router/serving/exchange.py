@@ -71,7 +71,6 @@ async def run_exchange(scope: Scope, receive: Receive, answer: Answer, rt: Runti
         held.release()
         for ticket in tickets:
             rt.services.limits.leave(ticket)
-        record.sent = answer.sent
         record.finish()
 
 
@@ -101,6 +100,7 @@ async def _serve(
             held=held,
         )
     except RequestError as exc:  # before the body was read: the connection cannot go on
+        held.release()
         await _error(answer, record, exc, close=True)
         return
     if body is None:
@@ -165,6 +165,7 @@ async def _answer(outcome: Outcome, answer: Answer, record: ExchangeRecord) -> N
         record.status = outcome.status
         answer.start(outcome.status, client_head(outcome.headers, outcome.engine, record))
         await answer.end(outcome.body)
+        record.sent = answer.sent
     elif isinstance(outcome, Failed):
         if outcome.error is None:
             record.status = CLIENT_CLOSED

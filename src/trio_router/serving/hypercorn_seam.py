@@ -215,10 +215,12 @@ async def _run_app(
     except trio.Cancelled:
         raise
     except BaseExceptionGroup as error:
-        _, others = error.split(trio.Cancelled)
+        cancelled, others = error.split(trio.Cancelled)
         if others is None:
             raise
         logger.error("error in the ASGI app", exc_info=others)
+        if cancelled is not None:
+            raise cancelled from None
     except Exception:
         logger.exception("error in the ASGI app")
     finally:

@@ -99,8 +99,7 @@ async def resolve(
         index=0,
         info=RequestInfo(model=""),
     )
-    prepared = await _read(prepared, scope, rt)
-    record.model = prepared.payload["model"]
+    prepared = await _read(prepared, scope, rt, record)
     index = next_model(rt.services.table, prepared, -1)
     if index is None:
         raise _missing(prepared, rt, record)
@@ -109,8 +108,9 @@ async def resolve(
     return await for_model(prepared, index, rt, record)
 
 
-async def _read(prepared: Prepared, scope: Scope, rt: Runtime) -> Prepared:
-    """`prepared` with what routing reads of its body and the models to try."""
+async def _read(prepared: Prepared, scope: Scope, rt: Runtime, record: ExchangeRecord) -> Prepared:
+    """`prepared` with what routing reads of its body and the models to try (the model the
+    client asked for recorded)."""
     services, path = rt.services, prepared.path
     if (stored := stored_response_id(scope["method"], path)) is not None:
         pinned = holder(services.table, stored)
@@ -119,6 +119,7 @@ async def _read(prepared: Prepared, scope: Scope, rt: Runtime) -> Prepared:
                 f"response {stored!r} is not found: it was not created through this router"
             )
         model = next((m.id for m in pinned.models if m.parent is None), pinned.models[0].id)
+        record.model = model
         return dataclasses.replace(
             prepared, payload={"model": model}, chain=(model,), pinned=pinned
         )
@@ -130,6 +131,7 @@ async def _read(prepared: Prepared, scope: Scope, rt: Runtime) -> Prepared:
     else:
         model_only = not (rt.needs_request_info or rt.disaggregation is not None)
         payload = await services.parser.parse(prepared.body, model_only=model_only)
+    record.model = payload["model"]
     chain = rt.names.chain(payload["model"])
     prepared = dataclasses.replace(prepared, payload=payload, chain=chain)
     if path != "/v1/responses":

@@ -18,7 +18,14 @@ from typing import Final
 
 from ..config import Config
 
-__all__ = ["LIVE_SECTIONS", "RESTART_SECTIONS", "SERVER_RESTART_KEYS", "ReloadOutcome", "plan"]
+__all__ = [
+    "LIVE_SECTIONS",
+    "RESTART_SECTIONS",
+    "SERVER_RESTART_KEYS",
+    "ReloadOutcome",
+    "log_applied",
+    "plan",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +59,8 @@ class ReloadOutcome:
 
 def plan(running: Config, new: Config) -> tuple[Config, ReloadOutcome]:
     """The config to apply for `new` while `running` runs (what needs a restart kept as it
-    runs), and the outcome to report; the changes are logged."""
+    runs), and the outcome to report; the changes that need a restart are logged
+    (`log_applied` says what was applied, once it is)."""
     restart = [
         f"server.{key} ({getattr(running.server, key)} -> {getattr(new.server, key)})"
         for key in SERVER_RESTART_KEYS
@@ -80,8 +88,12 @@ def plan(running: Config, new: Config) -> tuple[Config, ReloadOutcome]:
             "config reload: %s changed, which needs a restart; ignored until then",
             ", ".join(restart),
         )
-    if applied:
-        logger.warning("config reload applied: %s", ", ".join(applied))
-    elif not restart:
-        logger.warning("config reload: nothing changed")
     return effective, ReloadOutcome(applied=applied, needs_restart=tuple(restart))
+
+
+def log_applied(outcome: ReloadOutcome) -> None:
+    """Say what a reload applied, once it has."""
+    if outcome.applied:
+        logger.warning("config reload applied: %s", ", ".join(outcome.applied))
+    elif not outcome.needs_restart:
+        logger.warning("config reload: nothing changed")
