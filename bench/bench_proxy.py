@@ -16,7 +16,7 @@ generator in its own process). Scenarios, each for --duration seconds after a sh
   others 5 ms apart, each its own chunk, so the router forwards each one on its own (the
   per-event cost, which the relay keeps low for HTTP/1.1 clients)
 - baseline: Hypercorn's trio worker serving a fixed answer (no proxying), for comparison, once
-  as released and once with trio_router's connection class (`connection.KeepAliveConnection`)
+  as released and once on trio_router's own connections (`hypercorn_seam.serve`)
 
 Router CPU is utime+stime of its process from /proc/<pid>/stat, divided by the requests
 completed. `--profile` runs the router under cProfile for the chat and stream64 scenarios and
@@ -196,10 +196,10 @@ async def _serve_baseline(kind: str) -> None:
     import hypercorn.config
     import hypercorn.trio
 
-    from trio_router.serving import hypercorn_seam as connection
+    from trio_router.serving import hypercorn_seam
 
-    # "lean": Hypercorn with trio_router's connection class, nothing else of it.
-    serve = connection.serve if kind == "lean" else hypercorn.trio.serve
+    # "lean": Hypercorn's protocols on trio_router's connections, nothing else of it.
+    serve = hypercorn_seam.serve if kind == "lean" else hypercorn.trio.serve
     config = hypercorn.config.Config()
     config.bind = ["127.0.0.1:0"]
     config.accesslog = None

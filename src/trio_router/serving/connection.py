@@ -152,8 +152,11 @@ class ClientConnection:
         try:
             while True:
                 try:
-                    with trio.fail_after(read_timeout if read_timeout is not None else math.inf):
+                    if read_timeout is None:  # no cancel scope per read when unbounded
                         data = await receive_some(MAX_RECV)
+                    else:
+                        with trio.fail_after(read_timeout):
+                            data = await receive_some(MAX_RECV)
                 except (trio.ClosedResourceError, trio.BrokenResourceError, trio.TooSlowError):
                     break
                 await protocol.received(bytes(data))

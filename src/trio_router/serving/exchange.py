@@ -30,7 +30,6 @@ import trio
 
 from ..asgi import Receive, Scope
 from ..errors import RequestError
-from ..limits.local import Ticket
 from .answer import Answer
 from .attempt import Deliver, Failed, Outcome, Refused, client_head
 from .disaggregated import disaggregated
@@ -60,17 +59,14 @@ async def run_exchange(scope: Scope, receive: Receive, answer: Answer, rt: Runti
     (the drain deadline) propagates; the client leaving ends it quietly with status 499."""
     record = ExchangeRecord.begin(rt.recording, scope)
     held = Held(rt.services.bodies)
-    tickets: list[Ticket] = []
     try:
         with trio.CancelScope() as cancel:
             answer.arm(cancel)
-            await _serve(scope, receive, answer, rt, record, held, tickets)
+            await _serve(scope, receive, answer, rt, record, held)
         if cancel.cancelled_caught:  # only the client leaving cancels this scope
             record.status = CLIENT_CLOSED
     finally:
         held.release()
-        for ticket in tickets:
-            rt.services.limits.leave(ticket)
         record.finish()
 
 
@@ -81,9 +77,9 @@ async def _serve(
     rt: Runtime,
     record: ExchangeRecord,
     held: Held,
-    tickets: list[Ticket],
 ) -> None:
-    """Resolve, admit and route the request, and answer what its routing left to answer."""
+    """Resolve, admit and route the request, and answer what its routing left to answer; the
+    request leaves its tenant's limits however it ends."""
     services, server = rt.services, rt.config.server
     head = read_head(scope["headers"], services.new_request_id, rt.upstream_authorization)
     record.request_id = head.request_id
@@ -108,14 +104,17 @@ async def _serve(
         return
     try:
         prepared = await resolve(scope, head, tenant, body, rt, record)
-        tickets.append(await services.limits.admit(tenant))
-        prepared = await with_tokens(prepared, rt)
+        ticket = await services.limits.admit(tenant)
     except RequestError as exc:
         held.release()
         await _error(answer, record, exc)
         return
-    outcome = await _route_through_fallbacks(prepared, answer, rt, record)
-    await _answer(outcome, answer, record)
+    try:
+        prepared = await with_tokens(prepared, rt)
+        outcome = await _route_through_fallbacks(prepared, answer, rt, record)
+        await _answer(outcome, answer, record)
+    finally:
+        services.limits.leave(ticket)
 
 
 async def _route_through_fallbacks(

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final, NamedTuple
 
 from ..asgi import Scope
 from ..errors import BadRequestError, NoEngineError, RequestError, UnknownModelError
@@ -32,6 +32,8 @@ from .stored import ResponseNotFoundError, holder, stored_response_id
 __all__ = ["Prepared", "for_model", "next_model", "resolve", "with_tokens"]
 
 logger = logging.getLogger(__name__)
+
+_NO_INFO: Final = RequestInfo(model="")
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +65,12 @@ class Prepared:
 def next_model(table: RoutingTable, prepared: Prepared, after: int) -> int | None:
     """The index of the first model after `after` in the chain that a routable engine
     serves (the pinned engine, when the request has one), or None."""
-    chain, pinned = prepared.chain, prepared.pinned
+    return _next_index(table, prepared.chain, prepared.pinned, after)
+
+
+def _next_index(
+    table: RoutingTable, chain: tuple[str, ...], pinned: Engine | None, after: int
+) -> int | None:
     for i in range(after + 1, len(chain)):
         engines = table.routable(chain[i])
         if engines and (pinned is None or pinned in engines):
@@ -85,7 +92,13 @@ async def resolve(
     target = scope["raw_path"]
     if query := scope["query_string"]:
         target += b"?" + query
-    prepared = Prepared(
+    read = await _read(scope, body, rt, record)
+    index = _next_index(rt.services.table, read.chain, read.pinned, -1)
+    if index is None:
+        raise _missing(read.chain, read.pinned, rt, record)
+    for skipped in read.chain[:index]:  # no routable engine: the next model at once
+        fell_back(rt, record, skipped, read.chain[index], "no_engine", "no routable engine")
+    asked = Prepared(
         tenant=tenant,
         request_id=head.request_id,
         method=scope["method"].encode(),
@@ -94,24 +107,33 @@ async def resolve(
         headers=head.headers,
         authorization=head.authorization,
         body=body,
-        payload={},
-        chain=(),
-        index=0,
-        info=RequestInfo(model=""),
+        payload=read.payload,
+        chain=read.chain,
+        index=-1,  # none yet: `for_model` makes the request for one
+        info=_NO_INFO,
+        pinned=read.pinned,
+        form=read.form,
+        name_responses=read.name_responses,
     )
-    prepared = await _read(prepared, scope, rt, record)
-    index = next_model(rt.services.table, prepared, -1)
-    if index is None:
-        raise _missing(prepared, rt, record)
-    for skipped in prepared.chain[:index]:  # no routable engine: the next model at once
-        fell_back(rt, record, skipped, prepared.chain[index], "no_engine", "no routable engine")
-    return await for_model(prepared, index, rt, record)
+    return await for_model(asked, index, rt, record)
 
 
-async def _read(prepared: Prepared, scope: Scope, rt: Runtime, record: ExchangeRecord) -> Prepared:
-    """`prepared` with what routing reads of its body and the models to try (the model the
-    client asked for recorded)."""
-    services, path = rt.services, prepared.path
+class _Read(NamedTuple):
+    """What routing reads of a request's body."""
+
+    payload: dict[str, Any]
+    chain: tuple[str, ...]
+    pinned: Engine | None = None
+    form: FormModel | None = None
+    name_responses: bool = False
+
+
+async def _read(
+    scope: Scope, body: bytes | bytearray, rt: Runtime, record: ExchangeRecord
+) -> _Read:
+    """What routing reads of the body and the models to try (the model the client asked for
+    recorded)."""
+    services, path = rt.services, scope["path"]
     if (stored := stored_response_id(scope["method"], path)) is not None:
         pinned = holder(services.table, stored)
         if pinned is None:
@@ -120,22 +142,20 @@ async def _read(prepared: Prepared, scope: Scope, rt: Runtime, record: ExchangeR
             )
         model = next((m.id for m in pinned.models if m.parent is None), pinned.models[0].id)
         record.model = model
-        return dataclasses.replace(
-            prepared, payload={"model": model}, chain=(model,), pinned=pinned
-        )
+        return _Read({"model": model}, (model,), pinned)
+    form = None
     if path in FORM_PATHS:
         content_type = next((v for k, v in scope["headers"] if k == b"content-type"), None)
-        form = await services.parser.form(prepared.body, content_type)
+        form = await services.parser.form(body, content_type)
         payload: dict[str, Any] = {"model": form.model}
-        prepared = dataclasses.replace(prepared, form=form)
     else:
         model_only = not (rt.needs_request_info or rt.disaggregation is not None)
-        payload = await services.parser.parse(prepared.body, model_only=model_only)
+        payload = await services.parser.parse(body, model_only=model_only)
     record.model = payload["model"]
     chain = rt.names.chain(payload["model"])
-    prepared = dataclasses.replace(prepared, payload=payload, chain=chain)
     if path != "/v1/responses":
-        return prepared
+        return _Read(payload, chain, form=form)
+    pinned = None
     previous = payload.get("previous_response_id")
     if isinstance(previous, str) and (pinned := holder(services.table, previous)):
         if chain[0] not in pinned.model_ids:
@@ -143,17 +163,16 @@ async def _read(prepared: Prepared, scope: Scope, rt: Runtime, record: ExchangeR
                 f"response {previous!r} is held by engine {pinned.name}, which does not "
                 f"serve model {chain[0]!r}"
             )
-        prepared = dataclasses.replace(prepared, pinned=pinned, chain=chain[:1])
-    return dataclasses.replace(prepared, name_responses="request_id" not in payload)
+        chain = chain[:1]
+    return _Read(payload, chain, pinned, form, name_responses="request_id" not in payload)
 
 
-def _missing(prepared: Prepared, rt: Runtime, record: ExchangeRecord) -> RequestError:
+def _missing(
+    chain: tuple[str, ...], pinned: Engine | None, rt: Runtime, record: ExchangeRecord
+) -> RequestError:
     """The error for a request no model of its chain has a routable engine for."""
-    chain = prepared.chain
-    if prepared.pinned is not None:
-        return NoEngineError(
-            f"engine {prepared.pinned.name} does not serve model {chain[0]!r} right now"
-        )
+    if pinned is not None:
+        return NoEngineError(f"engine {pinned.name} does not serve model {chain[0]!r} right now")
     error = missing_model(rt.services.table, chain[0])
     if not isinstance(error, UnknownModelError):
         record.model_label = chain[0]  # clients choose unknown names: those get no label
@@ -196,11 +215,25 @@ async def for_model(
         info = request_info(payload, prepared.headers, rt.config.routing)
     else:
         info = RequestInfo(model=payload["model"])
-    moved = dataclasses.replace(
-        prepared, index=index, payload=payload, body=body, form=form, info=info
+    return Prepared(
+        tenant=prepared.tenant,
+        request_id=prepared.request_id,
+        method=prepared.method,
+        path=prepared.path,
+        target=prepared.target,
+        headers=prepared.headers,
+        authorization=prepared.authorization,
+        body=body,
+        payload=payload,
+        chain=prepared.chain,
+        index=index,
+        info=info,
+        refusable=_next_index(rt.services.table, prepared.chain, prepared.pinned, index)
+        is not None,
+        pinned=prepared.pinned,
+        form=form,
+        name_responses=prepared.name_responses,
     )
-    refusable = next_model(rt.services.table, moved, index) is not None
-    return dataclasses.replace(moved, refusable=refusable) if refusable else moved
 
 
 async def with_tokens(prepared: Prepared, rt: Runtime) -> Prepared:
