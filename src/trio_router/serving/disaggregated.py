@@ -20,9 +20,10 @@ from ..routing.disaggregation import (
     prefill_body,
     transfer_params,
 )
+from ..routing.route import Route
 from ..table import Engine
 from .attempt import Answered, Failed, Outcome, Refused, Take, Unreachable, attempt, read_answer
-from .failover import Route, choose, try_engines
+from .failover import choose, try_engines
 from .prepared import Prepared
 from .record import ExchangeRecord
 from .runtime import Runtime

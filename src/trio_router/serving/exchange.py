@@ -30,11 +30,12 @@ import trio
 
 from ..asgi import Receive, Scope
 from ..errors import RequestError
+from ..routing.route import Route
 from .answer import Answer
 from .attempt import Deliver, Failed, Outcome, Refused, client_head
 from .disaggregated import disaggregated
 from .errors import CLIENT_CLOSED, error_answer
-from .failover import Route, try_engines
+from .failover import try_engines
 from .intake import Held, read_body, read_head
 from .prepared import Prepared, fell_back, for_model, next_model, resolve, with_tokens
 from .record import ExchangeRecord
@@ -150,7 +151,7 @@ async def _route(prepared: Prepared, take: Deliver, rt: Runtime, record: Exchang
         return await try_engines(prepared, record, rt, take, route)
     if (pd := rt.disaggregation) is not None:
         return await disaggregated(prepared, record, rt, take, pd)
-    return await try_engines(prepared, record, rt, take, Route(rt.policy))
+    return await try_engines(prepared, record, rt, take, rt.route)
 
 
 async def _answer(outcome: Outcome, answer: Answer, record: ExchangeRecord) -> None:

@@ -6,13 +6,12 @@ an engine has answered)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
+from collections.abc import Collection
 
 from ..errors import NoEngineError, RequestError
 from ..http import EngineUnreachableError
 from ..routing.disaggregation import Roles
-from ..routing.policy import Policy
+from ..routing.route import Route
 from ..table import Engine
 from .attempt import Failed, Outcome, Refused, Take, Unreachable, attempt
 from .errors import engine_unreachable
@@ -23,17 +22,6 @@ from .runtime import Runtime
 __all__ = ["Route", "choose", "try_engines"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class Route:
-    """How a step chooses its engines: `policy` among the engines of the model `among`
-    allows (None: all of them). `phase` "prefill": the prefill step's engine, which is not
-    one of the request's attempts."""
-
-    policy: Policy
-    among: Callable[[Roles], Sequence[Engine]] | None = None
-    phase: str = ""
 
 
 async def choose(
@@ -51,15 +39,16 @@ async def choose(
     if route.among is not None:  # the engines the step may not go to count as tried
         routable = services.table.routable(model)
         tried = [*tried, *Roles.others(routable, route.among(Roles.of(routable)))]
-    reasons: list[str] = []
+    why = ""
 
     def pick(exclude: Collection[str]) -> Engine:
+        nonlocal why
         decision = policy.choose(services.table.routable(model), prepared.info, exclude=exclude)
         if decision.cached_tokens is not None:
             services.metrics.kv_prediction(
                 decision.engine.name, decision.cached_tokens, decision.prompt_tokens
             )
-        reasons.append(decision.reason)
+        why = decision.reason
         return decision.engine
 
     try:
@@ -84,7 +73,7 @@ async def choose(
             policy.name,
             engine.name,
             list(tried),
-            reasons[-1] if reasons else "",
+            why,
         )
     if route.phase:
         services.metrics.routed(policy.name, route.phase, engine.name)

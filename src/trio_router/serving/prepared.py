@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Any, Final, NamedTuple
+from typing import Any, NamedTuple
 
 from ..asgi import Scope
 from ..errors import BadRequestError, NoEngineError, RequestError, UnknownModelError
@@ -32,8 +32,6 @@ from .stored import ResponseNotFoundError, holder, stored_response_id
 __all__ = ["Prepared", "for_model", "next_model", "resolve", "with_tokens"]
 
 logger = logging.getLogger(__name__)
-
-_NO_INFO: Final = RequestInfo(model="")
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +96,10 @@ async def resolve(
         raise _missing(read.chain, read.pinned, rt, record)
     for skipped in read.chain[:index]:  # no routable engine: the next model at once
         fell_back(rt, record, skipped, read.chain[index], "no_engine", "no routable engine")
-    asked = Prepared(
+    payload, body, form, info = await _for(
+        read.chain[index], read.payload, body, read.form, head.headers, rt, record
+    )
+    return Prepared(
         tenant=tenant,
         request_id=head.request_id,
         method=scope["method"].encode(),
@@ -107,15 +108,15 @@ async def resolve(
         headers=head.headers,
         authorization=head.authorization,
         body=body,
-        payload=read.payload,
+        payload=payload,
         chain=read.chain,
-        index=-1,  # none yet: `for_model` makes the request for one
-        info=_NO_INFO,
+        index=index,
+        info=info,
+        refusable=_next_index(rt.services.table, read.chain, read.pinned, index) is not None,
         pinned=read.pinned,
-        form=read.form,
+        form=form,
         name_responses=read.name_responses,
     )
-    return await for_model(asked, index, rt, record)
 
 
 class _Read(NamedTuple):
@@ -201,20 +202,15 @@ async def for_model(
     """The request for the model `chain[index]`: its body's "model" rewritten (the JSON
     member, or the form's field) unless it names it already, and what the policy may know of
     it."""
-    model = prepared.chain[index]
-    record.served_model = record.model_label = model
-    payload, body, form = prepared.payload, prepared.body, prepared.form
-    if payload["model"] != model:
-        if form is not None:
-            body = form.rewritten(body, model)
-            form = FormModel(model, form.start, form.start + len(model.encode()))
-            payload = {"model": model}
-        else:
-            payload, body = await rt.services.parser.with_model(body, payload, model)
-    if rt.needs_request_info or rt.disaggregation is not None:
-        info = request_info(payload, prepared.headers, rt.config.routing)
-    else:
-        info = RequestInfo(model=payload["model"])
+    payload, body, form, info = await _for(
+        prepared.chain[index],
+        prepared.payload,
+        prepared.body,
+        prepared.form,
+        prepared.headers,
+        rt,
+        record,
+    )
     return Prepared(
         tenant=prepared.tenant,
         request_id=prepared.request_id,
@@ -234,6 +230,30 @@ async def for_model(
         form=form,
         name_responses=prepared.name_responses,
     )
+
+
+async def _for(
+    model: str,
+    payload: dict[str, Any],
+    body: bytes | bytearray,
+    form: FormModel | None,
+    headers: list[tuple[bytes, bytes]],
+    rt: Runtime,
+    record: ExchangeRecord,
+) -> tuple[dict[str, Any], bytes | bytearray, FormModel | None, RequestInfo]:
+    """The payload, body and form of a request for `model` (its "model" rewritten unless it
+    names it already), and what the policy may know of it."""
+    record.served_model = record.model_label = model
+    if payload["model"] != model:
+        if form is not None:
+            body = form.rewritten(body, model)
+            form = FormModel(model, form.start, form.start + len(model.encode()))
+            payload = {"model": model}
+        else:
+            payload, body = await rt.services.parser.with_model(body, payload, model)
+    if rt.needs_request_info or rt.disaggregation is not None:
+        return payload, body, form, request_info(payload, headers, rt.config.routing)
+    return payload, body, form, RequestInfo(model=payload["model"])
 
 
 async def with_tokens(prepared: Prepared, rt: Runtime) -> Prepared:

@@ -30,6 +30,7 @@ from ..limits.tenants import Tenants
 from ..metrics import Metrics
 from ..routing.disaggregation import Disaggregation
 from ..routing.policy import Policy, make_policy
+from ..routing.route import Route
 from ..table import Engine, RoutingTable
 from ..tracing import Tracing
 from .admission import Admission
@@ -68,6 +69,7 @@ class Runtime:
     config: Config
     services: Services
     policy: Policy
+    route: Route  # the policy's choice among all the engines of a model
     pool: UpstreamPool
     names: ModelNames  # routing.aliases, routing.fallbacks
     recording: Recording  # where each request's metrics, span and access record go
@@ -177,6 +179,7 @@ def build_runtime(config: Config, services: Services, previous: Runtime | None =
         config=config,
         services=services,
         policy=policy,
+        route=Route(policy),
         pool=pool,
         names=ModelNames(config.routing.aliases, config.routing.fallbacks),
         recording=Recording(
