@@ -175,6 +175,7 @@ CHOICES: Final[dict[str, tuple[str, list[str]]]] = {
     ),
     "routing.policy": ("[routing]\npolicy = {}\n", POLICY_NAMES),
     "proxy.unknown_paths": ("[proxy]\nunknown_paths = {}\n", ["reject", "model"]),
+    "proxy.resume": ("[proxy]\nresume = {}\n", ["on", "off"]),
     "kv_events.mode": ("[kv_events]\nmode = {}\n", ["off", "connect", "bind"]),
     "disaggregation.prefill_policy": (
         "[disaggregation]\nprefill_policy = {}\n",
@@ -214,6 +215,7 @@ def test_the_sets_exported_are_the_literal_types() -> None:
     assert list(config_module.DISCOVERY_MODES) == CHOICES["discovery.mode"][1]
     assert list(config_module.KV_EVENT_MODES) == CHOICES["kv_events.mode"][1]
     assert list(config_module.UNKNOWN_PATHS) == CHOICES["proxy.unknown_paths"][1]
+    assert list(config_module.RESUME_MODES) == CHOICES["proxy.resume"][1]
     assert list(config_module.LOG_FORMATS) == CHOICES["server.log_format"][1]
     assert list(config_module.FAIRNESS) == CHOICES["admission.fairness"][1]
     assert list(config_module.LIMIT_STORES) == CHOICES["limits.store"][1]

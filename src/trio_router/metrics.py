@@ -150,6 +150,15 @@ class Metrics:
             ["engine"],
             registry=self.registry,
         )
+        self._resumes = Counter(
+            "trio_router_stream_resumes",
+            "Answers whose engine failed before their end, by model, why (reset, closed, "
+            "stall, timeout, malformed, abort) and what became of them (resumed: continued "
+            "on another engine; retried: a whole answer sent again; failed: no engine could "
+            "take it; not_resumable).",
+            ["model", "reason", "outcome"],
+            registry=self.registry,
+        )
         self._reloads = Counter(
             "trio_router_config_reloads",
             "SIGHUP config reloads by result.",
@@ -371,6 +380,10 @@ class Metrics:
 
     def engine_unreachable(self, engine: str) -> None:
         self._unreachable.labels(engine).inc()
+
+    def resumed(self, model: str, reason: str, outcome: str) -> None:
+        """An answer whose engine failed before its end (see `trio_router_stream_resumes`)."""
+        self._resumes.labels(model, reason, outcome).inc()
 
     def queue_wait(self, model: str, seconds: float) -> None:
         self._queue_wait.labels(model).observe(seconds)

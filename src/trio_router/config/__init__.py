@@ -47,9 +47,11 @@ from ._routing import (
 )
 from ._server import (
     LOG_FORMATS,
+    RESUME_MODES,
     UNKNOWN_PATHS,
     LogFormat,
     ProxyConfig,
+    Resume,
     ServerConfig,
     TracingConfig,
     UnknownPaths,
@@ -66,6 +68,7 @@ __all__ = [
     "LOG_FORMATS",
     "PD_POLICIES",
     "POLICIES",
+    "RESUME_MODES",
     "ROLES",
     "UNKNOWN_PATHS",
     "AdmissionConfig",
@@ -84,6 +87,7 @@ __all__ = [
     "PrefillPolicyName",
     "ProbeConfig",
     "ProxyConfig",
+    "Resume",
     "Role",
     "RoutingConfig",
     "ServerConfig",

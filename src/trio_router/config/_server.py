@@ -14,6 +14,8 @@ LogFormat = Literal["text", "json"]
 LOG_FORMATS: typing.Final[tuple[LogFormat, ...]] = typing.get_args(LogFormat)
 UnknownPaths = Literal["reject", "model"]
 UNKNOWN_PATHS: typing.Final[tuple[UnknownPaths, ...]] = typing.get_args(UnknownPaths)
+Resume = Literal["on", "off"]
+RESUME_MODES: typing.Final[tuple[Resume, ...]] = typing.get_args(Resume)
 
 
 def parse_bind(bind: str) -> tuple[str, int]:
@@ -75,9 +77,16 @@ class ProxyConfig:
     # POSTs to paths the router does not know: "reject" (404) or "model" (proxied to an
     # engine serving the JSON body's model, like the known endpoints).
     unknown_paths: UnknownPaths = "reject"
+    # An answer whose engine breaks it off before its end: "on" sends a whole (non-streamed)
+    # answer's request again to another engine; "off" cuts it.
+    resume: Resume = "on"
+    resume_attempts: int = 2  # continuations (or retries of a whole answer) per request
 
     def __post_init__(self) -> None:
         check_choice(self.unknown_paths, UNKNOWN_PATHS, "proxy.unknown_paths")
+        check_choice(self.resume, RESUME_MODES, "proxy.resume")
+        if self.resume_attempts < 0:
+            raise ConfigError(f"proxy.resume_attempts must be >= 0, got {self.resume_attempts}")
         positive(
             "proxy",
             connect_timeout_s=self.connect_timeout_s,

@@ -14,17 +14,19 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, Protocol
 
 import trio
 
 from ..errors import RequestError
 from ..http import (
     ClientGoneError,
+    EngineBrokeOffError,
     EngineUnreachableError,
     LocalLimitError,
+    MalformedResponseError,
     TransportError,
     UpstreamResponse,
     read_whole,
@@ -50,10 +52,12 @@ __all__ = [
     "Deliver",
     "Failed",
     "Outcome",
+    "ReadAnswer",
     "Refused",
     "Take",
     "Unreachable",
     "attempt",
+    "broke_reason",
     "client_head",
 ]
 
@@ -71,9 +75,19 @@ _USAGE: Final = re.compile(
     rb'"completion_tokens"\s*:\s*(\d+)'
 )
 
-# What an attempt does with the engine's answer: passes it to the client, or reads it whole
-# (returning the body).
-Take = Callable[[UpstreamResponse, Engine], Awaitable[bytes]]
+MAX_HELD_ANSWER_BYTES: Final = 16 * 1024 * 1024  # a whole answer held before it is passed on
+
+
+class Take(Protocol):
+    """What an attempt does with the engine's answer: passes it to the client (`Deliver`), or
+    reads it whole (`read_answer`), returning what it kept."""
+
+    @property
+    def committed(self) -> bool:
+        """Bytes of the answer reached the client: a failure now cuts the client's answer."""
+        ...
+
+    async def __call__(self, response: UpstreamResponse, engine: Engine) -> bytes: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,12 +124,15 @@ class Failed:
     """The request failed. `error`: the client's answer, or with `cut` the failure of an
     answer that had begun (the client's connection is cut, the error's status counted);
     None when the client left. `fallback`: a fallback model may take the request (no
-    engine, the queue), and `refused` is then the answer if none does."""
+    engine, the queue), and `refused` is then the answer if none does. `broke`: why an engine
+    that had the request broke it off before anything reached the client ("reset",
+    "closed", "malformed"): another engine may take it whole."""
 
     error: RequestError | None
     cut: bool = False
     fallback: bool = False
     refused: Refused | None = None
+    broke: str = ""  # the engine had the request and failed it unanswered: why (see below)
 
 
 Outcome = Answered | Refused | Unreachable | Failed
@@ -186,8 +203,8 @@ async def attempt(
         return Unreachable(engine, exc)
     except TransportError as exc:
         failure = str(exc)
-        answered = status is not None
-        return _broken(engine, generation, exc, record, rt, answered=answered, prefill=prefill)
+        committed = take.committed
+        return _broken(engine, generation, exc, record, rt, answered=committed, prefill=prefill)
     finally:
         services.admission.release(engine)
         if span is not None and tracing is not None:
@@ -241,7 +258,7 @@ def _broken(
         rt.services.outliers.request_failed(engine, generation, str(exc))
     error = from_transport(exc)
     if not answered:
-        return Failed(error)
+        return Failed(error, broke=broke_reason(exc))
     logger.warning(
         "request %s for %s on engine %s broke off mid-response: %s",
         record.request_id_text,
@@ -250,6 +267,18 @@ def _broken(
         exc,
     )
     return Failed(error, cut=True)
+
+
+def broke_reason(exc: TransportError) -> str:
+    """Why an engine that had the request broke it off, as the resume counter names it; ""
+    for a failure after which the request is not sent again: an engine silent past
+    `proxy.read_timeout_s` (another would likely keep the client waiting as long), the
+    router's own limits, a request it cannot send."""
+    if isinstance(exc, EngineBrokeOffError):
+        return "reset" if isinstance(exc.__cause__, OSError) else "closed"
+    if isinstance(exc, MalformedResponseError):
+        return "malformed"
+    return ""
 
 
 def client_head(
@@ -282,31 +311,56 @@ def client_head(
 class Deliver:
     """A `Take` that passes an engine's answer to the client through `answer`: its head,
     then its body as it comes (the model's name echoed back as the client asked for it when
-    an alias named it), then the end; the usage summary at its end counted."""
+    an alias named it), then the end; the usage summary at its end counted. With
+    `proxy.resume` on, an answer of a known length (a whole answer, not a stream) is read
+    whole first, so that an engine failing in its middle leaves nothing at the client and
+    another engine may answer instead."""
 
-    __slots__ = ("_answer", "_asked", "_record", "_rt")
+    __slots__ = ("_answer", "_asked", "_record", "_rt", "committed")
 
     def __init__(self, answer: Answer, record: ExchangeRecord, rt: Runtime, asked: str) -> None:
         self._answer, self._record, self._rt, self._asked = answer, record, rt, asked
+        self.committed = False
 
     async def __call__(self, response: UpstreamResponse, engine: Engine) -> bytes:
         answer, record = self._answer, self._record
-        record.status = response.status
+        self.committed = False
         echo = self._rt.names.echo(self._asked, record.served_model)
-        answer.start(
-            response.status, client_head(response.headers, engine, record, sized=echo is None)
-        )
-        rewrite = None if echo is None else _rewrite(echo.feed)
-        on_first = record.first_byte if record.ttfb is None else None
-        try:
-            tail = await answer.relay(response, rewrite=rewrite, on_first=on_first)
-        finally:
-            record.sent = answer.sent
-        await answer.end()
+        head = client_head(response.headers, engine, record, sized=echo is None)
+        if self._held(response):
+            body = await read_whole(response, MAX_HELD_ANSWER_BYTES, f"engine {engine.name}")
+            if echo is not None:
+                body = echo.feed(body, final=True)
+            self.committed = True
+            record.status = response.status
+            if record.ttfb is None:
+                record.first_byte(trio.current_time())
+            answer.start(response.status, head)
+            await answer.end(body)
+            tail = body[-8192:]
+        else:
+            self.committed = True
+            record.status = response.status
+            answer.start(response.status, head)
+            rewrite = None if echo is None else _rewrite(echo.feed)
+            on_first = record.first_byte if record.ttfb is None else None
+            try:
+                tail = await answer.relay(response, rewrite=rewrite, on_first=on_first)
+            finally:
+                record.sent = answer.sent
+            await answer.end()
         record.sent = answer.sent
         if response.status == 200 and (usage := usage_of(tail)):
             self._rt.services.metrics.tokens(record.served_model, *usage)
         return b""
+
+    def _held(self, response: UpstreamResponse) -> bool:
+        """The answer is read whole before it is passed on: `proxy.resume` is on and its
+        length is known (a whole answer, not a stream) and at most MAX_HELD_ANSWER_BYTES."""
+        if self._rt.config.proxy.resume != "on":
+            return False
+        length = next((v for k, v in response.headers if k == b"content-length"), None)
+        return length is not None and length.isdigit() and int(length) <= MAX_HELD_ANSWER_BYTES
 
 
 def _rewrite(feed: Callable[..., bytes]) -> Callable[[bytes, bool], bytes]:
@@ -325,11 +379,15 @@ def usage_of(tail: bytes) -> tuple[int, int] | None:
     return (int(found.group(1)), int(found.group(2))) if found is not None else None
 
 
-def read_answer(max_bytes: int, what: str) -> Take:
+class ReadAnswer:
     """A `Take` that reads the answer whole (at most `max_bytes`; MalformedResponseError past
-    it), for `what` (in that error's message)."""
+    it), for `what` (in that error's message); nothing of it reaches the client."""
 
-    async def take(response: UpstreamResponse, engine: Engine) -> bytes:
-        return await read_whole(response, max_bytes, f"{what} {engine.name}")
+    __slots__ = ("_max_bytes", "_what")
+    committed = False
 
-    return take
+    def __init__(self, max_bytes: int, what: str) -> None:
+        self._max_bytes, self._what = max_bytes, what
+
+    async def __call__(self, response: UpstreamResponse, engine: Engine) -> bytes:
+        return await read_whole(response, self._max_bytes, f"{self._what} {engine.name}")

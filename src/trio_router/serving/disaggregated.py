@@ -22,7 +22,7 @@ from ..routing.disaggregation import (
 )
 from ..routing.route import Route
 from ..table import Engine
-from .attempt import Answered, Failed, Outcome, Refused, Take, Unreachable, attempt, read_answer
+from .attempt import Answered, Failed, Outcome, ReadAnswer, Refused, Take, Unreachable, attempt
 from .failover import choose, try_engines
 from .prepared import Prepared
 from .record import ExchangeRecord
@@ -107,7 +107,7 @@ async def _prefilled(
         return prepared.body
     generation, started = engine.generation, trio.current_time()
     outcome: Outcome | None = None
-    take = read_answer(MAX_PREFILL_ANSWER_BYTES, "prefill engine")
+    take = ReadAnswer(MAX_PREFILL_ANSWER_BYTES, "prefill engine")
     try:
         with trio.move_on_after(timeout):  # the step's own: a wait in the queue is not its fault
             outcome = await attempt(

@@ -13,7 +13,7 @@ from ..http import EngineUnreachableError
 from ..routing.disaggregation import Roles
 from ..routing.route import Route
 from ..table import Engine
-from .attempt import Failed, Outcome, Refused, Take, Unreachable, attempt
+from .attempt import Answered, Failed, Outcome, Refused, Take, Unreachable, attempt
 from .errors import engine_unreachable
 from .prepared import Prepared
 from .record import ExchangeRecord
@@ -97,16 +97,23 @@ async def try_engines(
     """Attempts until one answers (see the module's docstring), each engine chosen by
     `route`; `first`, when given, is the first engine to try, its slot already held; `body`
     is sent instead of the request's own. An engine's refusal (a fallback model is left)
-    moves on to the next engine, and is the answer if every engine refuses."""
+    moves on to the next engine, and is the answer if every engine refuses. An engine that
+    fails the request before anything reached the client (`Failed.broke`) hands it to
+    another, with `proxy.resume` on, up to `proxy.resume_attempts` times."""
     tried: list[str] = []
     unreachable: EngineUnreachableError | None = None
     refused: Refused | None = None
+    broken: Failed | None = None  # the last engine that failed the request unanswered
+    retries = 0
     while True:
         if first is not None:
             engine, first = first, None
         else:
             chosen = await choose(prepared, record, rt, route, tried, unreachable)
             if isinstance(chosen, Failed):
+                if broken is not None:  # no other engine: that failure is the answer
+                    rt.services.metrics.resumed(prepared.model, broken.broke, "failed")
+                    return broken
                 if refused is None:
                     return chosen
                 return Failed(chosen.error, fallback=True, refused=refused)
@@ -125,5 +132,25 @@ async def try_engines(
                         f"reached ({len(tried)} attempt(s)): {outcome.error}"
                     )
                 )
+        elif isinstance(outcome, Failed) and outcome.broke and not outcome.cut:
+            proxy = rt.config.proxy
+            if proxy.resume != "on" or retries >= proxy.resume_attempts:
+                if proxy.resume == "on":
+                    rt.services.metrics.resumed(prepared.model, outcome.broke, "failed")
+                return outcome
+            retries += 1
+            tried.append(engine.uid)
+            broken = outcome
+            logger.warning(
+                "request %s for %s: engine %s failed it before any answer (%s); another "
+                "engine takes it",
+                record.request_id_text,
+                prepared.model,
+                engine.name,
+                outcome.error,
+            )
         else:
+            if broken is not None:
+                done = "retried" if isinstance(outcome, Answered) else "failed"
+                rt.services.metrics.resumed(prepared.model, broken.broke, done)
             return outcome

@@ -73,6 +73,7 @@ class FakeEngine:
     inference_fail_status: int | None = None  # answer only the POST endpoints with this status
     hang_models: bool = False  # GET /v1/models never answers
     abort_after_first_event: bool = False  # streams break off (connection closed) after 1 event
+    break_whole_replies: bool = False  # non-streamed replies break off after half their body
     # Until this event is set, streams hold after their first event and non-streamed
     # replies wait before answering.
     gate: trio.Event | None = None

@@ -179,9 +179,21 @@ class FakeEngineApp:
             reply = POST_HANDLERS[path](engine, request, str(model), rid)
         if reply.events is None:
             await self._delay_whole_reply(reply)
+            if engine.break_whole_replies and reply.status == 200:
+                return await self._send_half(send, reply.payload)
             await self._send_json(send, reply.status, reply.payload)
             return False
         return await self._stream(send, reply.events)
+
+    async def _send_half(self, send: Send, payload: Any) -> bool:
+        """The head of a whole reply and half its body: the caller then breaks it off."""
+        body = json.dumps(payload, separators=(",", ":")).encode()
+        headers = [(b"content-length", b"%d" % len(body)), *self._common_headers()]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send(
+            {"type": "http.response.body", "body": body[: len(body) // 2], "more_body": True}
+        )
+        return True
 
     async def _kv_transfer(
         self,
