@@ -755,29 +755,34 @@ async def test_http2_clients_take_the_general_path() -> None:
             assert await relayed_count(url) == before
 
 
-async def test_engine_reset_mid_relay_cuts_the_client() -> None:
+async def test_engine_reset_mid_relay_ends_the_stream_with_an_error_event() -> None:
+    """The events relayed before the reset reach the client, then an OpenAI-style error event
+    and a clean end of the body: a client cannot take the stream for a finished one (no
+    [DONE]), and the request counts as a 502."""
     engine = ScriptedEngine(SCRIPTS["one chunk per read"][:3], then="reset")
     with trio.fail_after(LIMIT):
         async with open_scripted_router(engine) as (url, name):
             stream, _ = await raw_request(url, "1.1")
             async with stream:
-                data = await read_all(stream)  # ends with the router's close
-            body = data.partition(b"\r\n\r\n")[2]
-            assert body.startswith(b"%x\r\n" % len(EVENTS[0]) + EVENTS[0])
-            with pytest.raises(AssertionError, match="incomplete"):  # no clean end
-                decode_chunked(body)
+                data = await read_all(stream)
+            body = decode_chunked(data.partition(b"\r\n\r\n")[2])
+            assert body.startswith(b"".join(EVENTS[:3]))
+            error = json.loads(body[len(b"".join(EVENTS[:3])) :].removeprefix(b"data: "))
+            assert error["error"]["code"] == "bad_engine_response"
+            assert b"[DONE]" not in body
             assert await requests_with_status(url, name, 502) == 1
 
 
 async def test_a_body_broken_in_the_read_of_the_head_still_gives_the_client_the_head() -> None:
     """The body's first bytes, here with the head, break the framing: the head (held for
-    them) still reaches the client before the router cuts the connection, as it did when
-    the head went out alone."""
+    them) still reaches the client, then the error event that ends the stream."""
     engine = ScriptedEngine([], head=HEAD + b"zz\r\nbanana\r\n")
     with trio.fail_after(LIMIT):
         async with open_scripted_router(engine) as (url, name):
             head, body = await fetch_raw(url, "1.1")
-            assert head.startswith(b"HTTP/1.1 200 OK\r\n") and body == b""
+            assert head.startswith(b"HTTP/1.1 200 OK\r\n")
+            error = json.loads(decode_chunked(body).removeprefix(b"data: "))
+            assert error["error"]["code"] == "bad_engine_response"
             assert await requests_with_status(url, name, 502) == 1
 
 

@@ -5,6 +5,7 @@ loopback; real clock, each test bounded."""
 
 from __future__ import annotations
 
+import json
 from typing import Final
 
 import httpx
@@ -78,3 +79,24 @@ async def test_the_last_engine_breaking_leaves_its_failure_as_the_answer() -> No
             failed = await resumes(router, "closed", "failed")
     assert answer.status_code == 502 and answer.json()["error"]["code"] == "bad_engine_response"
     assert failed == 1
+
+
+async def test_a_broken_stream_ends_with_an_error_event_not_a_silent_cut() -> None:
+    """Streams are not continued yet: one whose engine breaks off ends with an error event
+    in its API's shape (OpenAI's `{"error": ...}`; Anthropic's `event: error`), counted as
+    not resumable."""
+    engines = [FakeEngine(name="e", abort_after_first_event=True)]
+    anthropic = {"model": "fake-model", "max_tokens": 8, "stream": True}
+    anthropic["messages"] = [{"role": "user", "content": "hi"}]
+    with trio.fail_after(LIMIT):
+        async with open_router(engines, proxy={"eject_after_failures": 0}) as router:
+            openai = await router.client.post(CHAT, json=chat(stream=True))
+            messages = await router.client.post("/v1/messages", json=anthropic)
+            counted = await resumes(router, "closed", "not_resumable")
+    last = openai.content.rstrip(b"\n").rsplit(b"\n\n", 1)[-1]
+    assert json.loads(last.removeprefix(b"data: "))["error"]["code"] == "bad_engine_response"
+    assert b"[DONE]" not in openai.content
+    event, data = messages.content.rstrip(b"\n").rsplit(b"\n\n", 1)[-1].split(b"\n")
+    assert event == b"event: error"
+    assert json.loads(data.removeprefix(b"data: "))["type"] == "error"
+    assert counted == 2

@@ -153,9 +153,9 @@ class Metrics:
         self._resumes = Counter(
             "trio_router_stream_resumes",
             "Answers whose engine failed before their end, by model, why (reset, closed, "
-            "stall, timeout, malformed, abort) and what became of them (resumed: continued "
-            "on another engine; retried: a whole answer sent again; failed: no engine could "
-            "take it; not_resumable).",
+            "malformed, timeout) and what became of them (retried: a whole answer's request "
+            "sent to another engine; failed: no engine could take it; not_resumable: a "
+            "stream ended with an error event).",
             ["model", "reason", "outcome"],
             registry=self.registry,
         )

@@ -12,6 +12,7 @@ reports, and the admission slot given back.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from collections.abc import Callable
@@ -38,6 +39,7 @@ from .errors import (
     MODEL_HEADER,
     PREFILL_ENGINE_HEADER,
     REQUEST_ID_HEADER,
+    error_body,
     from_transport,
     http_date,
 )
@@ -316,10 +318,11 @@ class Deliver:
     whole first, so that an engine failing in its middle leaves nothing at the client and
     another engine may answer instead."""
 
-    __slots__ = ("_answer", "_asked", "_record", "_rt", "committed")
+    __slots__ = ("_answer", "_asked", "_path", "_record", "_rt", "committed")
 
     def __init__(self, answer: Answer, record: ExchangeRecord, rt: Runtime, asked: str) -> None:
         self._answer, self._record, self._rt, self._asked = answer, record, rt, asked
+        self._path = record.path
         self.committed = False
 
     async def __call__(self, response: UpstreamResponse, engine: Engine) -> bytes:
@@ -346,6 +349,10 @@ class Deliver:
             on_first = record.first_byte if record.ttfb is None else None
             try:
                 tail = await answer.relay(response, rewrite=rewrite, on_first=on_first)
+            except TransportError as exc:
+                if not isinstance(exc, ClientGoneError) and _is_event_stream(response):
+                    await self._end_with_error(exc)
+                raise
             finally:
                 record.sent = answer.sent
             await answer.end()
@@ -354,6 +361,22 @@ class Deliver:
             self._rt.services.metrics.tokens(record.served_model, *usage)
         return b""
 
+    async def _end_with_error(self, exc: TransportError) -> None:
+        """A stream its engine broke off: it ends with an error event (an OpenAI-style error
+        object, or Anthropic's for /v1/messages), not a silent cut a client could take for
+        a finished answer."""
+        error = from_transport(exc)
+        reason = broke_reason(exc) or "timeout"
+        self._rt.services.metrics.resumed(self._record.served_model, reason, "not_resumable")
+        body = error_body(str(error), type=error.type, code=error.code)
+        if self._path.startswith("/v1/messages"):
+            message = json.dumps({"type": error.type, "message": str(error)})
+            event = b'event: error\ndata: {"type":"error","error":%s}\n\n' % message.encode()
+        else:
+            event = b"data: %s\n\n" % body
+        await self._answer.body(event)
+        await self._answer.end()
+
     def _held(self, response: UpstreamResponse) -> bool:
         """The answer is read whole before it is passed on: `proxy.resume` is on and its
         length is known (a whole answer, not a stream) and at most MAX_HELD_ANSWER_BYTES."""
@@ -361,6 +384,13 @@ class Deliver:
             return False
         length = next((v for k, v in response.headers if k == b"content-length"), None)
         return length is not None and length.isdigit() and int(length) <= MAX_HELD_ANSWER_BYTES
+
+
+def _is_event_stream(response: UpstreamResponse) -> bool:
+    return any(
+        name == b"content-type" and value.startswith(b"text/event-stream")
+        for name, value in response.headers
+    )
 
 
 def _rewrite(feed: Callable[..., bytes]) -> Callable[[bytes, bool], bytes]:
