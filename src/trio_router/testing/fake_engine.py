@@ -73,6 +73,11 @@ class FakeEngine:
     inference_fail_status: int | None = None  # answer only the POST endpoints with this status
     hang_models: bool = False  # GET /v1/models never answers
     abort_after_first_event: bool = False  # streams break off (connection closed) after 1 event
+    break_after_events: int | None = None  # streams break off (connection closed) after N events
+    stall_after_events: int | None = None  # streams fall silent after N events (open)
+    # Streams end after N events as vLLM ends its running requests on SIGTERM: a chunk with
+    # finish_reason "abort", the usage if asked for, and [DONE].
+    abort_streams_after: int | None = None
     break_whole_replies: bool = False  # non-streamed replies break off after half their body
     # Until this event is set, streams hold after their first event and non-streamed
     # replies wait before answering.

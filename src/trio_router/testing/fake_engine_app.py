@@ -337,6 +337,10 @@ class FakeEngineApp:
         if engine.ttft_s > 0:
             await trio.sleep(engine.ttft_s)
         for i, event in enumerate(events):
+            if i == engine.break_after_events:
+                return True
+            if i == engine.stall_after_events:
+                await trio.sleep_forever()
             if i == 1:
                 if engine.abort_after_first_event:
                     return True

@@ -12,11 +12,13 @@ if TYPE_CHECKING:
     from ..fake_engine import FakeEngine
 
 __all__ = [
+    "REPLY_TOKEN",
     "REPLY_WORDS",
     "SSE_DONE",
     "Handler",
     "Reply",
     "error_body",
+    "generated_before",
     "n_tokens",
     "prompt_text",
     "prompt_tokens",
@@ -137,19 +139,37 @@ def prompt_tokens(request: dict[str, Any]) -> list[int]:
     return ids
 
 
-def n_tokens(engine: FakeEngine, request: dict[str, Any]) -> tuple[int, str]:
+def n_tokens(engine: FakeEngine, request: dict[str, Any], done: int = 0) -> tuple[int, str]:
     """How many tokens the engine generates for `request`, and the finish reason: its
-    `tokens` knob, or the request's lower token limit ("length")."""
+    `tokens` knob (less the `done` ones its prompt already ends with), or the request's
+    lower token limit ("length")."""
     limit = request.get("max_completion_tokens", request.get("max_tokens"))
-    n = engine.tokens
+    n = max(0, engine.tokens - done)
     if isinstance(limit, int) and 0 < limit < n:
         return limit, "length"
     return n, "stop"
 
 
-def reply_words(n: int) -> list[str]:
-    """The first `n` generated tokens: REPLY_WORDS, over and over."""
-    return [REPLY_WORDS[i % len(REPLY_WORDS)] for i in range(n)]
+def reply_words(n: int, start: int = 0) -> list[str]:
+    """`n` generated tokens from position `start`: REPLY_WORDS, over and over."""
+    return [REPLY_WORDS[i % len(REPLY_WORDS)] for i in range(start, start + n)]
+
+
+REPLY_TOKEN: Final = 70_000  # the id of the generated token at position i is REPLY_TOKEN + i
+
+
+def generated_before(prompt: list[int]) -> int:
+    """How many of its own generated tokens a prompt ends with (a continuation's prompt is
+    the original's and the tokens generated so far: greedy, the engine goes on from there)."""
+    done = 0
+    for token in reversed(prompt):
+        if token < REPLY_TOKEN:
+            break
+        done += 1
+    for i, token in enumerate(prompt[len(prompt) - done :]):
+        if token != REPLY_TOKEN + i:
+            return 0
+    return done
 
 
 def usage(prompt: int, completion: int) -> dict[str, int]:

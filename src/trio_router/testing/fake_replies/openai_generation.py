@@ -7,7 +7,18 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from .common import SSE_DONE, Reply, error_body, n_tokens, prompt_tokens, reply_words, sse, usage
+from .common import (
+    REPLY_TOKEN,
+    SSE_DONE,
+    Reply,
+    error_body,
+    generated_before,
+    n_tokens,
+    prompt_tokens,
+    reply_words,
+    sse,
+    usage,
+)
 
 if TYPE_CHECKING:
     from ..fake_engine import FakeEngine
@@ -32,71 +43,100 @@ def completions(engine: FakeEngine, request: dict[str, Any], model: str, rid: st
 def _generation(
     engine: FakeEngine, request: dict[str, Any], model: str, rid: str, *, chat: bool
 ) -> Reply:
-    n, finish = n_tokens(engine, request)
-    words = reply_words(n)
     tokens = prompt_tokens(request)
+    done = generated_before(tokens)  # a continuation: greedy, it goes on from there
+    n, finish = n_tokens(engine, request, done)
+    words = reply_words(n, done)
+    ids = [REPLY_TOKEN + done + i for i in range(n)]
     prompt_count = len(tokens)
     engine.prompt_tokens += prompt_count
     if engine.kv is not None:
         engine.kv.serve(tokens)
     created = int(time.time())
     ident = f"{'chatcmpl' if chat else 'cmpl'}-{engine.name}-{rid}"
-    obj = "chat.completion" if chat else "text_completion"
     if not request.get("stream"):
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
-        if chat:
-            choice["message"] = {
-                "role": "assistant",
-                "content": "".join(words),
-                "tool_calls": [],
-            }
-        else:
-            choice["text"] = "".join(words)
-        return Reply(
-            200,
-            {
-                "id": ident,
-                "object": obj,
-                "created": created,
-                "model": model,
-                "choices": [choice],
-                "usage": usage(prompt_count, n),
-            },
-        )
-    chunk_obj = "chat.completion.chunk" if chat else "text_completion"
-
-    def chunk(delta: dict[str, Any] | str, reason: str | None) -> bytes:
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": reason}
-        if chat:
-            choice["delta"] = delta
-        else:
-            choice["text"] = delta
-        return sse(
-            {
-                "id": ident,
-                "object": chunk_obj,
-                "created": created,
-                "model": model,
-                "choices": [choice],
-            }
-        )
-
-    events = [chunk({"role": "assistant", "content": ""} if chat else "", None)]
-    events += [chunk({"content": w} if chat else w, None) for w in words]
-    events.append(chunk({} if chat else "", finish))
+        return _whole(model, ident, created, words, prompt_count, finish, chat=chat)
+    stream = _Stream(
+        ident, created, model, chat=chat, token_ids=request.get("return_token_ids") is True
+    )
+    events = [stream.first(tokens)]
+    abort_at = engine.abort_streams_after
+    for i, (word, token) in enumerate(zip(words, ids, strict=True)):
+        if abort_at is not None and i >= abort_at:  # vLLM shutting down: its requests abort
+            n, finish = i, "abort"
+            break
+        events.append(stream.chunk({"content": word} if chat else word, None, [token]))
+    events.append(stream.chunk({} if chat else "", finish, []))
     options = request.get("stream_options")
     if isinstance(options, dict) and options.get("include_usage"):
-        events.append(
-            sse(
-                {
-                    "id": ident,
-                    "object": chunk_obj,
-                    "created": created,
-                    "model": model,
-                    "choices": [],
-                    "usage": usage(prompt_count, n),
-                }
-            )
-        )
+        events.append(stream.usage(prompt_count, n))
     events.append(SSE_DONE)
     return Reply(200, events=events)
+
+
+def _whole(
+    model: str,
+    ident: str,
+    created: int,
+    words: list[str],
+    prompt_count: int,
+    finish: str,
+    *,
+    chat: bool,
+) -> Reply:
+    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": "".join(words), "tool_calls": []}
+    else:
+        choice["text"] = "".join(words)
+    obj = "chat.completion" if chat else "text_completion"
+    body = {"id": ident, "object": obj, "created": created, "model": model, "choices": [choice]}
+    body["usage"] = usage(prompt_count, len(words))
+    return Reply(200, body)
+
+
+class _Stream:
+    """The events of one streamed answer, shaped as vLLM's (with `return_token_ids`: each
+    chunk's token ids, and the prompt's in the first)."""
+
+    def __init__(self, ident: str, created: int, model: str, *, chat: bool, token_ids: bool):
+        self._head = {
+            "id": ident,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": created,
+            "model": model,
+        }
+        self._chat, self._token_ids = chat, token_ids
+
+    def first(self, prompt: list[int]) -> bytes:
+        if self._chat:
+            event = self._event({"role": "assistant", "content": ""}, None, None)
+            if self._token_ids:
+                event["prompt_token_ids"] = prompt
+            return sse(event)
+        return sse(self._event("", None, None, prompt=prompt if self._token_ids else None))
+
+    def chunk(self, delta: dict[str, Any] | str, reason: str | None, ids: list[int]) -> bytes:
+        return sse(self._event(delta, reason, ids if self._token_ids else None))
+
+    def usage(self, prompt: int, completion: int) -> bytes:
+        return sse({**self._head, "choices": [], "usage": usage(prompt, completion)})
+
+    def _event(
+        self,
+        delta: dict[str, Any] | str,
+        reason: str | None,
+        ids: list[int] | None,
+        *,
+        prompt: list[int] | None = None,
+    ) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0}
+        choice["delta" if self._chat else "text"] = delta
+        choice["logprobs"], choice["finish_reason"] = None, reason
+        if reason is not None:
+            choice["stop_reason"] = None
+        if prompt is not None:
+            choice["prompt_token_ids"] = prompt
+        if ids is not None:
+            choice["token_ids"] = ids
+        return {**self._head, "choices": [choice]}
