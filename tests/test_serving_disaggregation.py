@@ -152,9 +152,10 @@ async def test_a_failed_prefill_costs_the_client_nothing_but_time(
             text = await metrics(router)
             failures = next(e for e in router.table if e.role == "prefill").request_failures
     assert answer.status_code == 200 and answer.text.endswith("data: [DONE]\n\n")
-    # The decode engine got the client's request unchanged and prefilled it itself.
+    # The decode engine got the client's request unchanged (but for the token ids a stream
+    # is asked for, so that it can be carried on elsewhere) and prefilled it itself.
     (decoded,) = seen(decode)
-    assert decoded == body(stream=True)
+    assert decoded == {**body(stream=True), "return_token_ids": True}
     assert (transfers(decode).pulled, transfers(decode).recomputed) == (0, 1)
     assert transfers(prefill).held_blocks() == 0
     assert sample(text, "trio_router_pd_fallbacks_total", reason=reason) == 1

@@ -6,14 +6,15 @@ loopback; real clock, each test bounded."""
 from __future__ import annotations
 
 import json
-from typing import Final
+from typing import Any, Final
 
 import httpx
 import pytest
 import trio
 
 from trio_router.testing import FakeEngine
-from trio_router.testing.harness import CHAT, chat, open_router
+from trio_router.testing.fake_replies import REPLY_TOKEN, REPLY_WORDS
+from trio_router.testing.harness import CHAT, chat, open_raw, open_router, send_raw
 
 LIMIT: Final = 10.0
 
@@ -81,16 +82,15 @@ async def test_the_last_engine_breaking_leaves_its_failure_as_the_answer() -> No
     assert failed == 1
 
 
-async def test_a_broken_stream_ends_with_an_error_event_not_a_silent_cut() -> None:
-    """Streams are not continued yet: one whose engine breaks off ends with an error event
-    in its API's shape (OpenAI's `{"error": ...}`; Anthropic's `event: error`), counted as
-    not resumable."""
-    engines = [FakeEngine(name="e", abort_after_first_event=True)]
+async def test_a_stream_that_cannot_be_carried_on_ends_with_an_error_event() -> None:
+    """A stream a continuation cannot carry on (Anthropic's /v1/messages; several choices)
+    ends with an error event in its API's shape and a clean end, never a silent cut."""
+    engines = [FakeEngine(name=f"e{i}", abort_after_first_event=True) for i in range(2)]
     anthropic = {"model": "fake-model", "max_tokens": 8, "stream": True}
     anthropic["messages"] = [{"role": "user", "content": "hi"}]
     with trio.fail_after(LIMIT):
         async with open_router(engines, proxy={"eject_after_failures": 0}) as router:
-            openai = await router.client.post(CHAT, json=chat(stream=True))
+            openai = await router.client.post(CHAT, json=chat(stream=True, n=2))
             messages = await router.client.post("/v1/messages", json=anthropic)
             counted = await resumes(router, "closed", "not_resumable")
     last = openai.content.rstrip(b"\n").rsplit(b"\n\n", 1)[-1]
@@ -100,3 +100,137 @@ async def test_a_broken_stream_ends_with_an_error_event_not_a_silent_cut() -> No
     assert event == b"event: error"
     assert json.loads(data.removeprefix(b"data: "))["type"] == "error"
     assert counted == 2
+    assert sum(len(e.requests_to(CHAT)) for e in engines) == 1  # never sent again
+
+
+# -- streams carried on ---------------------------------------------------------------------
+def events(body: bytes) -> list[Any]:
+    """The JSON events of an SSE body, and "[DONE]"."""
+    out: list[Any] = []
+    for event in body.split(b"\n\n"):
+        if event.startswith(b"data: "):
+            data = event.removeprefix(b"data: ")
+            out.append("[DONE]" if data == b"[DONE]" else json.loads(data))
+    return out
+
+
+def text_of(stream: list[Any], *, chat_stream: bool = True) -> str:
+    return "".join(
+        (e["choices"][0]["delta"].get("content") or "") if chat_stream else e["choices"][0]["text"]
+        for e in stream
+        if e != "[DONE]" and e["choices"]
+    )
+
+
+WHOLE: Final = "".join(REPLY_WORDS[i % len(REPLY_WORDS)] for i in range(12))
+
+
+async def test_a_stream_broken_mid_answer_is_carried_on_by_another_engine() -> None:
+    """The engine closes the connection after 5 events: the client gets one stream, the
+    same text as an uninterrupted answer, under one id, created and model, one [DONE], no
+    token ids (it did not ask for them)."""
+    first = FakeEngine(name="first", tokens=12, break_after_events=5)
+    other = FakeEngine(name="other", tokens=12)
+    with trio.fail_after(LIMIT):
+        async with open_router([first, other]) as router:
+            answer = await router.client.post(CHAT, json=chat(stream=True))
+            resumed = await resumes(router, "closed", "resumed")
+            continuation = other.requests_to("/v1/completions")
+    stream = events(answer.content)
+    assert answer.status_code == 200 and stream[-1] == "[DONE]"
+    assert [e for e in stream if e == "[DONE]"] == ["[DONE]"]
+    assert text_of(stream) == WHOLE
+    heads = {(e["id"], e["created"], e["model"], e["object"]) for e in stream[:-1]}
+    assert len(heads) == 1 and next(iter(heads))[3] == "chat.completion.chunk"
+    assert all(e["choices"][0].get("token_ids") is None for e in stream[:-1])
+    assert stream[-2]["choices"][0]["finish_reason"] == "stop"
+    assert resumed == 1
+    (sent,) = continuation
+    body = sent.json()
+    assert body["prompt"][-4:] == [REPLY_TOKEN + i for i in range(4)]  # 4 tokens sent
+    assert body["stream"] is True and body["return_token_ids"] is True
+
+
+async def test_a_continued_completion_counts_the_original_prompt_and_every_token() -> None:
+    """A text completion with `stream_options.include_usage` and `max_tokens`: the
+    continuation asks for what is left, and the one usage object counts the original prompt
+    and every completion token."""
+    first = FakeEngine(name="first", tokens=12, break_after_events=4)
+    other = FakeEngine(name="other", tokens=12)
+    request = {"model": "fake-model", "prompt": "one two three", "stream": True}
+    request |= {"max_tokens": 10, "stream_options": {"include_usage": True}}
+    with trio.fail_after(LIMIT):
+        async with open_router([first, other]) as router:
+            answer = await router.client.post("/v1/completions", json=request)
+            (sent,) = other.requests_to("/v1/completions")
+    stream = events(answer.content)
+    usages = [e["usage"] for e in stream if e != "[DONE]" and not e["choices"]]
+    assert usages == [{"prompt_tokens": 3, "completion_tokens": 10, "total_tokens": 13}]
+    assert text_of(stream, chat_stream=False) == WHOLE[: len("".join(REPLY_WORDS[:10]))]
+    assert sent.json()["max_tokens"] == 10 - 3  # the first engine's first event has no token
+    assert stream[-2]["choices"] == [] and stream[-1] == "[DONE]"
+
+
+async def test_token_ids_the_client_asked_for_run_on_without_a_seam() -> None:
+    first = FakeEngine(name="first", tokens=8, break_after_events=3)
+    other = FakeEngine(name="other", tokens=8)
+    with trio.fail_after(LIMIT):
+        async with open_router([first, other]) as router:
+            answer = await router.client.post(CHAT, json=chat(stream=True, return_token_ids=True))
+    stream = events(answer.content)[:-1]
+    ids = [t for e in stream for t in (e["choices"][0].get("token_ids") or [])]
+    assert ids == [REPLY_TOKEN + i for i in range(8)]
+    assert isinstance(stream[0]["prompt_token_ids"], list)
+
+
+@pytest.mark.parametrize("how", ["abort", "stall"])
+async def test_an_engine_that_aborts_or_stalls_is_carried_on(how: str) -> None:
+    """vLLM on SIGTERM ends its streams with finish_reason "abort" (and their usage and
+    [DONE]): a truncated answer that looks finished; or an engine falls silent mid-stream.
+    Either way another engine carries the answer on."""
+    knob = {"abort_streams_after": 3} if how == "abort" else {"stall_after_events": 4}
+    first = FakeEngine(name="first", tokens=12, **knob)  # type: ignore[arg-type]
+    other = FakeEngine(name="other", tokens=12)
+    proxy = {"stall_timeout_s": 0.5}
+    with trio.fail_after(LIMIT):
+        async with open_router([first, other], proxy=proxy) as router:
+            answer = await router.client.post(
+                CHAT, json=chat(stream=True, stream_options={"include_usage": True})
+            )
+            resumed = await resumes(router, how, "resumed")
+    stream = events(answer.content)
+    assert text_of(stream) == WHOLE
+    assert [e for e in stream if e == "[DONE]"] == ["[DONE]"]
+    assert all(e["choices"][0]["finish_reason"] != "abort" for e in stream[:-2])
+    assert stream[-2]["usage"]["completion_tokens"] == 12
+    assert resumed == 1
+
+
+async def test_continuations_stop_after_resume_attempts() -> None:
+    """Every engine breaks after 3 events: with `resume_attempts` 1 the answer is carried
+    on once, then ends with an error event (counted as failed)."""
+    engines = [FakeEngine(name=f"b{i}", tokens=12, break_after_events=3) for i in range(3)]
+    proxy = {"resume_attempts": 1, "eject_after_failures": 0}
+    with trio.fail_after(LIMIT):
+        async with open_router(engines, proxy=proxy) as router:
+            answer = await router.client.post(CHAT, json=chat(stream=True))
+            failed = await resumes(router, "closed", "failed")
+    stream = events(answer.content)
+    assert "[DONE]" not in stream
+    assert stream[-1]["error"]["code"] == "bad_engine_response"
+    assert sum(len(e.requests_to("/v1/completions")) for e in engines) == 1
+    assert failed == 1
+
+
+async def test_a_client_leaving_during_a_continuation_aborts_it() -> None:
+    """The client leaves while the continuation runs: the continuation's engine sees its
+    client go, and nothing is left behind."""
+    first = FakeEngine(name="first", tokens=12, break_after_events=3)
+    other = FakeEngine(name="other", tokens=12, gate=trio.Event())  # holds after one event
+    with trio.fail_after(LIMIT):
+        async with open_router([first, other]) as router:
+            async with await open_raw(router.url) as stream:
+                await send_raw(stream, CHAT, chat(stream=True), until=b'"content":"')
+                await other.wait_until(lambda: other.in_flight == 1)
+            await other.wait_until(lambda: other.disconnects == 1)
+            assert other.completed == 0

@@ -77,10 +77,11 @@ class ProxyConfig:
     # POSTs to paths the router does not know: "reject" (404) or "model" (proxied to an
     # engine serving the JSON body's model, like the known endpoints).
     unknown_paths: UnknownPaths = "reject"
-    # An answer whose engine breaks it off before its end: "on" sends a whole (non-streamed)
-    # answer's request again to another engine; "off" cuts it.
+    # An answer whose engine fails before its end: "on" sends a whole (non-streamed) answer's
+    # request again to another engine, and continues a stream there; "off" cuts it.
     resume: Resume = "on"
     resume_attempts: int = 2  # continuations (or retries of a whole answer) per request
+    stall_timeout_s: float = 30.0  # a stream silent this long between two events has failed
 
     def __post_init__(self) -> None:
         check_choice(self.unknown_paths, UNKNOWN_PATHS, "proxy.unknown_paths")
@@ -93,6 +94,7 @@ class ProxyConfig:
             read_timeout_s=self.read_timeout_s,
             max_connections_per_engine=self.max_connections_per_engine,
             ejection_s=self.ejection_s,
+            stall_timeout_s=self.stall_timeout_s,
         )
         if self.retries < 0:
             raise ConfigError(f"proxy.retries must be >= 0, got {self.retries}")

@@ -11,6 +11,7 @@
 from .errors import (
     ClientGoneError,
     EngineBrokeOffError,
+    EngineStalledError,
     EngineTimeoutError,
     EngineUnreachableError,
     InvalidRequestError,
@@ -24,6 +25,7 @@ from .relay import Relay, RelayTarget, open_relay
 __all__ = [
     "ClientGoneError",
     "EngineBrokeOffError",
+    "EngineStalledError",
     "EngineTimeoutError",
     "EngineUnreachableError",
     "InvalidRequestError",

@@ -40,6 +40,11 @@ class EngineTimeoutError(TransportError):
     sent, while its head was awaited, or between two pieces of its body."""
 
 
+class EngineStalledError(EngineTimeoutError):
+    """The engine was silent between two pieces of a streamed body for longer than the stall
+    bound its caller set (`UpstreamResponse.stall_s`)."""
+
+
 class EngineBrokeOffError(TransportError):
     """The engine had the request and then broke the exchange off: a reset, or a close before
     the end of its answer."""

@@ -43,6 +43,7 @@ from .codec import TARGET_CHARS, ProtocolError, ResponseParser, encode_request_h
 from .connection import Connection, Connector, open_tcp_socket
 from .errors import (
     EngineBrokeOffError,
+    EngineStalledError,
     EngineTimeoutError,
     EngineUnreachableError,
     InvalidRequestError,
@@ -283,6 +284,8 @@ class RelaySource:
     parser: ResponseParser
     url: str
     read_timeout: float
+    stall_s: float | None = None  # the silence budget once body bytes came (None: read_timeout)
+    started: bool = False  # body bytes were handed out before the relay took over
 
 
 class UpstreamResponse:
@@ -310,9 +313,11 @@ class UpstreamResponse:
         "_peeked",
         "_pool",
         "_req_headers",
+        "_started",
         "_target",
         "_unchecked",
         "headers",
+        "stall_s",
         "status",
     )
 
@@ -336,6 +341,10 @@ class UpstreamResponse:
         self._parser: ResponseParser | None = None
         self._done = False
         self._unchecked = 0  # chunks returned since the last checkpoint
+        self._started = False  # body bytes have been handed out
+        # The silence budget between two pieces of the body once it has begun (None: the
+        # pool's read_timeout): a stream's stall bound, set by the caller after the head.
+        self.stall_s: float | None = None
         self._peeked: bytes | ProtocolError = b""  # what at_hand() read: the next chunk
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
@@ -478,7 +487,14 @@ class UpstreamResponse:
         `relayable`."""
         if self._conn is None or self._parser is None or not self._parser.chunked:
             raise ValueError("only the rest of a chunked body that is not over can be relayed")
-        return RelaySource(self._conn, self._parser, self._base_url, self._pool.read_timeout)
+        return RelaySource(
+            self._conn,
+            self._parser,
+            self._base_url,
+            self._pool.read_timeout,
+            self.stall_s,
+            self._started,
+        )
 
     def at_hand(self) -> bool:
         """The body's next chunk, or its end, is here already: the next step of the iteration
@@ -509,10 +525,12 @@ class UpstreamResponse:
                 self._peeked = b""
                 if isinstance(peeked, ProtocolError):
                     raise peeked
+                self._started = True
                 return peeked
             while True:
                 data = parser.read_body()
                 if data:
+                    self._started = True
                     self._unchecked += 1
                     if self._unchecked >= CHECKPOINT_EVERY:
                         self._unchecked = 0
@@ -538,11 +556,17 @@ class UpstreamResponse:
             data = conn.recv_nowait()
             if data is None:  # nothing there yet: wait, within the silence budget
                 waited = True
-                read_timeout = self._pool.read_timeout
-                data = await self._recv(conn, read_timeout)
+                stall = self.stall_s if self._started else None
+                silence = stall if stall is not None else self._pool.read_timeout
+                data = await self._recv(conn, silence)
+                if data is None and stall is not None:
+                    raise EngineStalledError(
+                        f"engine {self._base_url} was silent for {stall:g} s between two "
+                        "pieces of a stream (proxy.stall_timeout_s)"
+                    )
                 if data is None:
                     raise EngineTimeoutError(
-                        f"engine {self._base_url} was silent for {read_timeout:g} s "
+                        f"engine {self._base_url} was silent for {silence:g} s "
                         "mid-response (proxy.read_timeout_s)"
                     )
         except OSError as exc:

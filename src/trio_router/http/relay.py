@@ -16,7 +16,13 @@ import trio
 
 from .codec import ProtocolError
 from .connection import READ_SIZE
-from .errors import ClientGoneError, EngineBrokeOffError, EngineTimeoutError, TransportError
+from .errors import (
+    ClientGoneError,
+    EngineBrokeOffError,
+    EngineStalledError,
+    EngineTimeoutError,
+    TransportError,
+)
 from .pool import RelaySource, UpstreamResponse
 
 __all__ = ["CHECK_S", "PAUSE_AT", "PAUSE_S", "Relay", "RelayTarget", "open_relay"]
@@ -88,6 +94,7 @@ class Relay:
         *,
         hold_last: bool = False,
         on_first: Callable[[float], None] | None = None,
+        transform: Callable[[bytes, bool], bytes] | None = None,
     ) -> tuple[bytes, int, bytes]:
         """Move the rest of `response`'s body (`response.relayable`) to `client`. Returns
         when the engine's last chunk has been read and everything before it written (the
@@ -97,7 +104,9 @@ class Relay:
         not written: the caller writes them with the end of its response, in one write
         (b"" without `hold_last`, or when that read held nothing before the end).
         `on_first(now)` is called (from the relay's task) when the first bytes are passed on.
-        Raises
+        With `transform`, the body's bytes are decoded and go through it (`transform(data,
+        final)`, `final` at the end of the body) and what it returns is framed anew as one
+        chunk per read: the relay's path, with a rewriting of the body between. Raises
         ClientGoneError, EngineTimeoutError or EngineBrokeOffError (then the client's response
         cannot be ended cleanly). Cancellation takes the stream out of the relay at once."""
         stream = _Relayed(
@@ -107,6 +116,7 @@ class Relay:
             write_timeout=self.write_timeout,
             hold_last=hold_last,
             on_first=on_first,
+            transform=transform,
         )
         self._streams.add(stream)
         self.relayed += 1
@@ -198,7 +208,10 @@ class _Relayed:
         "_parser",
         "_pending",
         "_read_timeout",
+        "_stall",
+        "_started",
         "_streams",
+        "_transform",
         "_url",
         "_write_timeout",
         "before_last",
@@ -220,6 +233,7 @@ class _Relayed:
         write_timeout: float,
         hold_last: bool = False,
         on_first: Callable[[float], None] | None = None,
+        transform: Callable[[bytes, bool], bytes] | None = None,
     ) -> None:
         # The relay's epoll set, its fd -> stream map and its set of streams, shared by its
         # streams (each registers and unregisters its own sockets there).
@@ -227,9 +241,12 @@ class _Relayed:
         self._write_timeout = write_timeout
         self._hold_last = hold_last
         self._on_first = on_first
+        self._transform = transform
         self._conn, self._parser = source.conn, source.parser
         self._url = source.url
         self._read_timeout = source.read_timeout
+        self._stall = source.stall_s  # once the body has begun, if set
+        self._started = source.started
         self._client = client
         self._engine_fd = -1
         self._client_fd = -1  # registered for writability while a write waits
@@ -244,7 +261,7 @@ class _Relayed:
 
     def start(self, now: float) -> None:
         """Watch the engine's socket, and relay what was already received."""
-        self.deadline = now + self._read_timeout
+        self.deadline = now + self._silence()
         self._engine_fd = self._conn.raw.fileno()
         self._epoll.register(self._engine_fd, select.EPOLLIN)
         self._by_fd[self._engine_fd] = self
@@ -265,7 +282,8 @@ class _Relayed:
             return
         if data:
             self._parser.feed(data)
-            self.deadline = now + self._read_timeout
+            self._started = True
+            self.deadline = now + self._silence()
             self._forward(now)
         else:
             self._finish(
@@ -284,8 +302,14 @@ class _Relayed:
             )
             self._finish(ClientGoneError())
         elif now >= self.deadline:
+            stall = self._stall if self._started else None
             self._finish(
-                EngineTimeoutError(
+                EngineStalledError(
+                    f"engine {self._url} was silent for {stall:g} s between two pieces of a "
+                    "stream (proxy.stall_timeout_s)"
+                )
+                if stall is not None
+                else EngineTimeoutError(
                     f"engine {self._url} was silent for {self._read_timeout:g} s mid-response "
                     "(proxy.read_timeout_s)"
                 )
@@ -293,7 +317,7 @@ class _Relayed:
 
     def _forward(self, now: float) -> None:
         try:
-            out = self._parser.read_body_framed()
+            out = self._parser.read_body_framed() if self._transform is None else self._rewrite()
         except ProtocolError as exc:
             self._finish(
                 EngineBrokeOffError(f"engine {self._url} broke off the response body: {exc}")
@@ -313,6 +337,22 @@ class _Relayed:
             self._flush(now)
         elif self._parser.done:
             self._finish(None)
+
+    def _silence(self) -> float:
+        """How long the engine may be silent now: the stall bound once the body has begun
+        (when one is set), else the read timeout."""
+        stall = self._stall
+        return stall if stall is not None and self._started else self._read_timeout
+
+    def _rewrite(self) -> bytes:
+        """What the transform makes of the body bytes read now, framed as one chunk."""
+        parser = self._parser
+        data = parser.read_body()
+        if not data and not parser.done:
+            return b""
+        assert self._transform is not None
+        piece = self._transform(data, parser.done)
+        return b"%x\r\n%s\r\n" % (len(piece), piece) if piece else b""
 
     def _flush(self, now: float) -> None:
         """Write what is pending; wait for the client's socket if it does not take it all."""
@@ -344,7 +384,7 @@ class _Relayed:
             self._client_fd = -1
             if self._engine_fd >= 0:
                 epoll.modify(self._engine_fd, select.EPOLLIN)
-            self.deadline = now + self._read_timeout
+            self.deadline = now + self._silence()
         if self._parser.done:
             self._finish(None)
 

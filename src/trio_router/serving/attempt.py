@@ -12,10 +12,8 @@ reports, and the admission slot given back.
 
 from __future__ import annotations
 
-import json
 import logging
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Final, Protocol
 
@@ -25,6 +23,8 @@ from ..errors import RequestError
 from ..http import (
     ClientGoneError,
     EngineBrokeOffError,
+    EngineStalledError,
+    EngineTimeoutError,
     EngineUnreachableError,
     LocalLimitError,
     MalformedResponseError,
@@ -33,25 +33,23 @@ from ..http import (
     read_whole,
 )
 from ..table import Engine
-from .answer import Answer
 from .errors import (
     ENGINE_HEADER,
     MODEL_HEADER,
     PREFILL_ENGINE_HEADER,
     REQUEST_ID_HEADER,
-    error_body,
     from_transport,
     http_date,
 )
 from .prepared import Prepared
 from .record import ExchangeRecord
+from .resume import StreamAbortedError
 from .runtime import Runtime
 from .stored import new_response_id, with_request_id
 
 __all__ = [
     "MAX_REFUSAL_BYTES",
     "Answered",
-    "Deliver",
     "Failed",
     "Outcome",
     "ReadAnswer",
@@ -77,12 +75,11 @@ _USAGE: Final = re.compile(
     rb'"completion_tokens"\s*:\s*(\d+)'
 )
 
-MAX_HELD_ANSWER_BYTES: Final = 16 * 1024 * 1024  # a whole answer held before it is passed on
-
 
 class Take(Protocol):
-    """What an attempt does with the engine's answer: passes it to the client (`Deliver`), or
-    reads it whole (`read_answer`), returning what it kept."""
+    """What an attempt does with the engine's answer: passes it to the client
+    (`deliver.Deliver`), or reads it whole (`ReadAnswer`), returning what it kept; and what
+    becomes of an answer its engine failed once bytes of it reached the client."""
 
     @property
     def committed(self) -> bool:
@@ -90,6 +87,14 @@ class Take(Protocol):
         ...
 
     async def __call__(self, response: UpstreamResponse, engine: Engine) -> bytes: ...
+
+    def continuation(self) -> Prepared | None:
+        """The request that carries a cut answer on at another engine (`resume`), or None."""
+        ...
+
+    async def give_up(self, failed: Failed) -> None:
+        """No engine carries the cut answer on: end it as well as it can be."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,14 +273,18 @@ def _broken(
         engine.name,
         exc,
     )
-    return Failed(error, cut=True)
+    return Failed(error, cut=True, broke=broke_reason(exc))
 
 
 def broke_reason(exc: TransportError) -> str:
-    """Why an engine that had the request broke it off, as the resume counter names it; ""
-    for a failure after which the request is not sent again: an engine silent past
-    `proxy.read_timeout_s` (another would likely keep the client waiting as long), the
-    router's own limits, a request it cannot send."""
+    """Why an engine that had the request failed it, as the resume counter names it ("" for
+    a failure that is not the engine's: the router's own limits, a request it cannot send)."""
+    if isinstance(exc, StreamAbortedError):
+        return "abort"
+    if isinstance(exc, EngineStalledError):
+        return "stall"
+    if isinstance(exc, EngineTimeoutError):
+        return "timeout"
     if isinstance(exc, EngineBrokeOffError):
         return "reset" if isinstance(exc.__cause__, OSError) else "closed"
     if isinstance(exc, MalformedResponseError):
@@ -310,96 +319,6 @@ def client_head(
     return out
 
 
-class Deliver:
-    """A `Take` that passes an engine's answer to the client through `answer`: its head,
-    then its body as it comes (the model's name echoed back as the client asked for it when
-    an alias named it), then the end; the usage summary at its end counted. With
-    `proxy.resume` on, an answer of a known length (a whole answer, not a stream) is read
-    whole first, so that an engine failing in its middle leaves nothing at the client and
-    another engine may answer instead."""
-
-    __slots__ = ("_answer", "_asked", "_path", "_record", "_rt", "committed")
-
-    def __init__(self, answer: Answer, record: ExchangeRecord, rt: Runtime, asked: str) -> None:
-        self._answer, self._record, self._rt, self._asked = answer, record, rt, asked
-        self._path = record.path
-        self.committed = False
-
-    async def __call__(self, response: UpstreamResponse, engine: Engine) -> bytes:
-        answer, record = self._answer, self._record
-        self.committed = False
-        echo = self._rt.names.echo(self._asked, record.served_model)
-        head = client_head(response.headers, engine, record, sized=echo is None)
-        if self._held(response):
-            body = await read_whole(response, MAX_HELD_ANSWER_BYTES, f"engine {engine.name}")
-            if echo is not None:
-                body = echo.feed(body, final=True)
-            self.committed = True
-            record.status = response.status
-            if record.ttfb is None:
-                record.first_byte(trio.current_time())
-            answer.start(response.status, head)
-            await answer.end(body)
-            tail = body[-8192:]
-        else:
-            self.committed = True
-            record.status = response.status
-            answer.start(response.status, head)
-            rewrite = None if echo is None else _rewrite(echo.feed)
-            on_first = record.first_byte if record.ttfb is None else None
-            try:
-                tail = await answer.relay(response, rewrite=rewrite, on_first=on_first)
-            except TransportError as exc:
-                if not isinstance(exc, ClientGoneError) and _is_event_stream(response):
-                    await self._end_with_error(exc)
-                raise
-            finally:
-                record.sent = answer.sent
-            await answer.end()
-        record.sent = answer.sent
-        if response.status == 200 and (usage := usage_of(tail)):
-            self._rt.services.metrics.tokens(record.served_model, *usage)
-        return b""
-
-    async def _end_with_error(self, exc: TransportError) -> None:
-        """A stream its engine broke off: it ends with an error event (an OpenAI-style error
-        object, or Anthropic's for /v1/messages), not a silent cut a client could take for
-        a finished answer."""
-        error = from_transport(exc)
-        reason = broke_reason(exc) or "timeout"
-        self._rt.services.metrics.resumed(self._record.served_model, reason, "not_resumable")
-        body = error_body(str(error), type=error.type, code=error.code)
-        if self._path.startswith("/v1/messages"):
-            message = json.dumps({"type": error.type, "message": str(error)})
-            event = b'event: error\ndata: {"type":"error","error":%s}\n\n' % message.encode()
-        else:
-            event = b"data: %s\n\n" % body
-        await self._answer.body(event)
-        await self._answer.end()
-
-    def _held(self, response: UpstreamResponse) -> bool:
-        """The answer is read whole before it is passed on: `proxy.resume` is on and its
-        length is known (a whole answer, not a stream) and at most MAX_HELD_ANSWER_BYTES."""
-        if self._rt.config.proxy.resume != "on":
-            return False
-        length = next((v for k, v in response.headers if k == b"content-length"), None)
-        return length is not None and length.isdigit() and int(length) <= MAX_HELD_ANSWER_BYTES
-
-
-def _is_event_stream(response: UpstreamResponse) -> bool:
-    return any(
-        name == b"content-type" and value.startswith(b"text/event-stream")
-        for name, value in response.headers
-    )
-
-
-def _rewrite(feed: Callable[..., bytes]) -> Callable[[bytes, bool], bytes]:
-    def rewrite(piece: bytes, final: bool) -> bytes:
-        return feed(piece, final=final)
-
-    return rewrite
-
-
 def usage_of(tail: bytes) -> tuple[int, int] | None:
     """(prompt, completion) tokens from the `usage` summary at the end of an engine's answer
     (a JSON body, or a stream's last events), if it has one."""
@@ -421,3 +340,9 @@ class ReadAnswer:
 
     async def __call__(self, response: UpstreamResponse, engine: Engine) -> bytes:
         return await read_whole(response, self._max_bytes, f"{self._what} {engine.name}")
+
+    def continuation(self) -> Prepared | None:
+        return None
+
+    async def give_up(self, failed: Failed) -> None:
+        pass

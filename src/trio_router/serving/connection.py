@@ -356,16 +356,16 @@ class ConnectionAnswer(AsgiAnswer):
     ) -> bytes:
         at_hand = response.at_hand()  # the body's first bytes came with the head: one write
         await self._flush_head(hold=at_hand)
-        if rewrite is not None or self._relay is None or not response.relayable:
+        if self._relay is None or not response.relayable:
             return await self._pass_on(response, rewrite, on_first)
         if at_hand or self._connection.writes_pending():
             # The general way until the rest can be relayed (the head goes with the first).
-            tail = await self._pass_on(response, None, on_first, until_relayable=self._free)
+            tail = await self._pass_on(response, rewrite, on_first, until_relayable=self._free)
             if response.complete:
                 return tail
             on_first = None
         tail, relayed, held = await self._relay.relay(
-            response, self._connection, hold_last=True, on_first=on_first
+            response, self._connection, hold_last=True, on_first=on_first, transform=rewrite
         )
         self.sent += relayed
         if held:  # the read that ended the body: it goes out with what follows (the end)

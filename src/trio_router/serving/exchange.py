@@ -21,6 +21,7 @@ that on trio_router's own server, and nothing below the exchange takes a "client
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import secrets
@@ -32,13 +33,15 @@ from ..asgi import Receive, Scope
 from ..errors import RequestError
 from ..routing.route import Route
 from .answer import Answer
-from .attempt import Deliver, Failed, Outcome, Refused, client_head
+from .attempt import Failed, Outcome, Refused, client_head
+from .deliver import Deliver
 from .disaggregated import disaggregated
 from .errors import CLIENT_CLOSED, error_answer
 from .failover import try_engines
 from .intake import Held, read_body, read_head
 from .prepared import Prepared, fell_back, for_model, next_model, resolve, with_tokens
 from .record import ExchangeRecord
+from .resume import resumable, with_token_ids
 from .runtime import Runtime
 
 __all__ = ["request_ids", "run_exchange"]
@@ -123,8 +126,10 @@ async def _route_through_fallbacks(
 ) -> Outcome:
     """The request routed to the model it names, then to each fallback model while the one
     before cannot take it (no engine, the queue, every engine refused)."""
-    take = Deliver(answer, record, rt, asked=record.model)
     while True:
+        if rt.config.proxy.resume == "on" and resumable(prepared) is not None:
+            prepared = dataclasses.replace(prepared, body=with_token_ids(prepared))
+        take = Deliver(answer, record, rt, prepared)
         outcome = await _route(prepared, take, rt, record)
         if not isinstance(outcome, Failed) or not outcome.fallback:
             return outcome

@@ -97,60 +97,102 @@ async def try_engines(
     """Attempts until one answers (see the module's docstring), each engine chosen by
     `route`; `first`, when given, is the first engine to try, its slot already held; `body`
     is sent instead of the request's own. An engine's refusal (a fallback model is left)
-    moves on to the next engine, and is the answer if every engine refuses. An engine that
-    fails the request before anything reached the client (`Failed.broke`) hands it to
-    another, with `proxy.resume` on, up to `proxy.resume_attempts` times."""
+    moves on to the next engine, and is the answer if every engine refuses. With
+    `proxy.resume` on, up to `proxy.resume_attempts` times: an engine that broke the request
+    off before anything reached the client hands it whole to another; one that failed an
+    answer already begun hands `take.continuation()` to another, which carries it on."""
     tried: list[str] = []
     unreachable: EngineUnreachableError | None = None
     refused: Refused | None = None
-    broken: Failed | None = None  # the last engine that failed the request unanswered
-    retries = 0
+    broken: Failed | None = None  # the last engine's failure that another is to make good
+    current, retries = prepared, 0
     while True:
         if first is not None:
             engine, first = first, None
         else:
-            chosen = await choose(prepared, record, rt, route, tried, unreachable)
+            chosen = await choose(current, record, rt, route, tried, unreachable)
             if isinstance(chosen, Failed):
                 if broken is not None:  # no other engine: that failure is the answer
+                    await take.give_up(broken)
                     rt.services.metrics.resumed(prepared.model, broken.broke, "failed")
                     return broken
                 if refused is None:
                     return chosen
                 return Failed(chosen.error, fallback=True, refused=refused)
             engine = chosen
-        outcome = await attempt(engine, prepared, record, rt, take=take, body=body)
+        outcome = await attempt(engine, current, record, rt, take=take, body=body)
         if isinstance(outcome, Refused):  # a fallback model is left: the next engine, then it
             tried.append(engine.uid)
             refused = outcome
-        elif isinstance(outcome, Unreachable):
+            continue
+        if isinstance(outcome, Unreachable):
             tried.append(engine.uid)
             unreachable = outcome.error
             if len(tried) > rt.config.proxy.retries:
-                return Failed(
-                    engine_unreachable(
-                        f"engine {engine.name} for model {prepared.model!r} could not be "
-                        f"reached ({len(tried)} attempt(s)): {outcome.error}"
-                    )
-                )
-        elif isinstance(outcome, Failed) and outcome.broke and not outcome.cut:
-            proxy = rt.config.proxy
-            if proxy.resume != "on" or retries >= proxy.resume_attempts:
-                if proxy.resume == "on":
-                    rt.services.metrics.resumed(prepared.model, outcome.broke, "failed")
-                return outcome
-            retries += 1
-            tried.append(engine.uid)
-            broken = outcome
-            logger.warning(
-                "request %s for %s: engine %s failed it before any answer (%s); another "
-                "engine takes it",
-                record.request_id_text,
-                prepared.model,
-                engine.name,
-                outcome.error,
-            )
-        else:
+                return await _unreachable(outcome, current, take, broken)
+            continue
+        if not isinstance(outcome, Failed) or not outcome.broke:
             if broken is not None:
-                done = "retried" if isinstance(outcome, Answered) else "failed"
+                done = "resumed" if broken.cut else "retried"
+                if not isinstance(outcome, Answered):
+                    done = "failed"
                 rt.services.metrics.resumed(prepared.model, broken.broke, done)
             return outcome
+        following = await _next_request(outcome, current, take, rt, retries)
+        if following is None:
+            return outcome
+        if outcome.cut:  # the continuation of the answer begun
+            current, body = following, None
+        retries += 1
+        tried.append(engine.uid)
+        broken = outcome
+        logger.warning(
+            "request %s for %s: engine %s failed it (%s); another engine %s",
+            record.request_id_text,
+            prepared.model,
+            engine.name,
+            outcome.error,
+            "carries it on" if outcome.cut else "takes it whole",
+        )
+
+
+async def _unreachable(
+    outcome: Unreachable, prepared: Prepared, take: Take, broken: Failed | None
+) -> Failed:
+    """The request could not reach another engine: the 502, or an answer carried on so far
+    ended as well as it can be."""
+    failed = Failed(
+        engine_unreachable(
+            f"engine {outcome.engine.name} for model {prepared.model!r} could not be "
+            f"reached: {outcome.error}"
+        ),
+        cut=broken is not None and broken.cut,
+    )
+    if broken is not None:
+        await take.give_up(failed)
+    return failed
+
+
+async def _next_request(
+    failed: Failed, current: Prepared, take: Take, rt: Runtime, retries: int
+) -> Prepared | None:
+    """The request another engine is to take after `failed`, or None (`failed` is the
+    answer, and an answer begun is ended as well as it can be): the same one when its engine
+    broke it off before anything reached the client (not a silent engine: another would
+    likely keep the client waiting as long), else the continuation of the answer begun."""
+    proxy, metrics = rt.config.proxy, rt.services.metrics
+    if proxy.resume != "on":
+        return None
+    left = retries < proxy.resume_attempts
+    if not failed.cut:
+        if failed.broke in ("timeout", "stall"):
+            return None
+        if left:
+            return current
+        metrics.resumed(current.model, failed.broke, "failed")
+        return None
+    following = take.continuation() if left else None
+    if following is None:
+        metrics.resumed(current.model, failed.broke, "failed" if not left else "not_resumable")
+        await take.give_up(failed)
+    return following

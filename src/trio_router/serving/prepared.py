@@ -150,7 +150,9 @@ async def _read(
         form = await services.parser.form(body, content_type)
         payload: dict[str, Any] = {"model": form.model}
     else:
-        model_only = not (rt.needs_request_info or rt.disaggregation is not None)
+        # Resumable streams need the whole request to be carried on (`resume`).
+        resume = rt.config.proxy.resume == "on" and path in PD_PATHS
+        model_only = not (rt.needs_request_info or rt.disaggregation is not None or resume)
         payload = await services.parser.parse(body, model_only=model_only)
     record.model = payload["model"]
     chain = rt.names.chain(payload["model"])

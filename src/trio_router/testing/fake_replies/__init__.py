@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Final
 
 from .anthropic_messages import count_tokens, messages
-from .common import REPLY_WORDS, SSE_DONE, Handler, Reply, error_body, prompt_tokens
+from .common import REPLY_TOKEN, REPLY_WORDS, SSE_DONE, Handler, Reply, error_body, prompt_tokens
 from .openai_audio import transcription
 from .openai_generation import chat, completions
 from .openai_responses import responses, stored_response
@@ -25,6 +25,7 @@ from .vllm_extras import detokenize, invocations, render, tokenize
 
 __all__ = [
     "POST_HANDLERS",
+    "REPLY_TOKEN",
     "REPLY_WORDS",
     "SSE_DONE",
     "Handler",

@@ -1,0 +1,222 @@
+"""The client's take of an engine's answer: `Deliver`, what an attempt does with the answer of
+a request from a client (`attempt.Take`).
+
+It passes the engine's answer on through the request's answer writer: its head, then its
+body as it comes (the model's name echoed back as the client asked for it when an alias named
+it), then the end; the usage summary at its end is counted. With `proxy.resume` on:
+
+- an answer of a known length (a whole answer, not a stream) up to MAX_HELD_ANSWER_BYTES is
+  read whole before its head goes out, so an engine failing in its middle leaves nothing at
+  the client and another engine may answer instead (`failover.try_engines`);
+- a stream a continuation can carry on (`resume.resumable`) is followed event by event
+  (`resume.Track`); when its engine fails before its end, the answer stays open and
+  `continuation()` gives the request that carries it on at another engine, whose events this
+  take then writes into the same answer;
+- a stream that cannot be carried on ends with an error event in its API's shape and a clean
+  end (`give_up`), never a silent cut a client could take for a finished answer.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Final
+
+import trio
+
+from ..errors import RequestError
+from ..http import ClientGoneError, TransportError, UpstreamResponse, read_whole
+from ..table import Engine
+from .answer import Answer, Rewrite
+from .attempt import Failed, client_head, usage_of
+from .errors import error_body, from_transport
+from .names import ModelEcho
+from .prepared import Prepared
+from .record import ExchangeRecord
+from .resume import StreamAbortedError, Track, continuation, resumable
+from .runtime import Runtime
+
+__all__ = ["MAX_HELD_ANSWER_BYTES", "Deliver"]
+
+MAX_HELD_ANSWER_BYTES: Final = 16 * 1024 * 1024  # a whole answer held before it is passed on
+
+
+class Deliver:
+    """The client's take of an engine's answer (see the module's docstring), for the request
+    `prepared` (as resolved: a continuation is built from it)."""
+
+    __slots__ = ("_answer", "_open", "_prepared", "_record", "_rt", "_track", "committed")
+
+    def __init__(
+        self, answer: Answer, record: ExchangeRecord, rt: Runtime, prepared: Prepared
+    ) -> None:
+        self._answer, self._record, self._rt, self._prepared = answer, record, rt, prepared
+        self._track: Track | None = None  # the stream followed for a continuation
+        self._open = False  # the answer has begun and not ended
+        self.committed = False  # bytes of this attempt's answer reached the client
+
+    async def __call__(self, response: UpstreamResponse, engine: Engine) -> bytes:
+        self.committed = False
+        record = self._record
+        echo = self._rt.names.echo(record.model, record.served_model)
+        if self._track is not None and self._track.continuing:
+            tail = await self._go_on(response, engine, echo)
+        elif self._held(response):
+            tail = await self._whole(response, engine, echo)
+        else:
+            tail = await self._stream(response, engine, echo)
+        record.sent = self._answer.sent
+        if response.status == 200 and (usage := usage_of(tail)):
+            self._rt.services.metrics.tokens(record.served_model, *usage)
+        return b""
+
+    async def _whole(
+        self, response: UpstreamResponse, engine: Engine, echo: ModelEcho | None
+    ) -> bytes:
+        head = client_head(response.headers, engine, self._record, sized=echo is None)
+        body = await read_whole(response, MAX_HELD_ANSWER_BYTES, f"engine {engine.name}")
+        if echo is not None:
+            body = echo.feed(body, final=True)
+        self._begin(response.status)
+        if self._record.ttfb is None:
+            self._record.first_byte(trio.current_time())
+        self._answer.start(response.status, head)
+        await self._answer.end(body)
+        self._open = False
+        return body[-8192:]
+
+    async def _stream(
+        self, response: UpstreamResponse, engine: Engine, echo: ModelEcho | None
+    ) -> bytes:
+        answer, record = self._answer, self._record
+        head = client_head(response.headers, engine, record, sized=echo is None)
+        track = self._follow(response)
+        self._begin(response.status)
+        answer.start(response.status, head)
+        on_first = record.first_byte if record.ttfb is None else None
+        return await self._pass(response, engine, _chained(track, echo), on_first)
+
+    async def _go_on(
+        self, response: UpstreamResponse, engine: Engine, echo: ModelEcho | None
+    ) -> bytes:
+        """A continuation's answer, written into the answer it carries on."""
+        if response.status != 200 or not _is_event_stream(response):
+            raise StreamAbortedError(
+                f"engine {engine.name} answered the continuation with {response.status}"
+            )
+        assert self._track is not None
+        response.stall_s = self._rt.config.proxy.stall_timeout_s
+        self.committed = True
+        return await self._pass(response, engine, _chained(self._track, echo), None)
+
+    async def _pass(
+        self,
+        response: UpstreamResponse,
+        engine: Engine,
+        rewrite: Rewrite | None,
+        on_first: Callable[[float], None] | None,
+    ) -> bytes:
+        """The body relayed into the answer, and the answer ended; a failure raised with
+        the answer left open when it can be carried on, else ended as well as it can be."""
+        track = self._track
+        try:
+            tail = await self._answer.relay(response, rewrite=rewrite, on_first=on_first)
+            if track is not None and (track.aborted or not (track.done or track.finish)):
+                raise StreamAbortedError(
+                    f"engine {engine.name} ended the stream before its answer was complete"
+                )
+        except TransportError as exc:
+            if isinstance(exc, ClientGoneError) or self.continuation_possible():
+                raise
+            if track is not None and track.finish is not None:  # only the end was lost
+                await self._answer.body(track.ending())
+            elif _is_event_stream(response):
+                await self._end_with_error(from_transport(exc))
+                raise
+            else:
+                raise
+        await self._answer.end()
+        self._open = False
+        return tail
+
+    def _begin(self, status: int) -> None:
+        self.committed = self._open = True
+        self._record.status = status
+
+    def _follow(self, response: UpstreamResponse) -> Track | None:
+        """A `Track` of this stream when a continuation could carry it on."""
+        prepared = self._prepared
+        if (
+            self._rt.config.proxy.resume != "on"
+            or response.status != 200
+            or not _is_event_stream(response)
+            or (kind := resumable(prepared)) is None
+        ):
+            return None
+        options = prepared.payload.get("stream_options")
+        usage = isinstance(options, dict) and options.get("include_usage") is True
+        show = prepared.payload.get("return_token_ids") is True
+        self._track = Track(kind, show_ids=show, usage=usage)
+        response.stall_s = self._rt.config.proxy.stall_timeout_s
+        return self._track
+
+    def continuation_possible(self) -> bool:
+        """The open answer could be carried on at another engine."""
+        track = self._track
+        return (
+            self._open
+            and track is not None
+            and track.resumable
+            and track.finish is None
+            and not track.done
+            and bool(track.prompt)
+        )
+
+    def continuation(self) -> Prepared | None:
+        if not self.continuation_possible():
+            return None
+        assert self._track is not None
+        return continuation(self._prepared, self._track)
+
+    async def give_up(self, failed: Failed) -> None:
+        if self._open and failed.error is not None:
+            await self._end_with_error(failed.error)
+
+    async def _end_with_error(self, error: RequestError) -> None:
+        """An open stream ends with an error event (an OpenAI-style error object, or
+        Anthropic's for /v1/messages), not a silent cut a client could take for a finished
+        answer."""
+        body = error_body(str(error), type=error.type, code=error.code)
+        if self._record.path.startswith("/v1/messages"):
+            message = json.dumps({"type": error.type, "message": str(error)})
+            event = b'event: error\ndata: {"type":"error","error":%s}\n\n' % message.encode()
+        else:
+            event = b"data: %s\n\n" % body
+        await self._answer.body(event)
+        await self._answer.end()
+        self._open = False
+
+    def _held(self, response: UpstreamResponse) -> bool:
+        """The answer is read whole before it is passed on: `proxy.resume` is on and its
+        length is known (a whole answer, not a stream) and at most MAX_HELD_ANSWER_BYTES."""
+        if self._rt.config.proxy.resume != "on":
+            return False
+        length = next((v for k, v in response.headers if k == b"content-length"), None)
+        return length is not None and length.isdigit() and int(length) <= MAX_HELD_ANSWER_BYTES
+
+
+def _is_event_stream(response: UpstreamResponse) -> bool:
+    return any(
+        name == b"content-type" and value.startswith(b"text/event-stream")
+        for name, value in response.headers
+    )
+
+
+def _chained(track: Track | None, echo: ModelEcho | None) -> Rewrite | None:
+    """The rewriting of a body: the track's, then the alias's echo."""
+    if echo is None:
+        return track
+    feed = echo.feed
+    if track is None:
+        return lambda piece, final: feed(piece, final=final)
+    return lambda piece, final: feed(track(piece, final), final=final)

@@ -1,0 +1,298 @@
+"""Streams continued on another engine when theirs fails mid-answer (`proxy.resume`).
+
+A streamed chat or text completion whose request a continuation can carry on (`resumable`:
+one choice, no log probabilities, no tools or structured output) is sent to its engine with
+`"return_token_ids": true`. Its events pass through a `Track` on their way to the client (in
+the relay, one read at a time): complete events only (a partial one waits for its end), each
+one's token ids noted and, unless the client asked for them, replaced by `null` (what vLLM
+writes when they are not asked for). When the engine fails before the end of the answer (the
+connection reset or closed, silent for `proxy.stall_timeout_s`, or the engine ending the
+stream itself with `finish_reason: "abort"` or an error event, as vLLM does on SIGTERM), the
+request goes on at another engine as a `/v1/completions` request whose prompt is the original
+prompt's token ids and the tokens already sent (`continuation_body`), its token limits
+reduced by what was generated; the continuation's events are written in the original's shape
+(its `id`, `created`, `model`, a chat's deltas), with one `[DONE]` and, when the client asked
+for usage, one usage object counting the original prompt and every completion token.
+
+What is kept per stream: the prompt's token ids and the generated ones, as the bytes of their
+JSON lists (about 6 bytes a token), and at most one partial event.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Final
+
+import msgspec
+
+from ..http import EngineBrokeOffError
+from .prepared import Prepared
+
+__all__ = [
+    "RESUMABLE_PATHS",
+    "StreamAbortedError",
+    "Track",
+    "continuation",
+    "resumable",
+    "with_token_ids",
+]
+
+RESUMABLE_PATHS: Final = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+# Request members a continuation cannot carry on: several choices, log probabilities, tool
+# calls and structured output (their state lives in the engine), an echoed prompt.
+_NOT_RESUMABLE: Final = (
+    "tools",
+    "functions",
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "logprobs",
+    "top_logprobs",
+    "prompt_logprobs",
+    "echo",
+    "best_of",
+    "return_tokens_as_token_ids",
+    "continue_final_message",
+)
+# Sampling parameters passed on to a continuation as the client gave them.
+_SAMPLING: Final = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "include_stop_str_in_output",
+    "bad_words",
+    "logit_bias",
+    "allowed_token_ids",
+    "priority",
+    "user",
+)
+_TOKEN_IDS: Final = b'"token_ids":['
+_PROMPT_IDS: Final = b'"prompt_token_ids":['
+_encode = msgspec.json.encode
+
+
+class StreamAbortedError(EngineBrokeOffError):
+    """The engine ended a stream itself before its answer was complete (`finish_reason:
+    "abort"`, or an error event): what vLLM does to its running requests on SIGTERM."""
+
+
+def resumable(prepared: Prepared) -> str | None:
+    """ "chat" or "completion" when a continuation can carry the request on, else None."""
+    kind = RESUMABLE_PATHS.get(prepared.path)
+    payload = prepared.payload
+    if kind is None or payload.get("stream") is not True or payload.get("n", 1) != 1:
+        return None
+    if any(payload.get(key) not in (None, False, [], {}) for key in _NOT_RESUMABLE):
+        return None
+    if kind == "chat":
+        return kind if isinstance(payload.get("messages"), list) else None
+    prompt = payload.get("prompt")
+    if isinstance(prompt, str) or (
+        isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt)
+    ):
+        return kind
+    return None
+
+
+def with_token_ids(prepared: Prepared) -> bytes | bytearray:
+    """The request's body asking the engine for the token ids of its answer."""
+    payload, body = prepared.payload, prepared.body
+    if payload.get("return_token_ids") is True:
+        return body
+    if "return_token_ids" not in payload:
+        start = body.find(b"{")
+        if start >= 0 and not body[:start].strip():
+            rest = body[start + 1 :].lstrip()
+            joint = b"" if rest.startswith(b"}") else b","
+            return b'{"return_token_ids":true' + joint + bytes(rest)
+    return _encode({**payload, "return_token_ids": True})
+
+
+def _ids(raw: bytes) -> list[int]:
+    return list(msgspec.json.decode(b"[" + raw + b"]", type=list[int])) if raw else []
+
+
+class Track:
+    """One resumable stream's events as they pass (a `Rewrite` of its body: see the
+    module's docstring). `kind`: "chat" or "completion"; `show_ids`: the client asked for
+    token ids; `usage`: it asked for the usage object."""
+
+    __slots__ = (
+        "_partial",
+        "_show_ids",
+        "aborted",
+        "continuing",
+        "done",
+        "finish",
+        "generated",
+        "head",
+        "kind",
+        "prompt",
+        "resumable",
+        "usage",
+    )
+
+    def __init__(self, kind: str, *, show_ids: bool, usage: bool) -> None:
+        self.kind, self._show_ids, self.usage = kind, show_ids, usage
+        self._partial = b""
+        self.head: dict[str, Any] | None = None  # id, created, model of the first event
+        self.prompt = b""  # the prompt's token ids, as their JSON list's bytes
+        self.generated: list[bytes] = []  # each event's token ids, the same way
+        self.finish: str | None = None  # the answer's finish reason (not "abort")
+        self.aborted = False  # the engine ended the stream itself (abort, error event)
+        self.done = False  # [DONE] passed
+        self.resumable = True  # nothing seen that a continuation could not carry on
+        self.continuing = False  # the events are a continuation's (/v1/completions)
+
+    @property
+    def generated_count(self) -> int:
+        return sum(part.count(b",") + 1 for part in self.generated if part)
+
+    def __call__(self, data: bytes, final: bool) -> bytes:
+        buf = self._partial + data if self._partial else data
+        *events, self._partial = buf.split(b"\n\n")
+        out = [e for event in events if (e := self._event(event)) is not None]
+        return b"".join(e + b"\n\n" for e in out)
+
+    def _event(self, event: bytes) -> bytes | None:
+        if self.aborted or not event.startswith(b"data: "):
+            return None if self.aborted else event
+        if event == b"data: [DONE]":
+            self.done = True
+            return event
+        if self.continuing:
+            return self._continued(event)
+        if event.startswith(b'data: {"error"'):
+            self.aborted = True
+            return None
+        if self.head is None:
+            decoded = msgspec.json.decode(event[6:])
+            self.head = {k: decoded.get(k) for k in ("id", "object", "created", "model")}
+            event = self._noted(event, _PROMPT_IDS, first=True)
+        if b'"finish_reason":"' in event:
+            reason = event.split(b'"finish_reason":"', 1)[1].split(b'"', 1)[0].decode()
+            if reason == "abort":
+                self.aborted = True
+                return None
+            self.finish = reason
+        if b'"reasoning' in event or b'"tool_calls"' in event:
+            self.resumable = False  # the engine's parsers hold state a continuation lacks
+        return self._noted(event, _TOKEN_IDS)
+
+    def _noted(self, event: bytes, key: bytes, *, first: bool = False) -> bytes:
+        """`event` with its `key` list noted (and replaced by null unless shown)."""
+        start = event.find(key)
+        if start < 0:
+            return event
+        end = event.index(b"]", start)
+        ids = event[start + len(key) : end]
+        if first:
+            self.prompt = ids
+        elif ids:
+            self.generated.append(ids)
+        if self._show_ids:
+            return event
+        return event[:start] + key[:-1] + b"null" + event[end + 1 :]
+
+    def _continued(self, event: bytes) -> bytes | None:
+        """A continuation's event (a text completion's) in the original's shape."""
+        decoded = msgspec.json.decode(event[6:])
+        head = self.head or {}
+        if not isinstance(decoded, dict) or "error" in decoded:
+            self.aborted = True
+            return None
+        choices = decoded.get("choices") or []
+        if not choices:  # the usage object: the original prompt, every completion token
+            usage = decoded.get("usage")
+            if not self.usage or not isinstance(usage, dict):
+                return None
+            prompt = self.prompt.count(b",") + 1 if self.prompt else 0
+            completion = self.generated_count
+            counts = {"prompt_tokens": prompt, "completion_tokens": completion}
+            counts["total_tokens"] = prompt + completion
+            return b"data: " + _encode({**head, "choices": [], "usage": counts})
+        choice = choices[0]
+        reason, ids = choice.get("finish_reason"), choice.get("token_ids") or []
+        if reason == "abort":
+            self.aborted = True
+            return None
+        if ids:
+            self.generated.append(_encode(ids)[1:-1])
+        text = choice.get("text") or ""
+        if not text and not ids and reason is None:
+            return None  # nothing for the client
+        if reason is not None:
+            self.finish = reason
+        shown = ids if self._show_ids else None
+        if self.kind == "chat":
+            out: dict[str, Any] = {"index": 0, "delta": {"content": text} if text else {}}
+            out |= {"logprobs": None, "finish_reason": reason}
+            if reason is not None:
+                out["stop_reason"] = choice.get("stop_reason")
+            out["token_ids"] = shown
+        else:
+            out = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+            out |= {"stop_reason": choice.get("stop_reason"), "prompt_token_ids": None}
+            out["token_ids"] = shown
+        return b"data: " + _encode({**head, "choices": [out]})
+
+    def ending(self) -> bytes:
+        """The end of an answer whose engine failed after its last token (its finish seen):
+        the usage object if asked for, and [DONE]."""
+        out = b""
+        if self.usage:
+            prompt = self.prompt.count(b",") + 1 if self.prompt else 0
+            completion = self.generated_count
+            usage = {"prompt_tokens": prompt, "completion_tokens": completion}
+            usage["total_tokens"] = prompt + completion
+            out = b"data: " + _encode({**(self.head or {}), "choices": [], "usage": usage})
+            out += b"\n\n"
+        return out + b"data: [DONE]\n\n"
+
+
+def continuation(prepared: Prepared, track: Track) -> Prepared | None:
+    """The request that goes on where `track`'s engine stopped, or None when there is
+    nothing a continuation could add (the answer's finish was seen) or it cannot carry it
+    on (the prompt's token ids unknown, a reasoning or tool-call stream)."""
+    if track.finish is not None or track.done or not track.resumable or not track.prompt:
+        return None
+    payload = prepared.payload
+    generated = [token for part in track.generated for token in _ids(part)]
+    body: dict[str, Any] = {"model": prepared.model}
+    body["prompt"] = _ids(track.prompt) + generated
+    body |= {"stream": True, "return_token_ids": True}
+    body |= {key: payload[key] for key in _SAMPLING if key in payload}
+    limit = payload.get("max_completion_tokens", payload.get("max_tokens"))
+    if isinstance(limit, int):
+        if limit - len(generated) <= 0:
+            return None
+        body["max_tokens"] = limit - len(generated)
+    if isinstance(least := payload.get("min_tokens"), int):
+        body["min_tokens"] = max(0, least - len(generated))
+    body["stream_options"] = {"include_usage": track.usage}
+    info = prepared.info
+    if info.tokens is not None:
+        info = dataclasses.replace(info, tokens=tuple(body["prompt"]))
+    track.continuing, track.aborted = True, False  # a new part begins
+    return dataclasses.replace(
+        prepared,
+        path="/v1/completions",
+        target=b"/v1/completions",
+        body=_encode(body),
+        payload=body,
+        info=info,
+        refusable=False,
+    )
