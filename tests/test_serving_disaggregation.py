@@ -109,11 +109,12 @@ async def test_a_request_is_prefilled_then_decoded_with_the_parameters_verbatim(
     assert "stream_options" not in step
     assert step["kv_transfer_params"]["do_remote_decode"] is True
     assert step["messages"] == sent["messages"]
-    # The decode engine got the client's own request and the parameters as the prefill
-    # engine gave them, its private field included; the same request id for both steps.
+    # The decode engine got the client's own request (and a stream the token ids it is asked
+    # for, so that it can be carried on elsewhere) and the parameters as the prefill engine
+    # gave them, its private field included; the same request id for both steps.
     decoded = seen(decode)[0]
     params = decoded.pop("kv_transfer_params")
-    assert decoded == sent
+    assert decoded == ({**sent, "return_token_ids": True} if sent["stream"] else sent)
     assert params["fake_lease"] and params["remote_engine_id"] == transfers(prefill).engine_id
     assert request_ids(prefill) == [b"r-1"] and request_ids(decode)[0] == b"r-1"
     assert (transfers(decode).pulled, transfers(decode).recomputed) == (1, 1)  # + the direct one

@@ -152,10 +152,8 @@ class Metrics:
         )
         self._resumes = Counter(
             "trio_router_stream_resumes",
-            "Answers whose engine failed before their end, by model, why (reset, closed, "
-            "malformed, timeout) and what became of them (retried: a whole answer's request "
-            "sent to another engine; failed: no engine could take it; not_resumable: a "
-            "stream ended with an error event).",
+            "Answers whose engine failed before their end, by model, why and what became of "
+            "them (resumed, retried, failed, not_resumable).",
             ["model", "reason", "outcome"],
             registry=self.registry,
         )

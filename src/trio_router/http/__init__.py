@@ -3,7 +3,7 @@
 - `codec`: bytes to events and back (response parsing, chunk framing, request heads); no I/O.
 - `connection`: one TCP connection, driven without a trip through the scheduler when ready.
 - `pool`: keep-alive connections per engine and one exchange on them (`UpstreamPool`,
-  `UpstreamResponse`, `fetch`, `read_whole`).
+  `UpstreamResponse`); `whole`: whole answers on it (`fetch`, `read_whole`).
 - `relay`: the bodies of chunked answers moved to their clients from one task (`Relay`).
 - `errors`: what can go wrong, as transport facts without HTTP statuses (`TransportError`).
 """
@@ -19,8 +19,9 @@ from .errors import (
     MalformedResponseError,
     TransportError,
 )
-from .pool import UpstreamPool, UpstreamResponse, fetch, read_whole
+from .pool import UpstreamPool, UpstreamResponse
 from .relay import Relay, RelayTarget, open_relay
+from .whole import fetch, read_whole
 
 __all__ = [
     "ClientGoneError",

@@ -4,7 +4,7 @@
 `async with pool.request(...) as response:`; the block is entered once the response head has
 arrived, and `async for chunk in response` yields the body as it arrives from the socket:
 everything already received, de-chunked, in one piece. Nothing is buffered whole, so a slow
-reader slows the engine down through TCP backpressure. `fetch` is a whole small GET.
+reader slows the engine down through TCP backpressure. (`http.whole`: a whole small GET.)
 
 The wire format is the codec's (`http.codec`), the socket work the connection's
 (`http.connection`); this module owns deadlines and reuse, and turns every failure into one
@@ -51,7 +51,7 @@ from .errors import (
     MalformedResponseError,
 )
 
-__all__ = ["Origin", "RelaySource", "UpstreamPool", "UpstreamResponse", "fetch"]
+__all__ = ["Origin", "RelaySource", "UpstreamPool", "UpstreamResponse"]
 
 CHECKPOINT_EVERY: Final = 16  # body chunks returned at once, at most, between two checkpoints
 INLINE_BODY_BYTES: Final = 64 * 1024  # smaller bodies go out in the same write as the head
@@ -578,40 +578,3 @@ class UpstreamResponse:
         else:
             parser.eof()
         return waited
-
-
-async def fetch(
-    pool: UpstreamPool,
-    base_url: str,
-    target: bytes,
-    headers: list[tuple[bytes, bytes]],
-    *,
-    max_bytes: int,
-    method: bytes = b"GET",
-    body: bytes = b"",
-) -> tuple[int, bytes]:
-    """`method` (GET by default, with `body`) `target` of the engine at `base_url` on `pool`:
-    the status and the whole body.
-
-    For the router's own small requests to an engine (health probes, metrics scrapes,
-    /tokenize): the connection is kept alive for the next one when the body was read to its
-    end. Raises this module's errors, and `MalformedResponseError` for a body larger than
-    `max_bytes` (its connection is closed). Bound it with a deadline: cancellation closes the
-    connection.
-    """
-    async with pool.request(base_url, method, target, headers, body) as response:
-        what = f"engine {base_url} answered {target.decode()!r}"
-        return response.status, await read_whole(response, max_bytes, what)
-
-
-async def read_whole(response: UpstreamResponse, max_bytes: int, what: str) -> bytes:
-    """The rest of `response`'s body; `MalformedResponseError` ("`what` with more than ...
-    bytes") past `max_bytes`."""
-    parts: list[bytes] = []
-    size = 0
-    async for chunk in response:
-        size += len(chunk)
-        if size > max_bytes:
-            raise MalformedResponseError(f"{what} with more than {max_bytes} bytes")
-        parts.append(chunk)
-    return b"".join(parts)

@@ -183,6 +183,19 @@ async def open_relay(*, write_timeout: float = math.inf) -> AsyncIterator[Relay]
         relay.close()
 
 
+def _unframed(framed: bytes) -> bytes:
+    """The data of a run of chunks as `read_body_framed` gives them (whole, canonical or
+    framed anew)."""
+    parts, pos = [], 0
+    while pos < len(framed):
+        size_end = framed.index(b"\r\n", pos)
+        start = size_end + 2
+        stop = start + int(framed[pos:size_end], 16)
+        parts.append(framed[start:stop])
+        pos = stop + 2
+    return b"".join(parts)
+
+
 @dataclass(frozen=True, slots=True)
 class _Shared:
     """What a relay's streams share: its epoll set, its fd -> stream map, its streams."""
@@ -345,13 +358,22 @@ class _Relayed:
         return stall if stall is not None and self._started else self._read_timeout
 
     def _rewrite(self) -> bytes:
-        """What the transform makes of the body bytes read now, framed as one chunk."""
+        """What the transform makes of the body bytes read now, framed as one chunk. A read
+        of one whole chunk (a token stream's usual read) is unframed by hand, and written as
+        it came when the transform leaves its data as it was."""
         parser = self._parser
-        data = parser.read_body()
-        if not data and not parser.done:
+        framed = parser.read_body_framed()
+        if not framed and not parser.done:
             return b""
+        size_end = framed.find(b"\r\n")
+        if size_end > 0 and size_end + 4 + int(framed[:size_end], 16) == len(framed):
+            data = framed[size_end + 2 : -2]  # one chunk
+        else:
+            data, framed = _unframed(framed), b""
         assert self._transform is not None
         piece = self._transform(data, parser.done)
+        if piece is data and framed:
+            return framed
         return b"%x\r\n%s\r\n" % (len(piece), piece) if piece else b""
 
     def _flush(self, now: float) -> None:

@@ -26,6 +26,7 @@ from .attempt import Answered, Failed, Outcome, ReadAnswer, Refused, Take, Unrea
 from .failover import choose, try_engines
 from .prepared import Prepared
 from .record import ExchangeRecord
+from .resume import resumable
 from .runtime import Runtime
 
 __all__ = ["disaggregated"]
@@ -130,7 +131,10 @@ async def _prefilled(
         else:
             rt.services.outliers.request_succeeded(engine)
             record.prefill_engine = engine.name
-            return decode_body(prepared.payload, params)
+            payload = prepared.payload
+            if rt.config.proxy.resume == "on" and resumable(prepared) is not None:
+                payload = {**payload, "return_token_ids": True}  # carried on if it fails
+            return decode_body(payload, params)
     elif isinstance(outcome, Unreachable):
         failure, reason = str(outcome.error), "prefill_unreachable"
     else:

@@ -81,6 +81,8 @@ _SAMPLING: Final = (
 )
 _TOKEN_IDS: Final = b'"token_ids":['
 _PROMPT_IDS: Final = b'"prompt_token_ids":['
+# A token of content, no reasoning or tool call: a chat's delta, a completion's text.
+_CONTENT: Final = {"chat": b'"delta":{"content"', "completion": b'{"index":0,"text":'}
 _encode = msgspec.json.encode
 
 
@@ -131,6 +133,7 @@ class Track:
     token ids; `usage`: it asked for the usage object."""
 
     __slots__ = (
+        "_content",
         "_partial",
         "_show_ids",
         "aborted",
@@ -147,6 +150,7 @@ class Track:
 
     def __init__(self, kind: str, *, show_ids: bool, usage: bool) -> None:
         self.kind, self._show_ids, self.usage = kind, show_ids, usage
+        self._content = _CONTENT[kind]
         self._partial = b""
         self.head: dict[str, Any] | None = None  # id, created, model of the first event
         self.prompt = b""  # the prompt's token ids, as their JSON list's bytes
@@ -162,10 +166,52 @@ class Track:
         return sum(part.count(b",") + 1 for part in self.generated if part)
 
     def __call__(self, data: bytes, final: bool) -> bytes:
-        buf = self._partial + data if self._partial else data
-        *events, self._partial = buf.split(b"\n\n")
-        out = [e for event in events if (e := self._event(event)) is not None]
-        return b"".join(e + b"\n\n" for e in out)
+        if self._partial:
+            data, self._partial = self._partial + data, b""
+        end = data.find(b"\n\n")
+        if end == len(data) - 2 and end > 0:  # one whole event: the common read
+            if self._fast and b'"finish_reason":null' in data and self._content in data:
+                start = data.rfind(_TOKEN_IDS)  # a token of content: the fast way
+                if start < 0:
+                    return data
+                stop = data.index(b"]", start)
+                if stop > start + 13:
+                    self.generated.append(data[start + 13 : stop])
+                if self._show_ids:
+                    return data
+                return data[:start] + b'"token_ids":null' + data[stop + 1 :]
+            out = self._event(data[:end])
+            return b"" if out is None else out + b"\n\n"
+        *events, self._partial = data.split(b"\n\n")
+        parts = []
+        for event in events:
+            if self._plain(event):
+                parts.append(self._token(event))
+            elif (out := self._event(event)) is not None:
+                parts.append(out)
+        return b"\n\n".join(parts) + b"\n\n" if parts else b""
+
+    @property
+    def _fast(self) -> bool:
+        """Past the first event, and neither aborted nor a continuation's."""
+        return self.head is not None and not (self.continuing or self.aborted)
+
+    def _plain(self, event: bytes) -> bool:
+        """An original's event with tokens of content and nothing else to see: not the
+        first, not the end, no reasoning or tool call (the fast way)."""
+        return self._fast and b'"finish_reason":null' in event and self._content in event
+
+    def _token(self, event: bytes) -> bytes:
+        """An event's token ids noted (and nulled unless shown)."""
+        start = event.rfind(_TOKEN_IDS)
+        if start < 0:
+            return event
+        end = event.index(b"]", start)
+        if end > start + len(_TOKEN_IDS):
+            self.generated.append(event[start + len(_TOKEN_IDS) : end])
+        if self._show_ids:
+            return event
+        return event[:start] + b'"token_ids":null' + event[end + 1 :]
 
     def _event(self, event: bytes) -> bytes | None:
         if self.aborted or not event.startswith(b"data: "):
@@ -181,7 +227,7 @@ class Track:
         if self.head is None:
             decoded = msgspec.json.decode(event[6:])
             self.head = {k: decoded.get(k) for k in ("id", "object", "created", "model")}
-            event = self._noted(event, _PROMPT_IDS, first=True)
+            event = self._prompt(event)
         if b'"finish_reason":"' in event:
             reason = event.split(b'"finish_reason":"', 1)[1].split(b'"', 1)[0].decode()
             if reason == "abort":
@@ -190,22 +236,18 @@ class Track:
             self.finish = reason
         if b'"reasoning' in event or b'"tool_calls"' in event:
             self.resumable = False  # the engine's parsers hold state a continuation lacks
-        return self._noted(event, _TOKEN_IDS)
+        return self._token(event)
 
-    def _noted(self, event: bytes, key: bytes, *, first: bool = False) -> bytes:
-        """`event` with its `key` list noted (and replaced by null unless shown)."""
-        start = event.find(key)
+    def _prompt(self, event: bytes) -> bytes:
+        """The first event with the prompt's token ids noted (and nulled unless shown)."""
+        start = event.find(_PROMPT_IDS)
         if start < 0:
             return event
         end = event.index(b"]", start)
-        ids = event[start + len(key) : end]
-        if first:
-            self.prompt = ids
-        elif ids:
-            self.generated.append(ids)
+        self.prompt = event[start + len(_PROMPT_IDS) : end]
         if self._show_ids:
             return event
-        return event[:start] + key[:-1] + b"null" + event[end + 1 :]
+        return event[:start] + b'"prompt_token_ids":null' + event[end + 1 :]
 
     def _continued(self, event: bytes) -> bytes | None:
         """A continuation's event (a text completion's) in the original's shape."""
