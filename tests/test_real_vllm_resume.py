@@ -1,5 +1,7 @@
 """Streams carried on when their engine dies, at real vLLM engines: a greedy streamed chat of
-200 tokens through the router in front of the tier's two engines; after about 50 tokens the
+1,900 tokens (near the context: the tiny model writes 250-600 tokens a second, and the engine
+must still be generating when it is stopped, however late a busy machine lets the client see
+its tokens) through the router in front of the tier's two engines; after 20 tokens the
 engine serving it is killed (SIGKILL: a crash) or told to stop (SIGTERM: what Kubernetes does
 to a deleted pod). The client gets one complete stream whose tokens are those of the same
 request run without a failure. The engine is started again afterwards, for the tier's other
@@ -10,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 import httpx
@@ -22,8 +25,9 @@ from trio_router.testing.vllm_engines import MODEL_NAME, EngineEnvironment, Engi
 
 pytestmark = pytest.mark.real_vllm
 
-TOKENS: Final = 200
-KILL_AFTER: Final = 50  # tokens received before the engine is stopped
+TOKENS: Final = 1900
+KILL_AFTER: Final = 20  # tokens received before the engine is stopped
+ATTEMPTS: Final = 3  # trials a busy machine may spoil (see the test)
 
 
 def request() -> dict[str, Any]:
@@ -94,47 +98,68 @@ async def restart(
     engines[engines.index(dead)] = again
 
 
+@dataclass
+class Trial:
+    """One streamed request whose engine was stopped once it had sent KILL_AFTER tokens."""
+
+    got: list[int] = field(default_factory=list)  # the tokens the client received
+    events: list[Any] = field(default_factory=list)  # the JSON events it received
+    killed_at: int | None = None  # tokens received when the engine was stopped
+    stopped: EngineProcess | None = None
+    carried_on: dict[str, float] = field(default_factory=dict)  # resumes, by outcome
+
+
+async def stop_mid_answer(engines: list[EngineProcess], how: signal.Signals, trial: Trial) -> None:
+    """The request through a router in front of `engines`, its engine stopped with `how`."""
+    async with open_router(static(engines), len(engines)) as (url, _):
+        async with await post_raw(url, CHAT, request()) as stream:
+            head, rest = await read_head(stream)
+            serving = next(
+                line.split(b": ", 1)[1].decode()
+                for line in head.split(b"\r\n")
+                if line.lower().startswith(b"x-trio-router-engine:")
+            )
+            trial.stopped = next(e for e in engines if e.url.endswith(serving))
+            events = Events(stream, rest)
+            while (event := await events.next()) != "[DONE]":
+                trial.events.append(event)
+                for choice in event["choices"]:
+                    trial.got += choice.get("token_ids") or []
+                if len(trial.got) >= KILL_AFTER and trial.killed_at is None:
+                    os.killpg(trial.stopped.process.pid, how)
+                    trial.killed_at = len(trial.got)
+        async with httpx.AsyncClient() as client:
+            text = (await client.get(f"{url}/metrics")).text
+    for line in text.splitlines():
+        if line.startswith("trio_router_stream_resumes_total{"):
+            outcome = line.split('outcome="', 1)[1].split('"', 1)[0]
+            trial.carried_on[outcome] = float(line.rsplit(" ", 1)[1])
+
+
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
 async def test_a_stream_whose_engine_dies_is_carried_on_token_for_token(
     real_engines: list[EngineProcess], vllm_env: EngineEnvironment, how: signal.Signals
 ) -> None:
-    with trio.fail_after(3 * LIMIT):
+    """On 2 cores an engine's API server can be starved for seconds while it generates, so
+    that a whole answer reaches the client in one burst at its end: an engine stopped then
+    had nothing left to fail. Such a trial shows no failure at all (nothing carried on) and
+    is run again, up to ATTEMPTS times; any other result is the test's."""
+    with trio.fail_after(ATTEMPTS * 3 * LIMIT):
         expected = await reference(real_engines[0])
         assert len(expected) == TOKENS
-        stopped: EngineProcess | None = None
-        try:
-            async with open_router(static(real_engines), len(real_engines)) as (url, _):
-                async with await post_raw(url, CHAT, request()) as stream:
-                    head, rest = await read_head(stream)
-                    serving = next(
-                        line.split(b": ", 1)[1].decode()
-                        for line in head.split(b"\r\n")
-                        if line.lower().startswith(b"x-trio-router-engine:")
-                    )
-                    stopped = next(e for e in real_engines if e.url.endswith(serving))
-                    events = Events(stream, rest)
-                    got: list[int] = []
-                    stream_events: list[Any] = []
-                    killed_at = None
-                    while (event := await events.next()) != "[DONE]":
-                        stream_events.append(event)
-                        for choice in event["choices"]:
-                            got += choice.get("token_ids") or []
-                        if len(got) >= KILL_AFTER and killed_at is None:
-                            os.killpg(stopped.process.pid, how)
-                            killed_at = len(got)
-                async with httpx.AsyncClient() as client:
-                    text = (await client.get(f"{url}/metrics")).text
-        finally:
-            if stopped is not None:
-                await restart(real_engines, stopped, vllm_env)
-    assert killed_at is not None and killed_at < TOKENS  # it died mid-answer
-    resumes = [
-        line for line in text.splitlines() if line.startswith("trio_router_stream_resumes_total")
-    ]
-    assert [line.rsplit(" ", 1)[1] for line in resumes if 'outcome="resumed"' in line] == ["1.0"]
-    assert got == expected, resumes  # token for token, no repeat, no gap
-    assert len({(e["id"], e["created"], e["model"]) for e in stream_events}) == 1
-    usage = [e["usage"] for e in stream_events if not e["choices"]]
+        for _ in range(ATTEMPTS):
+            trial = Trial()
+            try:
+                await stop_mid_answer(real_engines, how, trial)
+            finally:
+                if trial.stopped is not None:
+                    await restart(real_engines, trial.stopped, vllm_env)
+            if trial.carried_on:
+                break
+    assert trial.killed_at is not None and trial.killed_at < TOKENS  # stopped mid-answer
+    assert trial.carried_on == {"resumed": 1.0}  # continued by the other engine
+    assert trial.got == expected  # token for token, no repeat, no gap
+    assert len({(e["id"], e["created"], e["model"]) for e in trial.events}) == 1
+    usage = [e["usage"] for e in trial.events if not e["choices"]]
     assert [(u["completion_tokens"], u["prompt_tokens"] > 0) for u in usage] == [(TOKENS, True)]
-    assert all(c["finish_reason"] != "abort" for e in stream_events for c in e["choices"])
+    assert all(c["finish_reason"] != "abort" for e in trial.events for c in e["choices"])

@@ -6,6 +6,7 @@ loopback; real clock, each test bounded."""
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any, Final
 
 import httpx
@@ -125,10 +126,13 @@ def text_of(stream: list[Any], *, chat_stream: bool = True) -> str:
 WHOLE: Final = "".join(REPLY_WORDS[i % len(REPLY_WORDS)] for i in range(12))
 
 
-async def test_a_stream_broken_mid_answer_is_carried_on_by_another_engine() -> None:
+async def test_a_stream_broken_mid_answer_is_carried_on_by_another_engine(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """The engine closes the connection after 5 events: the client gets one stream, the
     same text as an uninterrupted answer, under one id, created and model, one [DONE], no
-    token ids (it did not ask for them)."""
+    token ids (it did not ask for them). The access record names both engines, in order."""
+    caplog.set_level(logging.INFO, logger="trio_router.access")
     first = FakeEngine(name="first", tokens=12, break_after_events=5)
     other = FakeEngine(name="other", tokens=12)
     with trio.fail_after(LIMIT):
@@ -149,6 +153,11 @@ async def test_a_stream_broken_mid_answer_is_carried_on_by_another_engine() -> N
     body = sent.json()
     assert body["prompt"][-4:] == [REPLY_TOKEN + i for i in range(4)]  # 4 tokens sent
     assert body["stream"] is True and body["return_token_ids"] is True
+    (access,) = (r for r in caplog.records if r.name == "trio_router.access")
+    fields = access.fields  # type: ignore[attr-defined]
+    urls = [url.removeprefix("http://") for url in router.engine_urls]
+    assert (fields["engines"], fields["engine"], fields["resumes"]) == (urls, urls[1], 1)
+    assert f" -> {urls[0]}>{urls[1]} 200 in " in access.getMessage()
 
 
 async def test_a_continued_completion_counts_the_original_prompt_and_every_token() -> None:

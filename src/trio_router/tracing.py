@@ -97,12 +97,15 @@ class Tracing:
         tenant: str,
         engine: str,
         retries: int,
+        resumes: int,
     ) -> None:
         attributes: dict[str, Any] = {
             "http.response.status_code": status,
             "trio_router.request_id": request_id,
             "trio_router.retries": retries,
         }
+        if resumes:
+            attributes["trio_router.resumes"] = resumes
         if model:
             attributes["gen_ai.request.model"] = model
         if tenant:

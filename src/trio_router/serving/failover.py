@@ -143,6 +143,7 @@ async def try_engines(
             return outcome
         if outcome.cut:  # the continuation of the answer begun
             current, body = following, None
+            record.cut(engine.name)
         retries += 1
         tried.append(engine.uid)
         broken = outcome

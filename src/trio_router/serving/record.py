@@ -52,6 +52,8 @@ class ExchangeRecord:
     prefill_engine: str = ""  # disaggregated: the engine that took the prefill step
     status: int = 0  # 0: no answer (cancelled: the drain deadline)
     attempts: int = 0  # engines tried
+    parts: list[str] = field(default_factory=list)  # engines whose part of an answer was cut
+    resumes: int = 0  # continuations of an answer cut off (`proxy.resume`)
     sent: int = 0  # response body bytes handed on
     ttfb: float | None = None  # the engine's first body bytes, after `started`
 
@@ -70,6 +72,11 @@ class ExchangeRecord:
     def request_id_text(self) -> str:
         """The request id for logs and records."""
         return self.request_id.decode(errors="replace")
+
+    def cut(self, engine: str) -> None:
+        """`engine`'s part of the answer was cut off; another engine carries it on."""
+        self.parts.append(engine)
+        self.resumes += 1
 
     def first_byte(self, now: float) -> None:
         """The engine's first body bytes came (`now`): the time to first byte."""
@@ -93,6 +100,7 @@ class ExchangeRecord:
                 tenant=self.tenant,
                 engine=self.engine,
                 retries=max(0, self.attempts - 1),
+                resumes=self.resumes,
             )
         if recording.access_log and access_logger.isEnabledFor(logging.INFO):
             self._log_access(duration)
@@ -109,6 +117,8 @@ class ExchangeRecord:
             "model": self.model,
             "served_model": self.served_model,
             "engine": self.engine,
+            "engines": [*self.parts, self.engine] if self.parts else [],
+            "resumes": self.resumes,
             "prefill_engine": self.prefill_engine,
             "policy": self.recording.policy,
             "status": self.status,
@@ -124,7 +134,7 @@ class ExchangeRecord:
             self.method,
             self.path,
             _models_text(self.model, self.served_model),
-            self.engine or "-",
+            ">".join([*self.parts, self.engine]) if self.parts else self.engine or "-",
             self.status,
             duration * 1000,
         )
