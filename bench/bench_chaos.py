@@ -16,7 +16,8 @@ installs it), a greedy chat (`temperature` 0, `ignore_eos`) of `--tokens` tokens
 Each router in turn (`--routers`; the peers when their environment names them, as
 `../shared/bench`'s README sets them up, never committed: production-stack `PEER_PS_PYTHON` +
 `PEER_PS_SRC`, the Rust vllm-router `PEER_VR_BIN`), in front of the same engines: `--streams`
-clients, each sending one streamed chat after another for `--duration` seconds; every
+clients, each sending one streamed chat after another for `--duration` seconds (0.5 s apart after
+one that was refused); every
 `--kill-every` seconds one engine (in turn) gets `--signal` (KILL: a crash; TERM: what
 Kubernetes sends a deleted pod) and is started again `--down-s` seconds later (a real engine
 once it has stopped; it takes its start-up time). After `--duration` no new request starts;
@@ -58,7 +59,7 @@ from typing import Any, Final
 import httpx
 import trio
 
-from bench_engines import Fleet, RouterSpec, free_port, router_command, wait_routing
+from bench_engines import Fleet, RouterSpec, free_port, router_command
 from trio_router.testing import vllm_engines
 from trio_router.testing.processes import open_command
 from trio_router.testing.vllm_engines import MODEL_NAME, EngineEnvironment, EngineProcess
@@ -67,6 +68,7 @@ CHAT: Final = "/v1/chat/completions"
 FAKE_MODEL: Final = "fake-model"
 FIRST_HOST: Final = 51  # engines on 127.0.1.51, .52, ...
 START_S: Final = 90.0  # a router (or a fake engine) must be up within this
+LOST_PAUSE_S: Final = 0.5  # a client whose request was refused waits this before its next
 ROUTERS: Final = {
     "trio": RouterSpec("trio", "round_robin"),
     "production-stack": RouterSpec("production-stack", "roundrobin"),
@@ -120,13 +122,15 @@ class FakeSlot(Slot):
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve; after each kill, serve again once `restart` is called. Until cancelled."""
+        status = task_status
         while True:
             async with open_command(self._command) as (process, stdout, _):
                 with trio.fail_after(START_S):
                     await stdout.wait_for("ready")
                 self._pid = process.pid
                 self.up.set()
-                task_status.started()
+                status.started()
+                status = trio.TASK_STATUS_IGNORED
                 await process.wait()
             self._exited.set()
             await self._again.wait()
@@ -221,6 +225,7 @@ class Run:
     router: str
     outcomes: list[Outcome] = field(default_factory=list)
     kills: list[tuple[float, float, str]] = field(default_factory=list)  # (at, back, url)
+    counted: dict[str, float] = field(default_factory=dict)  # trio_router's resume counter
 
 
 async def load(
@@ -230,7 +235,7 @@ async def load(
         outcome = await one_stream(client, url, body)
         run.outcomes.append(outcome)
         if outcome.kind == "lost":
-            await trio.sleep(0.05)  # a refusing router is not hammered in a tight loop
+            await trio.sleep(LOST_PAUSE_S)
 
 
 async def chaos(slots: Sequence[Slot], args: argparse.Namespace, run: Run, t0: float) -> None:
@@ -266,19 +271,49 @@ def trio_command(port: int, urls: Sequence[str], workdir: Path) -> list[str]:
     return [sys.executable, "-m", "trio_router", "--config", str(config)]
 
 
+async def wait_routing(client: httpx.AsyncClient, url: str, model: str, engines: int) -> None:
+    """Until the router at `url` lists `model` and answers a chat with it (and trio_router's
+    /engines shows `engines` healthy). A router process gives no other sign that it routes:
+    asked every 0.2 s."""
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    while True:
+        try:
+            models = await client.get(f"{url}/v1/models")
+            chat = await client.post(f"{url}{CHAT}", json=body)
+            answered = models.status_code == chat.status_code == 200 and model in models.text
+            if answered and (await healthy(client, url)) >= engines:
+                return
+        except (httpx.HTTPError, ValueError, KeyError):
+            pass
+        await trio.sleep(0.2)
+
+
+async def healthy(client: httpx.AsyncClient, url: str) -> int:
+    """The engines trio_router's /engines shows healthy (a peer: a large number)."""
+    answer = await client.get(f"{url}/engines")
+    shown = answer.json() if answer.status_code == 200 else None
+    if not isinstance(shown, dict) or "engines" not in shown:  # a peer's, or none
+        return 1 << 30
+    return sum(e["healthy"] for e in shown["engines"])
+
+
 @asynccontextmanager
-async def open_router(name: str, urls: Sequence[str], workdir: Path) -> AsyncIterator[str]:
+async def open_router(
+    name: str, urls: Sequence[str], workdir: Path, model: str
+) -> AsyncIterator[str]:
     port = free_port()
     env: dict[str, str] = {}
     if name == "trio":
         command = trio_command(port, urls, workdir)
     else:
         command, env = router_command(ROUTERS[name], port, Fleet(urls, 0, 0, 0), workdir, 0)
+        if "--static-models" in command:  # production-stack: the engines' model
+            command[command.index("--static-models") + 1] = ",".join([model] * len(urls))
     async with open_command(command, env=env) as (process, _, stderr):
         url = f"http://127.0.0.1:{port}"
         async with httpx.AsyncClient(timeout=10.0) as client:
             with trio.move_on_after(START_S) as waited:
-                await wait_routing(client, url, len(urls) if name == "trio" else None)
+                await wait_routing(client, url, model, len(urls))
         if waited.cancelled_caught or process.returncode is not None:
             raise RuntimeError(f"{name} did not route within {START_S} s:\n{stderr.text}")
         yield url
@@ -327,6 +362,7 @@ def summary(run: Run, expected: str) -> dict[str, Any]:
         "resumed_added_p50_s": round(percentile(resumed, 50), 3) if resumed else None,
         "resumed_added_p99_s": round(percentile(resumed, 99), 3) if resumed else None,
         "failures": failures,
+        "router_counted": run.counted,
     }
 
 
@@ -361,7 +397,7 @@ async def run_router(
         await slot.up.wait()
     limits = httpx.Limits(max_connections=args.streams + 8, max_keepalive_connections=args.streams)
     async with (
-        open_router(name, [s.url for s in slots], workdir) as url,
+        open_router(name, [s.url for s in slots], workdir, args.model) as url,
         httpx.AsyncClient(timeout=args.limit, limits=limits) as client,
     ):
         print(f"{name}: {args.streams} streams for {args.duration} s", file=sys.stderr)
@@ -371,6 +407,8 @@ async def run_router(
                 nursery.start_soon(chaos, slots, args, run, t0)
                 for _ in range(args.streams):
                     nursery.start_soon(load, client, url, body, run, t0 + args.duration)
+        if name == "trio":  # what the router itself counted
+            run.counted = await resume_counts(client, url)
     for slot in slots:  # every engine back before the next router
         await slot.up.wait()
     return run
@@ -420,19 +458,30 @@ async def main_load(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 # -- exactness -----------------------------------------------------------------------------------
 async def main_exactness(args: argparse.Namespace) -> dict[str, Any]:
-    """See the module's docstring: `--kills` greedy streams, each one's engine stopped
-    mid-answer; how many came out token for token as the uninterrupted answer."""
+    """See the module's docstring: greedy streams, each one's engine stopped mid-answer,
+    until `--kills` of them were carried on (a trial whose engine had sent its whole answer
+    before it was stopped had nothing to fail: run again, at most 3 x `--kills` trials); how
+    many came out token for token as the uninterrupted answer."""
     body = request_body(args) | {"return_token_ids": True}
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="chaos-") as tmp:
         async with open_slots(args) as slots, trio.open_nursery() as nursery:
             reference = await token_ids(slots[0].url, body)
-            async with open_router("trio", [s.url for s in slots], Path(tmp)) as url:
-                for index in range(args.kills):
+            urls = [s.url for s in slots]
+            async with (
+                open_router("trio", urls, Path(tmp), args.model) as url,
+                httpx.AsyncClient(timeout=30.0) as client,
+            ):
+                for index in range(3 * args.kills):
+                    if sum(bool(r["carried_on"]) for r in results) >= args.kills:
+                        break
                     how = (signal.SIGKILL, signal.SIGTERM)[index % 2]
-                    while sum(s.up.is_set() for s in slots) < 2:  # one to die, one to go on
-                        await next(s for s in slots if not s.up.is_set()).up.wait()
+                    await routable(client, url, 2)  # one to stop, one to go on
+                    before = await resume_counts(client, url)
                     result = await one_kill(url, slots, body, args.kill_after, how)
+                    after = await resume_counts(client, url)
+                    result["carried_on"] = {k: v - before.get(k, 0) for k, v in after.items()}
+                    result["carried_on"] = {k: v for k, v in result["carried_on"].items() if v}
                     slot = result.pop("slot")
                     if slot is not None:
                         nursery.start_soon(slot.restart)
@@ -440,12 +489,33 @@ async def main_exactness(args: argparse.Namespace) -> dict[str, Any]:
                     result["first_difference"] = first_difference(result.pop("tokens"), reference)
                     results.append(result)
                     print(json.dumps(results[-1]), file=sys.stderr)
-    killed = [r for r in results if r["killed_at"] is not None]
+            nursery.cancel_scope.cancel()  # restarts still running
+    carried = [r for r in results if r["carried_on"]]
     return {
-        "kills": len(killed),
-        "exact": sum(r["exact"] for r in killed),
+        "trials": len(results),
+        "kills": len(carried),
+        "exact": sum(r["exact"] for r in carried),
         "tokens": len(reference),
         "results": results,
+    }
+
+
+async def routable(client: httpx.AsyncClient, url: str, engines: int) -> None:
+    """Until trio_router at `url` shows `engines` healthy: another process's state, asked
+    every 0.5 s."""
+    while True:
+        if await healthy(client, url) >= engines:
+            return
+        await trio.sleep(0.5)
+
+
+async def resume_counts(client: httpx.AsyncClient, url: str) -> dict[str, float]:
+    """trio_router's `trio_router_stream_resumes_total`, by its labels' text."""
+    text = (await client.get(f"{url}/metrics")).text
+    return {
+        line.split("{", 1)[1].rsplit("}", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("trio_router_stream_resumes_total{")
     }
 
 
@@ -542,7 +612,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.mode == "exactness":
         report: Any = trio.run(main_exactness, args)
         print(json.dumps({k: v for k, v in report.items() if k != "results"}))
-        print(f"{report['exact']} of {report['kills']} kills exact", file=sys.stderr)
+        print(f"{report['exact']} of {report['kills']} carried on exact", file=sys.stderr)
     else:
         report = trio.run(main_load, args)
         print(table(report))

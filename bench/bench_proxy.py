@@ -104,6 +104,18 @@ _EVENT = (
     b'"logprobs":null,"finish_reason":null}]}\n\n'
 )
 EVENT_CHUNK: Final = _chunk(_EVENT)
+# With "return_token_ids": true, as vLLM writes them: the prompt's token ids in a first event
+# (the role), each token's id in its event (what `proxy.resume` asks for and follows).
+_FIRST_WITH_IDS = (
+    b'data: {"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1700000000,'
+    b'"model":"bench-model","choices":[{"index":0,"delta":{"role":"assistant","content":""},'
+    b'"logprobs":null,"finish_reason":null}],"prompt_token_ids":[%s]}\n\n'
+    % b",".join(b"%d" % (1000 + i) for i in range(12))
+)
+FIRST_WITH_IDS_CHUNK: Final = _chunk(_FIRST_WITH_IDS)
+EVENT_WITH_IDS_CHUNK: Final = _chunk(
+    _EVENT.replace(b'"finish_reason":null}', b'"finish_reason":null,"token_ids":[31337]}')
+)
 DONE_CHUNK: Final = _chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n"
 STREAM_AT_ONCE: Final = STREAM_HEAD + EVENT_CHUNK * EVENTS + DONE_CHUNK
 _MODELS = (
@@ -148,6 +160,8 @@ async def _answer(gap_s: float, stream: trio.SocketStream) -> None:
                 await stream.send_all(MODELS)
             elif head.startswith(b"GET "):
                 await stream.send_all(NOT_FOUND)
+            elif b'"stream":true' in body and b'"return_token_ids":true' in body:
+                await _paced_with_ids(stream, gap_s)
             elif b'"stream":true' in body and not gap_s:
                 await stream.send_all(STREAM_AT_ONCE)
             elif b'"stream":true' in body:
@@ -159,6 +173,20 @@ async def _answer(gap_s: float, stream: trio.SocketStream) -> None:
                 await stream.send_all(DONE_CHUNK)
             else:
                 await stream.send_all(REPLY)
+
+
+async def _paced_with_ids(stream: trio.SocketStream, gap_s: float) -> None:
+    """A stream asked with "return_token_ids": the role event with the prompt's ids, then
+    the tokens with theirs (at once when `gap_s` is 0)."""
+    await stream.send_all(STREAM_HEAD + FIRST_WITH_IDS_CHUNK)
+    if not gap_s:
+        await stream.send_all(EVENT_WITH_IDS_CHUNK * EVENTS + DONE_CHUNK)
+        return
+    await trio.sleep(TTFT_S - gap_s)
+    for _ in range(EVENTS):
+        await trio.sleep(gap_s)
+        await stream.send_all(EVENT_WITH_IDS_CHUNK)
+    await stream.send_all(DONE_CHUNK)
 
 
 async def _serve_engines(count: int, gap_s: float) -> None:

@@ -243,3 +243,38 @@ async def test_a_client_leaving_during_a_continuation_aborts_it() -> None:
                 await other.wait_until(lambda: other.in_flight == 1)
             await other.wait_until(lambda: other.disconnects == 1)
             assert other.completed == 0
+
+
+async def test_an_engine_failing_before_its_first_event_leaves_the_answer_to_another() -> None:
+    """The engine sent the answer's head, then failed during its time to first token: no
+    event reached the client, so another engine answers the request whole, in the same
+    stream (counted as resumed)."""
+    first = FakeEngine(name="first", tokens=12, break_after_events=0)
+    other = FakeEngine(name="other", tokens=12)
+    with trio.fail_after(LIMIT):
+        async with open_router([first, other]) as router:
+            answer = await router.client.post(CHAT, json=chat(stream=True))
+            resumed = await resumes(router, "closed", "resumed")
+    stream = events(answer.content)
+    assert text_of(stream) == WHOLE and stream[-1] == "[DONE]"
+    assert len({e["id"] for e in stream[:-1]}) == 1
+    (sent,) = other.requests_to(CHAT)  # the request itself, not a continuation
+    assert sent.json()["messages"] == chat()["messages"] and sent.json()["return_token_ids"]
+    assert other.requests_to("/v1/completions") == []
+    assert resumed == 1
+
+
+async def test_a_partial_event_of_a_failed_engine_is_dropped() -> None:
+    """The engine broke off in the middle of an event: its half is never passed on, and
+    the continuation's events follow the whole ones before it."""
+    first = FakeEngine(name="first", tokens=12, break_inside_event=5)
+    other = FakeEngine(name="other", tokens=12)
+    with trio.fail_after(LIMIT):
+        async with open_router([first, other]) as router:
+            answer = await router.client.post(CHAT, json=chat(stream=True))
+            resumed = await resumes(router, "closed", "resumed")
+    stream = events(answer.content)  # every event whole JSON
+    assert text_of(stream) == WHOLE and stream[-1] == "[DONE]"
+    (sent,) = other.requests_to("/v1/completions")
+    assert sent.json()["prompt"][-4:] == [REPLY_TOKEN + i for i in range(4)]
+    assert resumed == 1

@@ -59,7 +59,7 @@ class Deliver:
         self.committed = False
         record = self._record
         echo = self._rt.names.echo(record.model, record.served_model)
-        if self._track is not None and self._track.continuing:
+        if self._open and self._track is not None:  # an answer begun, carried on
             tail = await self._go_on(response, engine, echo)
         elif self._held(response):
             tail = await self._whole(response, engine, echo)
@@ -99,7 +99,8 @@ class Deliver:
     async def _go_on(
         self, response: UpstreamResponse, engine: Engine, echo: ModelEcho | None
     ) -> bytes:
-        """A continuation's answer, written into the answer it carries on."""
+        """A continuation's answer (or, when no event had passed, the whole request's),
+        written into the answer it carries on."""
         if response.status != 200 or not _is_event_stream(response):
             raise StreamAbortedError(
                 f"engine {engine.name} answered the continuation with {response.status}"
@@ -169,13 +170,19 @@ class Deliver:
             and track.resumable
             and track.finish is None
             and not track.done
-            and bool(track.prompt)
+            and (bool(track.prompt) or track.head is None)
         )
 
     def continuation(self) -> Prepared | None:
+        """The continuation of the open answer; the request itself, whole, when its engine
+        failed after the answer's head but before its first event (its time to first
+        token): nothing of the body reached the client, another engine answers it all."""
         if not self.continuation_possible():
             return None
         assert self._track is not None
+        if self._track.head is None:
+            self._track.restart()
+            return self._prepared
         return continuation(self._prepared, self._track)
 
     async def give_up(self, failed: Failed) -> None:

@@ -161,6 +161,11 @@ class Track:
         self.resumable = True  # nothing seen that a continuation could not carry on
         self.continuing = False  # the events are a continuation's (/v1/completions)
 
+    def restart(self) -> None:
+        """The engine is gone: a partial event of its is dropped (the next part's bytes
+        begin with an event of their own)."""
+        self._partial = b""
+
     @property
     def generated_count(self) -> int:
         return sum(part.count(b",") + 1 for part in self.generated if part)
@@ -329,6 +334,7 @@ def continuation(prepared: Prepared, track: Track) -> Prepared | None:
     if info.tokens is not None:
         info = dataclasses.replace(info, tokens=tuple(body["prompt"]))
     track.continuing, track.aborted = True, False  # a new part begins
+    track.restart()
     return dataclasses.replace(
         prepared,
         path="/v1/completions",

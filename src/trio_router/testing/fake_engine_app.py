@@ -339,6 +339,10 @@ class FakeEngineApp:
         for i, event in enumerate(events):
             if i == engine.break_after_events:
                 return True
+            if i == engine.break_inside_event:
+                half = {"type": "http.response.body", "body": event[: len(event) // 2]}
+                await send({**half, "more_body": True})
+                return True
             if i == engine.stall_after_events:
                 await trio.sleep_forever()
             if i == 1:
