@@ -316,7 +316,10 @@ async def open_router(
                 await wait_routing(client, url, model, len(urls))
         if waited.cancelled_caught or process.returncode is not None:
             raise RuntimeError(f"{name} did not route within {START_S} s:\n{stderr.text}")
-        yield url
+        try:
+            yield url
+        finally:
+            (workdir / f"{name}.log").write_text(stderr.text)
 
 
 # -- figures -------------------------------------------------------------------------------------
@@ -444,13 +447,14 @@ async def open_slots(args: argparse.Namespace) -> AsyncIterator[list[Slot]]:
 async def main_load(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="chaos-") as tmp:
+        workdir = args.log_dir or Path(tmp)
         async with open_slots(args) as slots:
             expected = await expected_text(slots[0].url, request_body(args))
             for name in args.routers:
                 if (why := ROUTERS[name].available()) is not None:
                     print(f"{name}: skipped ({why})", file=sys.stderr)
                     continue
-                run = await run_router(name, slots, args, Path(tmp))
+                run = await run_router(name, slots, args, workdir)
                 rows.append(summary(run, expected))
                 print(json.dumps(rows[-1]), file=sys.stderr)
     return rows
@@ -590,6 +594,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--json-out", type=Path)
+    parser.add_argument("--log-dir", type=Path, help="keep each router's log (NAME.log) here")
     args = parser.parse_args(argv)
     defaults = {"fakes": (64, 4, 64), "real": (16, 4, 96), "exactness": (1, 3, 200)}
     streams, engines, tokens = defaults.get(args.mode, (1, 1, 64))

@@ -13,6 +13,8 @@ import httpx
 import pytest
 import trio
 
+from trio_router.http import MalformedResponseError
+from trio_router.serving.resume import MAX_EVENT_BYTES, Track
 from trio_router.testing import FakeEngine
 from trio_router.testing.fake_replies import REPLY_TOKEN, REPLY_WORDS
 from trio_router.testing.harness import CHAT, chat, open_raw, open_router, send_raw
@@ -278,3 +280,48 @@ async def test_a_partial_event_of_a_failed_engine_is_dropped() -> None:
     (sent,) = other.requests_to("/v1/completions")
     assert sent.json()["prompt"][-4:] == [REPLY_TOKEN + i for i in range(4)]
     assert resumed == 1
+
+
+def test_an_event_without_end_is_held_only_so_far() -> None:
+    """A followed stream's event is held until its end, up to MAX_EVENT_BYTES: an engine
+    that never ends one has sent a malformed answer (carried on like any other failure)."""
+    track = Track("chat", show_ids=False, usage=False)
+    assert track(b'data: {"id":"x","choices":[{"delta":{"content":"', False) == b""
+    with pytest.raises(MalformedResponseError, match="longer than"):
+        for _ in range(MAX_EVENT_BYTES // 65536 + 1):
+            track(b"a" * 65536, False)
+
+
+async def test_an_engine_failing_after_every_allowed_token_has_its_end_written() -> None:
+    """The engine generated every token `max_tokens` allows and failed before its finish
+    event: nothing is left to continue; the router ends the stream itself (finish_reason
+    "length", the usage, [DONE]); no other engine is asked."""
+    first = FakeEngine(name="first", tokens=12, break_after_events=7)  # role + 6 tokens
+    other = FakeEngine(name="other", tokens=12)
+    body = chat(stream=True, max_tokens=6, stream_options={"include_usage": True})
+    with trio.fail_after(LIMIT):
+        async with open_router([first, other]) as router:
+            answer = await router.client.post(CHAT, json=body)
+    stream = events(answer.content)
+    assert text_of(stream) == "".join(REPLY_WORDS[:6])
+    assert [e for e in stream if e == "[DONE]"] == ["[DONE]"] and stream[-1] == "[DONE]"
+    assert stream[-3]["choices"][0]["finish_reason"] == "length"
+    assert stream[-2]["usage"]["completion_tokens"] == 6
+    assert other.request_count == len(other.requests_to("/v1/models"))  # probes only
+
+
+async def test_an_engine_failing_after_its_done_leaves_the_stream_as_it_was() -> None:
+    """Only the body's last (empty) chunk was lost: the stream the client gets is whole,
+    with one [DONE] and one usage object, nothing added."""
+    first = FakeEngine(name="first", tokens=4, break_after_events=7)  # role, 4, end, usage, DONE
+    other = FakeEngine(name="other", tokens=4)
+    body = chat(stream=True, stream_options={"include_usage": True})
+    with trio.fail_after(LIMIT):
+        async with open_router([first, other]) as router:
+            answer = await router.client.post(CHAT, json=body)
+    stream = events(answer.content)
+    assert answer.status_code == 200 and stream[-1] == "[DONE]"
+    assert [e for e in stream if e == "[DONE]"] == ["[DONE]"]
+    assert len([e for e in stream[:-1] if not e["choices"]]) == 1  # one usage object
+    assert text_of(stream) == "".join(REPLY_WORDS[:4])
+    assert other.requests_to(CHAT) == other.requests_to("/v1/completions") == []

@@ -33,7 +33,7 @@ from .errors import error_body, from_transport
 from .names import ModelEcho
 from .prepared import Prepared
 from .record import ExchangeRecord
-from .resume import StreamAbortedError, Track, continuation, resumable
+from .resume import StreamAbortedError, Track, continuation, resumable, token_limit
 from .runtime import Runtime
 
 __all__ = ["MAX_HELD_ANSWER_BYTES", "Deliver"]
@@ -129,8 +129,10 @@ class Deliver:
         except TransportError as exc:
             if isinstance(exc, ClientGoneError) or self.continuation_possible():
                 raise
-            if track is not None and track.finish is not None:  # only the end was lost
-                await self._answer.body(track.ending())
+            if track is not None and track.done:  # only the body's last chunk was lost
+                pass
+            elif track is not None and (track.finish is not None or self._spent()):
+                await self._answer.body(track.ending())  # only the end was lost
             elif _is_event_stream(response):
                 await self._end_with_error(from_transport(exc))
                 raise
@@ -170,8 +172,14 @@ class Deliver:
             and track.resumable
             and track.finish is None
             and not track.done
+            and not self._spent()
             and (bool(track.prompt) or track.head is None)
         )
+
+    def _spent(self) -> bool:
+        """Every token the request allows has reached the client."""
+        track = self._track
+        return track is not None and track.spent(token_limit(self._prepared.payload))
 
     def continuation(self) -> Prepared | None:
         """The continuation of the open answer; the request itself, whole, when its engine

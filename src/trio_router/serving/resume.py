@@ -15,7 +15,8 @@ reduced by what was generated; the continuation's events are written in the orig
 for usage, one usage object counting the original prompt and every completion token.
 
 What is kept per stream: the prompt's token ids and the generated ones, as the bytes of their
-JSON lists (about 6 bytes a token), and at most one partial event.
+JSON lists (about 6 bytes a token: at most 6 x the model's context length), and at most one
+partial event (`MAX_EVENT_BYTES`; a longer one is a malformed answer).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any, Final
 
 import msgspec
 
-from ..http import EngineBrokeOffError
+from ..http import EngineBrokeOffError, MalformedResponseError
 from .prepared import Prepared
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "Track",
     "continuation",
     "resumable",
+    "token_limit",
     "with_token_ids",
 ]
 
@@ -84,6 +86,7 @@ _PROMPT_IDS: Final = b'"prompt_token_ids":['
 # A token of content, no reasoning or tool call: a chat's delta, a completion's text.
 _CONTENT: Final = {"chat": b'"delta":{"content"', "completion": b'{"index":0,"text":'}
 _encode = msgspec.json.encode
+MAX_EVENT_BYTES: Final = 1 << 20  # one event of a followed stream, held until its end
 
 
 class StreamAbortedError(EngineBrokeOffError):
@@ -138,6 +141,7 @@ class Track:
         "_show_ids",
         "aborted",
         "continuing",
+        "counted",
         "done",
         "finish",
         "generated",
@@ -158,6 +162,7 @@ class Track:
         self.finish: str | None = None  # the answer's finish reason (not "abort")
         self.aborted = False  # the engine ended the stream itself (abort, error event)
         self.done = False  # [DONE] passed
+        self.counted = False  # the usage object passed
         self.resumable = True  # nothing seen that a continuation could not carry on
         self.continuing = False  # the events are a continuation's (/v1/completions)
 
@@ -188,6 +193,8 @@ class Track:
             out = self._event(data[:end])
             return b"" if out is None else out + b"\n\n"
         *events, self._partial = data.split(b"\n\n")
+        if len(self._partial) > MAX_EVENT_BYTES:
+            raise MalformedResponseError(f"an event longer than {MAX_EVENT_BYTES} bytes")
         parts = []
         for event in events:
             if self._plain(event):
@@ -239,6 +246,8 @@ class Track:
                 self.aborted = True
                 return None
             self.finish = reason
+        if b'"choices":[]' in event:
+            self.counted = True  # the usage object
         if b'"reasoning' in event or b'"tool_calls"' in event:
             self.resumable = False  # the engine's parsers hold state a continuation lacks
         return self._token(event)
@@ -270,6 +279,7 @@ class Track:
             completion = self.generated_count
             counts = {"prompt_tokens": prompt, "completion_tokens": completion}
             counts["total_tokens"] = prompt + completion
+            self.counted = True
             return b"data: " + _encode({**head, "choices": [], "usage": counts})
         choice = choices[0]
         reason, ids = choice.get("finish_reason"), choice.get("token_ids") or []
@@ -296,18 +306,36 @@ class Track:
             out["token_ids"] = shown
         return b"data: " + _encode({**head, "choices": [out]})
 
+    def spent(self, limit: int | None) -> bool:
+        """Every token the request allows (`limit`) has been generated."""
+        return limit is not None and self.generated_count >= limit
+
     def ending(self) -> bytes:
-        """The end of an answer whose engine failed after its last token (its finish seen):
-        the usage object if asked for, and [DONE]."""
+        """The end of an answer whose engine failed after its last token (its finish seen,
+        or every token the request allows generated: then a finish of "length"): the usage
+        object if asked for and not yet passed, and [DONE]."""
         out = b""
-        if self.usage:
+        if self.finish is None:
+            if self.kind == "chat":
+                choice: dict[str, Any] = {"index": 0, "delta": {}, "logprobs": None}
+            else:
+                choice = {"index": 0, "text": "", "logprobs": None}
+            choice |= {"finish_reason": "length", "stop_reason": None}
+            out = b"data: " + _encode({**(self.head or {}), "choices": [choice]}) + b"\n\n"
+        if self.usage and not self.counted:
             prompt = self.prompt.count(b",") + 1 if self.prompt else 0
             completion = self.generated_count
             usage = {"prompt_tokens": prompt, "completion_tokens": completion}
             usage["total_tokens"] = prompt + completion
-            out = b"data: " + _encode({**(self.head or {}), "choices": [], "usage": usage})
+            out += b"data: " + _encode({**(self.head or {}), "choices": [], "usage": usage})
             out += b"\n\n"
         return out + b"data: [DONE]\n\n"
+
+
+def token_limit(payload: dict[str, Any]) -> int | None:
+    """The most completion tokens a request allows, when it says."""
+    limit = payload.get("max_completion_tokens", payload.get("max_tokens"))
+    return limit if type(limit) is int else None
 
 
 def continuation(prepared: Prepared, track: Track) -> Prepared | None:
@@ -322,8 +350,8 @@ def continuation(prepared: Prepared, track: Track) -> Prepared | None:
     body["prompt"] = _ids(track.prompt) + generated
     body |= {"stream": True, "return_token_ids": True}
     body |= {key: payload[key] for key in _SAMPLING if key in payload}
-    limit = payload.get("max_completion_tokens", payload.get("max_tokens"))
-    if isinstance(limit, int):
+    limit = token_limit(payload)
+    if limit is not None:
         if limit - len(generated) <= 0:
             return None
         body["max_tokens"] = limit - len(generated)

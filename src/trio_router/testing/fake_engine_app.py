@@ -353,6 +353,8 @@ class FakeEngineApp:
             if i > 0 and engine.inter_token_s > 0 and event is not SSE_DONE:
                 await trio.sleep(engine.inter_token_s)
             await send({"type": "http.response.body", "body": event, "more_body": True})
+        if engine.break_after_events == len(events):  # the body's last chunk lost
+            return True
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return False
 
