@@ -473,14 +473,14 @@ async def main_exactness(args: argparse.Namespace) -> dict[str, Any]:
             reference = await token_ids(slots[0].url, body)
             urls = [s.url for s in slots]
             async with (
-                open_router("trio", urls, Path(tmp), args.model) as url,
+                open_router("trio", urls, args.log_dir or Path(tmp), args.model) as url,
                 httpx.AsyncClient(timeout=30.0) as client,
             ):
                 for index in range(3 * args.kills):
                     if sum(bool(r["carried_on"]) for r in results) >= args.kills:
                         break
                     how = (signal.SIGKILL, signal.SIGTERM)[index % 2]
-                    await routable(client, url, 2)  # one to stop, one to go on
+                    await routable(client, url, slots)  # one to stop, one to go on
                     before = await resume_counts(client, url)
                     result = await one_kill(url, slots, body, args.kill_after, how)
                     after = await resume_counts(client, url)
@@ -504,12 +504,16 @@ async def main_exactness(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-async def routable(client: httpx.AsyncClient, url: str, engines: int) -> None:
-    """Until trio_router at `url` shows `engines` healthy: another process's state, asked
+async def routable(client: httpx.AsyncClient, url: str, slots: Sequence[Slot]) -> None:
+    """Until at least two engines serve and trio_router at `url` shows exactly those healthy
+    (not one that was stopped and not yet found out): the state of other processes, asked
     every 0.5 s."""
     while True:
-        if await healthy(client, url) >= engines:
-            return
+        up = {slot.url for slot in slots if slot.up.is_set()}
+        if len(up) >= 2:
+            shown = (await client.get(f"{url}/engines")).json()["engines"]
+            if {e["url"] for e in shown if e["healthy"]} == up:
+                return
         await trio.sleep(0.5)
 
 

@@ -216,6 +216,7 @@ class _Relayed:
         "_conn",
         "_engine_fd",
         "_epoll",
+        "_framed",
         "_hold_last",
         "_on_first",
         "_parser",
@@ -255,6 +256,9 @@ class _Relayed:
         self._hold_last = hold_last
         self._on_first = on_first
         self._transform = transform
+        # A transform may take a read as it is framed on the wire (one chunk of the common
+        # kind): `framed(chunk)` gives the chunk to write, or None for the general way.
+        self._framed: Callable[[bytes], bytes | None] | None = getattr(transform, "framed", None)
         self._conn, self._parser = source.conn, source.parser
         self._url = source.url
         self._read_timeout = source.read_timeout
@@ -365,6 +369,8 @@ class _Relayed:
         framed = parser.read_body_framed()
         if not framed and not parser.done:
             return b""
+        if self._framed is not None and (out := self._framed(framed)) is not None:
+            return out
         size_end = framed.find(b"\r\n")
         if size_end > 0 and size_end + 4 + int(framed[:size_end], 16) == len(framed):
             data = framed[size_end + 2 : -2]  # one chunk

@@ -83,8 +83,16 @@ _SAMPLING: Final = (
 )
 _TOKEN_IDS: Final = b'"token_ids":['
 _PROMPT_IDS: Final = b'"prompt_token_ids":['
-# A token of content, no reasoning or tool call: a chat's delta, a completion's text.
-_CONTENT: Final = {"chat": b'"delta":{"content"', "completion": b'{"index":0,"text":'}
+# A token of content, no reasoning or tool call: a chat's delta, a completion's text, after
+# the event's `"choices":[{"index":0,`; vLLM writes such an event's end as
+# `"finish_reason":null,"token_ids":[ID]}]}` (`null` in place of [ID] when not asked for).
+_CHOICES: Final = b'"choices":[{"index":0,'
+_CONTENT: Final = {"chat": b'"delta":{"content"', "completion": b'"text":'}
+_PLAIN_IDS: Final = b'"finish_reason":null,"token_ids":['
+_PLAIN_END: Final = b"]}]}\n\n"
+_PLAIN_END_FRAMED: Final = _PLAIN_END + b"\r\n"  # as it ends an HTTP chunk
+_NULLED_EVENT_END: Final = b'"finish_reason":null,"token_ids":null}]}\n\n'
+_NEVER: Final = b"\x00"  # a prefix no event begins with
 _encode = msgspec.json.encode
 MAX_EVENT_BYTES: Final = 1 << 20  # one event of a followed stream, held until its end
 
@@ -138,6 +146,7 @@ class Track:
     __slots__ = (
         "_content",
         "_partial",
+        "_plain",
         "_show_ids",
         "aborted",
         "continuing",
@@ -156,6 +165,7 @@ class Track:
         self.kind, self._show_ids, self.usage = kind, show_ids, usage
         self._content = _CONTENT[kind]
         self._partial = b""
+        self._plain = _NEVER  # what an original's plain token event begins with, once known
         self.head: dict[str, Any] | None = None  # id, created, model of the first event
         self.prompt = b""  # the prompt's token ids, as their JSON list's bytes
         self.generated: list[bytes] = []  # each event's token ids, the same way
@@ -171,25 +181,27 @@ class Track:
         begin with an event of their own)."""
         self._partial = b""
 
+    def carry_on(self) -> None:
+        """A continuation's events come next (a new part: see `restart`)."""
+        self.continuing, self.aborted = True, False
+        self.restart()
+        self._stop_plain()
+
     @property
     def generated_count(self) -> int:
         return sum(part.count(b",") + 1 for part in self.generated if part)
 
     def __call__(self, data: bytes, final: bool) -> bytes:
+        if data[-6:] == _PLAIN_END and not self._partial:
+            # The common read: one event with one token of content, as vLLM writes it.
+            head, found, tail = data.rpartition(_PLAIN_IDS)
+            if found and head[: len(self._plain)] == self._plain and b"\n\n" not in head:
+                self.generated.append(tail[:-6])
+                return data if self._show_ids else head + _NULLED_EVENT_END
         if self._partial:
             data, self._partial = self._partial + data, b""
         end = data.find(b"\n\n")
-        if end == len(data) - 2 and end > 0:  # one whole event: the common read
-            if self._fast and b'"finish_reason":null' in data and self._content in data:
-                start = data.rfind(_TOKEN_IDS)  # a token of content: the fast way
-                if start < 0:
-                    return data
-                stop = data.index(b"]", start)
-                if stop > start + 13:
-                    self.generated.append(data[start + 13 : stop])
-                if self._show_ids:
-                    return data
-                return data[:start] + b'"token_ids":null' + data[stop + 1 :]
+        if end == len(data) - 2 and end > 0:  # one whole event
             out = self._event(data[:end])
             return b"" if out is None else out + b"\n\n"
         *events, self._partial = data.split(b"\n\n")
@@ -197,21 +209,37 @@ class Track:
             raise MalformedResponseError(f"an event longer than {MAX_EVENT_BYTES} bytes")
         parts = []
         for event in events:
-            if self._plain(event):
-                parts.append(self._token(event))
+            if event.startswith(self._plain) and b'"finish_reason":null' in event:
+                parts.append(self._token(event))  # a token of content
             elif (out := self._event(event)) is not None:
                 parts.append(out)
         return b"\n\n".join(parts) + b"\n\n" if parts else b""
 
-    @property
-    def _fast(self) -> bool:
-        """Past the first event, and neither aborted nor a continuation's."""
-        return self.head is not None and not (self.continuing or self.aborted)
+    def framed(self, chunk: bytes) -> bytes | None:
+        """The common read as it came on the wire, one HTTP chunk of one plain token event
+        (see `__call__`): the chunk to write, its token id noted (and nulled unless shown);
+        None for any other read (it goes through `__call__`). Slices, compares and
+        partitions only: on this path, str methods that take positions cost more."""
+        if chunk[-10:] != _PLAIN_END_FRAMED or self._partial:
+            return None
+        _, _, data = chunk.partition(b"\r\n")  # the chunk's size line
+        head, found, tail = data.rpartition(_PLAIN_IDS)
+        if (
+            not found
+            or head[: len(self._plain)] != self._plain
+            or b"\n\n" in head  # more than one event
+            or b"\r\n" in head  # more than one chunk
+        ):
+            return None
+        self.generated.append(tail[:-10])
+        if self._show_ids:
+            return chunk
+        out = head + _NULLED_EVENT_END
+        return b"%x\r\n%s\r\n" % (len(out), out)
 
-    def _plain(self, event: bytes) -> bool:
-        """An original's event with tokens of content and nothing else to see: not the
-        first, not the end, no reasoning or tool call (the fast way)."""
-        return self._fast and b'"finish_reason":null' in event and self._content in event
+    def _stop_plain(self) -> None:
+        """Events are no longer an original's plain tokens (aborted, or a continuation's)."""
+        self._plain = _NEVER
 
     def _token(self, event: bytes) -> bytes:
         """An event's token ids noted (and nulled unless shown)."""
@@ -235,15 +263,20 @@ class Track:
             return self._continued(event)
         if event.startswith(b'data: {"error"'):
             self.aborted = True
+            self._stop_plain()
             return None
         if self.head is None:
             decoded = msgspec.json.decode(event[6:])
             self.head = {k: decoded.get(k) for k in ("id", "object", "created", "model")}
             event = self._prompt(event)
+            choices = event.find(_CHOICES)
+            if choices > 0:  # what every event of this stream begins with, to its content
+                self._plain = event[: choices + len(_CHOICES)] + self._content
         if b'"finish_reason":"' in event:
             reason = event.split(b'"finish_reason":"', 1)[1].split(b'"', 1)[0].decode()
             if reason == "abort":
                 self.aborted = True
+                self._stop_plain()
                 return None
             self.finish = reason
         if b'"choices":[]' in event:
@@ -361,8 +394,7 @@ def continuation(prepared: Prepared, track: Track) -> Prepared | None:
     info = prepared.info
     if info.tokens is not None:
         info = dataclasses.replace(info, tokens=tuple(body["prompt"]))
-    track.continuing, track.aborted = True, False  # a new part begins
-    track.restart()
+    track.carry_on()
     return dataclasses.replace(
         prepared,
         path="/v1/completions",
