@@ -208,10 +208,16 @@ class Track:
         if len(self._partial) > MAX_EVENT_BYTES:
             raise MalformedResponseError(f"an event longer than {MAX_EVENT_BYTES} bytes")
         parts = []
+        generated, show = self.generated, self._show_ids
         for event in events:
-            if event.startswith(self._plain) and b'"finish_reason":null' in event:
-                parts.append(self._token(event))  # a token of content
-            elif (out := self._event(event)) is not None:
+            plain = self._plain  # known once the first event has passed
+            if event[: len(plain)] == plain:  # a token of content, most likely
+                head, found, tail = event.rpartition(_PLAIN_IDS)
+                if found and tail[-4:] == b"]}]}":
+                    generated.append(tail[:-4])
+                    parts.append(event if show else head + _NULLED_EVENT_END[:-2])
+                    continue
+            if (out := self._event(event)) is not None:
                 parts.append(out)
         return b"\n\n".join(parts) + b"\n\n" if parts else b""
 
