@@ -325,3 +325,21 @@ async def test_an_engine_failing_after_its_done_leaves_the_stream_as_it_was() ->
     assert len([e for e in stream[:-1] if not e["choices"]]) == 1  # one usage object
     assert text_of(stream) == "".join(REPLY_WORDS[:4])
     assert other.requests_to(CHAT) == other.requests_to("/v1/completions") == []
+
+
+async def test_a_stream_of_an_engine_without_token_ids_passes_untouched() -> None:
+    """An engine that ignores `return_token_ids` (no prompt token ids in its first event):
+    its stream passes as it comes, not followed; when it breaks off, there is nothing to
+    carry it on with, and it ends with an error event."""
+    plain = FakeEngine(name="plain", tokens=6, token_ids=False)
+    breaking = FakeEngine(name="breaking", tokens=12, token_ids=False, break_after_events=4)
+    with trio.fail_after(LIMIT):
+        async with open_router([plain, breaking]) as router:
+            whole = await router.client.post(CHAT, json=chat(stream=True))
+            cut = await router.client.post(CHAT, json=chat(stream=True))
+            counted = await resumes(router, "closed", "not_resumable")
+    assert whole.content.endswith(b"data: [DONE]\n\n")
+    assert text_of(events(whole.content)) == "".join(REPLY_WORDS[:6])
+    last = events(cut.content)[-1]
+    assert last["error"]["code"] == "bad_engine_response" and counted == 1
+    assert breaking.requests_to("/v1/completions") == plain.requests_to("/v1/completions") == []

@@ -122,7 +122,11 @@ class Deliver:
         track = self._track
         try:
             tail = await self._answer.relay(response, rewrite=rewrite, on_first=on_first)
-            if track is not None and (track.aborted or not (track.done or track.finish)):
+            if (
+                track is not None
+                and not track.inert
+                and (track.aborted or not (track.done or track.finish))
+            ):
                 raise StreamAbortedError(
                     f"engine {engine.name} ended the stream before its answer was complete"
                 )

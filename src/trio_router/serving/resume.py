@@ -155,6 +155,7 @@ class Track:
         "finish",
         "generated",
         "head",
+        "inert",
         "kind",
         "prompt",
         "resumable",
@@ -175,6 +176,7 @@ class Track:
         self.counted = False  # the usage object passed
         self.resumable = True  # nothing seen that a continuation could not carry on
         self.continuing = False  # the events are a continuation's (/v1/completions)
+        self.inert = False  # the engine sends no token ids: passed on untouched, not followed
 
     def restart(self) -> None:
         """The engine is gone: a partial event of its is dropped (the next part's bytes
@@ -192,6 +194,10 @@ class Track:
         return sum(part.count(b",") + 1 for part in self.generated if part)
 
     def __call__(self, data: bytes, final: bool) -> bytes:
+        if self.inert:
+            if self._partial:
+                data, self._partial = self._partial + data, b""
+            return data
         if data[-6:] == _PLAIN_END and not self._partial:
             # The common read: one event with one token of content, as vLLM writes it.
             head, found, tail = data.rpartition(_PLAIN_IDS)
@@ -226,6 +232,8 @@ class Track:
         (see `__call__`): the chunk to write, its token id noted (and nulled unless shown);
         None for any other read (it goes through `__call__`). Slices, compares and
         partitions only: on this path, str methods that take positions cost more."""
+        if self.inert and not self._partial:
+            return chunk
         if chunk[-10:] != _PLAIN_END_FRAMED or self._partial:
             return None
         _, _, data = chunk.partition(b"\r\n")  # the chunk's size line
@@ -275,6 +283,10 @@ class Track:
             decoded = msgspec.json.decode(event[6:])
             self.head = {k: decoded.get(k) for k in ("id", "object", "created", "model")}
             event = self._prompt(event)
+            if not self.prompt:  # an engine without token ids: nothing to carry on with
+                self.inert, self.resumable = True, False
+                self._stop_plain()
+                return event
             choices = event.find(_CHOICES)
             if choices > 0:  # what every event of this stream begins with, to its content
                 self._plain = event[: choices + len(_CHOICES)] + self._content

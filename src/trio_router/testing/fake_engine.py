@@ -75,6 +75,7 @@ class FakeEngine:
     abort_after_first_event: bool = False  # streams break off (connection closed) after 1 event
     break_after_events: int | None = None  # streams break off (connection closed) after N events
     break_inside_event: int | None = None  # streams break off halfway through event N
+    token_ids: bool = True  # honours "return_token_ids" (False: an engine that ignores it)
     stall_after_events: int | None = None  # streams fall silent after N events (open)
     # Streams end after N events as vLLM ends its running requests on SIGTERM: a chunk with
     # finish_reason "abort", the usage if asked for, and [DONE].

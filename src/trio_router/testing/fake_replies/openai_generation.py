@@ -56,9 +56,8 @@ def _generation(
     ident = f"{'chatcmpl' if chat else 'cmpl'}-{engine.name}-{rid}"
     if not request.get("stream"):
         return _whole(model, ident, created, words, prompt_count, finish, chat=chat)
-    stream = _Stream(
-        ident, created, model, chat=chat, token_ids=request.get("return_token_ids") is True
-    )
+    token_ids = engine.token_ids and request.get("return_token_ids") is True
+    stream = _Stream(ident, created, model, chat=chat, token_ids=token_ids)
     events = [stream.first(tokens)]
     abort_at = engine.abort_streams_after
     for i, (word, token) in enumerate(zip(words, ids, strict=True)):
