@@ -127,8 +127,8 @@ def main() -> int:
             for match in [re.search(r"^(?:summary|totals): (\d+)", dump.read_text(), re.M)]
             if match
         }
-    # The dump after the measured requests; the one at exit counts from there with counting
-    # off, and callgrind writes it as a wrapped negative.
+        # The dump after the measured requests; the one at exit counts from there with counting
+        # off, and callgrind writes it as a wrapped negative.
         instructions = max(total for total in totals if total < 1 << 63)
         if args.keep is not None:
             args.keep.write_bytes(totals[instructions].read_bytes())

@@ -6,8 +6,8 @@ continuation (`proxy.resume`) costs a resumed stream.
     python bench/bench_chaos.py real  [--streams 16] [--engines 4] [--tokens 96]
     python bench/bench_chaos.py exactness [--kills 20] [--tokens 200] [--kill-after 50]
 
-`fakes`: `--engines` fake vLLM engines (`trio_router.testing.FakeEngine` served by Hypercorn, each
-its own process on 127.0.1.51, .52, ...) that stream `--tokens` tokens, the first after
+`fakes`: `--engines` fake vLLM engines (`trio_router.testing.FakeEngine` served by Hypercorn,
+each its own process on 127.0.1.51, .52, ...) that stream `--tokens` tokens, the first after
 `--ttft-ms`, then one every `--itl-ms`; greedy like vLLM (a prompt ending with an engine's own
 tokens goes on from there), so a continued answer can be checked word for word. `real`: real
 vLLM engines (the CPU build and tiny model of `trio_router.testing.vllm_engines`, the first run
@@ -16,12 +16,12 @@ installs it), a greedy chat (`temperature` 0, `ignore_eos`) of `--tokens` tokens
 Each router in turn (`--routers`; the peers when their environment names them, as
 `../shared/bench`'s README sets them up, never committed: production-stack `PEER_PS_PYTHON` +
 `PEER_PS_SRC`, the Rust vllm-router `PEER_VR_BIN`), in front of the same engines: `--streams`
-clients, each sending one streamed chat after another for `--duration` seconds (0.5 s apart after
-one that was refused); every
-`--kill-every` seconds one engine (in turn) gets `--signal` (KILL: a crash; TERM: what
-Kubernetes sends a deleted pod) and is started again `--down-s` seconds later (a real engine
-once it has stopped; it takes its start-up time). After `--duration` no new request starts;
-the ones running finish (bounded by `--limit`).
+clients, each sending one streamed chat after another for `--duration` seconds (0.5 s apart
+after one that was refused); every `--kill-every` seconds one engine (in turn) gets `--signal`
+(KILL: a crash; TERM: what Kubernetes sends a deleted pod) and is started again `--down-s`
+seconds later (a real engine once it has stopped; it takes its start-up time). After
+`--duration` no new request starts; the ones running finish (bounded by `--limit`).
+`--log-dir` keeps each router's log there.
 
 Each request is one of: `ok` (200, one `[DONE]`, the whole answer: the same text as the same
 request answered without a failure), `diverged` (well-formed and complete, another text: engine
@@ -29,13 +29,16 @@ numerics of a continuation), `cut` (200, then broken off: no `[DONE]`, an error 
 connection closed or a shorter text), `lost` (no 200: an error status or no answer). A stream
 "hit" is one running on an engine when it was killed (trio_router names the engine in
 `x-trio-router-engine`); the latency a resumed stream pays is its duration less the median of
-the streams no kill touched (p50, p99).
+the streams no kill touched (p50, p99). For trio_router the report also has the router's own
+count of resumes (`trio_router_stream_resumes_total`).
 
-`exactness`: `--engines` (3) real engines behind trio_router; `--kills` times, one greedy
-streamed chat of `--tokens` tokens, its engine killed (SIGKILL and SIGTERM in turn) once the
-client has `--kill-after` tokens, then restarted in the background: whether the client's tokens
-equal those of the same request run straight at an engine without a failure, and where the
-first difference is when not.
+`exactness`: `--engines` (3) real engines behind trio_router; greedy streamed chats of
+`--tokens` tokens, each one's engine stopped (SIGKILL and SIGTERM in turn) once the client has
+`--kill-after` tokens, then started again in the background, until `--kills` of them were
+carried on by the router (a trial whose engine had written its whole answer before it was
+stopped had nothing to fail); each trial waits until two engines serve and the router shows
+exactly those healthy. Reported: whether each stream's tokens equal those of the same request
+run straight at an engine without a failure, and where the first difference is when not.
 
 Loopback only; every load stops by itself (`--duration`, `--limit`).
 """
