@@ -19,7 +19,8 @@ Each router in turn (`--routers`; the peers when their environment names them, a
 clients, each sending one streamed chat after another for `--duration` seconds (0.5 s apart
 after one that was refused); every `--kill-every` seconds one engine (in turn) gets `--signal`
 (KILL: a crash; TERM: what Kubernetes sends a deleted pod) and is started again `--down-s`
-seconds later (a real engine once it has stopped; it takes its start-up time). After
+seconds later (a real engine once it has stopped; it takes its start-up time, and the next
+kill waits until every engine serves again). After
 `--duration` no new request starts; the ones running finish (bounded by `--limit`).
 `--log-dir` keeps each router's log there.
 
@@ -243,13 +244,15 @@ async def load(
 
 async def chaos(slots: Sequence[Slot], args: argparse.Namespace, run: Run, t0: float) -> None:
     """One engine killed every `--kill-every` s (the first after half of it), in turn, each
-    started again `--down-s` s later."""
+    started again `--down-s` s later; never while another is down (a real engine's start-up
+    can outlast the interval: then the next kill waits for it)."""
     how = signal.Signals[f"SIG{args.signal}"]
     async with trio.open_nursery() as nursery:
         for index in range(int(args.duration // args.kill_every)):
             await trio.sleep_until(t0 + args.kill_every * (index + 0.5))
             slot = slots[index % len(slots)]
-            await slot.up.wait()
+            for every in slots:  # one engine down at a time: a real one takes its start-up
+                await every.up.wait()
             killed = trio.current_time()
             await slot.kill(how)
             nursery.start_soon(back_up, slot, args, run, killed)

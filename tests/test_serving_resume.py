@@ -343,3 +343,11 @@ async def test_a_stream_of_an_engine_without_token_ids_passes_untouched() -> Non
     last = events(cut.content)[-1]
     assert last["error"]["code"] == "bad_engine_response" and counted == 1
     assert breaking.requests_to("/v1/completions") == plain.requests_to("/v1/completions") == []
+
+
+def test_an_event_that_is_not_json_is_a_malformed_answer() -> None:
+    """A followed stream's first event must be read: one that is not a JSON object makes the
+    answer malformed (a failure like a broken connection), not an error of the router."""
+    track = Track("chat", show_ids=False, usage=False)
+    with pytest.raises(MalformedResponseError, match="not a JSON object"):
+        track(b"data: {not json\n\n", False)

@@ -280,7 +280,7 @@ class Track:
             self._stop_plain()
             return None
         if self.head is None:
-            decoded = msgspec.json.decode(event[6:])
+            decoded = _decoded(event)
             self.head = {k: decoded.get(k) for k in ("id", "object", "created", "model")}
             event = self._prompt(event)
             if not self.prompt:  # an engine without token ids: nothing to carry on with
@@ -316,9 +316,9 @@ class Track:
 
     def _continued(self, event: bytes) -> bytes | None:
         """A continuation's event (a text completion's) in the original's shape."""
-        decoded = msgspec.json.decode(event[6:])
+        decoded = _decoded(event)
         head = self.head or {}
-        if not isinstance(decoded, dict) or "error" in decoded:
+        if "error" in decoded:
             self.aborted = True
             return None
         choices = decoded.get("choices") or []
@@ -381,6 +381,17 @@ class Track:
             out += b"data: " + _encode({**(self.head or {}), "choices": [], "usage": usage})
             out += b"\n\n"
         return out + b"data: [DONE]\n\n"
+
+
+def _decoded(event: bytes) -> dict[str, Any]:
+    """An event's JSON object; MalformedResponseError when it is not one."""
+    try:
+        decoded = msgspec.json.decode(event[6:])
+    except msgspec.DecodeError:
+        decoded = None
+    if not isinstance(decoded, dict):
+        raise MalformedResponseError(f"an event that is not a JSON object: {event[:80]!r}")
+    return decoded
 
 
 def token_limit(payload: dict[str, Any]) -> int | None:
