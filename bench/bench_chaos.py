@@ -253,6 +253,8 @@ async def chaos(slots: Sequence[Slot], args: argparse.Namespace, run: Run, t0: f
             slot = slots[index % len(slots)]
             for every in slots:  # one engine down at a time: a real one takes its start-up
                 await every.up.wait()
+            if trio.current_time() >= t0 + args.duration:  # the load is over
+                break
             killed = trio.current_time()
             await slot.kill(how)
             nursery.start_soon(back_up, slot, args, run, killed)
