@@ -292,7 +292,9 @@ def test_an_event_without_end_is_held_only_so_far() -> None:
             track(b"a" * 65536, False)
 
 
-async def test_an_engine_failing_after_every_allowed_token_has_its_end_written() -> None:
+async def test_an_engine_failing_after_every_allowed_token_has_its_end_written(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """The engine generated every token `max_tokens` allows and failed before its finish
     event: nothing is left to continue; the router ends the stream itself (finish_reason
     "length", the usage, [DONE]); no other engine is asked."""
@@ -308,9 +310,12 @@ async def test_an_engine_failing_after_every_allowed_token_has_its_end_written()
     assert stream[-3]["choices"][0]["finish_reason"] == "length"
     assert stream[-2]["usage"]["completion_tokens"] == 6
     assert other.request_count == len(other.requests_to("/v1/models"))  # probes only
+    assert not [r for r in caplog.records if r.name.startswith("trio_router.serving")]
 
 
-async def test_an_engine_failing_after_its_done_leaves_the_stream_as_it_was() -> None:
+async def test_an_engine_failing_after_its_done_leaves_the_stream_as_it_was(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """Only the body's last (empty) chunk was lost: the stream the client gets is whole,
     with one [DONE] and one usage object, nothing added."""
     first = FakeEngine(name="first", tokens=4, break_after_events=7)  # role, 4, end, usage, DONE
@@ -325,6 +330,7 @@ async def test_an_engine_failing_after_its_done_leaves_the_stream_as_it_was() ->
     assert len([e for e in stream[:-1] if not e["choices"]]) == 1  # one usage object
     assert text_of(stream) == "".join(REPLY_WORDS[:4])
     assert other.requests_to(CHAT) == other.requests_to("/v1/completions") == []
+    assert not [r for r in caplog.records if r.name.startswith("trio_router.serving")]
 
 
 async def test_a_stream_of_an_engine_without_token_ids_passes_untouched() -> None:

@@ -120,6 +120,7 @@ class Deliver:
         """The body relayed into the answer, and the answer ended; a failure raised with
         the answer left open when it can be carried on, else ended as well as it can be."""
         track = self._track
+        tail = b""  # what the relay read last: a usage summary is there (none when it broke)
         try:
             tail = await self._answer.relay(response, rewrite=rewrite, on_first=on_first)
             if (
