@@ -160,6 +160,6 @@ async def test_a_stream_whose_engine_dies_is_carried_on_token_for_token(
     assert trial.carried_on == {"resumed": 1.0}  # continued by the other engine
     assert trial.got == expected  # token for token, no repeat, no gap
     assert len({(e["id"], e["created"], e["model"]) for e in trial.events}) == 1
-    usage = [e["usage"] for e in trial.events if not e["choices"]]  # (no error event: above)
+    usage = [e["usage"] for e in trial.events if not e["choices"]]
     assert [(u["completion_tokens"], u["prompt_tokens"] > 0) for u in usage] == [(TOKENS, True)]
     assert all(c["finish_reason"] != "abort" for e in trial.events for c in e["choices"])
