@@ -174,11 +174,7 @@ class Deliver:
         return (
             self._open
             and track is not None
-            and track.resumable
-            and track.finish is None
-            and not track.done
-            and not self._spent()
-            and (bool(track.prompt) or track.head is None)
+            and track.carriable(token_limit(self._prepared.payload))
         )
 
     def _spent(self) -> bool:
@@ -187,15 +183,8 @@ class Deliver:
         return track is not None and track.spent(token_limit(self._prepared.payload))
 
     def continuation(self) -> Prepared | None:
-        """The continuation of the open answer; the request itself, whole, when its engine
-        failed after the answer's head but before its first event (its time to first
-        token): nothing of the body reached the client, another engine answers it all."""
-        if not self.continuation_possible():
+        if not self._open or self._track is None:
             return None
-        assert self._track is not None
-        if self._track.head is None:
-            self._track.restart()
-            return self._prepared
         return continuation(self._prepared, self._track)
 
     async def give_up(self, failed: Failed) -> None:

@@ -53,7 +53,6 @@ class ExchangeRecord:
     status: int = 0  # 0: no answer (cancelled: the drain deadline)
     attempts: int = 0  # engines tried
     parts: list[str] = field(default_factory=list)  # engines whose part of an answer was cut
-    resumes: int = 0  # continuations of an answer cut off (`proxy.resume`)
     sent: int = 0  # response body bytes handed on
     ttfb: float | None = None  # the engine's first body bytes, after `started`
 
@@ -76,7 +75,6 @@ class ExchangeRecord:
     def cut(self, engine: str) -> None:
         """`engine`'s part of the answer was cut off; another engine carries it on."""
         self.parts.append(engine)
-        self.resumes += 1
 
     def first_byte(self, now: float) -> None:
         """The engine's first body bytes came (`now`): the time to first byte."""
@@ -100,7 +98,7 @@ class ExchangeRecord:
                 tenant=self.tenant,
                 engine=self.engine,
                 retries=max(0, self.attempts - 1),
-                resumes=self.resumes,
+                resumes=len(self.parts),
             )
         if recording.access_log and access_logger.isEnabledFor(logging.INFO):
             self._log_access(duration)
@@ -118,7 +116,7 @@ class ExchangeRecord:
             "served_model": self.served_model,
             "engine": self.engine,
             "engines": [*self.parts, self.engine] if self.parts else [],
-            "resumes": self.resumes,
+            "resumes": len(self.parts),
             "prefill_engine": self.prefill_engine,
             "policy": self.recording.policy,
             "status": self.status,

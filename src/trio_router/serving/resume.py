@@ -144,7 +144,6 @@ class Track:
     token ids; `usage`: it asked for the usage object."""
 
     __slots__ = (
-        "_content",
         "_partial",
         "_plain",
         "_show_ids",
@@ -164,7 +163,6 @@ class Track:
 
     def __init__(self, kind: str, *, show_ids: bool, usage: bool) -> None:
         self.kind, self._show_ids, self.usage = kind, show_ids, usage
-        self._content = _CONTENT[kind]
         self._partial = b""
         self._plain = _NEVER  # what an original's plain token event begins with, once known
         self.head: dict[str, Any] | None = None  # id, created, model of the first event
@@ -194,10 +192,6 @@ class Track:
         return sum(part.count(b",") + 1 for part in self.generated if part)
 
     def __call__(self, data: bytes, final: bool) -> bytes:
-        if self.inert:
-            if self._partial:
-                data, self._partial = self._partial + data, b""
-            return data
         if data[-6:] == _PLAIN_END and not self._partial:
             # The common read: one event with one token of content, as vLLM writes it.
             head, found, tail = data.rpartition(_PLAIN_IDS)
@@ -206,10 +200,8 @@ class Track:
                 return data if self._show_ids else head + _NULLED_EVENT_END
         if self._partial:
             data, self._partial = self._partial + data, b""
-        end = data.find(b"\n\n")
-        if end == len(data) - 2 and end > 0:  # one whole event
-            out = self._event(data[:end])
-            return b"" if out is None else out + b"\n\n"
+        if self.inert:
+            return data
         *events, self._partial = data.split(b"\n\n")
         if len(self._partial) > MAX_EVENT_BYTES:
             raise MalformedResponseError(f"an event longer than {MAX_EVENT_BYTES} bytes")
@@ -255,18 +247,6 @@ class Track:
         """Events are no longer an original's plain tokens (aborted, or a continuation's)."""
         self._plain = _NEVER
 
-    def _token(self, event: bytes) -> bytes:
-        """An event's token ids noted (and nulled unless shown)."""
-        start = event.rfind(_TOKEN_IDS)
-        if start < 0:
-            return event
-        end = event.index(b"]", start)
-        if end > start + len(_TOKEN_IDS):
-            self.generated.append(event[start + len(_TOKEN_IDS) : end])
-        if self._show_ids:
-            return event
-        return event[:start] + b'"token_ids":null' + event[end + 1 :]
-
     def _event(self, event: bytes) -> bytes | None:
         if self.aborted or not event.startswith(b"data: "):
             return None if self.aborted else event
@@ -282,14 +262,14 @@ class Track:
         if self.head is None:
             decoded = _decoded(event)
             self.head = {k: decoded.get(k) for k in ("id", "object", "created", "model")}
-            event = self._prompt(event)
+            event = self._noted(event, _PROMPT_IDS, first=True)
             if not self.prompt:  # an engine without token ids: nothing to carry on with
                 self.inert, self.resumable = True, False
                 self._stop_plain()
                 return event
             choices = event.find(_CHOICES)
             if choices > 0:  # what every event of this stream begins with, to its content
-                self._plain = event[: choices + len(_CHOICES)] + self._content
+                self._plain = event[: choices + len(_CHOICES)] + _CONTENT[self.kind]
         if b'"finish_reason":"' in event:
             reason = event.split(b'"finish_reason":"', 1)[1].split(b'"', 1)[0].decode()
             if reason == "abort":
@@ -301,18 +281,22 @@ class Track:
             self.counted = True  # the usage object
         if b'"reasoning' in event or b'"tool_calls"' in event:
             self.resumable = False  # the engine's parsers hold state a continuation lacks
-        return self._token(event)
+        return self._noted(event, _TOKEN_IDS)
 
-    def _prompt(self, event: bytes) -> bytes:
-        """The first event with the prompt's token ids noted (and nulled unless shown)."""
-        start = event.find(_PROMPT_IDS)
+    def _noted(self, event: bytes, key: bytes, *, first: bool = False) -> bytes:
+        """`event` with its `key` list noted (and replaced by null unless shown)."""
+        start = event.find(key)
         if start < 0:
             return event
         end = event.index(b"]", start)
-        self.prompt = event[start + len(_PROMPT_IDS) : end]
+        ids = event[start + len(key) : end]
+        if first:
+            self.prompt = ids
+        elif ids:
+            self.generated.append(ids)
         if self._show_ids:
             return event
-        return event[:start] + b'"prompt_token_ids":null' + event[end + 1 :]
+        return event[:start] + key[:-1] + b"null" + event[end + 1 :]
 
     def _continued(self, event: bytes) -> bytes | None:
         """A continuation's event (a text completion's) in the original's shape."""
@@ -323,15 +307,9 @@ class Track:
             return None
         choices = decoded.get("choices") or []
         if not choices:  # the usage object: the original prompt, every completion token
-            usage = decoded.get("usage")
-            if not self.usage or not isinstance(usage, dict):
+            if not self.usage or not isinstance(decoded.get("usage"), dict):
                 return None
-            prompt = self.prompt.count(b",") + 1 if self.prompt else 0
-            completion = self.generated_count
-            counts = {"prompt_tokens": prompt, "completion_tokens": completion}
-            counts["total_tokens"] = prompt + completion
-            self.counted = True
-            return b"data: " + _encode({**head, "choices": [], "usage": counts})
+            return self._usage()
         choice = choices[0]
         reason, ids = choice.get("finish_reason"), choice.get("token_ids") or []
         if reason == "abort":
@@ -361,6 +339,18 @@ class Track:
         """Every token the request allows (`limit`) has been generated."""
         return limit is not None and self.generated_count >= limit
 
+    def carriable(self, limit: int | None) -> bool:
+        """Another engine could carry the answer on: nothing seen that it could not, the
+        answer not over (its finish, [DONE], every token `limit` allows), and the prompt's
+        token ids known, or no event passed yet (the request itself goes again, whole)."""
+        return (
+            self.resumable
+            and self.finish is None
+            and not self.done
+            and not self.spent(limit)
+            and (bool(self.prompt) or self.head is None)
+        )
+
     def ending(self) -> bytes:
         """The end of an answer whose engine failed after its last token (its finish seen,
         or every token the request allows generated: then a finish of "length"): the usage
@@ -374,13 +364,17 @@ class Track:
             choice |= {"finish_reason": "length", "stop_reason": None}
             out = b"data: " + _encode({**(self.head or {}), "choices": [choice]}) + b"\n\n"
         if self.usage and not self.counted:
-            prompt = self.prompt.count(b",") + 1 if self.prompt else 0
-            completion = self.generated_count
-            usage = {"prompt_tokens": prompt, "completion_tokens": completion}
-            usage["total_tokens"] = prompt + completion
-            out += b"data: " + _encode({**(self.head or {}), "choices": [], "usage": usage})
-            out += b"\n\n"
+            out += self._usage() + b"\n\n"
         return out + b"data: [DONE]\n\n"
+
+    def _usage(self) -> bytes:
+        """The answer's one usage event: the original prompt, every completion token."""
+        prompt = self.prompt.count(b",") + 1 if self.prompt else 0
+        completion = self.generated_count
+        usage = {"prompt_tokens": prompt, "completion_tokens": completion}
+        usage["total_tokens"] = prompt + completion
+        self.counted = True
+        return b"data: " + _encode({**(self.head or {}), "choices": [], "usage": usage})
 
 
 def _decoded(event: bytes) -> dict[str, Any]:
@@ -401,21 +395,22 @@ def token_limit(payload: dict[str, Any]) -> int | None:
 
 
 def continuation(prepared: Prepared, track: Track) -> Prepared | None:
-    """The request that goes on where `track`'s engine stopped, or None when there is
-    nothing a continuation could add (the answer's finish was seen) or it cannot carry it
-    on (the prompt's token ids unknown, a reasoning or tool-call stream)."""
-    if track.finish is not None or track.done or not track.resumable or not track.prompt:
-        return None
+    """The request that goes on where `track`'s engine stopped (see `Track.carriable`), or
+    None: the request itself when no event had passed (its engine failed during its time to
+    first token: nothing of the body reached the client, another engine answers it all)."""
     payload = prepared.payload
+    limit = token_limit(payload)
+    if not track.carriable(limit):
+        return None
+    if track.head is None:
+        track.restart()
+        return prepared
     generated = [token for part in track.generated for token in _ids(part)]
     body: dict[str, Any] = {"model": prepared.model}
     body["prompt"] = _ids(track.prompt) + generated
     body |= {"stream": True, "return_token_ids": True}
     body |= {key: payload[key] for key in _SAMPLING if key in payload}
-    limit = token_limit(payload)
-    if limit is not None:
-        if limit - len(generated) <= 0:
-            return None
+    if limit is not None:  # more than generated: the track is not spent
         body["max_tokens"] = limit - len(generated)
     if isinstance(least := payload.get("min_tokens"), int):
         body["min_tokens"] = max(0, least - len(generated))
