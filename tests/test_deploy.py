@@ -3,12 +3,19 @@
 config/*.toml load with the real loader; the Kubernetes manifests parse and agree on names,
 labels, namespace, ports, the ConfigMap key and mount path, probe paths and the shutdown
 timeline; the Role grants only reads of pods; the Containerfile copies files that exist and runs
-the console script pyproject.toml declares. Static checks only: no cluster, no container engine.
+the console script pyproject.toml declares. The endpoint-picker component (config/kubernetes/
+picker/) renders objects valid against the Kubernetes schema or, for the InferencePool and the
+example's Gateway and HTTPRoute, against the upstream CRDs in tests/fixtures/crds/, and agrees
+with the base on ports, probes, engines and router.toml. Static checks only: no cluster, no
+container engine.
 """
 
 from __future__ import annotations
 
 import ast
+import copy
+import functools
+import hashlib
 import json
 import os
 import re
@@ -20,6 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+import jsonschema  # type: ignore[import-untyped]  # kubernetes-validate's dependency
 import kubernetes_validate
 import pytest
 import yaml
@@ -565,6 +573,437 @@ def test_image_tag_is_the_package_version(objs: dict[str, dict[str, Any]]) -> No
     assert image.rsplit(":", 1)[1] == __version__
     (tag,) = kustomization()["images"]
     assert tag["newTag"] == __version__ and tag["name"] == image.rsplit(":", 1)[0]
+
+
+# --- endpoint picker component ------------------------------------------------------------
+
+PICKER_DIR = MANIFEST_DIR / "picker"
+GATEWAY_EXAMPLE = PICKER_DIR / "examples" / "gateway.yaml"
+CRD_DIR = REPO / "tests" / "fixtures" / "crds"
+PICKER_PORT = 9002  # the ext_proc port of the Inference Extension's own picker
+# Kubernetes' gRPC health services the picker answers, and the one each probe asks.
+PICKER_PROBES = {"livenessProbe": "liveness", "readinessProbe": "readiness"}
+
+
+def picker_kustomization() -> dict[str, Any]:
+    doc: dict[str, Any] = yaml.safe_load(
+        (PICKER_DIR / "kustomization.yaml").read_text(encoding="utf-8")
+    )
+    return doc
+
+
+def yaml_docs(path: Path) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(path.read_text(encoding="utf-8")) if d]
+
+
+def json_patch(doc: dict[str, Any], ops: list[dict[str, Any]]) -> None:
+    """Apply RFC 6902 operations (add, replace, remove) to `doc` in place."""
+    for op in ops:
+        *parents, last = [
+            t.replace("~1", "/").replace("~0", "~") for t in op["path"].split("/")[1:]
+        ]
+        node: Any = doc
+        for token in parents:
+            node = node[int(token)] if isinstance(node, list) else node[token]
+        if isinstance(node, list):
+            if op["op"] == "add":
+                node.insert(len(node) if last == "-" else int(last), op["value"])
+            elif op["op"] == "replace":
+                node[int(last)] = op["value"]
+            else:
+                assert op["op"] == "remove", op
+                del node[int(last)]
+        elif op["op"] == "remove":
+            del node[last]
+        else:
+            assert op["op"] == "add" or (op["op"] == "replace" and last in node), op
+            node[last] = op["value"]
+
+
+def merge_maps(target: dict[str, Any], patch: dict[str, Any]) -> None:
+    """A strategic merge patch made of maps only: keys merged, values replaced."""
+    for key, value in patch.items():
+        assert not isinstance(value, list), f"{key}: lists need merge keys, not handled here"
+        if isinstance(value, dict) and isinstance(target.get(key), dict):
+            merge_maps(target[key], value)
+        else:
+            target[key] = value
+
+
+def with_picker(base: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The base's rendered objects with the picker component applied, as kustomize does for
+    an overlay listing it: its resources added in the base's namespace, its patches applied."""
+    docs = copy.deepcopy(base)
+    kust = picker_kustomization()
+    namespace = kustomization()["namespace"]
+    for name in kust["resources"]:
+        for doc in yaml_docs(PICKER_DIR / name):
+            doc["metadata"]["namespace"] = namespace
+            docs.append(doc)
+    for patch in kust["patches"]:
+        text = patch.get("patch") or (PICKER_DIR / patch["path"]).read_text(encoding="utf-8")
+        content = yaml.safe_load(text)
+        if "target" in patch:
+            target = patch["target"]
+            (doc,) = [
+                d
+                for d in docs
+                if (d["kind"], d["metadata"]["name"]) == (target["kind"], target["name"])
+            ]
+            json_patch(doc, content)
+        else:
+            (doc,) = [
+                d
+                for d in docs
+                if (d["kind"], d["metadata"]["name"])
+                == (content["kind"], content["metadata"]["name"])
+            ]
+            merge_maps(doc, content)
+    return docs
+
+
+def kubectl_with_picker(kubectl: str, where: Path) -> list[dict[str, Any]]:
+    """`kubectl kustomize` of an overlay of the base that lists the picker component."""
+    overlay = where / "overlay"
+    overlay.mkdir()
+    (overlay / "kustomization.yaml").write_text(
+        f"namespace: {kustomization()['namespace']}\n"
+        f"resources: [{os.path.relpath(MANIFEST_DIR, overlay)}]\n"
+        f"components: [{os.path.relpath(PICKER_DIR, overlay)}]\n"
+    )
+    out = subprocess.run(
+        [kubectl, "kustomize", str(overlay)], check=True, capture_output=True, text=True, timeout=60
+    ).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+@pytest.fixture(scope="module")
+def picker(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], dict[str, Any]]:
+    """The objects the base with the picker component renders, by (kind, name): `kubectl
+    kustomize` when kubectl is installed, else with_picker() of the base."""
+    if kubectl := shutil.which("kubectl"):
+        docs = kubectl_with_picker(kubectl, tmp_path_factory.mktemp("picker"))
+    else:
+        docs = with_picker(rendered())
+    objects = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    assert len(objects) == len(docs), "two objects of one kind and name"
+    return objects
+
+
+def picker_container(picker: dict[tuple[str, str], dict[str, Any]]) -> dict[str, Any]:
+    (container,) = picker["Deployment", "trio-router"]["spec"]["template"]["spec"]["containers"]
+    assert isinstance(container, dict)
+    return container
+
+
+def picker_toml_text() -> str:
+    (patch,) = yaml_docs(PICKER_DIR / "configmap-patch.yaml")
+    text: str = patch["data"]["router.toml"]
+    return text
+
+
+def the_pool(picker: dict[tuple[str, str], dict[str, Any]]) -> dict[str, Any]:
+    (pool,) = [d for (kind, _), d in picker.items() if kind == "InferencePool"]
+    return pool
+
+
+# Custom resources: validated against their CRDs' schemas, vendored unmodified.
+
+
+def crd_fixtures() -> dict[str, str]:
+    """File name -> SHA-256, from the table in tests/fixtures/crds/README.md."""
+    text = (CRD_DIR / "README.md").read_text(encoding="utf-8")
+    rows = re.findall(r"^\| `([^`]+\.yaml)` \|.*\| ([0-9a-f]{64}) \|$", text, flags=re.MULTILINE)
+    return dict(rows)
+
+
+@functools.cache
+def crds() -> dict[tuple[str, str], dict[str, Any]]:
+    """(apiVersion, kind) -> the served version's entry of its CustomResourceDefinition."""
+    out = {}
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # 0.6 MB of YAML
+    for name in crd_fixtures():
+        (crd,) = yaml.load_all((CRD_DIR / name).read_text(encoding="utf-8"), Loader=loader)
+        assert crd["kind"] == "CustomResourceDefinition" and crd["spec"]["scope"] == "Namespaced"
+        for version in crd["spec"]["versions"]:
+            if version["served"]:
+                api_version = f"{crd['spec']['group']}/{version['name']}"
+                out[api_version, crd["spec"]["names"]["kind"]] = version
+    return out
+
+
+def closed(schema: dict[str, Any]) -> dict[str, Any]:
+    """`schema` with unknown fields rejected: additionalProperties false wherever an object
+    lists its properties and says nothing of others. Only the structural part is closed (the
+    schemas under properties, items and additionalProperties), not the branches of
+    oneOf/anyOf/allOf/not, which may only restate fields the structure declares."""
+    out = dict(schema)
+    if "properties" in out:
+        out["properties"] = {k: closed(v) for k, v in out["properties"].items()}
+        if "additionalProperties" not in out and not out.get(
+            "x-kubernetes-preserve-unknown-fields"
+        ):
+            out["additionalProperties"] = False
+    if isinstance(out.get("items"), dict):
+        out["items"] = closed(out["items"])
+    if isinstance(out.get("additionalProperties"), dict):
+        out["additionalProperties"] = closed(out["additionalProperties"])
+    return out
+
+
+def validate_custom(doc: dict[str, Any]) -> None:
+    """Validate a custom resource the way `kubectl apply --validate=strict` would, but for
+    its CRD's CEL rules (x-kubernetes-validations), which are not evaluated here: the served
+    version's openAPIV3Schema with unknown fields rejected, and its metadata as ObjectMeta."""
+    version = crds().get((doc["apiVersion"], doc["kind"]))
+    assert version, f"no vendored CRD serves {doc['apiVersion']} {doc['kind']}"
+    schema = version["schema"]["openAPIV3Schema"]
+    validator = jsonschema.Draft4Validator(closed(schema))
+    errors = [
+        f"{'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}"
+        for e in validator.iter_errors(doc)
+    ]
+    assert not errors, f"{doc['kind']} {doc['metadata'].get('name')}: {errors}"
+    meta = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": doc["metadata"]}
+    kubernetes_validate.validate(meta, kubernetes_validate.latest_version(), strict=True)
+
+
+def test_vendored_crds_are_the_upstream_files() -> None:
+    """tests/fixtures/crds/ holds exactly the files its README lists, with their digests, and
+    each file is the release its row names."""
+    rows = crd_fixtures()
+    assert set(rows) == {p.name for p in CRD_DIR.glob("*.yaml")}
+    readme = (CRD_DIR / "README.md").read_text(encoding="utf-8")
+    for name, digest in rows.items():
+        data = (CRD_DIR / name).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == digest, f"{name} is not the upstream file"
+        (crd,) = yaml_docs(CRD_DIR / name)
+        (bundle,) = [v for k, v in crd["metadata"]["annotations"].items() if "bundle-version" in k]
+        assert re.search(rf"^\| `{re.escape(name)}` \|.*\| {bundle} \|", readme, re.MULTILINE)
+    assert {kind for _, kind in crds()} == {"InferencePool", "Gateway", "HTTPRoute"}
+
+
+def test_the_strict_crd_validation_rejects_what_the_api_server_would() -> None:
+    """The validation above is not vacuous: an unknown field, a missing required one and a
+    value out of range are each caught, at any depth."""
+    good: dict[str, Any] = {
+        "apiVersion": "inference.networking.k8s.io/v1",
+        "kind": "InferencePool",
+        "metadata": {"name": "p"},
+        "spec": {
+            "selector": {"matchLabels": {"app": "vllm"}},
+            "targetPorts": [{"number": 8000}],
+            "endpointPickerRef": {"name": "epp", "port": {"number": 9002}},
+        },
+    }
+    validate_custom(good)
+    for path, value in [
+        ("/spec/targetPortNumber", 8000),  # v1alpha2's field
+        ("/spec/endpointPickerRef/port/name", "grpc"),
+        ("/spec/targetPorts/0/number", 70000),
+        ("/spec/endpointPickerRef/failureMode", "FailSometimes"),
+        ("/metadata/labelz", {}),
+    ]:
+        bad = copy.deepcopy(good)
+        json_patch(bad, [{"op": "add", "path": path, "value": value}])
+        with pytest.raises((AssertionError, kubernetes_validate.ValidationError)):
+            validate_custom(bad)
+    bad = copy.deepcopy(good)
+    json_patch(bad, [{"op": "remove", "path": "/spec/selector"}])
+    with pytest.raises(AssertionError, match="selector"):
+        validate_custom(bad)
+
+
+def test_picker_objects_are_strictly_valid(
+    picker: dict[tuple[str, str], dict[str, Any]],
+) -> None:
+    """Every object the base with the picker renders: built-in kinds against the Kubernetes
+    schema, the InferencePool against its CRD, unknown fields rejected."""
+    assert {kind for kind, _ in picker} == EXPECTED_KINDS | {"InferencePool"}
+    namespace = kustomization()["namespace"]
+    for doc in picker.values():
+        assert doc["metadata"]["namespace"] == namespace, doc["kind"]
+        if (doc["apiVersion"], doc["kind"]) in crds():
+            validate_custom(doc)
+        else:
+            kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
+    for name in picker_kustomization()["resources"]:
+        for doc in yaml_docs(PICKER_DIR / name):
+            assert "namespace" not in doc["metadata"], name  # the base's, set by kustomize
+
+
+def test_picker_component_renders_as_emulated(tmp_path: Path) -> None:
+    """with_picker(), which the tests use without kubectl, renders what kustomize does."""
+    if (kubectl := shutil.which("kubectl")) is None:
+        pytest.skip("kubectl is not installed")
+
+    def key(doc: dict[str, Any]) -> str:
+        return json.dumps(doc, sort_keys=True)
+
+    assert sorted(map(key, kubectl_with_picker(kubectl, tmp_path))) == sorted(
+        map(key, with_picker(rendered()))
+    )
+
+
+def test_picker_router_toml_is_the_base_with_the_picker_on(
+    objs: dict[str, dict[str, Any]], picker: dict[tuple[str, str], dict[str, Any]]
+) -> None:
+    """The component's router.toml is the base's with the picker enabled on PICKER_PORT and
+    discovery reading the pool, every other key alike; every key has its comment."""
+    text = picker_toml_text()
+    assert picker["ConfigMap", "trio-router-config"]["data"]["router.toml"] == text
+    raw = flatten(tomllib.loads(text))
+    base = flatten(tomllib.loads(objs["ConfigMap"]["data"]["router.toml"]))
+    changes = {
+        "picker.enabled": True,
+        "picker.bind": f"0.0.0.0:{PICKER_PORT}",
+        "discovery.kubernetes.inference_pool": the_pool(picker)["metadata"]["name"],
+    }
+    # Keys the base does not list (yet) are at their defaults (or, unknown to the loader yet,
+    # left to test_picker_router_toml_loads); every key is listed.
+    unlisted = {k: DEFAULTS.get(k, raw[k]) for k in raw.keys() - base.keys() - changes.keys()}
+    expected = base | unlisted | changes
+    assert raw == expected, {
+        k for k in raw.keys() | expected.keys() if raw.get(k) != expected.get(k)
+    }
+    assert set(DEFAULTS) <= set(raw), sorted(set(DEFAULTS) - set(raw))
+    for line in text.splitlines():
+        if re.match(r"^\s*[a-z_]+\s*=", line):
+            assert "#" in line, f"no comment on {line.strip()!r}"
+
+
+@pytest.mark.skipif(
+    not {"picker.enabled", "discovery.kubernetes.inference_pool"} <= DEFAULTS.keys(),
+    reason="trio_router.config knows no [picker] or discovery.kubernetes.inference_pool yet",
+)
+def test_picker_router_toml_loads(objs: dict[str, dict[str, Any]]) -> None:
+    """The pods' router.toml through the real loader: picker mode, on the port the manifests
+    use, discovery from the pool; nothing else differs from the base's."""
+    config = parse_config(tomllib.loads(picker_toml_text()), source="picker router.toml")
+    effective = flatten(config_as_dict(config))
+    assert effective["picker.enabled"] is True
+    assert parse_bind(effective["picker.bind"])[1] == PICKER_PORT
+    assert effective["discovery.kubernetes.inference_pool"]
+    assert effective["discovery.mode"] == "kubernetes"
+    base = flatten(config_as_dict(cluster_config(objs)))
+    differing = {k for k in effective if effective[k] != base[k]}
+    assert differing <= {"picker.enabled", "picker.bind", "discovery.kubernetes.inference_pool"}
+
+
+def test_picker_ports_probes_and_services_agree(
+    picker: dict[tuple[str, str], dict[str, Any]],
+) -> None:
+    """picker.bind's port is the container's `grpc` port, the one both gRPC probes ask (the
+    health services the picker answers), the Service trio-router-epp's target and, by that
+    Service's port, the pool's endpointPickerRef. The HTTP port stays, for /health and
+    /metrics, and the NetworkPolicy lets both in."""
+    container = picker_container(picker)
+    raw = tomllib.loads(picker_toml_text())
+    grpc_port = parse_bind(raw["picker"]["bind"])[1]
+    http_port = parse_bind(raw["server"]["bind"])[1]
+    assert grpc_port == PICKER_PORT
+    assert named_port(container, "grpc") == grpc_port
+    assert named_port(container, "http") == http_port
+    assert sorted(p["containerPort"] for p in container["ports"]) == sorted([http_port, grpc_port])
+    for probe, service in PICKER_PROBES.items():
+        assert container[probe]["grpc"] == {"port": grpc_port, "service": service}, probe
+        assert not {"httpGet", "tcpSocket", "exec"} & container[probe].keys(), probe
+    liveness = container["livenessProbe"]
+    assert liveness["failureThreshold"] * liveness["periodSeconds"] >= 30
+
+    deployment = picker["Deployment", "trio-router"]
+    selector = deployment["spec"]["selector"]["matchLabels"]
+    epp = picker["Service", "trio-router-epp"]
+    assert epp["spec"]["selector"] == selector
+    (port,) = epp["spec"]["ports"]
+    assert named_port(container, port["targetPort"]) == grpc_port
+    assert port["appProtocol"] == "kubernetes.io/h2c"  # gRPC without TLS
+    ref = the_pool(picker)["spec"]["endpointPickerRef"]
+    assert ref.get("kind", "Service") == "Service" and ref.get("group", "") == ""
+    assert ref["name"] == epp["metadata"]["name"]
+    assert ref["port"] == {"number": port["port"]}  # CEL: a Service reference needs its port
+    assert ref.get("failureMode", "FailClose") in ("FailClose", "FailOpen")
+
+    http = picker["Service", "trio-router"]["spec"]["ports"]
+    assert [named_port(container, p["targetPort"]) for p in http] == [http_port]
+    assert all(p["name"] != "http" for p in epp["spec"]["ports"])  # scraped once, on trio-router
+    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/port"] == str(http_port)
+    ingress = picker["NetworkPolicy", "trio-router"]["spec"]["ingress"]
+    assert {p["port"] for rule in ingress for p in rule["ports"]} == {http_port, grpc_port}
+
+
+def test_the_pool_holds_the_engines_discovery_finds(
+    objs: dict[str, dict[str, Any]], picker: dict[tuple[str, str], dict[str, Any]]
+) -> None:
+    """The InferencePool the routers read names the engines the base's label_selector and port
+    do (so the two ways of discovery agree), which the NetworkPolicy lets the routers reach,
+    and which the disaggregated example's engines are; never the routers themselves."""
+    pool = the_pool(picker)
+    raw = tomllib.loads(picker_toml_text())["discovery"]["kubernetes"]
+    assert raw["inference_pool"] == pool["metadata"]["name"]
+    labels = pool["spec"]["selector"]["matchLabels"]
+    assert set(pool["spec"]["selector"]) == {"matchLabels"}  # v1 has no matchExpressions
+    terms = dict(t.split("=", 1) for t in raw["label_selector"].split(","))
+    assert terms == labels
+    numbers = [p["number"] for p in pool["spec"]["targetPorts"]]
+    assert numbers == [raw["port"]]
+    assert len(set(numbers)) == len(numbers)  # CEL: port numbers unique
+
+    egress = picker["NetworkPolicy", "trio-router"]["spec"]["egress"]
+    (engines,) = [r for r in egress if {"podSelector": {"matchLabels": labels}} in r.get("to", [])]
+    assert set(numbers) <= {p["port"] for p in engines["ports"]}
+
+    pods = picker["Deployment", "trio-router"]["spec"]["template"]["metadata"]["labels"]
+    assert not labels.items() <= pods.items()
+    for doc in yaml_docs(MANIFEST_DIR / "examples" / "vllm-disaggregated.yaml"):
+        assert labels.items() <= doc["spec"]["template"]["metadata"]["labels"].items()
+    assert pool["metadata"]["labels"].items() <= pods.items()
+    assert cluster_config(objs).discovery.kubernetes.port in numbers
+
+
+def test_picker_role_adds_only_reads_of_inference_pools(
+    picker: dict[tuple[str, str], dict[str, Any]],
+) -> None:
+    role = picker["Role", "trio-router-pod-reader"]
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+        {
+            "apiGroups": ["inference.networking.k8s.io"],
+            "resources": ["inferencepools"],
+            "verbs": ["get", "list", "watch"],
+        },
+    ]
+    assert not {kind for kind, _ in picker} & {"ClusterRole", "ClusterRoleBinding"}
+
+
+def test_the_gateway_example_routes_to_the_pool(
+    picker: dict[tuple[str, str], dict[str, Any]],
+) -> None:
+    """examples/gateway.yaml: a Gateway and an HTTPRoute, valid against the Gateway API's CRDs,
+    the route attached to the Gateway and sending everything to the component's pool, with no
+    time limit; no namespace (applied in the pool's: the route may only name a pool of its
+    own namespace without a ReferenceGrant)."""
+    docs = {d["kind"]: d for d in yaml_docs(GATEWAY_EXAMPLE)}
+    assert set(docs) == {"Gateway", "HTTPRoute"}
+    for doc in docs.values():
+        validate_custom(doc)
+        assert "namespace" not in doc["metadata"], doc["kind"]
+    gateway, route = docs["Gateway"], docs["HTTPRoute"]
+    (parent,) = route["spec"]["parentRefs"]
+    assert parent.get("kind", "Gateway") == "Gateway"
+    assert parent["name"] == gateway["metadata"]["name"]
+    assert "namespace" not in parent
+    (rule,) = route["spec"]["rules"]
+    (backend,) = rule["backendRefs"]
+    assert backend == {
+        "group": "inference.networking.k8s.io",
+        "kind": "InferencePool",
+        "name": the_pool(picker)["metadata"]["name"],
+    }
+    assert rule["matches"] == [{"path": {"type": "PathPrefix", "value": "/"}}]
+    assert rule["timeouts"] == {"request": "0s", "backendRequest": "0s"}
+    assert [listener["protocol"] for listener in gateway["spec"]["listeners"]] == ["HTTP"]
 
 
 # --- Containerfile ------------------------------------------------------------------------
