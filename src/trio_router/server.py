@@ -180,6 +180,7 @@ class Router:
     app: RouterApp
     relay: Relay
     live: Sequence[Configurable]  # reconfigured by every reload, in this order
+    health: Callable[[float], tuple[bool, str, str]]  # GET /health's answer at a time
 
     @property
     def runtime(self) -> Runtime:
@@ -409,7 +410,7 @@ async def open_router(
                 services.tokenizer,
                 services.bodies,
             )
-            router = Router(config, app, relay, live)
+            router = Router(config, app, relay, live, readiness.check)
             source = await _start(config, parts, router, supervisors, nursery)
             yield router
             nursery.cancel_scope.cancel(reason="router closed")
@@ -510,17 +511,35 @@ async def run(
 
             on_hup = reload if load is not None else None
             await nursery.start(_handle_signals, stop, on_hup, router, nursery.cancel_scope)
-        await hypercorn_seam.serve(
-            router.app,
-            hconfig,
-            shutdown_trigger=stop.wait,
-            options=hypercorn_seam.ServeOptions(
-                max_connections=config.server.max_connections,
-                write_timeout_s=config.server.write_timeout_s,
-                relay=router.relay,
-                drain_s=lambda: router.config.server.drain_s,
-            ),
-            task_status=task_status,
-        )
-        logger.info("server stopped; stopping discovery and probes")
-        nursery.cancel_scope.cancel(reason="server stopped")
+        picker: list[str] = []
+        if config.picker.enabled:
+            from .picker import serve_picker  # grpcio and the protocol's messages: only here
+
+            port = await nursery.start(
+                partial(
+                    serve_picker,
+                    config.picker,
+                    lambda: router.runtime,
+                    lambda: router.health(trio.current_time())[0],
+                    grace_s=lambda: router.config.server.drain_s,
+                )
+            )
+            picker.append(f"grpc://{parse_bind(config.picker.bind, 'picker.bind')[0]}:{port}")
+
+        async def serve_http(*, task_status: trio.TaskStatus[list[str]]) -> None:
+            await hypercorn_seam.serve(
+                router.app,
+                hconfig,
+                shutdown_trigger=stop.wait,
+                options=hypercorn_seam.ServeOptions(
+                    max_connections=config.server.max_connections,
+                    write_timeout_s=config.server.write_timeout_s,
+                    relay=router.relay,
+                    drain_s=lambda: router.config.server.drain_s,
+                ),
+                task_status=task_status,
+            )
+            logger.info("server stopped; stopping discovery and probes")
+            nursery.cancel_scope.cancel(reason="server stopped")
+
+        task_status.started([*await nursery.start(serve_http), *picker])

@@ -18,11 +18,12 @@ Resume = Literal["on", "off"]
 RESUME_MODES: typing.Final[tuple[Resume, ...]] = typing.get_args(Resume)
 
 
-def parse_bind(bind: str) -> tuple[str, int]:
-    """Split "host:port" (IPv6 hosts in brackets); raises ConfigError naming the value."""
+def parse_bind(bind: str, key: str = "server.bind") -> tuple[str, int]:
+    """Split "host:port" (IPv6 hosts in brackets); raises ConfigError naming `key` and the
+    value."""
     host, sep, port = bind.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ConfigError(f"server.bind must be HOST:PORT, got {bind!r}")
+        raise ConfigError(f"{key} must be HOST:PORT, got {bind!r}")
     return host.strip("[]"), int(port)
 
 
@@ -106,6 +107,22 @@ class ProxyConfig:
             raise ConfigError(
                 f"proxy.max_ejected_percent must be 0..100, got {self.max_ejected_percent}"
             )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PickerConfig:
+    # The endpoint picker for Gateway API gateways: Envoy's ext_proc gRPC service (plaintext
+    # HTTP/2) and gRPC health on `bind`, beside the proxy's own listener.
+    enabled: bool = False
+    bind: str = "127.0.0.1:9002"
+    # Endpoints sent per request, in order of preference (a gateway that falls back tries
+    # them in turn); Envoy's ORIGINAL_DST cluster reads only one.
+    endpoints: int = 1
+
+    def __post_init__(self) -> None:
+        parse_bind(self.bind, "picker.bind")
+        if not 1 <= self.endpoints <= 8:
+            raise ConfigError(f"picker.endpoints must be 1..8, got {self.endpoints}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -15,7 +15,7 @@ from ..errors import ConfigError
 from ._admission import AdmissionConfig, LimitsConfig, TenantConfig
 from ._discovery import DiscoveryConfig, ProbeConfig, StaticEngine, StatsConfig
 from ._routing import DisaggregationConfig, KvEventsConfig, RoutingConfig
-from ._server import ProxyConfig, ServerConfig, TracingConfig
+from ._server import PickerConfig, ProxyConfig, ServerConfig, TracingConfig
 from ._values import check_choice
 
 T = TypeVar("T")
@@ -34,6 +34,7 @@ class Config:
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)
+    picker: PickerConfig = field(default_factory=PickerConfig)
     tenants: tuple[TenantConfig, ...] = ()
 
     def __post_init__(self) -> None:

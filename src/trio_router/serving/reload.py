@@ -38,7 +38,14 @@ LIVE_SECTIONS: Final = (
     "admission",
     "tenants",
 )
-RESTART_SECTIONS: Final = ("discovery", "tracing", "kv_events", "disaggregation", "limits")
+RESTART_SECTIONS: Final = (
+    "discovery",
+    "tracing",
+    "kv_events",
+    "disaggregation",
+    "limits",
+    "picker",
+)
 # Keys of [server] that shape the listening server itself: they need a restart.
 SERVER_RESTART_KEYS: Final = ("bind", "backlog", "max_connections", "write_timeout_s", "log_format")
 

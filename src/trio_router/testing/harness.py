@@ -125,6 +125,7 @@ class Router:
     engine_urls: list[str]
     client: httpx.AsyncClient
     _engine_scopes: list[trio.CancelScope] = field(default_factory=list)
+    picker: str = ""  # the endpoint picker's grpc://host:port, when [picker] is enabled
 
     def stop_engine(self, index: int) -> None:
         """Stop serving engine `index` (its port refuses connections from now on); the router
@@ -244,7 +245,8 @@ async def open_router(
             partial(server.run, config, table=table, handle_signals=False, kv_index=kv_index)
         )
         async with httpx.AsyncClient(base_url=bound[0], timeout=LIMIT) as client:
-            router = Router(bound[0], table, list(engines), urls, client, scopes)
+            picker = bound[1] if len(bound) > 1 else ""
+            router = Router(bound[0], table, list(engines), urls, client, scopes, picker)
             for model in wait_models:
                 serving = sum(model in e.model_ids for e in engines)
                 await router.wait_routable(model, serving)

