@@ -7,7 +7,8 @@ on loopback; clients talk to Envoy."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Sequence
+import logging
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
@@ -26,10 +27,11 @@ from trio_router.config import (
     ProbeConfig,
     ServerConfig,
     StatsConfig,
+    TenantConfig,
 )
 from trio_router.table import RoutingTable
 from trio_router.testing import FakeEngine, serve_fake_engine
-from trio_router.testing.envoy import Envoy, envoy_binary, open_envoy
+from trio_router.testing.envoy import Envoy, envoy_binary, free_port, open_envoy
 from trio_router.testing.fake_apiserver import FakeApiServer
 from trio_router.testing.harness import (
     CHAT,
@@ -211,3 +213,108 @@ async def test_a_client_leaving_mid_stream_aborts_the_engines_request(tmp_path: 
             await fakes[0].wait_until(lambda: fakes[0].disconnects == 1)
     assert in_flight == 1 and fakes[0].completed == 0
     assert slots == [1]  # the picker held the engine's slot while its answer streamed
+
+
+async def test_a_tenant_over_its_limit_gets_429_and_an_alias_is_rewritten(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PICKER_TENANT_KEY", "k1")
+    gate = trio.Event()
+    fakes = engines(1, gate=gate)
+    tenants = (TenantConfig(name="t", key_env="PICKER_TENANT_KEY", max_concurrent=1),)
+    key = {"authorization": "Bearer k1"}
+    with trio.fail_after(LIMIT):
+        async with gateway(
+            fakes, tmp_path, tenants=tenants, routing={"aliases": {"chat": "fake-model"}}
+        ) as (_, _, client):
+            async with client.stream("POST", CHAT, json=chat(stream=True), headers=key) as held:
+                assert held.status_code == 200
+                over = await client.post(CHAT, json=chat(), headers=key)
+                gate.set()
+                await held.aread()
+            aliased = await client.post(CHAT, json=chat("chat"), headers=key)
+            no_key = await client.post(CHAT, json=chat())
+    assert over.status_code == 429
+    assert over.headers["x-trio-router-reason"] == "rate_limit_exceeded"
+    assert over.headers["retry-after"]
+    assert aliased.status_code == 200
+    assert fakes[0].requests_to(CHAT)[-1].json()["model"] == "fake-model"  # the body rewritten
+    assert no_key.status_code == 401
+    assert no_key.headers["x-trio-router-reason"] == "invalid_api_key"
+
+
+@pytest.mark.parametrize("fail_open", [False, True])
+async def test_a_stopped_picker_fails_closed_or_open_as_configured(
+    tmp_path: Path, fail_open: bool
+) -> None:
+    fake = FakeEngine(name="e0", extra_headers=[(b"x-engine", b"e0")])
+    with trio.fail_after(LIMIT):
+        async with trio.open_nursery() as nursery:
+            url = await nursery.start(serve_fake_engine, fake, "127.0.1.1", 0)
+            stopped = f"127.0.0.1:{free_port()}"  # no picker listens there
+            options = {"fail_open": fail_open, "fallback": [url.removeprefix("http://")]}
+            async with (
+                open_envoy(stopped, tmp_path, **options) as proxy,
+                httpx.AsyncClient(base_url=proxy.url, timeout=LIMIT) as client,
+            ):
+                answer = await client.post(CHAT, json=chat())
+            nursery.cancel_scope.cancel()
+    if fail_open:  # the gateway's own route to the engines, without the router's choice
+        assert answer.status_code == 200
+        assert answer.headers["x-engine"] == "e0"
+    else:
+        assert answer.status_code >= 500
+        assert not fake.requests_to(CHAT)
+
+
+class AccessRecords(logging.Handler):
+    """The access records the router writes (one per request, when it has ended)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[Any] = []
+        self._changed = trio.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def wait(self, count: int) -> None:
+        while len(self.records) < count:
+            await self._changed.wait()
+
+
+@pytest.fixture
+def records() -> Iterator[AccessRecords]:
+    handler = AccessRecords()
+    log = logging.getLogger("trio_router.access")
+    log.addHandler(handler)
+    level = log.level
+    log.setLevel(logging.INFO)
+    try:
+        yield handler
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+
+
+async def test_usage_is_counted_when_the_gateway_sends_the_answer_body(
+    tmp_path: Path, records: AccessRecords
+) -> None:
+    fakes = engines(1, tokens=5)
+    body = chat(stream=True, stream_options={"include_usage": True})
+    options = {"answer_body": "FULL_DUPLEX_STREAMED"}
+    with trio.fail_after(LIMIT):
+        async with gateway(fakes, tmp_path, options) as (router, _, client):
+            whole = await client.post(CHAT, json=chat())
+            async with client.stream("POST", CHAT, json=body) as stream:
+                events = [line async for line in stream.aiter_lines() if line.startswith("data:")]
+            await records.wait(2)  # both exchanges have ended
+            completion = await router.metric(
+                "trio_router_tokens_total", model="fake-model", kind="completion"
+            )
+    assert whole.status_code == 200 and whole.json()["usage"]["completion_tokens"] == 5
+    assert events[-1] == "data: [DONE]"
+    assert completion == 10  # read from the bodies the gateway passed through the picker
+    assert [r.fields["status"] for r in records.records] == [200, 200]

@@ -182,7 +182,9 @@ def gateway_config(
         },
     ]
     if fail_open:
-        # A stopped picker is known before a request reaches it: its health is checked.
+        # A stopped picker is known before a request reaches it: its health is checked, and
+        # no request goes to an unhealthy picker (no panic routing).
+        clusters[1]["common_lb_config"] = {"healthy_panic_threshold": {"value": 0}}  # type: ignore[index]
         clusters[1]["health_checks"] = [  # type: ignore[index]
             {
                 "timeout": "1s",
