@@ -23,7 +23,7 @@ from trio_router.discovery.loop import (
     WatchTuning,
     run_kubernetes_discovery,
 )
-from trio_router.table import EventType
+from trio_router.table import EventType, Pod
 from trio_router.testing.core import open_core
 from trio_router.testing.fake_apiserver import FakeApiServer, WatchPlan
 from trio_router.testing.fake_pod_source import RecordingSink
@@ -235,7 +235,7 @@ class Connected:
     def connected(self) -> None:
         self.connected_seen.set()
 
-    def event(self, event: WatchEvent) -> None:
+    def event(self, event: WatchEvent[Pod]) -> None:
         self.event_seen.set()
 
 
@@ -317,19 +317,19 @@ async def test_1_21_teardown_while_events_flow_is_quiet(
 
 class _Observer:
     def __init__(self) -> None:
-        self.events: list[WatchEvent] = []
+        self.events: list[WatchEvent[Pod]] = []
 
     def connected(self) -> None:
         self.events.append(WatchEvent("CONNECTED"))
 
-    def event(self, event: WatchEvent) -> None:
+    def event(self, event: WatchEvent[Pod]) -> None:
         self.events.append(event)
 
 
 def test_1_21_thread_to_trio_after_the_run_finished_is_quiet() -> None:
     observer = _Observer()
 
-    async def open_stream() -> _WatchStream:
+    async def open_stream() -> _WatchStream[Pod]:
         return _WatchStream(
             KubernetesPodSource(KubernetesConfig()),
             "1",
@@ -352,10 +352,12 @@ async def test_1_21_nothing_is_applied_after_the_stream_stopped() -> None:
         observer,
         trio.lowlevel.current_trio_token(),
     )
-    assert await trio.to_thread.run_sync(stream._deliver, [WatchEvent("BOOKMARK")]) is True
+    bookmark: WatchEvent[Pod] = WatchEvent("BOOKMARK")
+    added: WatchEvent[Pod] = WatchEvent("ADDED")
+    assert await trio.to_thread.run_sync(stream._deliver, [bookmark]) is True
     stream.stop()
-    assert await trio.to_thread.run_sync(stream._deliver, [WatchEvent("ADDED")]) is False
-    assert observer.events == [WatchEvent("BOOKMARK")]
+    assert await trio.to_thread.run_sync(stream._deliver, [added]) is False
+    assert observer.events == [bookmark]
 
 
 async def test_401_marks_health_degraded_and_rereads_the_token(
@@ -405,9 +407,9 @@ async def test_list_answer_is_read_as_raw_json(apiserver: FakeApiServer, kubecon
     apiserver.add_pod("c", uid="u-c", terminating=True)
     source = KubernetesPodSource(k8s_config(kubeconfig))
     with trio.fail_after(LIMIT_S):
-        listing = await source.list_pods()
+        listing = await source.list()
     assert listing.resource_version == "103"
-    pods = {p.uid: p for p in listing.pods}
+    pods = {p.uid: p for p in listing.items}
     assert (pods["u-a"].ip, pods["u-a"].ready, pods["u-a"].restart_count) == ("10.1.2.3", True, 2)
     assert (pods["u-b"].ip, pods["u-b"].ready) == ("", False)
     assert pods["u-c"].terminating

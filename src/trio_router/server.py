@@ -31,6 +31,12 @@ import hypercorn.config
 import trio
 
 from .config import Config, StatsConfig, env_key, parse_bind
+from .discovery.inference_pool import (
+    InferencePoolStatus,
+    inference_pool_source,
+    pool_reference,
+    run_inference_pool_discovery,
+)
 from .discovery.kubernetes import KubernetesPodSource
 from .discovery.loop import DiscoveryStatus, run_kubernetes_discovery
 from .discovery.readiness import Readiness
@@ -252,6 +258,8 @@ def _parts(config: Config, table: RoutingTable, kv_index: BlockIndex) -> _Parts:
             endpoints=static_kv_endpoints(config) if config.discovery.mode == "static" else None,
         )
     status = DiscoveryStatus.static() if config.discovery.mode == "static" else DiscoveryStatus()
+    if config.discovery.mode == "kubernetes" and config.discovery.kubernetes.inference_pool:
+        status = InferencePoolStatus(pool_reference(config.discovery.kubernetes))
     return _Parts(
         prober=prober,
         admission=admission,
@@ -317,27 +325,38 @@ def _services(
 
 async def _start(
     config: Config, parts: _Parts, router: Router, supervisors: Supervisors, nursery: trio.Nursery
-) -> KubernetesPodSource | None:
+) -> tuple[trio.CapacityLimiter, ...]:
     """Start the router's tasks in `nursery`: discovery first (ready once its first list is
     applied), then the shared limit store's connection, admission's dispatcher, the
-    KV-event subscriber (bind mode) and the upstream pool's sweep. Returns the Kubernetes
-    pod source, if any (its thread is waited for at exit)."""
-    table, source = router.runtime.services.table, None
+    KV-event subscriber (bind mode) and the upstream pool's sweep. Returns the thread
+    limiters of the Kubernetes sources, if any (their threads are waited for at exit)."""
+    table = router.runtime.services.table
+    limiters: tuple[trio.CapacityLimiter, ...] = ()
     if config.discovery.mode == "static":
         add_static_engines(table, supervisors, config.discovery.static.urls)
     else:
-        role_of = config.disaggregation.role_of
+        kubernetes, role_of = config.discovery.kubernetes, config.disaggregation.role_of
         reconciler = Reconciler(
             table,
             supervisors,
-            port=config.discovery.kubernetes.port,
+            ports=(kubernetes.port,),
+            port_in_uid=bool(kubernetes.inference_pool),  # an engine per pod and target port
             role_of=lambda pod: role_of(dict(pod.labels)),
         )
-        source = KubernetesPodSource(config.discovery.kubernetes)
-        kubernetes = config.discovery.kubernetes
-        await nursery.start(
-            partial(run_kubernetes_discovery, source, reconciler, parts.status, kubernetes)
-        )
+        if kubernetes.inference_pool:
+            assert isinstance(parts.status, InferencePoolStatus)
+            pods_limiter = trio.CapacityLimiter(1)  # one at a time, when the selector changes
+            pools = inference_pool_source(kubernetes)
+            pods = partial(KubernetesPodSource, limiter=pods_limiter)
+            run = partial(
+                run_inference_pool_discovery, pools, pods, reconciler, parts.status, kubernetes
+            )
+            limiters = (pools.limiter, pods_limiter)
+        else:
+            source = KubernetesPodSource(kubernetes)
+            run = partial(run_kubernetes_discovery, source, reconciler, parts.status, kubernetes)
+            limiters = (source.limiter,)
+        await nursery.start(run)
     if parts.shared is not None:
         await nursery.start(parts.shared.run)
     await nursery.start(parts.admission.run)
@@ -345,7 +364,7 @@ async def _start(
     if kv_events is not None and config.kv_events.mode == "bind":
         await nursery.start(kv_events.run_bound)
     nursery.start_soon(_sweep_pool, lambda: router.runtime.pool)
-    return source
+    return limiters
 
 
 async def _sweep_pool(pool: Callable[[], UpstreamPool]) -> None:
@@ -378,7 +397,7 @@ async def open_router(
     index = kv_index
     unsubscribe_index = table.add_remove_listener(lambda engine: index.drop(engine.uid))
     router: Router | None = None
-    source: KubernetesPodSource | None = None
+    limiters: tuple[trio.CapacityLimiter, ...] = ()
     try:
         async with (
             open_relay(write_timeout=config.server.write_timeout_s) as relay,
@@ -411,7 +430,7 @@ async def open_router(
                 services.bodies,
             )
             router = Router(config, app, relay, live, readiness.check)
-            source = await _start(config, parts, router, supervisors, nursery)
+            limiters = await _start(config, parts, router, supervisors, nursery)
             yield router
             nursery.cancel_scope.cancel(reason="router closed")
     finally:
@@ -420,19 +439,20 @@ async def open_router(
                 router.runtime.unsubscribe()  # the table may outlive the router (a caller's)
                 await router.runtime.pool.aclose()
             unsubscribe_index()
-            await _close(parts, source)
+            await _close(parts, limiters)
 
 
-async def _close(parts: _Parts, source: KubernetesPodSource | None) -> None:
-    """What outlives the router's tasks: the KV-event sockets, an abandoned Kubernetes
-    thread (waited for, within THREAD_EXIT_S), the spans still to export (within FLUSH_S)."""
+async def _close(parts: _Parts, limiters: Sequence[trio.CapacityLimiter]) -> None:
+    """What outlives the router's tasks: the KV-event sockets, abandoned Kubernetes threads
+    (waited for, within THREAD_EXIT_S), the spans still to export (within FLUSH_S)."""
     if parts.work.kv_events is not None:
         parts.work.kv_events.close()
-    if source is not None:
-        # An abandoned watch thread holds the source's limiter until it has ended.
+    if limiters:
+        # An abandoned watch thread holds its source's limiter until it has ended.
         with trio.move_on_after(THREAD_EXIT_S) as waited:
-            async with source.limiter:
-                pass
+            for limiter in limiters:
+                async with limiter:
+                    pass
         if waited.cancelled_caught:
             logger.warning("a Kubernetes client thread is still running after %g s", THREAD_EXIT_S)
     if (tracing := parts.tracing) is not None:

@@ -4,6 +4,7 @@ scraped from its /metrics)."""
 
 from __future__ import annotations
 
+import re
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -86,11 +87,23 @@ class StaticConfig:
         return cls(urls=tuple(StaticEngine(url=u) if isinstance(u, str) else u for u in urls))
 
 
+DEFAULT_LABEL_SELECTOR: typing.Final = "app=vllm"
+DEFAULT_ENGINE_PORT: typing.Final = 8000
+# A Kubernetes object name (RFC 1123 subdomain), as an InferencePool's name must be.
+_OBJECT_NAME: typing.Final = re.compile(
+    r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
+)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class KubernetesConfig:
     namespace: str = "default"  # "": the router's own namespace (in a pod), else "default"
-    label_selector: str = "app=vllm"
-    port: int = 8000  # engine port on every pod
+    label_selector: str = DEFAULT_LABEL_SELECTOR
+    port: int = DEFAULT_ENGINE_PORT  # engine port on every pod
+    # The name of an InferencePool (inference.networking.k8s.io/v1) in `namespace` whose
+    # selector and target ports give the engines instead of `label_selector` and `port`
+    # (which must then stay at their defaults); "": off.
+    inference_pool: str = ""
     kubeconfig: str = ""  # optional path
     # The watch's tuning knobs.
     read_timeout_s: float = 45.0  # longest silence tolerated on a watch stream before resuming
@@ -107,6 +120,31 @@ class KubernetesConfig:
             relist_interval_s=self.relist_interval_s,
             stale_after_s=self.stale_after_s,
         )
+        if self.inference_pool:
+            self._check_inference_pool()
+
+    def _check_inference_pool(self) -> None:
+        pool = self.inference_pool
+        if len(pool) > 253 or not _OBJECT_NAME.fullmatch(pool):
+            raise ConfigError(
+                "discovery.kubernetes.inference_pool must be an InferencePool's name "
+                f"(lowercase letters, digits, '-' and '.'), got {pool!r}"
+            )
+        given = {
+            key: value
+            for key, value, default in (
+                ("label_selector", self.label_selector, DEFAULT_LABEL_SELECTOR),
+                ("port", self.port, DEFAULT_ENGINE_PORT),
+            )
+            if value != default
+        }
+        if given:
+            raise ConfigError(
+                f"discovery.kubernetes.inference_pool = {pool!r} takes the engine pods' "
+                "selector and ports from the InferencePool; "
+                + ", ".join(f"{key} = {value!r}" for key, value in given.items())
+                + " would be ignored: remove it"
+            )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,4 +1,5 @@
-"""The real `PodSource`: the engine pods through the official Kubernetes client.
+"""The real sources: the engine pods (`KubernetesPodSource`) and custom objects such as an
+InferencePool (`KubernetesCustomObjectSource`) through the official Kubernetes client.
 
 The blocking client runs in worker threads admitted by the source's own
 `CapacityLimiter(1)`. The watch thread reads the stream itself (the client's chunked body,
@@ -17,7 +18,7 @@ import logging
 import os
 from collections.abc import Callable, Iterator
 from functools import partial
-from typing import Any, Final
+from typing import Any, Final, Generic, TypeVar
 
 import kubernetes.client
 import kubernetes.config
@@ -35,7 +36,7 @@ from .loop import (
     CredentialsError,
     KubernetesConnectionError,
     KubernetesStatusError,
-    PodListing,
+    Listing,
     RawObject,
     WatchEvent,
     WatchObserver,
@@ -46,11 +47,14 @@ logger = logging.getLogger(__name__)
 
 WATCH_THREAD_NAME: Final = "trio-router-watch"
 LIST_THREAD_NAME: Final = "trio-router-list"
+OBJECT_WATCH_THREAD_NAME: Final = "trio-router-object-watch"  # a custom object's (the pool's)
+OBJECT_LIST_THREAD_NAME: Final = "trio-router-object-list"
 CONNECT_TIMEOUT_S: Final = 5.0  # TCP (and TLS) connect timeout of every API request
 LIST_READ_TIMEOUT_S: Final = 30.0  # longest silence tolerated while reading a LIST answer
 MAX_BATCH: Final = 512  # watch events handed to the Trio thread in one step, at most
 READ_SIZE: Final = 65536  # bytes of a watch stream asked for per read
-Batch = list[WatchEvent]  # watch events handed from the watch thread to Trio in one step
+T = TypeVar("T")
+Batch = list[WatchEvent[T]]  # watch events handed from the watch thread to Trio in one step
 # kubernetes.config is untyped: use it through Any.
 _kube_config: Any = kubernetes.config
 _CONNECTED: Final = "CONNECTED"  # WatchEvent type, watch thread -> Trio: headers received
@@ -105,12 +109,17 @@ def resource_version_of(obj: Any) -> str:
     return ""
 
 
-def watch_event_from_dict(raw: RawObject) -> WatchEvent:
-    """The `WatchEvent` of a raw watch event {"type": ..., "object": {...}}."""
+def watch_event_from_dict(raw: RawObject) -> WatchEvent[Pod]:
+    """The `WatchEvent` of a raw pod watch event {"type": ..., "object": {...}}."""
+    return object_event_from_dict(raw, pod_from_dict)
+
+
+def object_event_from_dict(raw: RawObject, parse: Callable[[RawObject], T]) -> WatchEvent[T]:
+    """The `WatchEvent` of a raw watch event, its object read by `parse`."""
     kind, obj = raw.get("type"), raw.get("object")
     kind = kind if isinstance(kind, str) else repr(kind)
-    pod = pod_from_dict(obj) if kind in EVENT_TYPES and isinstance(obj, dict) else None
-    return WatchEvent(kind, resource_version_of(obj), pod)
+    item = parse(obj) if kind in EVENT_TYPES and isinstance(obj, dict) else None
+    return WatchEvent(kind, resource_version_of(obj), item)
 
 
 # Only the fields discovery reads, for msgspec: decoding a watch event or a LIST into these
@@ -213,8 +222,9 @@ def own_namespace() -> str:
         return "default"
 
 
-class KubernetesPodSource:
-    """`PodSource` on the official client, with raw JSON (no model objects).
+class KubernetesSource(Generic[T]):
+    """A `Source` on the official client, with raw JSON (no model objects); subclasses say
+    what is listed and watched (`_new_api`, `_request`) and how it is decoded.
 
     Every request runs in a worker thread admitted by this source's own `CapacityLimiter(1)`,
     so Kubernetes I/O never waits for other users of `trio.to_thread` and at most one request
@@ -224,34 +234,43 @@ class KubernetesPodSource:
     afresh for the next request (a rotated token or kubeconfig is picked up).
     """
 
+    list_thread_name = LIST_THREAD_NAME
+    watch_thread_name = WATCH_THREAD_NAME
+
     def __init__(
-        self, config: KubernetesConfig, *, api_client_factory: Callable[[], Any] | None = None
+        self,
+        config: KubernetesConfig,
+        *,
+        api_client_factory: Callable[[], Any] | None = None,
+        limiter: trio.CapacityLimiter | None = None,
     ) -> None:
         self.config = config
         self.namespace = config.namespace or own_namespace()
         self._new_api_client = api_client_factory or partial(new_api_client, config.kubeconfig)
-        self._limiter = trio.CapacityLimiter(1)
-        self._api: Any = None  # CoreV1Api; made and used only in this source's worker threads
+        # Shared by successive sources of one kind (the pods of a pool whose selector
+        # changed): a new source's first request waits until the last one's thread has ended.
+        self._limiter = limiter or trio.CapacityLimiter(1)
+        self._api: Any = None  # the client's API object; made and used only in worker threads
 
     @property
     def limiter(self) -> trio.CapacityLimiter:
         """The limiter of this source's threads; acquiring it waits until none is running."""
         return self._limiter
 
-    async def list_pods(self) -> PodListing:
+    async def list(self) -> Listing[T]:
         """LIST with the resourceVersion unset. Cancellation abandons the thread, which ends
         within the request's timeouts (5 s connect, 30 s per read)."""
         return await trio.to_thread.run_sync(
             self._list_blocking,
-            thread_name=LIST_THREAD_NAME,
+            thread_name=self.list_thread_name,
             abandon_on_cancel=True,
             limiter=self._limiter,
         )
 
     async def watch(
-        self, resource_version: str, observer: WatchObserver, *, timeout_seconds: int
+        self, resource_version: str, observer: WatchObserver[T], *, timeout_seconds: int
     ) -> None:
-        """Watch from `resource_version` with bookmarks; see `PodSource.watch`. The watch
+        """Watch from `resource_version` with bookmarks; see `Source.watch`. The watch
         thread hands over every event it has read so far in one batch with
         `trio.from_thread.run_sync`, which applies it on the Trio thread (in order,
         synchronously) before the thread reads on: ordering and backpressure, and no queue
@@ -265,7 +284,7 @@ class KubernetesPodSource:
         try:
             await trio.to_thread.run_sync(
                 stream.run,
-                thread_name=WATCH_THREAD_NAME,
+                thread_name=self.watch_thread_name,
                 abandon_on_cancel=True,
                 limiter=self._limiter,
             )
@@ -273,23 +292,34 @@ class KubernetesPodSource:
             stream.stop()
 
     # -- worker-thread side ----------------------------------------------------------------
-    def core_api(self) -> Any:
-        """The Kubernetes client's CoreV1Api (built on first use, again after a 401/403)."""
+    def api(self) -> Any:
+        """The client's API object (built on first use, again after a 401/403)."""
         if self._api is None:
-            self._api = kubernetes.client.CoreV1Api(self._new_api_client())
+            self._api = self._new_api(self._new_api_client())
         return self._api
 
-    def _list_blocking(self) -> PodListing:
-        api = self.core_api()
-        kwargs: dict[str, Any] = {}
-        if self.config.label_selector:
-            kwargs["label_selector"] = self.config.label_selector
+    def _new_api(self, api_client: Any) -> Any:
+        """The client's API object (CoreV1Api, CustomObjectsApi, ...) on `api_client`."""
+        raise NotImplementedError
+
+    def request(self, api: Any, **kwargs: Any) -> Any:
+        """Send the LIST (with `watch=True`, the WATCH) with the client's `kwargs`."""
+        raise NotImplementedError
+
+    def decode_list(self, body: bytes) -> Listing[T]:
+        """The objects of a LIST answer; raises DiscoveryError."""
+        raise NotImplementedError
+
+    def decode_event(self, line: bytes) -> WatchEvent[T] | ApiException | None:
+        """One watch event from one line of the stream (see `_decode_event`)."""
+        raise NotImplementedError
+
+    def _list_blocking(self) -> Listing[T]:
         try:
-            response = api.list_namespaced_pod(
-                self.namespace,
+            response = self.request(
+                self.api(),
                 _request_timeout=(CONNECT_TIMEOUT_S, LIST_READ_TIMEOUT_S),
                 _preload_content=False,
-                **kwargs,
             )
             try:
                 body = response.data
@@ -299,10 +329,43 @@ class KubernetesPodSource:
             if (translated := self.translate(exc)) is None:
                 raise
             raise translated from exc
+        return self.decode_list(body)
+
+    def translate(self, exc: Exception) -> DiscoveryError | None:
+        """The DiscoveryError for what the client raised, or None for anything unexpected."""
+        if isinstance(exc, ApiException) and exc.status:
+            if exc.status in (401, 403):
+                self._api = None  # load the credentials afresh for the next request
+            return self._status_error(exc)
+        if isinstance(exc, urllib3.exceptions.MaxRetryError) and exc.reason is not None:
+            exc = exc.reason  # NewConnectionError, ConnectTimeoutError, ...: the cause
+        if isinstance(
+            exc, ApiException | urllib3.exceptions.HTTPError | OSError | http.client.HTTPException
+        ):
+            return KubernetesConnectionError(f"Kubernetes API unreachable: {exc}")
+        return None
+
+    def _status_error(self, exc: ApiException) -> KubernetesStatusError:
+        return _status_error(exc)
+
+
+class KubernetesPodSource(KubernetesSource[Pod]):
+    """The engine pods of `config.namespace` matching `config.label_selector`, decoded with
+    msgspec into just the fields discovery reads."""
+
+    def _new_api(self, api_client: Any) -> Any:
+        return kubernetes.client.CoreV1Api(api_client)
+
+    def request(self, api: Any, **kwargs: Any) -> Any:
+        if self.config.label_selector:
+            kwargs["label_selector"] = self.config.label_selector
+        return api.list_namespaced_pod(self.namespace, **kwargs)
+
+    def decode_list(self, body: bytes) -> Listing[Pod]:
         try:
             listed = _decode_list_struct(body)
             if listed.items is not None and listed.metadata.resourceVersion:
-                return PodListing(
+                return Listing(
                     tuple(item.pod() for item in listed.items), listed.metadata.resourceVersion
                 )
         except msgspec.ValidationError:
@@ -314,28 +377,77 @@ class KubernetesPodSource:
         version = resource_version_of(answer)
         if not isinstance(items, list) or not version:
             raise DiscoveryError("LIST of pods answered without items or resourceVersion")
-        return PodListing(tuple(pod_from_dict(i) for i in items if isinstance(i, dict)), version)
+        return Listing(tuple(pod_from_dict(i) for i in items if isinstance(i, dict)), version)
 
-    def translate(self, exc: Exception) -> DiscoveryError | None:
-        """The DiscoveryError for what the client raised, or None for anything unexpected."""
-        if isinstance(exc, ApiException) and exc.status:
-            if exc.status in (401, 403):
-                self._api = None  # load the credentials afresh for the next request
-            return _status_error(exc)
-        if isinstance(exc, urllib3.exceptions.MaxRetryError) and exc.reason is not None:
-            exc = exc.reason  # NewConnectionError, ConnectTimeoutError, ...: the cause
-        if isinstance(
-            exc, ApiException | urllib3.exceptions.HTTPError | OSError | http.client.HTTPException
-        ):
-            return KubernetesConnectionError(f"Kubernetes API unreachable: {exc}")
-        return None
+    def decode_event(self, line: bytes) -> WatchEvent[Pod] | ApiException | None:
+        return _decode_event(line)
+
+
+class KubernetesCustomObjectSource(KubernetesSource[T]):
+    """One custom object by name (`plural` of `group`/`version` in `config.namespace`), listed
+    and watched with the field selector `metadata.name=<name>`: a LIST answers it or nothing,
+    and the watch sees its changes and its deletion. Read with `json` (such objects change
+    seldom) and `parse`. `hints` adds a sentence to the error of an HTTP status (e.g. what a
+    404 or a 403 most likely means for this kind)."""
+
+    list_thread_name = OBJECT_LIST_THREAD_NAME
+    watch_thread_name = OBJECT_WATCH_THREAD_NAME
+
+    def __init__(
+        self,
+        config: KubernetesConfig,
+        *,
+        group: str,
+        version: str,
+        plural: str,
+        name: str,
+        parse: Callable[[RawObject], T],
+        hints: dict[int, str] | None = None,
+        api_client_factory: Callable[[], Any] | None = None,
+    ) -> None:
+        super().__init__(config, api_client_factory=api_client_factory)
+        self._resource = (group, version, plural)
+        self._field_selector = f"metadata.name={name}"
+        self._parse, self._hints = parse, hints or {}
+        self._what = f"{plural} {self.namespace}/{name}"
+
+    def _new_api(self, api_client: Any) -> Any:
+        return kubernetes.client.CustomObjectsApi(api_client)
+
+    def request(self, api: Any, **kwargs: Any) -> Any:
+        group, version, plural = self._resource
+        return api.list_namespaced_custom_object(
+            group, version, self.namespace, plural, field_selector=self._field_selector, **kwargs
+        )
+
+    def decode_list(self, body: bytes) -> Listing[T]:
+        try:
+            answer = json.loads(body)
+        except ValueError as exc:
+            raise DiscoveryError(f"LIST of {self._what} answered with invalid JSON: {exc}") from exc
+        items = answer.get("items") if isinstance(answer, dict) else None
+        version = resource_version_of(answer)
+        if not isinstance(items, list) or not version:
+            raise DiscoveryError(f"LIST of {self._what} answered without items or resourceVersion")
+        return Listing(tuple(self._parse(i) for i in items if isinstance(i, dict)), version)
+
+    def decode_event(self, line: bytes) -> WatchEvent[T] | ApiException | None:
+        return _decode_raw_event(line, self._parse)
+
+    def _status_error(self, exc: ApiException) -> KubernetesStatusError:
+        error = _status_error(exc)
+        if (hint := self._hints.get(error.api_status)) is not None:
+            error = KubernetesStatusError(
+                f"{error} ({hint})", api_status=error.api_status, retry_after=error.retry_after
+            )
+        return error
 
 
 class _Stopped(Exception):
     """Raised in the watch thread when the Trio side has stopped the stream."""
 
 
-class _WatchStream:
+class _WatchStream(Generic[T]):
     """One watch stream run by a worker thread; `stop()` (Trio thread) ends it.
 
     The thread reads the chunked body itself rather than through `Watch.stream` (one line at a
@@ -345,10 +457,10 @@ class _WatchStream:
 
     def __init__(
         self,
-        source: KubernetesPodSource,
+        source: KubernetesSource[T],
         resource_version: str,
         timeout_seconds: int,
-        observer: WatchObserver,
+        observer: WatchObserver[T],
         token: trio.lowlevel.TrioToken,
     ) -> None:
         self._source, self._rv, self._timeout = source, resource_version, timeout_seconds
@@ -390,7 +502,7 @@ class _WatchStream:
                 raise
             raise translated from exc
 
-    def _apply(self, batch: Batch) -> bool:
+    def _apply(self, batch: Batch[T]) -> bool:
         """Trio thread: hand `batch` to the observer, unless the stream was stopped (then
         nothing after the stop is applied). False tells the thread to end."""
         if self._stopped:
@@ -403,7 +515,7 @@ class _WatchStream:
                 observer.event(event)
         return True
 
-    def _deliver(self, batch: Batch) -> bool:
+    def _deliver(self, batch: Batch[T]) -> bool:
         """Worker thread: apply `batch` on the Trio thread and wait until that is done.
         False, quietly, when the stream was stopped or the Trio run has finished."""
         try:
@@ -412,19 +524,16 @@ class _WatchStream:
             return False
 
     def _stream(self, config: KubernetesConfig) -> None:
-        api = self._source.core_api()
-        kwargs: dict[str, Any] = {}
-        if config.label_selector:
-            kwargs["label_selector"] = config.label_selector
-        response = api.list_namespaced_pod(
-            self._source.namespace,
+        source = self._source
+        api = source.api()
+        response = source.request(
+            api,
             watch=True,
             resource_version=self._rv,
             allow_watch_bookmarks=True,
             timeout_seconds=self._timeout,
             _request_timeout=(CONNECT_TIMEOUT_S, config.read_timeout_s),
             _preload_content=False,
-            **kwargs,
         )
         self._response = response
         try:
@@ -438,9 +547,9 @@ class _WatchStream:
                 if self._stopped:
                     raise _Stopped
                 *lines, pending = (pending + data).split(b"\n")
-                batch: Batch = []
+                batch: Batch[T] = []
                 for line in lines:
-                    if (event := _decode_event(line)) is None:
+                    if (event := source.decode_event(line)) is None:
                         continue
                     if isinstance(event, ApiException):  # apply what came before, then raise
                         if batch and not self._deliver(batch):
@@ -487,7 +596,7 @@ def _body_pieces(response: Any) -> Iterator[bytes]:
             raise urllib3.exceptions.ProtocolError(f"bad chunked watch response: {exc}") from exc
 
 
-def _decode_event(line: bytes) -> WatchEvent | ApiException | None:
+def _decode_event(line: bytes) -> WatchEvent[Pod] | ApiException | None:
     """One watch event from one line of the stream; an ERROR event as the `ApiException` it
     stands for; None for a blank or garbled line."""
     if not line.strip():
@@ -508,7 +617,14 @@ def _decode_event(line: bytes) -> WatchEvent | ApiException | None:
     return WatchEvent(event.type, obj.metadata.resourceVersion, pod)
 
 
-def _decode_event_tolerant(line: bytes) -> WatchEvent | ApiException | None:
+def _decode_event_tolerant(line: bytes) -> WatchEvent[Pod] | ApiException | None:
+    return _decode_raw_event(line, pod_from_dict)
+
+
+def _decode_raw_event(
+    line: bytes, parse: Callable[[RawObject], T]
+) -> WatchEvent[T] | ApiException | None:
+    """One watch event read with `json`, its object with `parse` (see `_decode_event`)."""
     try:
         raw = json.loads(line)
     except ValueError:
@@ -518,7 +634,7 @@ def _decode_event_tolerant(line: bytes) -> WatchEvent | ApiException | None:
         return None
     if raw.get("type") == "ERROR":
         return _error_event(raw)
-    return watch_event_from_dict(raw)
+    return object_event_from_dict(raw, parse)
 
 
 def _error_event(event: RawObject) -> ApiException:

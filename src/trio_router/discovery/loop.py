@@ -1,12 +1,13 @@
 """Kubernetes discovery: LIST and watch the engine pods, and mirror them into a `PodSink`.
 
-The algorithm (`run_kubernetes_discovery`) follows client-go's reflector and runs on the Trio
-thread, on Trio's clock: LIST, reconcile by difference, watch from the list's resourceVersion
-with bookmarks, re-watch at once after a routine expiry, relist after 410 Gone, back off on
-errors, and relist periodically as a safety net. It talks to a `PodSource`: the real one,
-over the official client in worker threads, is `kubernetes_source.KubernetesPodSource`; tests
-use Trio-native ones. `DiscoveryStatus` records progress and errors for `/health` and
-`/metrics`.
+The algorithm (`run_list_watch`) follows client-go's reflector and runs on the Trio thread, on
+Trio's clock: LIST, reconcile by difference, watch from the list's resourceVersion with
+bookmarks, re-watch at once after a routine expiry, relist after 410 Gone, back off on errors,
+and relist periodically as a safety net. It mirrors any kind of object (a `Source` of them into
+a `Sink`): the engine pods (`run_kubernetes_discovery`), and an InferencePool
+(`inference_pool`). The real sources, over the official client in worker threads, are in
+`kubernetes`; tests use Trio-native ones. `DiscoveryStatus` records progress and errors for
+`/health` and `/metrics`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import math
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Final, Protocol
+from typing import Any, Final, Generic, Protocol, TypeVar
 
 import trio
 
@@ -32,6 +33,8 @@ FAILING_AFTER_ERRORS: Final = 6  # consecutive errors after which /health turns 
 EVENT_TYPES: Final = {t.value: t for t in EventType}  # the watch event types that carry pods
 
 RawObject = dict[str, Any]  # a JSON object as the API server sent it
+T = TypeVar("T")  # the kind of object listed and watched (a Pod, an InferencePool)
+T_contra = TypeVar("T_contra", contravariant=True)
 
 
 # -- errors ---------------------------------------------------------------------------------
@@ -72,25 +75,36 @@ class CredentialsError(DiscoveryError):
 
 
 @dataclass(frozen=True, slots=True)
-class PodListing:
-    """One LIST answer: the pods and the list's resourceVersion to watch from."""
+class Listing(Generic[T]):
+    """One LIST answer: the objects and the list's resourceVersion to watch from."""
 
-    pods: tuple[Pod, ...]
+    items: tuple[T, ...]
     resource_version: str
 
 
 @dataclass(frozen=True, slots=True)
-class WatchEvent:
+class WatchEvent(Generic[T]):
     """One watch event as discovery reads it: its type (ADDED, MODIFIED, DELETED, BOOKMARK, or
-    anything else, which is ignored), the object's resourceVersion ("" if none), and for pod
-    events the pod."""
+    anything else, which is ignored), the object's resourceVersion ("" if none), and for
+    ADDED, MODIFIED and DELETED the object (a pod, a pool) as its source decodes it."""
 
     type: str
     resource_version: str = ""
-    pod: Pod | None = None
+    item: T | None = None
 
 
 # -- the interfaces the algorithm runs against -----------------------------------------------
+class Sink(Protocol[T_contra]):
+    """Where listed and watched objects go. Both methods are synchronous: when they return,
+    the change has been applied (for pods: the routing table reflects it)."""
+
+    def apply(self, event_type: EventType, item: T_contra) -> None:
+        """One ADDED, MODIFIED or DELETED object."""
+
+    def replace(self, items: Iterable[T_contra]) -> None:
+        """A full LIST: what is not in it is gone."""
+
+
 class PodSink(Protocol):
     """Where pods go (the Reconciler). Both methods are synchronous: when they return, the
     routing table reflects the change."""
@@ -100,30 +114,33 @@ class PodSink(Protocol):
     def replace(self, pods: Iterable[Pod]) -> None: ...
 
 
-class WatchObserver(Protocol):
+class WatchObserver(Protocol[T]):
     """Receives one watch stream, on the Trio thread, in order."""
 
     def connected(self) -> None:
         """The server accepted the watch (response headers received)."""
 
-    def event(self, event: WatchEvent) -> None:
+    def event(self, event: WatchEvent[T]) -> None:
         """One watch event (ADDED, MODIFIED, DELETED, BOOKMARK)."""
 
 
-class PodSource(Protocol):
-    """LIST and WATCH of the engine pods. Errors are `DiscoveryError`s (see the subclasses
+class Source(Protocol[T]):
+    """LIST and WATCH of one kind of object. Errors are `DiscoveryError`s (see the subclasses
     above); a source turns a watch ERROR event into a `KubernetesStatusError`."""
 
-    async def list_pods(self) -> PodListing:
+    async def list(self) -> Listing[T]:
         """A consistent LIST (resourceVersion unset)."""
         ...
 
     async def watch(
-        self, resource_version: str, observer: WatchObserver, *, timeout_seconds: int
+        self, resource_version: str, observer: WatchObserver[T], *, timeout_seconds: int
     ) -> None:
         """Stream events after `resource_version` to `observer` until the server ends the
         stream (return) or it fails (raise). Cancellation stops the stream."""
         ...
+
+
+PodSource = Source[Pod]  # LIST and WATCH of the engine pods
 
 
 # -- status ---------------------------------------------------------------------------------
@@ -307,35 +324,75 @@ async def run_kubernetes_discovery(
     rng: random.Random | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Mirror the pods of `source` into `sink` until cancelled .
+    """Mirror the pods of `source` into `sink` until cancelled: `run_list_watch` of the pods
+    matching `config.label_selector` (see there for readiness, errors and cancellation)."""
+    namespace = config.namespace or "(the router's own namespace)"
+    await run_list_watch(
+        source,
+        _PodEvents(sink),
+        status,
+        config,
+        what=f"pod(s) in {namespace} matching {config.label_selector!r}",
+        tuning=tuning,
+        rng=rng,
+        task_status=task_status,
+    )
+
+
+class _PodEvents:
+    """A `PodSink` as the `Sink[Pod]` the algorithm feeds."""
+
+    def __init__(self, sink: PodSink) -> None:
+        self._sink = sink
+
+    def apply(self, event_type: EventType, item: Pod) -> None:
+        self._sink.apply(PodEvent(event_type, item))
+
+    def replace(self, items: Iterable[Pod]) -> None:
+        self._sink.replace(items)
+
+
+async def run_list_watch(
+    source: Source[T],
+    sink: Sink[T],
+    status: DiscoveryStatus,
+    config: KubernetesConfig,
+    *,
+    what: str,
+    tuning: WatchTuning | None = None,
+    rng: random.Random | None = None,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Mirror the objects of `source` into `sink` until cancelled; `what` names them in logs.
 
     Ready (`task_status.started()`) once the first LIST attempt is over: after a success the
-    sink holds every pod; after a failure `status.synced` stays False, so `/health` answers
+    sink holds every object; after a failure `status.synced` stays False, so `/health` answers
     503, and LIST is retried with backoff in the background. Never raises for Kubernetes
     errors; they are logged, counted in `status`, and retried. Cancellation stops the watch
-    (its thread is told to stop and abandoned; see `KubernetesPodSource`).
+    (its thread is told to stop and abandoned; see `kubernetes.KubernetesSource`).
     """
     status.stale_after_s = config.stale_after_s
     loop = _DiscoveryLoop(
-        source, sink, status, config, tuning or WatchTuning(), rng or random.Random()
+        source, sink, status, config, tuning or WatchTuning(), rng or random.Random(), what
     )
     await loop.run(task_status)
 
 
-class _DiscoveryLoop:
+class _DiscoveryLoop(Generic[T]):
     """The state of one discovery run; also the `WatchObserver` of its watch streams."""
 
     def __init__(
         self,
-        source: PodSource,
-        sink: PodSink,
+        source: Source[T],
+        sink: Sink[T],
         status: DiscoveryStatus,
         config: KubernetesConfig,
         tuning: WatchTuning,
         rng: random.Random,
+        what: str,
     ) -> None:
         self._source, self._sink, self._status = source, sink, status
-        self._config, self._tuning, self._rng = config, tuning, rng
+        self._config, self._tuning, self._rng, self._what = config, tuning, rng, what
         self._backoff = Backoff(tuning, rng)
         self._rv = ""  # last resourceVersion seen: the list's, then every event's
         self._fresh_list = False  # no watch has run since the last LIST
@@ -362,11 +419,11 @@ class _DiscoveryLoop:
 
     async def _list(self) -> DiscoveryError | None:
         try:
-            listing = await self._source.list_pods()
+            listing = await self._source.list()
         except DiscoveryError as exc:
             return exc
         now = trio.current_time()
-        self._sink.replace(listing.pods)
+        self._sink.replace(listing.items)
         first = not self._status.synced
         self._status.record_list(now, listing.resource_version)
         self._rv = listing.resource_version
@@ -376,10 +433,9 @@ class _DiscoveryLoop:
         )
         logger.log(
             logging.INFO if first else logging.DEBUG,
-            "listed %d pod(s) in %s matching %r at resourceVersion %s",
-            len(listing.pods),
-            self._config.namespace or "(the router's own namespace)",
-            self._config.label_selector,
+            "listed %d %s at resourceVersion %s",
+            len(listing.items),
+            self._what,
             listing.resource_version,
         )
         return None
@@ -469,7 +525,9 @@ class _DiscoveryLoop:
             if exc.retry_after is not None:
                 delay = max(delay, min(exc.retry_after, RETRY_AFTER_MAX_S))
         self._status.record_error(f"{what}: {exc}", auth=auth)
-        logger.warning("Kubernetes %s failed: %s; retrying in %.1f s", what, exc, delay)
+        logger.warning(
+            "Kubernetes %s of %s failed: %s; retrying in %.1f s", what, self._what, exc, delay
+        )
         return delay
 
     # -- WatchObserver ---------------------------------------------------------------------
@@ -478,12 +536,12 @@ class _DiscoveryLoop:
         self._status.record_connected(trio.current_time())
         self._backoff.reset()  # a watch that starts is the end of a run of failures
 
-    def event(self, event: WatchEvent) -> None:
+    def event(self, event: WatchEvent[T]) -> None:
         if event.type == "BOOKMARK":
             bookmark = True
-        elif event.pod is not None and (event_type := EVENT_TYPES.get(event.type)) is not None:
+        elif event.item is not None and (event_type := EVENT_TYPES.get(event.type)) is not None:
             bookmark = False
-            self._sink.apply(PodEvent(event_type, event.pod))
+            self._sink.apply(event_type, event.item)
         else:
             logger.warning("ignoring a watch event of type %r", event.type)
             return

@@ -30,9 +30,8 @@ class Readiness:
     def check(self, now: float) -> tuple[bool, str, str]:
         """(ready, "ok" | "degraded" | "unavailable", reason)."""
         status = self._status
-        if not status.synced:
-            last = f"; last error: {status.last_error}" if status.last_error else ""
-            return False, "unavailable", f"Kubernetes pods not listed yet{last}"
+        if not status.synced:  # the reason: "Kubernetes pods not listed yet", or the pool's
+            return False, "unavailable", status.health(now)[1]
         if not self._probed:
             probing = sum(1 for e in self._table if e.state is EngineState.PROBING)
             if probing:

@@ -8,7 +8,7 @@ the event: a DELETED or terminating pod can receive no new request afterwards.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from urllib.parse import urlsplit
 
 from ..config import StaticEngine
@@ -19,23 +19,36 @@ logger = logging.getLogger(__name__)
 
 
 class Reconciler:
-    """Keeps one table entry per pod in the watch set (keyed by UID) and one supervisor per
-    eligible pod. Eligibility is `Pod.unroutable_reason()`; routability also needs a probe."""
+    """Keeps one table entry per pod and port in the watch set and one supervisor per
+    eligible entry. Eligibility is `Pod.unroutable_reason()`; routability also needs a probe.
+
+    With one port (`discovery.kubernetes.port`) an engine is its pod: keyed by the pod's UID
+    and named after it. With `port_in_uid` (an InferencePool's `targetPorts`, e.g. one port
+    per vLLM data-parallel rank) every pod and port is an engine of its own, keyed
+    "<pod UID>:<port>" and named "<pod name>:<port>", whatever the number of ports: a port
+    added or removed later leaves the other engines' names alone."""
 
     def __init__(
         self,
         table: RoutingTable,
         supervisors: Supervisors,
         *,
-        port: int,
+        ports: Sequence[int],
+        port_in_uid: bool = False,
         role_of: Callable[[Pod], str] = lambda pod: "",
     ) -> None:
-        self._table, self._supervisors, self._port = table, supervisors, port
+        self._table, self._supervisors = table, supervisors
+        self._port_in_uid = port_in_uid
+        self._ports = self._checked(ports)
         self._role_of = role_of  # the engine's prefill/decode role, from its pod's labels
         self._pods: dict[str, Pod] = {}
 
     def __len__(self) -> int:
         return len(self._pods)
+
+    @property
+    def ports(self) -> tuple[int, ...]:
+        return self._ports
 
     def apply(self, event: PodEvent) -> None:
         """Apply one watch event (ADDED/MODIFIED upsert, DELETED remove)."""
@@ -53,29 +66,67 @@ class Reconciler:
         for pod in listed.values():
             self._upsert(pod)
 
+    def clear(self, why: str) -> None:
+        """Remove every pod (their source is gone), in this synchronous step."""
+        for uid in list(self._pods):
+            self._delete(uid, why)
+
+    def set_ports(self, ports: Sequence[int]) -> None:
+        """Serve every pod on `ports` from now on: the engines of ports no longer listed leave
+        routing, those of new ports are added (and probed), the others are untouched; all in
+        this synchronous step."""
+        ports = self._checked(ports)
+        old, self._ports = self._ports, ports
+        for port in old:
+            if port not in ports:
+                for uid in list(self._pods):
+                    self._remove(self._uid(uid, port), f"port {port} no longer served")
+        for port in ports:
+            if port not in old:
+                for pod in self._pods.values():
+                    self._upsert_engine(pod, port, None)
+
+    def _checked(self, ports: Sequence[int]) -> tuple[int, ...]:
+        ports = tuple(dict.fromkeys(ports))
+        if not ports or (len(ports) > 1 and not self._port_in_uid):
+            raise ValueError(f"one port per pod unless the port is in the UID, got {ports}")
+        return ports
+
+    def _uid(self, pod_uid: str, port: int) -> str:
+        return f"{pod_uid}:{port}" if self._port_in_uid else pod_uid
+
     def _delete(self, uid: str, why: str) -> None:
-        pod = self._pods.pop(uid, None)
+        self._pods.pop(uid, None)
+        for port in self._ports:
+            self._remove(self._uid(uid, port), why)
+
+    def _remove(self, uid: str, why: str) -> None:
         self._supervisors.stop(uid)
-        if self._table.remove(uid) is not None and pod is not None:
-            logger.info("pod %s (%s) removed: %s", pod.name, uid, why)
+        if (engine := self._table.remove(uid)) is not None:
+            logger.info("engine %s (%s) removed: %s", engine.name, uid, why)
 
     def _upsert(self, pod: Pod) -> None:
         old = self._pods.get(pod.uid)
         self._pods[pod.uid] = pod
-        engine = self._table.get(pod.uid)
-        url = engine_url(pod.ip, self._port) if pod.ip else ""
+        for port in self._ports:
+            self._upsert_engine(pod, port, old)
+
+    def _upsert_engine(self, pod: Pod, port: int, old: Pod | None) -> None:
+        uid = self._uid(pod.uid, port)
+        engine = self._table.get(uid)
+        url = engine_url(pod.ip, port) if pod.ip else ""
         role = self._role_of(pod)
         if engine is not None and engine.role != role:
             # A relabelled pod changes role at once: the next request's choice sees it.
-            logger.info("pod %s: role %r -> %r", pod.name, engine.role, role)
-            self._table.set_role(pod.uid, role)
+            logger.info("engine %s: role %r -> %r", engine.name, engine.role, role)
+            self._table.set_role(uid, role)
         if (reason := pod.unroutable_reason()) is not None:
-            self._supervisors.stop(pod.uid)  # same synchronous step: out of routing now
+            self._supervisors.stop(uid)  # same synchronous step: out of routing now
             if engine is None:
                 self._table.put(
                     Engine(
-                        uid=pod.uid,
-                        name=pod.name,
+                        uid=uid,
+                        name=self._name(pod, port),
                         url=url,
                         pod=pod,
                         state=EngineState.PENDING,
@@ -86,14 +137,14 @@ class Reconciler:
             else:
                 was_routable = engine.routable
                 engine.pod, engine.url = pod, url or engine.url
-                self._table.set_pending(pod.uid, reason)
+                self._table.set_pending(uid, reason)
                 if was_routable:
-                    logger.info("pod %s out of routing: %s", pod.name, reason)
+                    logger.info("engine %s out of routing: %s", engine.name, reason)
             return
         if engine is None:
             engine = Engine(
-                uid=pod.uid,
-                name=pod.name,
+                uid=uid,
+                name=self._name(pod, port),
                 url=url,
                 pod=pod,
                 role=role,
@@ -114,6 +165,9 @@ class Reconciler:
             engine.state, engine.reason = EngineState.PROBING, "waiting for first probe"
         self._table.put(engine)
         self._supervisors.start(engine)
+
+    def _name(self, pod: Pod, port: int) -> str:
+        return f"{pod.name}:{port}" if self._port_in_uid else pod.name
 
 
 def engine_url(ip: str, port: int) -> str:

@@ -140,5 +140,5 @@ async def open_core(
         prober = Prober(timeout=probe.timeout_s)
         async with open_supervisors(table, prober, probe, connect=network.connect) as supervisors:
             yield Core(
-                table, supervisors, Reconciler(table, supervisors, port=PORT), engines, network
+                table, supervisors, Reconciler(table, supervisors, ports=(PORT,)), engines, network
             )

@@ -4,6 +4,9 @@
   pods API for the official client: LIST with labelSelector, chunked WATCH with
   resourceVersion replay, timeoutSeconds, bookmarks, 410 (as an ERROR event or an HTTP
   status), 504 "Too large resource version", stalls, resets, error statuses, bearer tokens.
+  The same for the InferencePools of the namespace (`inference.networking.k8s.io/v1`, with
+  fieldSelector metadata.name=..., and GET of one by name): `add_pool`, `modify_pool`,
+  `delete_pool`; `pools_served = False` answers 404 as a cluster without the CRD does.
 
 The Trio-native fakes of the discovery core (`FakePodSource`, `RecordingSink`) are in
 `fake_pod_source`, the objects (`pod_json`, `status_json`) in `pods`.
@@ -17,7 +20,7 @@ import math
 import socket
 import struct
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -27,10 +30,24 @@ from urllib.parse import parse_qsl, urlsplit
 import h11
 import trio
 
-from .pods import COMPACT, Changes, PodFacts, RawObject, pod_json, selector, status_json
+from .pods import (
+    COMPACT,
+    Changes,
+    PodFacts,
+    RawObject,
+    pod_json,
+    pool_json,
+    selector,
+    status_json,
+)
 
 TRUE: Final = ("true", "True", "1")
 CHUNK_BYTES: Final = 64 * 1024
+PODS: Final = "pods"
+POOLS: Final = "inferencepools"
+POOLS_API_VERSION: Final = "inference.networking.k8s.io/v1"
+POOLS_PREFIX: Final = f"/apis/{POOLS_API_VERSION}/namespaces/"
+KINDS: Final = {PODS: ("Pod", "PodList"), POOLS: ("InferencePool", "InferencePoolList")}
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +70,8 @@ class WatchPlan:
 @dataclass(slots=True)
 class _Entry:
     rv: int
+    resource: str  # PODS or POOLS
+    name: str
     labels: dict[str, str]
     line: bytes  # the event as one JSON line
 
@@ -71,15 +90,21 @@ class Seen:
 
 @dataclass(slots=True)
 class Requests:
-    """Every LIST and WATCH request the server has received, in order."""
+    """Every LIST and WATCH request the server has received, in order: of pods, and of
+    InferencePools (and GETs of one pool)."""
 
     lists: list[Seen] = field(default_factory=list)
     watches: list[Seen] = field(default_factory=list)
+    pool_lists: list[Seen] = field(default_factory=list)
+    pool_watches: list[Seen] = field(default_factory=list)
+    pool_gets: list[Seen] = field(default_factory=list)
 
 
 class FakeApiServer(Changes):
-    """Pods of one namespace behind a real HTTP server. Mutate it with the sync methods
-    below (the test's Trio thread); wait for conditions with `wait_for`."""
+    """Pods and InferencePools of one namespace behind a real HTTP server. Mutate it with the
+    sync methods below (the test's Trio thread); wait for conditions with `wait_for`. The
+    failure plans (`watch_plans`, `list_plans`) and `open_watches` are the pods'; the pools
+    have their own (`pool_watch_plans`, `pool_list_plans`, `open_pool_watches`)."""
 
     def __init__(self, *, namespace: str = "default", token: str | None = None) -> None:
         self.namespace = namespace
@@ -90,12 +115,17 @@ class FakeApiServer(Changes):
         self.watch_plans: deque[WatchPlan] = deque()
         self.unavailable = False  # every request answered 503 (see `outage`)
         self.list_plans: deque[WatchPlan] = deque()  # only kind "status" applies
+        self.pool_watch_plans: deque[WatchPlan] = deque()
+        self.pool_list_plans: deque[WatchPlan] = deque()
+        self.pools_served = True  # False: the InferencePool CRD is not installed (404)
         self.requests = Requests()
         self.open_watches = 0
+        self.open_pool_watches = 0
         self.events_sent = 0
         self.bookmarks_sent = 0
         self.port = 0
         self._pods: dict[str, RawObject] = {}
+        self._pools: dict[str, RawObject] = {}
         self._rv = 100
         self._history: list[_Entry] = []
         self._history_rvs: list[int] = []
@@ -177,20 +207,65 @@ class FakeApiServer(Changes):
     def delete_pod(self, name: str, *, silent: bool = False) -> RawObject:
         return self._record("DELETED", self._pods[name], silent)
 
-    def _record(self, kind: str, pod: RawObject, silent: bool) -> RawObject:
+    # -- InferencePools --------------------------------------------------------------------
+    def pool(self, name: str) -> RawObject:
+        return self._pools[name]
+
+    def add_pool(
+        self,
+        name: str,
+        *,
+        match_labels: dict[str, str] | None = None,
+        ports: list[int] | tuple[int, ...] = (8000,),
+        spec: RawObject | None = None,
+        silent: bool = False,
+    ) -> RawObject:
+        """Create an InferencePool (ADDED) selecting `match_labels` ({"app": "vllm"} by
+        default) on `ports`; `spec` replaces the whole spec (e.g. an invalid one)."""
+        pool = pool_json(name, self.namespace, match_labels, ports)
+        if spec is not None:
+            pool["spec"] = spec
+        return self._record("ADDED", pool, silent, POOLS)
+
+    def modify_pool(
+        self,
+        name: str,
+        *,
+        match_labels: dict[str, str] | None = None,
+        ports: list[int] | tuple[int, ...] | None = None,
+        spec: RawObject | None = None,
+        silent: bool = False,
+    ) -> RawObject:
+        """Change the pool's selector, ports or whole spec (MODIFIED); the rest stays."""
+        old = self._pools[name]
+        pool = {**old, "spec": dict(spec if spec is not None else old["spec"])}
+        if match_labels is not None:
+            pool["spec"]["selector"] = {"matchLabels": dict(match_labels)}
+        if ports is not None:
+            pool["spec"]["targetPorts"] = [{"number": n} for n in ports]
+        return self._record("MODIFIED", pool, silent, POOLS)
+
+    def delete_pool(self, name: str, *, silent: bool = False) -> RawObject:
+        return self._record("DELETED", self._pools[name], silent, POOLS)
+
+    def _record(self, kind: str, obj: RawObject, silent: bool, resource: str = PODS) -> RawObject:
         self._rv += 1
-        pod = {**pod, "metadata": {**pod["metadata"], "resourceVersion": str(self._rv)}}
-        name = pod["metadata"]["name"]
+        obj = {**obj, "metadata": {**obj["metadata"], "resourceVersion": str(self._rv)}}
+        meta, store = obj["metadata"], self._store(resource)
         if kind == "DELETED":
-            del self._pods[name]
+            del store[meta["name"]]
         else:
-            self._pods[name] = pod
+            store[meta["name"]] = obj
         if not silent:
-            line = json.dumps({"type": kind, "object": pod}, separators=COMPACT).encode() + b"\n"
-            self._history.append(_Entry(self._rv, pod["metadata"]["labels"], line))
+            line = json.dumps({"type": kind, "object": obj}, separators=COMPACT).encode() + b"\n"
+            entry = _Entry(self._rv, resource, meta["name"], meta.get("labels") or {}, line)
+            self._history.append(entry)
             self._history_rvs.append(self._rv)
         self.notify()
-        return pod
+        return obj
+
+    def _store(self, resource: str) -> dict[str, RawObject]:
+        return self._pools if resource == POOLS else self._pods
 
     def compact(self) -> None:
         """Forget the history: watches from any earlier resourceVersion get 410."""
@@ -274,15 +349,31 @@ class FakeApiServer(Changes):
                 stream, conn, 401, status_json(401, "Unauthorized", "Unauthorized")
             )
             return True
-        if url.path != f"/api/v1/namespaces/{self.namespace}/pods":
-            await self._send_json(stream, conn, 404, status_json(404, "NotFound", url.path))
+        resource, name = self._route(url.path)
+        if resource is None or (resource == POOLS and not self.pools_served):
+            if resource == POOLS:  # counted, as any request for the pools is
+                watch = query.get("watch") in TRUE
+                seen = self.requests.pool_gets if name else self.requests.pool_lists
+                (self.requests.pool_watches if watch else seen).append(
+                    Seen(trio.current_time(), query)
+                )
+                self.notify()
+            message = "the server could not find the requested resource"
+            await self._send_json(stream, conn, 404, status_json(404, "NotFound", message))
             return True
+        if name:  # GET of one pool
+            return await self._get_pool(stream, conn, name, query)
         if query.get("watch") in TRUE:
-            return await self._watch(stream, conn, query)
-        self.requests.lists.append(Seen(trio.current_time(), query))
+            return await self._watch(stream, conn, query, resource)
+        lists, plans = (
+            (self.requests.lists, self.list_plans)
+            if resource == PODS
+            else (self.requests.pool_lists, self.pool_list_plans)
+        )
+        lists.append(Seen(trio.current_time(), query))
         self.notify()
-        if self.list_plans:
-            plan = self.list_plans.popleft()
+        if plans:
+            plan = plans.popleft()
             await self._send_json(
                 stream,
                 conn,
@@ -291,19 +382,48 @@ class FakeApiServer(Changes):
                 plan.headers,
             )
             return True
-        match = selector(query.get("labelSelector", ""))
-        items = [p for p in self._pods.values() if match(p["metadata"]["labels"])]
+        match = _matcher(query)
+        items = [
+            o
+            for o in self._store(resource).values()
+            if match(o["metadata"]["name"], o["metadata"].get("labels") or {})
+        ]
         await self._send_json(
             stream,
             conn,
             200,
             {
-                "apiVersion": "v1",
-                "kind": "PodList",
+                "apiVersion": "v1" if resource == PODS else POOLS_API_VERSION,
+                "kind": KINDS[resource][1],
                 "metadata": {"resourceVersion": str(self._rv)},
                 "items": items,
             },
         )
+        return True
+
+    def _route(self, path: str) -> tuple[str | None, str]:
+        """(PODS or POOLS, a pool's name or "") for a path of this namespace, else (None, "")."""
+        if path == f"/api/v1/namespaces/{self.namespace}/pods":
+            return PODS, ""
+        pools = f"{POOLS_PREFIX}{self.namespace}/{POOLS}"
+        if path == pools:
+            return POOLS, ""
+        name = path.removeprefix(pools + "/")
+        if path.startswith(pools + "/") and name and "/" not in name:
+            return POOLS, name
+        return None, ""
+
+    async def _get_pool(
+        self, stream: trio.SocketStream, conn: h11.Connection, name: str, query: dict[str, str]
+    ) -> bool:
+        self.requests.pool_gets.append(Seen(trio.current_time(), query))
+        self.notify()
+        pool = self._pools.get(name)
+        if pool is None:
+            message = f'inferencepools.inference.networking.k8s.io "{name}" not found'
+            await self._send_json(stream, conn, 404, status_json(404, "NotFound", message))
+        else:
+            await self._send_json(stream, conn, 200, pool)
         return True
 
     @staticmethod
@@ -331,11 +451,20 @@ class FakeApiServer(Changes):
         )
 
     async def _watch(
-        self, stream: trio.SocketStream, conn: h11.Connection, query: dict[str, str]
+        self,
+        stream: trio.SocketStream,
+        conn: h11.Connection,
+        query: dict[str, str],
+        resource: str,
     ) -> bool:
-        self.requests.watches.append(Seen(trio.current_time(), query))
+        watches, plans = (
+            (self.requests.watches, self.watch_plans)
+            if resource == PODS
+            else (self.requests.pool_watches, self.pool_watch_plans)
+        )
+        watches.append(Seen(trio.current_time(), query))
         self.notify()
-        plan = self.watch_plans.popleft() if self.watch_plans else WatchPlan()
+        plan = plans.popleft() if plans else WatchPlan()
         if plan.kind == "status":
             await self._send_json(
                 stream,
@@ -390,8 +519,7 @@ class FakeApiServer(Changes):
                 )
             )
         )
-        self.open_watches += 1
-        self.notify()
+        self._count_open(resource, 1)
         try:
             if expired:
                 return await self._end_with_error(
@@ -403,10 +531,16 @@ class FakeApiServer(Changes):
                 )
             if plan.kind == "stall":
                 await trio.sleep_forever()
-            return await self._stream_events(stream, conn, query, plan, start)
+            return await self._stream_events(stream, conn, query, plan, start, resource)
         finally:
-            self.open_watches -= 1
-            self.notify()
+            self._count_open(resource, -1)
+
+    def _count_open(self, resource: str, change: int) -> None:
+        if resource == PODS:
+            self.open_watches += change
+        else:
+            self.open_pool_watches += change
+        self.notify()
 
     async def _end_with_error(
         self, stream: trio.SocketStream, conn: h11.Connection, code: int, reason: str, message: str
@@ -439,8 +573,9 @@ class FakeApiServer(Changes):
         query: dict[str, str],
         plan: WatchPlan,
         start: int | None,
+        resource: str,
     ) -> bool:
-        match = selector(query.get("labelSelector", ""))
+        match = _matcher(query)
         bookmarks = query.get("allowWatchBookmarks") in TRUE
         timeout = float(query.get("timeoutSeconds") or 1800)
         if self.max_watch_s is not None:
@@ -449,11 +584,11 @@ class FakeApiServer(Changes):
         interval = self.bookmark_interval_s if bookmarks and self.bookmark_interval_s else None
         next_bookmark = trio.current_time() + interval if interval else math.inf
         epoch, sent = self._epoch, 0
-        if start is None:  # no resourceVersion: synthetic ADDED for the current pods
+        if start is None:  # no resourceVersion: synthetic ADDED for the current objects
             lines = [
-                json.dumps({"type": "ADDED", "object": p}, separators=COMPACT).encode() + b"\n"
-                for p in self._pods.values()
-                if match(p["metadata"]["labels"])
+                json.dumps({"type": "ADDED", "object": o}, separators=COMPACT).encode() + b"\n"
+                for o in self._store(resource).values()
+                if match(o["metadata"]["name"], o["metadata"].get("labels") or {})
             ]
             await stream.send_all(b"".join(self._chunk(conn, line) for line in lines))
             cursor = self._rv
@@ -469,7 +604,7 @@ class FakeApiServer(Changes):
                 if plan.kind == "reset" and sent + len(batch) >= plan.after_events:
                     break
                 cursor = entry.rv
-                if match(entry.labels):
+                if entry.resource == resource and match(entry.name, entry.labels):
                     batch.append(entry.line)
             for i in range(0, len(batch), 256):  # one chunk per event, as the API server
                 await stream.send_all(
@@ -483,25 +618,25 @@ class FakeApiServer(Changes):
                 return False  # cut: the chunked body never ends
             now = trio.current_time()
             if now >= next_bookmark:
-                await self._send_chunk(stream, conn, self._bookmark())
+                await self._send_chunk(stream, conn, self._bookmark(resource))
                 next_bookmark = now + (interval or math.inf)
                 self.bookmarks_sent += 1
                 self.notify()
             if now >= deadline:  # routine expiry: a bookmark "right before the deadline"
-                last = self._chunk(conn, self._bookmark()) if bookmarks else b""
+                last = self._chunk(conn, self._bookmark(resource)) if bookmarks else b""
                 await stream.send_all(last + conn.send(h11.EndOfMessage()))
                 return True
             with trio.move_on_at(min(deadline, next_bookmark)):
                 await changed.wait()
 
-    def _bookmark(self) -> bytes:
+    def _bookmark(self, resource: str) -> bytes:
         return (
             json.dumps(
                 {
                     "type": "BOOKMARK",
                     "object": {
-                        "kind": "Pod",
-                        "apiVersion": "v1",
+                        "kind": KINDS[resource][0],
+                        "apiVersion": "v1" if resource == PODS else POOLS_API_VERSION,
                         "metadata": {"resourceVersion": str(self._rv)},
                     },
                 }
@@ -518,3 +653,16 @@ class FakeApiServer(Changes):
     ) -> None:
         if data:
             await stream.send_all(self._chunk(conn, data))
+
+
+def _matcher(query: dict[str, str]) -> Callable[[str, dict[str, str]], bool]:
+    """Whether an object (its name and labels) matches the query's labelSelector and
+    fieldSelector (only metadata.name=NAME, as a client following one object sends)."""
+    labels_match = selector(query.get("labelSelector", ""))
+    names: set[str] = set()
+    for term in filter(None, query.get("fieldSelector", "").split(",")):
+        field_name, _, value = term.replace("==", "=").partition("=")
+        if field_name.strip() != "metadata.name":
+            raise ValueError(f"the fake API server knows no field selector {term!r}")
+        names.add(value.strip())
+    return lambda name, labels: (not names or name in names) and labels_match(labels)

@@ -1,23 +1,26 @@
 """Trio-native fakes of the discovery core, on Trio's clock (no threads, no sockets):
-`FakePodSource` (a `PodSource` with pods, an event history and scripted failures) and
-`RecordingSink` (a `PodSink` that records every call and keeps the resulting pods)."""
+`FakePodSource` (a `PodSource` with pods, an event history and scripted failures; the same
+for any kind of object, e.g. InferencePools, is `FakeObjectSource`) and `RecordingSink` (a
+`PodSink` that records every call and keeps the resulting pods)."""
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import trio
 
-from ..discovery.kubernetes import pod_from_dict, watch_event_from_dict
-from ..discovery.loop import PodListing, WatchObserver
+from ..discovery.kubernetes import object_event_from_dict, pod_from_dict
+from ..discovery.loop import Listing, WatchObserver
 from ..errors import DiscoveryError
 from ..table import EventType, Pod, PodEvent
 from .pods import Changes, RawObject
 
-__all__ = ["FakePodSource", "FakeWatch", "RecordingSink"]
+__all__ = ["FakeObjectSource", "FakePodSource", "FakeWatch", "RecordingSink"]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,12 +33,13 @@ class FakeWatch:
     error: DiscoveryError | None = None
 
 
-class FakePodSource(Changes):
-    """A `PodSource` on Trio's clock (no threads, no sockets): pods and an event history in
-    memory, scripted failures, and a log of every call's (trio) time."""
+class FakeObjectSource(Changes, Generic[T]):
+    """A `Source` on Trio's clock (no threads, no sockets): objects (read by `parse`) and an
+    event history in memory, scripted failures, and a log of every call's (trio) time."""
 
-    def __init__(self) -> None:
-        self._pods: dict[str, RawObject] = {}
+    def __init__(self, parse: Callable[[RawObject], T]) -> None:
+        self._parse = parse
+        self._pods: dict[str, RawObject] = {}  # the objects, by name
         self._rv = 1
         self._history: list[tuple[int, RawObject]] = []
         self.list_failures: deque[DiscoveryError] = deque()
@@ -45,7 +49,7 @@ class FakePodSource(Changes):
         super().__init__()
 
     def emit(self, kind: str, pod: RawObject) -> RawObject:
-        """Record a pod event (ADDED, MODIFIED, DELETED) with the next resourceVersion."""
+        """Record an event (ADDED, MODIFIED, DELETED) with the next resourceVersion."""
         self._rv += 1
         pod = {**pod, "metadata": {**pod["metadata"], "resourceVersion": str(self._rv)}}
         if kind == "DELETED":
@@ -70,16 +74,16 @@ class FakePodSource(Changes):
         )
         self.notify()
 
-    async def list_pods(self) -> PodListing:
+    async def list(self) -> Listing[T]:
         await trio.lowlevel.checkpoint()
         self.list_calls.append(trio.current_time())
         self.notify()
         if self.list_failures:
             raise self.list_failures.popleft()
-        return PodListing(tuple(pod_from_dict(p) for p in self._pods.values()), str(self._rv))
+        return Listing(tuple(self._parse(p) for p in self._pods.values()), str(self._rv))
 
     async def watch(
-        self, resource_version: str, observer: WatchObserver, *, timeout_seconds: int
+        self, resource_version: str, observer: WatchObserver[T], *, timeout_seconds: int
     ) -> None:
         await trio.lowlevel.checkpoint()
         self.watch_calls.append((trio.current_time(), resource_version, timeout_seconds))
@@ -95,7 +99,7 @@ class FakePodSource(Changes):
             changed = self._changed
             for rv, raw in self._history:
                 if rv > cursor:
-                    observer.event(watch_event_from_dict(raw))
+                    observer.event(object_event_from_dict(raw, self._parse))
                     cursor = rv
             if trio.current_time() >= deadline:
                 break
@@ -103,6 +107,13 @@ class FakePodSource(Changes):
                 await changed.wait()
         if plan.error is not None:
             raise plan.error
+
+
+class FakePodSource(FakeObjectSource[Pod]):
+    """A `PodSource` on Trio's clock: see `FakeObjectSource`."""
+
+    def __init__(self) -> None:
+        super().__init__(pod_from_dict)
 
 
 class RecordingSink(Changes):

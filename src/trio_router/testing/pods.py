@@ -3,7 +3,7 @@ selectors, and `Changes` (what a fake's `wait_for` waits on)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import KW_ONLY, dataclass
 from typing import Any, Final
 
@@ -15,6 +15,7 @@ __all__ = [
     "PodFacts",
     "RawObject",
     "pod_json",
+    "pool_json",
     "selector",
     "status_json",
 ]
@@ -170,6 +171,36 @@ def _add_realistic_status(status: RawObject, stamp: str) -> None:
                 "state": {"running": {"startedAt": "2026-11-30T09:01:00Z"}},
             }
         )
+
+
+def pool_json(
+    name: str,
+    namespace: str = "default",
+    match_labels: Mapping[str, str] | None = None,
+    ports: Iterable[int] = (8000,),
+    *,
+    uid: str | None = None,
+) -> RawObject:
+    """The raw JSON of a v1 InferencePool selecting `match_labels` ({"app": "vllm"} by
+    default) on `ports`, its endpoint picker the Service "<name>-epp" (as the upstream
+    chart names it)."""
+    return {
+        "apiVersion": "inference.networking.k8s.io/v1",
+        "kind": "InferencePool",
+        "metadata": {"name": name, "namespace": namespace, "uid": uid or f"uid-pool-{name}"},
+        "spec": {
+            "selector": {
+                "matchLabels": dict(match_labels if match_labels is not None else {"app": "vllm"})
+            },
+            "targetPorts": [{"number": n} for n in ports],
+            "endpointPickerRef": {
+                "name": f"{name}-epp",
+                "port": {"number": 9002},
+                "failureMode": "FailClose",
+            },
+        },
+        "status": {"parents": []},
+    }
 
 
 def status_json(code: int, reason: str, message: str, **extra: Any) -> RawObject:
