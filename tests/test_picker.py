@@ -356,3 +356,25 @@ async def test_kv_aware_picks_the_engine_that_holds_the_prefix(tmp_path: Path) -
             }
     assert later == {first}  # every one to the engine whose own events say it holds the prefix
     assert caches[int(first[1])].hits >= 4 * 40
+
+
+async def test_a_gateway_checking_the_pickers_health_sends_it_its_requests(
+    tmp_path: Path, records: AccessRecords
+) -> None:
+    """With the fail-open recipe, Envoy sends requests to the picker only while its gRPC
+    health (`envoy.service.ext_proc.v3.ExternalProcessor`) is SERVING: the picker chooses."""
+    fakes = engines(2)
+    with trio.fail_after(LIMIT):
+        async with open_router(fakes, picker=PICKER) as router:
+            picker = router.picker.removeprefix("grpc://")
+            fallback = [endpoint(router, 0)]  # the gateway's own route: engine 0 only
+            async with (
+                open_envoy(picker, tmp_path, fail_open=True, fallback=fallback) as proxy,
+                httpx.AsyncClient(base_url=proxy.url, timeout=LIMIT) as client,
+            ):
+                served = [
+                    (await client.post(CHAT, json=chat())).headers["x-engine"] for _ in range(4)
+                ]
+            await records.wait(4)
+    assert sorted(served) == ["e0", "e0", "e1", "e1"]  # round robin: the picker's choice
+    assert len(records.records) == 4
