@@ -63,7 +63,7 @@ from typing import Any, Final
 import httpx
 import trio
 
-from bench_engines import Fleet, RouterSpec, free_port, router_command
+from peers import ROUTERS, open_router
 from trio_router.testing import vllm_engines
 from trio_router.testing.processes import open_command
 from trio_router.testing.vllm_engines import MODEL_NAME, EngineEnvironment, EngineProcess
@@ -71,13 +71,8 @@ from trio_router.testing.vllm_engines import MODEL_NAME, EngineEnvironment, Engi
 CHAT: Final = "/v1/chat/completions"
 FAKE_MODEL: Final = "fake-model"
 FIRST_HOST: Final = 51  # engines on 127.0.1.51, .52, ...
-START_S: Final = 90.0  # a router (or a fake engine) must be up within this
+START_S: Final = 90.0  # a fake engine must be up within this
 LOST_PAUSE_S: Final = 0.5  # a client whose request was refused waits this before its next
-ROUTERS: Final = {
-    "trio": RouterSpec("trio", "round_robin"),
-    "production-stack": RouterSpec("production-stack", "roundrobin"),
-    "vllm-router-rs": RouterSpec("vllm-router-rs", "round_robin"),
-}
 
 
 # -- engines -------------------------------------------------------------------------------------
@@ -267,69 +262,6 @@ async def back_up(slot: Slot, args: argparse.Namespace, run: Run, killed: float)
     print(f"  {slot.url} killed at {killed:.1f}, back", file=sys.stderr)
 
 
-# -- routers -------------------------------------------------------------------------------------
-def trio_command(port: int, urls: Sequence[str], workdir: Path) -> list[str]:
-    listed = ", ".join(f'"{u}"' for u in urls)
-    config = workdir / "trio-chaos.toml"
-    config.write_text(
-        f'[server]\nbind = "127.0.0.1:{port}"\ndrain_s = 1.0\naccess_log = false\n'
-        '[routing]\npolicy = "round_robin"\n'
-        f'[discovery]\nmode = "static"\n[discovery.static]\nurls = [{listed}]\n'
-    )
-    return [sys.executable, "-m", "trio_router", "--config", str(config)]
-
-
-async def wait_routing(client: httpx.AsyncClient, url: str, model: str, engines: int) -> None:
-    """Until the router at `url` lists `model` and answers a chat with it (and trio_router's
-    /engines shows `engines` healthy). A router process gives no other sign that it routes:
-    asked every 0.2 s."""
-    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
-    while True:
-        try:
-            models = await client.get(f"{url}/v1/models")
-            chat = await client.post(f"{url}{CHAT}", json=body)
-            answered = models.status_code == chat.status_code == 200 and model in models.text
-            if answered and (await healthy(client, url)) >= engines:
-                return
-        except (httpx.HTTPError, ValueError, KeyError):
-            pass
-        await trio.sleep(0.2)
-
-
-async def healthy(client: httpx.AsyncClient, url: str) -> int:
-    """The engines trio_router's /engines shows healthy (a peer: a large number)."""
-    answer = await client.get(f"{url}/engines")
-    shown = answer.json() if answer.status_code == 200 else None
-    if not isinstance(shown, dict) or "engines" not in shown:  # a peer's, or none
-        return 1 << 30
-    return sum(e["healthy"] for e in shown["engines"])
-
-
-@asynccontextmanager
-async def open_router(
-    name: str, urls: Sequence[str], workdir: Path, model: str
-) -> AsyncIterator[str]:
-    port = free_port()
-    env: dict[str, str] = {}
-    if name == "trio":
-        command = trio_command(port, urls, workdir)
-    else:
-        command, env = router_command(ROUTERS[name], port, Fleet(urls, 0, 0, 0), workdir, 0)
-        if "--static-models" in command:  # production-stack: the engines' model
-            command[command.index("--static-models") + 1] = ",".join([model] * len(urls))
-    async with open_command(command, env=env) as (process, _, stderr):
-        url = f"http://127.0.0.1:{port}"
-        async with httpx.AsyncClient(timeout=10.0) as client:
-            with trio.move_on_after(START_S) as waited:
-                await wait_routing(client, url, model, len(urls))
-        if waited.cancelled_caught or process.returncode is not None:
-            raise RuntimeError(f"{name} did not route within {START_S} s:\n{stderr.text}")
-        try:
-            yield url
-        finally:
-            (workdir / f"{name}.log").write_text(stderr.text)
-
-
 # -- figures -------------------------------------------------------------------------------------
 def percentile(values: Sequence[float], p: float) -> float:
     ordered = sorted(values)
@@ -408,9 +340,10 @@ async def run_router(
         await slot.up.wait()
     limits = httpx.Limits(max_connections=args.streams + 8, max_keepalive_connections=args.streams)
     async with (
-        open_router(name, [s.url for s in slots], workdir, args.model) as url,
+        open_router(name, [s.url for s in slots], workdir, args.model) as router,
         httpx.AsyncClient(timeout=args.limit, limits=limits) as client,
     ):
+        url = router.url
         print(f"{name}: {args.streams} streams for {args.duration} s", file=sys.stderr)
         t0 = trio.current_time()
         with trio.fail_after(args.duration + args.limit + 60 * len(slots)):
@@ -481,9 +414,10 @@ async def main_exactness(args: argparse.Namespace) -> dict[str, Any]:
             reference = await token_ids(slots[0].url, body)
             urls = [s.url for s in slots]
             async with (
-                open_router("trio", urls, args.log_dir or Path(tmp), args.model) as url,
+                open_router("trio", urls, args.log_dir or Path(tmp), args.model) as router,
                 httpx.AsyncClient(timeout=30.0) as client,
             ):
+                url = router.url
                 for index in range(3 * args.kills):
                     if sum(bool(r["carried_on"]) for r in results) >= args.kills:
                         break
