@@ -224,14 +224,16 @@ def own_namespace() -> str:
 
 class KubernetesSource(Generic[T]):
     """A `Source` on the official client, with raw JSON (no model objects); subclasses say
-    what is listed and watched (`_new_api`, `_request`) and how it is decoded.
+    what is listed and watched (`_new_api`, `request`) and how it is decoded (`decode_list`,
+    `decode_event`).
 
-    Every request runs in a worker thread admitted by this source's own `CapacityLimiter(1)`,
-    so Kubernetes I/O never waits for other users of `trio.to_thread` and at most one request
-    runs at a time. Threads are started with `abandon_on_cancel=True`: a cancelled LIST or
-    watch returns at once and its thread is told to stop (the watch's socket is shut down); it
-    still holds the limiter until it has ended. After a 401 or 403 the credentials are loaded
-    afresh for the next request (a rotated token or kubeconfig is picked up).
+    Every request runs in a worker thread admitted by this source's own `CapacityLimiter(1)`
+    (or one it shares with the sources that replace it, `limiter`), so Kubernetes I/O never
+    waits for other users of `trio.to_thread` and at most one request runs at a time. Threads
+    are started with `abandon_on_cancel=True`: a cancelled LIST or watch returns at once and
+    its thread is told to stop (the watch's socket is shut down); it still holds the limiter
+    until it has ended. After a 401 or 403 the credentials are loaded afresh for the next
+    request (a rotated token or kubeconfig is picked up).
     """
 
     list_thread_name = LIST_THREAD_NAME
