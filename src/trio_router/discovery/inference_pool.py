@@ -311,13 +311,13 @@ class _PoolFollower:
             kept = "; its last valid selector and ports still serve" if self._run else ""
             self._report(f"is invalid: {pool.problem}{kept}")
             return
-        if self._status.pool_problem is not None:
-            logger.info("%s is valid: pods %r on port(s) %s", self._name, pool.selector, pool.ports)
+        ports = self._reconciler.ports
+        if self._run is None or self._status.pool_problem is not None:
+            logger.info("%s: pods %r on port(s) %s", self._name, pool.selector, pool.ports)
             self._status.pool_problem = None
-        if pool.ports != self._reconciler.ports:
-            logger.info(
-                "%s: target port(s) %s -> %s", self._name, self._reconciler.ports, pool.ports
-            )
+        elif pool.ports != ports:
+            logger.info("%s: target port(s) %s -> %s", self._name, ports, pool.ports)
+        if pool.ports != ports:
             self._reconciler.set_ports(pool.ports)
         if self._run is None or self._run.selector != pool.selector:
             self._start_pods(pool.selector)
