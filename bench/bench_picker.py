@@ -25,16 +25,19 @@ HTTP chunk) streaming `--events` events (the request's `max_tokens`), at each of
 and 8) through envoy-proxy and envoy+picker only: the latency the picker adds (p50, p99
 differences).
 
-Each run: the router started, checked to reach every engine, `--warmup` seconds of load
-unmeasured, then the measured load (`wrk -t2 -cN`, a fixed request). Latencies (p50, p99) are
-wrk's over the measured load. Throughput and CPU come from a steady window of `--duration`
-seconds inside it, after the first answers have had time to finish (a paced answer lasts up to
-2.6 s: counting from wrk's start would charge the CPU of streams still running at the end to
-too few requests): req/s = answers the engines finished in the window (their own count:
-bench/fleet.py's `/fleet/answers`, nginx's stub_status) / window; CPU ms/req = utime + stime
-(/proc) of the router's processes and their children in the window / those answers; for
-envoy+picker the sum of Envoy's and trio_router's, with the picker's own (trio_router's
-process) also alone and by thread.
+Each run (once the machine is idle, waiting at most `--idle-wait` seconds): the router started,
+checked to reach every engine, `--warmup` seconds of load unmeasured, then the measured load
+(`wrk -t2 -cN`, a fixed request; in `stream-paced` each connection's first request waits its
+share of one answer's time, so that the answers do not finish in waves). Latencies (p50, p99)
+are wrk's over the measured load. Throughput and CPU come from a steady window of `--duration`
+seconds inside it, once every connection has had an answer running (counting from wrk's start
+would charge the CPU of streams still running at its end to too few requests): req/s = the
+answers the engines finished in the window (their own count: bench/fleet.py's
+`/fleet/answers`, nginx's stub_status) / its length; CPU ms/req = utime + stime (/proc) of the
+router's processes and their children in the window / those answers; for envoy+picker the sum
+of Envoy's and trio_router's, with the picker's own (trio_router's process) also alone and by
+thread. The CPU of any other process in the window is reported too (`other_cores`: should be
+0).
 
 `--profile DIR` then runs envoy+picker once more per profiled cell (`--profile-cells`) with the
 picker under py-spy (`--py-spy PATH`, or on PATH; its threads told apart) or else cProfile (the
@@ -56,6 +59,7 @@ import re
 import shlex
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -241,7 +245,8 @@ def _stat(path: Path) -> tuple[str, int, int, int] | None:
 
 
 def tree_cpu(pids: dict[str, int]) -> dict[str, float]:
-    """CPU seconds so far of each process in `pids` (by role) with its descendants."""
+    """CPU seconds so far of each process in `pids` (by role) with its descendants, and of
+    every process ("all")."""
     stats = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit() and (st := _stat(entry / "stat")) is not None:
@@ -258,6 +263,7 @@ def tree_cpu(pids: dict[str, int]) -> dict[str, float]:
                 ticks += stats[pid][2] + stats[pid][3]
                 todo += children[pid]
         seconds[role] = ticks / CLK_TCK
+    seconds["all"] = sum(st[2] + st[3] for st in stats.values()) / CLK_TCK
     return seconds
 
 
@@ -288,7 +294,7 @@ class Sample:
 
 async def sample(engines: Engines, running: Running, client: httpx.AsyncClient) -> Sample:
     answers = await engines.answers(client)
-    cpu = tree_cpu({**running.pids, "engines": engines.pid})
+    cpu = tree_cpu({**running.pids, "engines": engines.pid, "bench": os.getpid()})
     threads = thread_cpu(running.pids["picker"]) if "picker" in running.pids else {}
     return Sample(time.monotonic(), answers, cpu, threads, host_cpu())
 
@@ -343,11 +349,14 @@ async def run_wrk(
     timeout_s: int,
     spread_s: float = 0.0,
 ) -> dict[str, float]:
-    """One wrk load (2 threads); its figures from the script's `done` (BENCH_RESULT)."""
+    """One wrk load (2 threads, 1 for 1 connection); its figures from the script's `done`
+    (BENCH_RESULT)."""
     script = workdir / "load.lua"
-    spread = WRK_SPREAD % (1000 * spread_s, connections // 2, 2) if spread_s else ""
+    threads = min(2, connections)
+    spread = WRK_SPREAD % (1000 * spread_s, connections // threads, threads) if spread_s else ""
     script.write_text(spread + WRK_LUA % body)
-    command = ["wrk", "-t2", f"-c{connections}", f"-d{seconds}s", f"--timeout={timeout_s}s"]
+    command = ["wrk", f"-t{threads}", f"-c{connections}", f"-d{seconds}s"]
+    command += [f"--timeout={timeout_s}s"]
     command += ["--latency", "-s", str(script), f"{url}/v1/chat/completions"]
     with trio.fail_after(seconds + 60):
         done = await trio.run_process(command, capture_stdout=True, capture_stderr=True)
@@ -461,7 +470,7 @@ def figures(wrk: dict[str, float], first: Sample, last: Sample, running: Running
     window = last.at - first.at
     answers = max(1, last.answers - first.answers)
     cpu = {role: last.cpu[role] - first.cpu[role] for role in first.cpu}
-    router = sum(v for role, v in cpu.items() if role != "engines")
+    router = sum(v for role, v in cpu.items() if role not in ("engines", "bench", "all"))
     host = {k: (last.host[k] - first.host[k]) / window for k in first.host}
     out: dict[str, Any] = {
         "rps": (last.answers - first.answers) / window,
@@ -479,6 +488,8 @@ def figures(wrk: dict[str, float], first: Sample, last: Sample, running: Running
         "host_busy_cores": host["busy"],
         "host_steal_cores": host["steal"],
         "host_softirq_cores": host["irq"],
+        # processes other than this benchmark's (its routers, engines and wrk): should be 0
+        "other_cores": max(0.0, cpu["all"] - cpu["bench"]) / window,
     }
     for role in ("envoy", "picker"):
         if role in cpu:
@@ -532,12 +543,13 @@ async def one(
     workdir: Path,
     rep: int,
 ) -> dict[str, Any]:
+    await wait_idle(args.idle_wait)
     log(f"rep {rep}/{args.reps} {cell.label}: {name} ...")
     rundir = workdir / f"{name}-{cell.scenario}-{cell.connections}-{cell.events}-{rep}"
     rundir.mkdir(exist_ok=True)
     try:
         run = await measure(name, cell, paced if cell.stream else fast, args, rundir)
-    except (RuntimeError, httpx.HTTPError, trio.TooSlowError) as exc:
+    except (RuntimeError, httpx.HTTPError, trio.TooSlowError, subprocess.CalledProcessError) as exc:
         log(f"  FAILED: {type(exc).__name__}: {str(exc)[:3000]}")
         return {
             "router": name,
@@ -551,7 +563,26 @@ async def one(
         f"  {run['rps']:.0f} req/s  p50 {run['p50_ms']:.1f} ms  p99 {run['p99_ms']:.1f} ms  "
         f"CPU {run['cpu_ms']:.3f} ms/req{picker}  errors {run['errors']}"
     )
+    if run["other_cores"] > 0.1:
+        log(f"  warning: other processes used {run['other_cores']:.2f} cores during the run")
     return run
+
+
+async def wait_idle(limit_s: float) -> None:
+    """Until the machine is idle (other work would be in the figures: it shares the cores
+    with the load), at most `limit_s` seconds."""
+    deadline = trio.current_time() + limit_s
+    while True:
+        before = host_cpu()["busy"]
+        await trio.sleep(1.0)
+        busy = host_cpu()["busy"] - before
+        if busy < 0.15:
+            return
+        if trio.current_time() > deadline:
+            log(f"  warning: the machine is busy ({busy:.2f} cores), measuring all the same")
+            return
+        log(f"  waiting: the machine is busy ({busy:.2f} cores)")
+        await trio.sleep(4.0)
 
 
 # -- profiles ----------------------------------------------------------------------------------
@@ -604,16 +635,18 @@ async def py_spy(spy: str, path: Path, running: Running, seconds: float) -> None
 
 
 WAITS: Final = re.compile(
-    r"^(epoll_wait|epoll_pwait|poll|ppoll|select|pthread_cond_\w*wait|"
-    r"sem_\w*wait|futex\w*|nanosleep|clock_nanosleep) "
+    r"^(epoll_wait|epoll_pwait|poll|ppoll|select|pthread_cond_\w*wait|sem_\w*wait|futex\w*|"
+    r"nanosleep|clock_nanosleep) "
 )
+GIL: Final = re.compile(r"^pthread_cond_timedwait ")  # CPython 3.11 waits for the GIL here
 
 
 def top_functions(path: Path, count: int = 12) -> list[tuple[str, float]]:
-    """Where the profiled picker's CPU went, as shares: py-spy's collapsed stacks give each
-    thread's share of the samples on CPU (a thread waiting in epoll_wait, a futex, ... is not
-    on CPU), then the frames most samples ended in (own time), then trio_router's functions
-    by the samples under them; cProfile gives the functions by own time (the Trio thread)."""
+    """Where the profiled picker's time went, as shares of py-spy's samples (collapsed stacks):
+    per thread, the samples on CPU and those waiting for the GIL (a sample whose last frames
+    wait in epoll, a futex, ... is not on CPU); then, of the samples on CPU, the frames they
+    ended in (own time) and trio_router's functions by the samples under them. cProfile
+    gives the functions by own time (the Trio thread only)."""
     if path.suffix == ".prof":
         import pstats
 
@@ -626,20 +659,31 @@ def top_functions(path: Path, count: int = 12) -> list[tuple[str, float]]:
         ]
     own: collections.Counter[str] = collections.Counter()
     threads: collections.Counter[str] = collections.Counter()
+    gil: collections.Counter[str] = collections.Counter()
     ours: collections.Counter[str] = collections.Counter()
+    everything = 0
     for line in path.read_text().splitlines():
-        stack, _, hits = line.rpartition(" ")
-        frames = stack.split(";")
-        if WAITS.match(frames[-1]):
+        stack, _, count_text = line.rpartition(" ")
+        hits, frames = int(count_text), stack.split(";")
+        thread = frames[0].split(": ", 1)[-1]
+        everything += hits
+        if any(WAITS.match(f) for f in frames[-3:]):
+            python = any(".py:" in f for f in frames)
+            if python and any(GIL.match(f) for f in frames[-3:]):
+                gil[thread] += hits
             continue
-        own[frames[-1]] += int(hits)
-        threads[frames[0].split(": ", 1)[-1]] += int(hits)
+        own[frames[-1]] += hits
+        threads[thread] += hits
         for frame in {re.sub(r":\d+\)$", ")", f) for f in frames}:  # a function, any line
             if "trio_router/" in frame:
-                ours[frame] += int(hits)
-    total = sum(own.values()) or 1
+                ours[frame] += hits
+    total, everything = sum(own.values()) or 1, everything or 1
     return (
-        [(f"thread {t}", n / total) for t, n in threads.most_common()]
+        [(f"of all samples: thread {t} on CPU", n / everything) for t, n in threads.most_common()]
+        + [
+            (f"of all samples: thread {t} waiting for the GIL", n / everything)
+            for t, n in gil.items()
+        ]
         + [(f"own: {f}", n / total) for f, n in own.most_common(count)]
         + [(f"under: {f}", n / total) for f, n in ours.most_common(count)]
     )
@@ -800,11 +844,14 @@ def goals(rows: Sequence[Row], args: argparse.Namespace) -> list[dict[str, Any]]
 
 
 def markdown(rows: Sequence[Row], runs: Sequence[dict[str, Any]], args: argparse.Namespace) -> str:
+    other = max((r.get("other_cores", 0.0) for r in runs), default=0.0)
     lines = [
         f"Command: `{args.command}`",
         "",
         f"{time.strftime('%Y-%m-%d %H:%M')}; {os.cpu_count()} CPUs; {args.reps} rep(s), "
-        f"{args.warmup} s warm-up, {args.duration} s steady window per run; medians over reps.",
+        f"{args.warmup} s warm-up, {args.duration} s steady window per run; medians over reps; "
+        f"other processes used up to {other:.2f} cores "
+        "during a run.",
         "",
         table(rows),
     ]
@@ -860,6 +907,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--duration", type=float, default=8.0, help="steady window per run (s)")
     parser.add_argument("--warmup", type=int, default=2, help="unmeasured load per run (s)")
     parser.add_argument("--reps", type=int, default=1)
+    parser.add_argument(
+        "--idle-wait",
+        type=float,
+        default=120.0,
+        help="before each run, wait at most this long for the machine to be idle (s)",
+    )
     parser.add_argument("--quick", action="store_true", help="--duration 3 --warmup 1")
     parser.add_argument("--json", action="store_true", help="print JSON, not Markdown")
     parser.add_argument("--json-out", type=Path)
