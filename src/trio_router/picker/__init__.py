@@ -68,9 +68,11 @@ async def serve_picker(
             logger.info("endpoint picker listening on %s (gRPC, ext_proc)", config.bind)
             task_status.started(bound[0])
             try:
+                table = runtime().services.table
                 while True:
                     server.set_ready(ready())
-                    await trio.sleep(READINESS_INTERVAL_S)
+                    with trio.move_on_after(READINESS_INTERVAL_S):  # or at once on a change
+                        await table.wait_changed()
             finally:
                 server.stop()
         calls.cancel_scope.cancel(reason="the endpoint picker stopped")
