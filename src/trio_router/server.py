@@ -541,7 +541,6 @@ async def run(
                     config.picker,
                     lambda: router.runtime,
                     lambda: router.health(trio.current_time())[0],
-                    grace_s=lambda: router.config.server.drain_s,
                 )
             )
             picker.append(f"grpc://{parse_bind(config.picker.bind, 'picker.bind')[0]}:{port}")

@@ -1,39 +1,45 @@
 """The endpoint picker's gRPC side: Envoy's external processing protocol
 (`envoy.service.ext_proc.v3.ExternalProcessor/Process`, the Gateway API Inference Extension's
-endpoint-picker protocol) and gRPC health, served by grpcio's asyncio server on one thread of
-its own, bridged to the Trio thread where every decision is made.
+endpoint-picker protocol) and gRPC health (`grpc.health.v1.Health/Check`), served on Trio by
+a gRPC server of the router's own over HTTP/2 (h2, plaintext, prior knowledge), so that a
+request's messages, its decision and its answers stay on one thread.
 
-Why this shape: grpcio does HTTP/2 and the gRPC framing in its C core, and its asyncio server
-runs every call as a coroutine of one event loop, so there is no thread per call; the loop's
-thread only parses, buffers and writes messages. A call crosses to Trio twice when it is
-routed (its request handed over with `TrioToken.run_sync_soon`, the verdict handed back with
-`loop.call_soon_threadsafe`) and once more for each thing the gateway reports (the answer's
-head, the stream's end); body chunks never cross.
+Why this shape: the picker's work per request is a handful of small messages. Served by
+grpcio's asyncio server on a thread of its own, every request crossed between that thread and
+the Trio thread four times and both contended for the GIL; grpcio's per-message Python cost
+and those hand-overs came to several times the decision itself (docs/performance.md, "The
+endpoint picker"). Here a connection's reader parses HTTP/2 with h2 and the gRPC messages with
+protobuf, and handles each message at once, synchronously; only the decision is a task
+(`choose.Picker.exchange`), whose verdict is written back in the callback that gives it.
+Writes are coalesced: whatever h2 has to send goes out in one `send_all` per wake-up.
 
 One call per HTTP request, in the streaming mode the reference gateways configure (request
 body FULL_DUPLEX_STREAMED): the request's headers, then its body in chunks, are read and
-held; at the body's end (or with headers that end the request) the request is handed to the
-Trio side (`choose.Picker.exchange`); its verdict goes back as the request-headers response
-(the destination header, `x-gateway-destination-endpoint`, and the same in the `envoy.lb`
-dynamic metadata, plus headers the router sets) followed by the body, passed back whole (or
-rewritten); a refusal is an immediate response. The answer's head (status, and the endpoint
-that served it, `x-gateway-destination-endpoint-served` in the request's `envoy.lb`
-metadata) and the stream's end are reported to the Trio side; an answer body the gateway
-sends is passed back (its last bytes kept for the usage summary).
+held; at the body's end (or with headers that end the request) the request is decided; the
+verdict goes back as the request-headers response (the destination header,
+`x-gateway-destination-endpoint`, and the same in the `envoy.lb` dynamic metadata, plus
+headers the router sets) followed by the body, passed back whole (or rewritten); a refusal is
+an immediate response. The answer's head (status, and the endpoint that served it,
+`x-gateway-destination-endpoint-served` in the request's `envoy.lb` metadata) and the call's
+end are reported to the exchange; an answer body the gateway sends is passed back (its last
+bytes kept for the usage summary).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
-from typing import Any, Final
+import struct
+from typing import Final
 
-import grpc
+import h2.config
+import h2.connection
+import h2.events
+import h2.exceptions
+import h2.settings
 import trio
 from google.protobuf import struct_pb2
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from .._envoy_proto.envoy.config.core.v3 import base_pb2
 from .._envoy_proto.envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
@@ -46,6 +52,8 @@ __all__ = ["DESTINATION", "SERVED", "PickerServer"]
 logger = logging.getLogger(__name__)
 
 SERVICE: Final = "envoy.service.ext_proc.v3.ExternalProcessor"
+PROCESS_PATH: Final = b"/envoy.service.ext_proc.v3.ExternalProcessor/Process"
+HEALTH_CHECK_PATH: Final = b"/grpc.health.v1.Health/Check"
 DESTINATION: Final = "x-gateway-destination-endpoint"
 SERVED: Final = "x-gateway-destination-endpoint-served"
 LB_NAMESPACE: Final = "envoy.lb"
@@ -53,22 +61,52 @@ SUBSET_NAMESPACE: Final = "envoy.lb.subset_hint"
 SUBSET: Final = "x-gateway-destination-endpoint-subset"
 TAIL_BYTES: Final = 4096  # of an answer body the gateway sends: where its usage summary is
 HEALTH_SERVICES: Final = ("", "liveness", "readiness", SERVICE)
+READ_BYTES: Final = 65536
+WINDOW: Final = 2**31 - 1  # the flow-control window offered: the gateway never waits for it
+MAX_STREAMS: Final = 100_000  # calls at once on one connection
 
 _FULL_DUPLEX: Final = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 _OVERWRITE: Final = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _SERVING: Final = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING: Final = health_pb2.HealthCheckResponse.NOT_SERVING
-_CONTINUE_HEADERS: Final = ep.ProcessingResponse(response_headers=ep.HeadersResponse())
-_CONTINUE_BODY: Final = ep.ProcessingResponse(response_body=ep.BodyResponse())
 _PSEUDO: Final = b":"
+_PREFIX: Final = struct.Struct(">BI")  # a gRPC message's flag (compressed) and length
+_RESPONSE_HEAD: Final = [(b":status", b"200"), (b"content-type", b"application/grpc")]
+_OK: Final = [(b"grpc-status", b"0")]
 
 
-class _Call:
+def _message(response: ep.ProcessingResponse | health_pb2.HealthCheckResponse) -> bytes:
+    data = response.SerializeToString()
+    return _PREFIX.pack(0, len(data)) + data
+
+
+_CONTINUE_HEADERS: Final = _message(ep.ProcessingResponse(response_headers=ep.HeadersResponse()))
+_CONTINUE_BODY: Final = _message(ep.ProcessingResponse(response_body=ep.BodyResponse()))
+_REQUEST_TRAILERS: Final = _message(ep.ProcessingResponse(request_trailers=ep.TrailersResponse()))
+_RESPONSE_TRAILERS: Final = _message(ep.ProcessingResponse(response_trailers=ep.TrailersResponse()))
+
+
+class _Process:
     """One `Process` call: one HTTP request of the gateway (see the module's docstring)."""
 
-    def __init__(self, server: PickerServer, context: grpc.aio.ServicerContext[Any, Any]) -> None:
-        self._server, self._context = server, context
-        self._loop = asyncio.get_running_loop()
+    __slots__ = (
+        "_answer_duplex",
+        "_body",
+        "_client",
+        "_conn",
+        "_ended",
+        "_exchange",
+        "_headers",
+        "_method",
+        "_streamed",
+        "_subset",
+        "_tail",
+        "_target",
+        "stream_id",
+    )
+
+    def __init__(self, conn: _Connection, stream_id: int) -> None:
+        self._conn, self.stream_id = conn, stream_id
         self._exchange: Exchange | None = None
         self._headers: list[tuple[bytes, bytes]] = []
         self._method, self._target, self._client = "GET", "/", ""
@@ -79,42 +117,33 @@ class _Call:
         self._streamed = False  # the request has a body (its headers did not end it)
         self._ended = False
 
-    async def run(self, requests: AsyncIterator[ep.ProcessingRequest]) -> None:
-        try:
-            async for request in requests:
-                kind = request.WhichOneof("request")
-                if kind == "request_headers":
-                    await self._request_headers(request)
-                elif kind == "request_body":
-                    body = request.request_body
-                    self._body += body.body
-                    if body.end_of_stream:
-                        await self._route(trailers=False)
-                    elif len(self._body) > self._server.max_body_bytes:
-                        await self._route(trailers=False)  # refused whole: too large
-                elif kind == "response_headers":
-                    self._response_headers(request)
-                    await self._context.write(_CONTINUE_HEADERS)
-                    if request.response_headers.end_of_stream:
-                        self._end(gone=False)
-                elif kind == "response_body":
-                    await self._response_body(request.response_body)
-                elif kind == "request_trailers":
-                    if self._exchange is None:
-                        await self._route(trailers=True)
-                    await self._context.write(
-                        ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
-                    )
-                elif kind == "response_trailers":
-                    await self._context.write(
-                        ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
-                    )
-                    self._end(gone=False)
-            self._end(gone=False)
-        finally:
-            self._end(gone=True)  # cancelled, failed: the request is gone (no-op if ended)
+    def message(self, data: bytes) -> None:
+        """One ProcessingRequest of the gateway."""
+        request = ep.ProcessingRequest.FromString(data)
+        kind = request.WhichOneof("request")
+        if kind == "request_headers":
+            self._request_headers(request)
+        elif kind == "request_body":
+            body = request.request_body
+            self._body += body.body
+            if body.end_of_stream or len(self._body) > self._conn.server.max_body_bytes:
+                self._route(trailers=False)  # too large: refused whole
+        elif kind == "response_headers":
+            self._response_headers(request)
+            self._conn.send(self.stream_id, _CONTINUE_HEADERS)
+            if request.response_headers.end_of_stream:
+                self.end(gone=False)
+        elif kind == "response_body":
+            self._response_body(request.response_body)
+        elif kind == "request_trailers":
+            if self._exchange is None:
+                self._route(trailers=True)
+            self._conn.send(self.stream_id, _REQUEST_TRAILERS)
+        elif kind == "response_trailers":
+            self._conn.send(self.stream_id, _RESPONSE_TRAILERS)
+            self.end(gone=False)
 
-    async def _request_headers(self, request: ep.ProcessingRequest) -> None:
+    def _request_headers(self, request: ep.ProcessingRequest) -> None:
         http = request.request_headers
         if request.HasField("protocol_config"):
             config = request.protocol_config
@@ -137,39 +166,35 @@ class _Call:
             listed = lb.fields[SUBSET].list_value.values
             self._subset = tuple(v.string_value for v in listed)
         if http.end_of_stream:
-            await self._route(trailers=False)
+            self._route(trailers=False)
         else:
             self._streamed = True
 
-    async def _route(self, *, trailers: bool) -> None:
-        """Hand the request to the Trio side, then answer with its verdict."""
+    def _route(self, *, trailers: bool) -> None:
+        """Hand the request to the picker; its verdict is written when it is given."""
         if self._exchange is not None:
             return
-        future: asyncio.Future[Verdict] = self._loop.create_future()
-        loop = self._loop
+        body = bytes(self._body)
+        conn, stream_id, streamed = self._conn, self.stream_id, self._streamed
 
-        def answer(verdict: Verdict) -> None:  # the Trio thread
-            loop.call_soon_threadsafe(_settle, future, verdict)
+        def answer(verdict: Verdict) -> None:
+            if isinstance(verdict, Refusal):
+                conn.send(stream_id, _immediate(verdict))
+            else:
+                for response in _chosen(verdict, body, streamed, trailers):
+                    conn.send(stream_id, response)
 
         exchange = Exchange(
             self._method,
             self._target,
             self._headers,
-            bytes(self._body),
+            body,
             self._subset,
             answer,
             client=self._client,
         )
         self._exchange = exchange
-        if not self._server.hand_over(exchange):
-            await self._context.write(_immediate(STOPPED))
-            return
-        verdict = await future
-        if isinstance(verdict, Refusal):
-            await self._context.write(_immediate(verdict))
-            return
-        for response in _chosen(verdict, bytes(self._body), self._streamed, trailers):
-            await self._context.write(response)
+        conn.server.start(exchange)
 
     def _response_headers(self, request: ep.ProcessingRequest) -> None:
         status, served = 0, ""
@@ -182,46 +207,39 @@ class _Call:
         if lb is not None and SERVED in lb.fields:
             served = lb.fields[SERVED].string_value
         if (exchange := self._exchange) is not None:
-            self._server.report(exchange.responded, status, served)
+            exchange.responded(status, served)
 
-    async def _response_body(self, body: ep.HttpBody) -> None:
+    def _response_body(self, body: ep.HttpBody) -> None:
         chunk = body.body
         self._tail = (self._tail + chunk)[-TAIL_BYTES:] if chunk else self._tail
         if self._answer_duplex:
-            await self._context.write(
-                ep.ProcessingResponse(
-                    response_body=ep.BodyResponse(
-                        response=ep.CommonResponse(
-                            body_mutation=ep.BodyMutation(
-                                streamed_response=ep.StreamedBodyResponse(
-                                    body=chunk, end_of_stream=body.end_of_stream
-                                )
-                            )
-                        )
+            streamed = ep.StreamedBodyResponse(body=chunk, end_of_stream=body.end_of_stream)
+            response = ep.ProcessingResponse(
+                response_body=ep.BodyResponse(
+                    response=ep.CommonResponse(
+                        body_mutation=ep.BodyMutation(streamed_response=streamed)
                     )
                 )
             )
+            self._conn.send(self.stream_id, _message(response))
         else:
-            await self._context.write(_CONTINUE_BODY)
+            self._conn.send(self.stream_id, _CONTINUE_BODY)
         if body.end_of_stream:
-            self._end(gone=False)
+            self.end(gone=False)
 
-    def _end(self, *, gone: bool) -> None:
+    def end(self, *, gone: bool) -> None:
+        """The call is over (the gateway half-closed it, or it is `gone`: reset, or its
+        connection lost)."""
         if self._ended:
             return
         self._ended = True
         if (exchange := self._exchange) is not None:
-            self._server.report(exchange.end, self._tail, gone)
+            exchange.end(self._tail, gone)
 
 
-def _settle(future: asyncio.Future[Verdict], verdict: Verdict) -> None:
-    if not future.done():
-        future.set_result(verdict)
-
-
-def _immediate(refusal: Refusal) -> ep.ProcessingResponse:
+def _immediate(refusal: Refusal) -> bytes:
     """An immediate answer: the refusal's status, headers and body."""
-    return ep.ProcessingResponse(
+    response = ep.ProcessingResponse(
         immediate_response=ep.ImmediateResponse(
             status=http_status_pb2.HttpStatus(code=refusal.status),  # type: ignore[arg-type]
             headers=ep.HeaderMutation(
@@ -235,6 +253,7 @@ def _immediate(refusal: Refusal) -> ep.ProcessingResponse:
             details=f"trio_router_{refusal.status}",
         )
     )
+    return _message(response)
 
 
 def _header(name: bytes, value: bytes) -> base_pb2.HeaderValueOption:
@@ -243,9 +262,7 @@ def _header(name: bytes, value: bytes) -> base_pb2.HeaderValueOption:
     )
 
 
-def _chosen(
-    chosen: Chosen, body: bytes, has_body: bool, trailers: bool
-) -> list[ep.ProcessingResponse]:
+def _chosen(chosen: Chosen, body: bytes, has_body: bool, trailers: bool) -> list[bytes]:
     """The responses that route the request as `chosen` says: the request-headers response
     (destination header, metadata, headers to set), then its body passed back."""
     destination = ",".join(chosen.endpoints)
@@ -285,102 +302,238 @@ def _chosen(
                 )
             )
         )
-    return responses
+    return [_message(response) for response in responses]
+
+
+class _Connection:
+    """One HTTP/2 connection of the gateway: its reader handles every frame as it comes, its
+    writer sends whatever h2 has to send, in one write per wake-up (see the module's
+    docstring)."""
+
+    def __init__(self, server: PickerServer, stream: trio.SocketStream) -> None:
+        self.server, self._stream = server, stream
+        config = h2.config.H2Configuration(
+            client_side=False, header_encoding=None, validate_inbound_headers=False
+        )
+        self._h2 = h2.connection.H2Connection(config)
+        self._calls: dict[int, _Process] = {}
+        self._unary: dict[int, bytes] = {}  # health checks: the stream's path
+        self._buffers: dict[int, bytes] = {}  # the part of a message not in yet, by stream
+        self._pending: dict[int, list[bytes]] = {}  # data waiting for flow control, by stream
+        self._closing: set[int] = set()  # streams to end (trailers) once their data is out
+        self._dirty = trio.Event()
+        self._lost = False
+
+    async def run(self) -> None:
+        h2c = self._h2
+        h2c.local_settings = h2.settings.Settings(
+            client=False,
+            initial_values={
+                h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: WINDOW,
+                h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: MAX_STREAMS,
+            },
+        )
+        h2c.initiate_connection()
+        h2c.increment_flow_control_window(WINDOW - 65535)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._write)
+                await self._read()
+                nursery.cancel_scope.cancel()
+        finally:
+            self._lost = True
+            for call in self._calls.values():
+                call.end(gone=True)
+            self._calls.clear()
+            with trio.CancelScope(shield=True):
+                await self._stream.aclose()
+
+    async def _read(self) -> None:
+        h2c, stream = self._h2, self._stream
+        while True:
+            try:
+                data = await stream.receive_some(READ_BYTES)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return
+            if not data:
+                return
+            try:
+                events = h2c.receive_data(data)
+            except h2.exceptions.ProtocolError as exc:
+                logger.warning("endpoint picker: HTTP/2 protocol error from the gateway: %s", exc)
+                self._dirty.set()
+                return
+            for event in events:
+                self._event(event)
+            self._dirty.set()
+
+    def _event(self, event: h2.events.Event) -> None:
+        if isinstance(event, h2.events.DataReceived):
+            self._h2.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+            self._data(event.stream_id, event.data)
+            if event.stream_ended is not None:
+                self._half_closed(event.stream_id)
+        elif isinstance(event, h2.events.RequestReceived):
+            self._request(event.stream_id, event.headers)
+            if event.stream_ended is not None:
+                self._half_closed(event.stream_id)
+        elif isinstance(event, h2.events.StreamEnded):
+            self._half_closed(event.stream_id)
+        elif isinstance(event, h2.events.StreamReset):
+            self._forget(event.stream_id, gone=True)
+        elif isinstance(event, h2.events.WindowUpdated):
+            for stream_id in list(self._pending):
+                self._pump(stream_id)
+        elif isinstance(event, h2.events.ConnectionTerminated):
+            self._lost = True
+
+    def _request(self, stream_id: int, headers: list[tuple[bytes, bytes]]) -> None:
+        path = next((v for k, v in headers if k == b":path"), b"")
+        if path == PROCESS_PATH:
+            self._calls[stream_id] = _Process(self, stream_id)
+        elif path == HEALTH_CHECK_PATH:
+            self._unary[stream_id] = path
+        else:
+            self._h2.send_headers(
+                stream_id,
+                [*_RESPONSE_HEAD, (b"grpc-status", b"12"), (b"grpc-message", b"unimplemented")],
+                end_stream=True,
+            )
+            return
+        self._h2.send_headers(stream_id, _RESPONSE_HEAD)
+
+    def _data(self, stream_id: int, data: bytes) -> None:
+        buffered = self._buffers.pop(stream_id, b"")
+        if buffered:
+            data = buffered + data
+        size, at = len(data), 0
+        while size - at >= 5:
+            compressed, length = _PREFIX.unpack_from(data, at)
+            if size - at - 5 < length:
+                break
+            message = data[at + 5 : at + 5 + length]
+            at += 5 + length
+            if compressed:
+                self._fail(stream_id, b"3", b"compressed messages are not accepted")
+                return
+            self._dispatch(stream_id, message)
+        if at < size:
+            self._buffers[stream_id] = data[at:]
+
+    def _dispatch(self, stream_id: int, message: bytes) -> None:
+        if (call := self._calls.get(stream_id)) is not None:
+            try:
+                call.message(message)
+            except Exception:  # a message that does not parse, or one the call cannot take
+                logger.exception("endpoint picker: a message of the gateway failed")
+                self._fail(stream_id, b"13", b"the picker could not process a message")
+        elif stream_id in self._unary:
+            service = health_pb2.HealthCheckRequest.FromString(message).service
+            status = self.server.health.get(service)
+            if status is None:
+                self._h2.send_headers(
+                    stream_id,
+                    [(b"grpc-status", b"5"), (b"grpc-message", b"unknown service")],
+                    end_stream=True,
+                )
+                return
+            self.send(stream_id, _message(health_pb2.HealthCheckResponse(status=status)))
+
+    def _half_closed(self, stream_id: int) -> None:
+        """The gateway has sent all of the call: it is over; its end goes out once all its
+        data has."""
+        if (call := self._calls.get(stream_id)) is not None:
+            call.end(gone=False)
+        self._unary.pop(stream_id, None)
+        self._closing.add(stream_id)
+        self._pump(stream_id)
+
+    def _fail(self, stream_id: int, status: bytes, message: bytes) -> None:
+        self._forget(stream_id, gone=True)
+        with contextlib.suppress(h2.exceptions.H2Error):
+            self._h2.send_headers(
+                stream_id, [(b"grpc-status", status), (b"grpc-message", message)], end_stream=True
+            )
+
+    def _forget(self, stream_id: int, *, gone: bool) -> None:
+        if (call := self._calls.pop(stream_id, None)) is not None:
+            call.end(gone=gone)
+        self._unary.pop(stream_id, None)
+        self._buffers.pop(stream_id, None)
+        self._pending.pop(stream_id, None)
+        self._closing.discard(stream_id)
+
+    def send(self, stream_id: int, data: bytes) -> None:
+        """Send `data` on the call (as flow control allows; the rest when it does)."""
+        if self._lost:
+            return
+        self._pending.setdefault(stream_id, []).append(data)
+        self._pump(stream_id)
+        self._dirty.set()
+
+    def _pump(self, stream_id: int) -> None:
+        h2c = self._h2
+        pending = self._pending.get(stream_id)
+        try:
+            while pending:
+                window = min(h2c.local_flow_control_window(stream_id), h2c.max_outbound_frame_size)
+                if window <= 0:
+                    return
+                data = pending[0]
+                if len(data) > window:
+                    h2c.send_data(stream_id, data[:window])
+                    pending[0] = data[window:]
+                else:
+                    h2c.send_data(stream_id, data)
+                    pending.pop(0)
+            self._pending.pop(stream_id, None)
+            if stream_id in self._closing:
+                self._closing.discard(stream_id)
+                self._calls.pop(stream_id, None)
+                self._buffers.pop(stream_id, None)
+                h2c.send_headers(stream_id, _OK, end_stream=True)
+        except h2.exceptions.StreamClosedError:
+            self._forget(stream_id, gone=True)
+        self._dirty.set()
+
+    async def _write(self) -> None:
+        h2c, stream = self._h2, self._stream
+        while True:
+            await self._dirty.wait()
+            self._dirty = trio.Event()
+            data = h2c.data_to_send()
+            if data:
+                try:
+                    await stream.send_all(data)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    self._lost = True
+                    return
 
 
 class PickerServer:
-    """grpcio's asyncio server for the picker and gRPC health, run by `run` on the calling
-    (worker) thread until `stop`; calls are handed to `picker` on the Trio thread of
-    `token`, in `nursery`."""
+    """The picker's gRPC server on Trio: calls are handed to `picker`, each decision a task
+    in `nursery`."""
 
-    def __init__(
-        self,
-        bind: str,
-        picker: Picker,
-        token: trio.lowlevel.TrioToken,
-        nursery: trio.Nursery,
-        *,
-        max_body_bytes: int,
-        grace_s: float,
-    ) -> None:
-        self._bind, self._picker, self._token, self._nursery = bind, picker, token, nursery
-        self.max_body_bytes, self._grace_s = max_body_bytes, grace_s
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop: asyncio.Event | None = None
-        self._health = health.aio.HealthServicer()
-        self.port = 0
-
-    # -- the Trio thread ------------------------------------------------------------------
-    def stop(self) -> None:
-        """End the server: no new calls, calls in flight get `grace_s` (idempotent)."""
-        loop, stop = self._loop, self._stop
-        if loop is not None and stop is not None:
-            loop.call_soon_threadsafe(stop.set)
+    def __init__(self, picker: Picker, nursery: trio.Nursery, *, max_body_bytes: int) -> None:
+        self._picker, self._nursery = picker, nursery
+        self.max_body_bytes = max_body_bytes
+        self.health: dict[str, int] = {
+            service: _SERVING if service in ("", "liveness") else _NOT_SERVING
+            for service in HEALTH_SERVICES
+        }
 
     def set_ready(self, ready: bool) -> None:
         """Readiness, as the health service answers it (`readiness` and the picker's
         service; `liveness` and "" stay serving while the process runs)."""
-        if (loop := self._loop) is not None:
-            status = _SERVING if ready else _NOT_SERVING
-            for service in ("readiness", SERVICE):
-                asyncio.run_coroutine_threadsafe(self._health.set(service, status), loop)
+        status = _SERVING if ready else _NOT_SERVING
+        self.health["readiness"] = self.health[SERVICE] = status
 
-    # -- the server's thread --------------------------------------------------------------
-    def run(self, started: Callable[[int], None]) -> None:
-        """Serve until `stop` (on this thread's own event loop); `started(port)` once
-        listening."""
-        asyncio.run(self._serve(started))
-
-    async def _serve(self, started: Callable[[int], None]) -> None:
-        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
-        server = grpc.aio.server(
-            options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", -1)]
-        )
-        handler = grpc.stream_stream_rpc_method_handler(
-            self._process,
-            request_deserializer=ep.ProcessingRequest.FromString,
-            response_serializer=ep.ProcessingResponse.SerializeToString,
-        )
-        server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler(SERVICE, {"Process": handler}),)
-        )
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        for service in HEALTH_SERVICES:
-            await self._health.set(
-                service, _SERVING if service in ("", "liveness") else _NOT_SERVING
-            )
-        self.port = server.add_insecure_port(self._bind)
-        await server.start()
-        started(self.port)
-        try:
-            await self._stop.wait()
-        finally:
-            await self._health.enter_graceful_shutdown()
-            await server.stop(self._grace_s)
-
-    async def _process(
-        self,
-        requests: AsyncIterator[ep.ProcessingRequest],
-        context: grpc.aio.ServicerContext[Any, Any],
-    ) -> None:
-        await _Call(self, context).run(requests)
-
-    def hand_over(self, exchange: Exchange) -> bool:
-        """Start `exchange` on the Trio side; False when the Trio run has ended."""
-        try:
-            self._token.run_sync_soon(self._start, exchange)
-        except trio.RunFinishedError:
-            return False
-        return True
-
-    def _start(self, exchange: Exchange) -> None:
-        """The Trio thread: `exchange` started, or refused when the picker has stopped."""
+    def start(self, exchange: Exchange) -> None:
+        """Decide `exchange` (a task of its own); refused when the picker has stopped."""
         try:
             self._nursery.start_soon(self._picker.exchange, exchange)
         except RuntimeError:  # the nursery is closed: the picker has stopped
             exchange.answer(STOPPED)
 
-    def report(self, what: Callable[..., None], *args: Any) -> None:
-        """Tell the Trio side `what(*args)` (ignored once the Trio run has ended)."""
-        with contextlib.suppress(trio.RunFinishedError):
-            self._token.run_sync_soon(what, *args)
+    async def serve_connection(self, stream: trio.SocketStream) -> None:
+        await _Connection(self, stream).run()
