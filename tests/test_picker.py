@@ -379,3 +379,51 @@ async def test_a_gateway_checking_the_pickers_health_sends_it_its_requests(
             await records.wait(4)
     assert sorted(served) == ["e0", "e0", "e1", "e1"]  # round robin: the picker's choice
     assert len(records.records) == 4
+
+
+async def test_a_large_body_passes_through_the_picker_whole(tmp_path: Path) -> None:
+    """A body larger than an HTTP/2 frame (and than Envoy's chunks) is read whole, decided
+    on, and passed back whole: the engine gets every byte."""
+    fakes = engines(1, max_model_len=10**6)
+    text = "".join(f"word{i} " for i in range(40_000))  # about 300 KB
+    with trio.fail_after(LIMIT):
+        async with gateway(fakes, tmp_path) as (_, _, client):
+            answer = await client.post(
+                CHAT, json=chat(messages=[{"role": "user", "content": text}])
+            )
+    assert answer.status_code == 200, answer.text
+    assert fakes[0].requests_to(CHAT)[-1].json()["messages"][0]["content"] == text
+
+
+async def test_grpc_health_and_unknown_methods(tmp_path: Path) -> None:
+    """gRPC health as the endpoint-picker protocol asks (a client of grpcio's own): every
+    service the picker names serves once its engines are probed; an unknown service is
+    NOT_FOUND and an unknown method UNIMPLEMENTED."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    def ask(target: str) -> tuple[list[int], grpc.StatusCode, grpc.StatusCode]:
+        with grpc.insecure_channel(target) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            services = ["", "liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"]
+            statuses = [
+                stub.Check(health_pb2.HealthCheckRequest(service=s), timeout=5).status
+                for s in services
+            ]
+            try:
+                stub.Check(health_pb2.HealthCheckRequest(service="nope"), timeout=5)
+            except grpc.RpcError as exc:
+                unknown = exc.code()
+            try:
+                channel.unary_unary("/no.Such/Method")(b"", timeout=5)
+            except grpc.RpcError as exc:
+                unimplemented = exc.code()
+        return statuses, unknown, unimplemented
+
+    with trio.fail_after(LIMIT):
+        async with open_router(engines(1), picker=PICKER) as router:
+            target = router.picker.removeprefix("grpc://")
+            statuses, unknown, unimplemented = await trio.to_thread.run_sync(ask, target)
+    assert statuses == [health_pb2.HealthCheckResponse.SERVING] * 4
+    assert unknown == grpc.StatusCode.NOT_FOUND
+    assert unimplemented == grpc.StatusCode.UNIMPLEMENTED
