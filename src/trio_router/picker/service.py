@@ -313,7 +313,12 @@ class _Connection:
     def __init__(self, server: PickerServer, stream: trio.SocketStream) -> None:
         self.server, self._stream = server, stream
         config = h2.config.H2Configuration(
-            client_side=False, header_encoding=None, validate_inbound_headers=False
+            client_side=False,
+            header_encoding=None,
+            validate_inbound_headers=False,
+            normalize_inbound_headers=False,
+            validate_outbound_headers=False,
+            normalize_outbound_headers=False,
         )
         self._h2 = h2.connection.H2Connection(config)
         self._calls: dict[int, _Process] = {}
@@ -321,7 +326,9 @@ class _Connection:
         self._buffers: dict[int, bytes] = {}  # the part of a message not in yet, by stream
         self._pending: dict[int, list[bytes]] = {}  # data waiting for flow control, by stream
         self._closing: set[int] = set()  # streams to end (trailers) once their data is out
-        self._dirty = trio.Event()
+        self._dirty = trio.Event()  # set: the writer has something to send
+        self._reading = False  # the reader is handling what it read (it sends it itself)
+        self._sending = trio.StrictFIFOLock()
         self._lost = False
 
     async def run(self) -> None:
@@ -340,6 +347,8 @@ class _Connection:
                 nursery.start_soon(self._write)
                 await self._read()
                 nursery.cancel_scope.cancel()
+        except Exception:  # a failure of this connection ends it, not the picker
+            logger.exception("endpoint picker: a gateway connection failed; it is closed")
         finally:
             self._lost = True
             for call in self._calls.values():
@@ -357,26 +366,26 @@ class _Connection:
                 return
             if not data:
                 return
+            self._reading = True
             try:
                 events = h2c.receive_data(data)
+                for event in events:
+                    self._event(event)
             except h2.exceptions.ProtocolError as exc:
                 logger.warning("endpoint picker: HTTP/2 protocol error from the gateway: %s", exc)
-                self._dirty.set()
+                await self._flush()
                 return
-            for event in events:
-                self._event(event)
-            self._dirty.set()
+            finally:
+                self._reading = False
+            await self._flush()
 
     def _event(self, event: h2.events.Event) -> None:
+        # (A frame that ends its stream comes with a StreamEnded event of its own.)
         if isinstance(event, h2.events.DataReceived):
             self._h2.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
             self._data(event.stream_id, event.data)
-            if event.stream_ended is not None:
-                self._half_closed(event.stream_id)
         elif isinstance(event, h2.events.RequestReceived):
             self._request(event.stream_id, event.headers)
-            if event.stream_ended is not None:
-                self._half_closed(event.stream_id)
         elif isinstance(event, h2.events.StreamEnded):
             self._half_closed(event.stream_id)
         elif isinstance(event, h2.events.StreamReset):
@@ -431,6 +440,7 @@ class _Connection:
             service = health_pb2.HealthCheckRequest.FromString(message).service
             status = self.server.health.get(service)
             if status is None:
+                del self._unary[stream_id]
                 self._h2.send_headers(
                     stream_id,
                     [(b"grpc-status", b"5"), (b"grpc-message", b"unknown service")],
@@ -442,7 +452,10 @@ class _Connection:
     def _half_closed(self, stream_id: int) -> None:
         """The gateway has sent all of the call: it is over; its end goes out once all its
         data has."""
-        if (call := self._calls.get(stream_id)) is not None:
+        call = self._calls.get(stream_id)
+        if call is None and stream_id not in self._unary:
+            return  # answered and closed already (an unknown method, a failed call)
+        if call is not None:
             call.end(gone=False)
         self._unary.pop(stream_id, None)
         self._closing.add(stream_id)
@@ -469,7 +482,6 @@ class _Connection:
             return
         self._pending.setdefault(stream_id, []).append(data)
         self._pump(stream_id)
-        self._dirty.set()
 
     def _pump(self, stream_id: int) -> None:
         h2c = self._h2
@@ -492,22 +504,27 @@ class _Connection:
                 self._calls.pop(stream_id, None)
                 self._buffers.pop(stream_id, None)
                 h2c.send_headers(stream_id, _OK, end_stream=True)
-        except h2.exceptions.StreamClosedError:
+        except h2.exceptions.H2Error:  # the stream is closed (reset by the gateway)
             self._forget(stream_id, gone=True)
-        self._dirty.set()
+        if not self._reading:
+            self._dirty.set()
 
     async def _write(self) -> None:
-        h2c, stream = self._h2, self._stream
-        while True:
+        """What is sent outside the reader (a verdict, given by its decision's task)."""
+        while not self._lost:
             await self._dirty.wait()
             self._dirty = trio.Event()
-            data = h2c.data_to_send()
-            if data:
+            await self._flush()
+
+    async def _flush(self) -> None:
+        """Send whatever h2 has to send, in one write."""
+        data = self._h2.data_to_send()
+        if data:
+            async with self._sending:
                 try:
-                    await stream.send_all(data)
+                    await self._stream.send_all(data)
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     self._lost = True
-                    return
 
 
 class PickerServer:
