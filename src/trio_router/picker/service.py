@@ -326,6 +326,7 @@ class _Connection:
         self._buffers: dict[int, bytes] = {}  # the part of a message not in yet, by stream
         self._pending: dict[int, list[bytes]] = {}  # data waiting for flow control, by stream
         self._closing: set[int] = set()  # streams to end (trailers) once their data is out
+        self._unanswered: set[int] = set()  # streams whose response head is not sent yet
         self._dirty = trio.Event()  # set: the writer has something to send
         self._reading = False  # the reader is handling what it read (it sends it itself)
         self._sending = trio.StrictFIFOLock()
@@ -409,7 +410,7 @@ class _Connection:
                 end_stream=True,
             )
             return
-        self._h2.send_headers(stream_id, _RESPONSE_HEAD)
+        self._unanswered.add(stream_id)  # its head goes out with its first message
 
     def _data(self, stream_id: int, data: bytes) -> None:
         buffered = self._buffers.pop(stream_id, b"")
@@ -440,12 +441,7 @@ class _Connection:
             service = health_pb2.HealthCheckRequest.FromString(message).service
             status = self.server.health.get(service)
             if status is None:
-                del self._unary[stream_id]
-                self._h2.send_headers(
-                    stream_id,
-                    [(b"grpc-status", b"5"), (b"grpc-message", b"unknown service")],
-                    end_stream=True,
-                )
+                self._fail(stream_id, b"5", b"unknown service")
                 return
             self.send(stream_id, _message(health_pb2.HealthCheckResponse(status=status)))
 
@@ -462,10 +458,13 @@ class _Connection:
         self._pump(stream_id)
 
     def _fail(self, stream_id: int, status: bytes, message: bytes) -> None:
+        head = _RESPONSE_HEAD if stream_id in self._unanswered else []
         self._forget(stream_id, gone=True)
         with contextlib.suppress(h2.exceptions.H2Error):
             self._h2.send_headers(
-                stream_id, [(b"grpc-status", status), (b"grpc-message", message)], end_stream=True
+                stream_id,
+                [*head, (b"grpc-status", status), (b"grpc-message", message)],
+                end_stream=True,
             )
 
     def _forget(self, stream_id: int, *, gone: bool) -> None:
@@ -475,11 +474,19 @@ class _Connection:
         self._buffers.pop(stream_id, None)
         self._pending.pop(stream_id, None)
         self._closing.discard(stream_id)
+        self._unanswered.discard(stream_id)
 
     def send(self, stream_id: int, data: bytes) -> None:
         """Send `data` on the call (as flow control allows; the rest when it does)."""
         if self._lost:
             return
+        if stream_id in self._unanswered:
+            self._unanswered.discard(stream_id)
+            try:
+                self._h2.send_headers(stream_id, _RESPONSE_HEAD)
+            except h2.exceptions.H2Error:  # the stream is closed (reset by the gateway)
+                self._forget(stream_id, gone=True)
+                return
         self._pending.setdefault(stream_id, []).append(data)
         self._pump(stream_id)
 
@@ -503,7 +510,11 @@ class _Connection:
                 self._closing.discard(stream_id)
                 self._calls.pop(stream_id, None)
                 self._buffers.pop(stream_id, None)
-                h2c.send_headers(stream_id, _OK, end_stream=True)
+                if stream_id in self._unanswered:  # no message: a trailers-only answer
+                    self._unanswered.discard(stream_id)
+                    h2c.send_headers(stream_id, [*_RESPONSE_HEAD, *_OK], end_stream=True)
+                else:
+                    h2c.send_headers(stream_id, _OK, end_stream=True)
         except h2.exceptions.H2Error:  # the stream is closed (reset by the gateway)
             self._forget(stream_id, gone=True)
         if not self._reading:
