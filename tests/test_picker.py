@@ -20,13 +20,6 @@ import trio
 
 from trio_router import server
 from trio_router.config import (
-    Config,
-    DiscoveryConfig,
-    KubernetesConfig,
-    PickerConfig,
-    ProbeConfig,
-    ServerConfig,
-    StatsConfig,
     TenantConfig,
 )
 from trio_router.kv.index import BlockIndex
@@ -40,6 +33,7 @@ from trio_router.testing.harness import (
     CHAT,
     Router,
     chat,
+    kubernetes_config,
     open_raw,
     open_router,
     sample,
@@ -197,18 +191,7 @@ async def test_a_deleted_pod_is_never_chosen(
             await nursery.start(serve_fake_engine, fakes[1], "127.0.1.2", port)
             apiserver.add_pod("pod-a", ip="127.0.1.1")
             apiserver.add_pod("pod-b", ip="127.0.1.2")
-            config = Config(
-                server=ServerConfig(bind="127.0.0.1:0"),
-                discovery=DiscoveryConfig(
-                    mode="kubernetes",
-                    kubernetes=KubernetesConfig(
-                        namespace=apiserver.namespace, port=port, kubeconfig=str(kubeconfig)
-                    ),
-                ),
-                probe=ProbeConfig(interval_s=60.0),
-                stats=StatsConfig(interval_s=0.0),
-                picker=PickerConfig(enabled=True, bind="127.0.0.1:0"),
-            )
+            config = kubernetes_config(apiserver.namespace, str(kubeconfig), port, picker=PICKER)
             table = RoutingTable()
             _, picker = await nursery.start(
                 partial(server.run, config, table=table, handle_signals=False)

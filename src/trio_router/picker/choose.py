@@ -256,7 +256,7 @@ class Picker:
     def _settle(ex: Exchange, record: ExchangeRecord, rt: Runtime) -> None:
         """What the gateway reported of the answer: its status, and its usage summary when
         the gateway sent the answer's body."""
-        record.status = ex.status or (CLIENT_CLOSED if ex.gone else 0)
+        record.status = ex.status  # none reported: 499, when the record is written
         if ex.status == 200 and ex.tail and (usage := usage_of(ex.tail)):
             rt.services.metrics.tokens(record.served_model, *usage)
 

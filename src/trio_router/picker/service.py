@@ -322,7 +322,7 @@ class _Connection:
         )
         self._h2 = h2.connection.H2Connection(config)
         self._calls: dict[int, _Process] = {}
-        self._unary: dict[int, bytes] = {}  # health checks: the stream's path
+        self._unary: set[int] = set()  # health checks (unary calls)
         self._buffers: dict[int, bytes] = {}  # the part of a message not in yet, by stream
         self._pending: dict[int, list[bytes]] = {}  # data waiting for flow control, by stream
         self._closing: set[int] = set()  # streams to end (trailers) once their data is out
@@ -402,7 +402,7 @@ class _Connection:
         if path == PROCESS_PATH:
             self._calls[stream_id] = _Process(self, stream_id)
         elif path == HEALTH_CHECK_PATH:
-            self._unary[stream_id] = path
+            self._unary.add(stream_id)
         else:
             self._h2.send_headers(
                 stream_id,
@@ -453,7 +453,7 @@ class _Connection:
             return  # answered and closed already (an unknown method, a failed call)
         if call is not None:
             call.end(gone=False)
-        self._unary.pop(stream_id, None)
+        self._unary.discard(stream_id)
         self._closing.add(stream_id)
         self._pump(stream_id)
 
@@ -470,7 +470,7 @@ class _Connection:
     def _forget(self, stream_id: int, *, gone: bool) -> None:
         if (call := self._calls.pop(stream_id, None)) is not None:
             call.end(gone=gone)
-        self._unary.pop(stream_id, None)
+        self._unary.discard(stream_id)
         self._buffers.pop(stream_id, None)
         self._pending.pop(stream_id, None)
         self._closing.discard(stream_id)
