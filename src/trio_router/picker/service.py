@@ -11,7 +11,12 @@ and those hand-overs came to several times the decision itself (docs/performance
 endpoint picker"). Here a connection's reader parses HTTP/2 with h2 and the gRPC messages with
 protobuf, and handles each message at once, synchronously; only the decision is a task
 (`choose.Picker.exchange`), whose verdict is written back in the callback that gives it.
-Writes are coalesced: whatever h2 has to send goes out in one `send_all` per wake-up.
+Writes are coalesced: whatever one read of the gateway produced goes out in one write. The
+socket is read and written synchronously while it is ready and awaited (`wait_readable`,
+`wait_writable`) only when it would block, as the proxy's engine connections are
+(`http.connection`): a Trio socket's `receive_some`/`send_all` passes through the scheduler
+even when the data is there, and at the rates a gateway sends, those passes, not the
+messages, were most of the picker's CPU.
 
 One call per HTTP request, in the streaming mode the reference gateways configure (request
 body FULL_DUPLEX_STREAMED): the request's headers, then its body in chunks, are read and
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import struct
 from typing import Final
 
@@ -62,6 +68,7 @@ SUBSET: Final = "x-gateway-destination-endpoint-subset"
 TAIL_BYTES: Final = 4096  # of an answer body the gateway sends: where its usage summary is
 HEALTH_SERVICES: Final = ("", "liveness", "readiness", SERVICE)
 READ_BYTES: Final = 65536
+READ_BURST: Final = 16  # reads in a row without a checkpoint, while the gateway keeps sending
 WINDOW: Final = 2**31 - 1  # the flow-control window offered: the gateway never waits for it
 MAX_STREAMS: Final = 100_000  # calls at once on one connection
 
@@ -183,6 +190,7 @@ class _Process:
             else:
                 for response in _chosen(verdict, body, streamed, trailers):
                     conn.send(stream_id, response)
+            conn.flush()
 
         exchange = Exchange(
             self._method,
@@ -306,12 +314,14 @@ def _chosen(chosen: Chosen, body: bytes, has_body: bool, trailers: bool) -> list
 
 
 class _Connection:
-    """One HTTP/2 connection of the gateway: its reader handles every frame as it comes, its
-    writer sends whatever h2 has to send, in one write per wake-up (see the module's
-    docstring)."""
+    """One HTTP/2 connection of the gateway: its reader handles every frame as it comes and
+    sends what that produced in one write; a verdict given by a decision's task is written at
+    once by that task. The socket is read and written synchronously while it is ready, with a
+    wait on Trio only when it would block (see the module's docstring)."""
 
     def __init__(self, server: PickerServer, stream: trio.SocketStream) -> None:
         self.server, self._stream = server, stream
+        self._fd = stream.socket.fileno()
         config = h2.config.H2Configuration(
             client_side=False,
             header_encoding=None,
@@ -327,9 +337,9 @@ class _Connection:
         self._pending: dict[int, list[bytes]] = {}  # data waiting for flow control, by stream
         self._closing: set[int] = set()  # streams to end (trailers) once their data is out
         self._unanswered: set[int] = set()  # streams whose response head is not sent yet
-        self._dirty = trio.Event()  # set: the writer has something to send
-        self._reading = False  # the reader is handling what it read (it sends it itself)
-        self._sending = trio.StrictFIFOLock()
+        self._out = bytearray()  # bytes the socket did not take yet, in order
+        self._blocked = trio.Event()  # set: `_out` waits for the socket (the writer sends it)
+        self._reading = False  # the reader is handling what it read (it flushes after)
         self._lost = False
 
     async def run(self) -> None:
@@ -346,6 +356,7 @@ class _Connection:
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._write)
+                self.flush()
                 await self._read()
                 nursery.cancel_scope.cancel()
         except Exception:  # a failure of this connection ends it, not the picker
@@ -359,11 +370,16 @@ class _Connection:
                 await self._stream.aclose()
 
     async def _read(self) -> None:
-        h2c, stream = self._h2, self._stream
-        while True:
+        h2c, fd = self._h2, self._fd
+        burst = 0  # reads in a row that found data: a checkpoint every READ_BURST of them
+        while not self._lost:
             try:
-                data = await stream.receive_some(READ_BYTES)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                data = os.read(fd, READ_BYTES)
+            except BlockingIOError:
+                burst = 0
+                await trio.lowlevel.wait_readable(fd)
+                continue
+            except OSError:  # reset by the gateway
                 return
             if not data:
                 return
@@ -374,11 +390,14 @@ class _Connection:
                     self._event(event)
             except h2.exceptions.ProtocolError as exc:
                 logger.warning("endpoint picker: HTTP/2 protocol error from the gateway: %s", exc)
-                await self._flush()
                 return
             finally:
                 self._reading = False
-            await self._flush()
+                self.flush()
+            burst += 1
+            if burst == READ_BURST:
+                burst = 0
+                await trio.lowlevel.checkpoint()
 
     def _event(self, event: h2.events.Event) -> None:
         # (A frame that ends its stream comes with a StreamEnded event of its own.)
@@ -477,7 +496,8 @@ class _Connection:
         self._unanswered.discard(stream_id)
 
     def send(self, stream_id: int, data: bytes) -> None:
-        """Send `data` on the call (as flow control allows; the rest when it does)."""
+        """Queue `data` on the call (as flow control allows; the rest when it does); `flush`
+        writes it."""
         if self._lost:
             return
         if stream_id in self._unanswered:
@@ -517,25 +537,38 @@ class _Connection:
                     h2c.send_headers(stream_id, _OK, end_stream=True)
         except h2.exceptions.H2Error:  # the stream is closed (reset by the gateway)
             self._forget(stream_id, gone=True)
-        if not self._reading:
-            self._dirty.set()
+
+    def flush(self) -> None:
+        """Write what h2 has to send, synchronously, unless the reader is handling a read (it
+        flushes once it has) or earlier bytes still wait for the socket (the writer sends
+        these in order)."""
+        if self._reading or self._lost:
+            return
+        data = self._h2.data_to_send()
+        out = self._out
+        if data:
+            out += data
+        if not out or self._blocked.is_set():
+            return
+        try:
+            sent = os.write(self._fd, out)
+        except BlockingIOError:
+            sent = 0
+        except OSError:  # the gateway is gone; the reader sees it too
+            self._lost = True
+            out.clear()
+            return
+        del out[:sent]
+        if out:
+            self._blocked.set()
 
     async def _write(self) -> None:
-        """What is sent outside the reader (a verdict, given by its decision's task)."""
-        while not self._lost:
-            await self._dirty.wait()
-            self._dirty = trio.Event()
-            await self._flush()
-
-    async def _flush(self) -> None:
-        """Send whatever h2 has to send, in one write."""
-        data = self._h2.data_to_send()
-        if data:
-            async with self._sending:
-                try:
-                    await self._stream.send_all(data)
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    self._lost = True
+        """Send what the socket did not take at once, as it takes more."""
+        while True:
+            await self._blocked.wait()
+            await trio.lowlevel.wait_writable(self._fd)
+            self._blocked = trio.Event()
+            self.flush()
 
 
 class PickerServer:
