@@ -255,7 +255,9 @@ async def test_a_tenant_over_its_limit_gets_429_and_an_alias_is_rewritten(
             aliased = await client.post(CHAT, json=chat("chat"), headers=key)
             no_key = await client.post(CHAT, json=chat())
     assert over.status_code == 429
-    assert over.headers["x-trio-router-reason"] == "rate_limit_exceeded"
+    assert over.headers["x-trio-router-reason"] == "tenant_concurrency"
+    assert over.headers["x-trio-router-refusal"] == "tenant_concurrency"
+    assert over.json()["error"]["code"] == "tenant_concurrency"
     assert over.headers["retry-after"]
     assert aliased.status_code == 200
     assert fakes[0].requests_to(CHAT)[-1].json()["model"] == "fake-model"  # the body rewritten

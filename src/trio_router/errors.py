@@ -26,12 +26,16 @@ class DiscoveryError(RouterError):
 
 
 class RequestError(RouterError):
-    """What a client is answered: `status`, and `type` and `code` for the OpenAI-style body."""
+    """What a client is answered: `status`, and `type` and `code` for the OpenAI-style body.
+    A refusal (the router chose not to serve the request now: a limit, the queue, a
+    deadline, no engine) is `refusal`: its answer names `code` in `x-trio-router-refusal`
+    and it is counted by reason."""
 
     status: int = 500
     type: str = "server_error"
     code: str = "internal_error"
     headers: tuple[tuple[bytes, bytes], ...] = ()  # extra response headers (Retry-After, ...)
+    refusal: bool = False
 
 
 class BadRequestError(RequestError):
@@ -73,6 +77,7 @@ class RateLimitedError(RequestError):
     status = 429
     type = "requests"
     code = "rate_limit_exceeded"
+    refusal = True
 
     def __init__(
         self,
@@ -104,6 +109,7 @@ class NoEngineError(RequestError):
     status = 503
     type = "server_error"
     code = "no_routable_engine"
+    refusal = True
 
 
 class QueueTimeoutError(RequestError):
@@ -113,6 +119,18 @@ class QueueTimeoutError(RequestError):
     status = 503
     type = "server_error"
     code = "queue_timeout"
+    refusal = True
+
+
+class DeadlineError(RequestError):
+    """A request's first-token deadline (`x-trio-router-deadline-ms`, or its tenant's
+    `ttft_deadline_ms`) passed while it waited in the router's queue, or the queue ahead of
+    it could not be served in time: no engine saw it."""
+
+    status = 504
+    type = "server_error"
+    code = "deadline_exceeded"
+    refusal = True
 
 
 class OverloadedError(RequestError):

@@ -184,6 +184,15 @@ class Metrics:
             ["reason", "tenant"],
             registry=self.registry,
         )
+        self._refused = Counter(
+            "trio_router_refused_requests",
+            "Requests the router refused, by reason (the error's code, as in "
+            "x-trio-router-refusal: queue_full, shed, deadline_exceeded, queue_timeout, "
+            "rate_limit_exceeded, tenant_concurrency, no_routable_engine), priority band and "
+            "model.",
+            ["reason", "priority", "model"],
+            registry=self.registry,
+        )
         self._routed = Counter(
             "trio_router_routing_decisions",
             "Engines chosen for requests, by policy, outcome "
@@ -388,6 +397,9 @@ class Metrics:
 
     def rejected(self, reason: str, tenant: str) -> None:
         self._rejected.labels(reason, tenant).inc()
+
+    def refused(self, reason: str, priority: int, model: str) -> None:
+        self._refused.labels(reason, str(priority), model).inc()
 
     def reload(self, result: str) -> None:
         """Count one SIGHUP reload: "ok", "unchanged" or "error"."""

@@ -23,9 +23,18 @@ class AdmissionConfig:
     queue_size: int = 1024  # requests waiting at the router, in all; beyond: 429
     queue_timeout_s: float = 30.0  # longest wait in the queue; then 503
     fairness: Fairness = "tenant"  # "tenant": weighted round robin across tenants; "none": FIFO
+    priority: int = 0  # anonymous traffic's band (higher is served first)
+    ttft_deadline_ms: int = 0  # anonymous traffic's first-token deadline; 0: none
+    sheddable_below: int = 0  # bands below this are refused when saturated, never queued
+    priority_to_engines: bool = False  # set vLLM's request `priority` (minus the band)
 
     def __post_init__(self) -> None:
-        for key in ("max_in_flight_per_engine", "max_waiting_per_engine", "queue_size"):
+        for key in (
+            "max_in_flight_per_engine",
+            "max_waiting_per_engine",
+            "queue_size",
+            "ttft_deadline_ms",
+        ):
             if getattr(self, key) < 0:
                 raise ConfigError(f"admission.{key} must be >= 0, got {getattr(self, key)}")
         positive("admission", queue_timeout_s=self.queue_timeout_s)
@@ -39,6 +48,8 @@ class TenantConfig:
     weight: int = 1  # share of the queue's dispatches, against the other tenants
     requests_per_minute: int = 0  # token bucket (burst = this); 0: unlimited
     max_concurrent: int = 0  # in flight + queued; 0: unlimited
+    priority: int = 0  # its band in the queue (higher is served first)
+    ttft_deadline_ms: int = 0  # its requests' first-token deadline; 0: none
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -52,7 +63,7 @@ class TenantConfig:
             raise ConfigError(
                 f"tenants: tenant {self.name!r}: weight must be >= 1, got {self.weight}"
             )
-        for key in ("requests_per_minute", "max_concurrent"):
+        for key in ("requests_per_minute", "max_concurrent", "ttft_deadline_ms"):
             if getattr(self, key) < 0:
                 raise ConfigError(
                     f"tenants: tenant {self.name!r}: {key} must be >= 0, got {getattr(self, key)}"

@@ -72,6 +72,7 @@ class LocalLimits:
             raise RateLimitedError(
                 f"tenant {tenant.name!r} already has {tenant.active} requests in flight or "
                 f"queued (its max_concurrent)",
+                code="tenant_concurrency",
                 headers=((b"retry-after", b"1"),),
             )
         if (error := _take_token(tenant, trio.current_time())) is not None:

@@ -230,6 +230,7 @@ class SharedLimits:
             raise RateLimitedError(
                 f"tenant {tenant.name!r} already has {reply[1]} requests in flight or "
                 "queued across all router replicas (its max_concurrent)",
+                code="tenant_concurrency",
                 headers=((b"retry-after", b"1"),),
             )
         tenant.active += 1

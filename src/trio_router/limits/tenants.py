@@ -36,6 +36,8 @@ class Tenant:
     tokens: float = 0.0  # the local bucket: requests left of the rate
     refilled_at: float = -math.inf  # when the bucket was last refilled (-inf: never; full)
     active: int = 0  # requests in flight or queued
+    priority: int = 0  # its band in the router's queue
+    ttft_deadline_s: float = 0.0  # its requests' default first-token deadline; 0: none
 
     def configure(self, config: TenantConfig) -> None:
         """Take the limits of `config`; a changed rate starts with a full bucket."""
@@ -44,6 +46,8 @@ class Tenant:
         self.weight = config.weight
         self.requests_per_minute = config.requests_per_minute
         self.max_concurrent = config.max_concurrent
+        self.priority = config.priority
+        self.ttft_deadline_s = config.ttft_deadline_ms / 1000
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +96,8 @@ class Tenants:
             tenant = old.get(tenant_config.name) or Tenant(name=tenant_config.name)
             tenant.configure(tenant_config)
             self._tenants[tenant.name] = tenant
+        self._anonymous.priority = config.admission.priority
+        self._anonymous.ttft_deadline_s = config.admission.ttft_deadline_ms / 1000
         self._server_key, self._keys = keys.server, keys.tenants
 
     @property

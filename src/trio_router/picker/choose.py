@@ -180,7 +180,11 @@ class Picker:
                 raise head.invalid
             tenant = rt.services.tenants.authenticate(head.authorization)
             record.tenant = tenant.name
-            prepared = await resolve(scope, head, tenant, ex.body, rt, record)
+            urgency = rt.services.admission.urgency(
+                tenant, head.priority, head.deadline_s, since=record.started
+            )
+            record.priority = urgency.priority
+            prepared = await resolve(scope, head, tenant, ex.body, rt, record, urgency)
             held.ticket = await rt.services.limits.admit(tenant)
             held.engine, prepared = await self._choose(prepared, ex.subset, record, rt)
         except RequestError as exc:
@@ -304,6 +308,8 @@ STOPPED: Final = Refusal(
 def _refusal(exc: RequestError, record: ExchangeRecord) -> Refusal:
     """The immediate answer for `exc`: the proxy's own error answer, with its reason."""
     record.status = exc.status
+    if exc.refusal:
+        record.refusal = exc.code
     logger.warning(
         "request %s for %s refused with %d: %s",
         record.request_id_text,

@@ -1,6 +1,7 @@
 """Admission: which request goes to an engine now and which waits at the router for one:
-saturated engines, the router's queue and its fairness across tenants. Whether a tenant may
-send a request at all (its rate, its concurrency) is for `limits` to say, before this.
+saturated engines, the router's queue, its priority bands, deadlines and fairness across
+tenants. Whether a tenant may send a request at all (its rate, its concurrency) is for
+`limits` to say, before this.
 
 - **Saturation.** An engine is saturated when this router's requests in flight to it reach
   the per-engine cap (`admission.max_in_flight_per_engine`, and never more than
@@ -8,16 +9,31 @@ send a request at all (its rate, its concurrency) is for `limits` to say, before
   figures are fresh, when its own queue (`vllm:num_requests_waiting`) reaches
   `admission.max_waiting_per_engine`. Routing policies choose among unsaturated engines only.
 - **Queue.** When every engine for the model is saturated, the request waits here, not at an
-  engine: at most `admission.queue_size` requests in all (beyond: 429 `queue_full`; with
-  fairness, a full queue turns away the newest request of the tenant with the most waiting
-  rather than a request of a tenant with fewer), each at
-  most `admission.queue_timeout_s` (then 503 `queue_timeout`). A slot that frees up (a request
+  engine: at most `admission.queue_size` requests in all, each at most
+  `admission.queue_timeout_s` (then 503 `queue_timeout`). A slot that frees up (a request
   done, an engine routable again, its figures lower) dispatches the next waiting request in
   the same step: no polling. A request whose client leaves while it waits leaves the queue.
-- **Fairness.** With `admission.fairness = "tenant"`, dispatches go round robin across the
-  tenants with waiting requests, weighted by their `weight` (stride scheduling), and in
-  arrival order within a tenant: a tenant's backlog delays another tenant's next request by
-  about one dispatch at most. `"none"`: arrival order.
+- **Priority bands.** Each request has a priority (its tenant's `priority`, or
+  `admission.priority` for anonymous traffic; `x-trio-router-priority` may lower it, never
+  raise it). Bands are served strictly by priority, the highest first. A band below
+  `admission.sheddable_below` is sheddable: its request is refused at once (429 `shed`)
+  whenever it would have to wait, never queued.
+- **A full queue.** A request of a band higher than the lowest band waiting takes the place
+  of the newest waiting request of that lowest band (429 `shed` for it); in the lowest band
+  itself, with fairness, it takes the place of the newest request of the tenant with the
+  most waiting in that band when that tenant has more than one more than its own; otherwise
+  it is refused (429 `queue_full`).
+- **Deadlines.** A request may have a first-token deadline (`x-trio-router-deadline-ms`, or
+  its tenant's `ttft_deadline_ms`, `admission.ttft_deadline_ms` for anonymous traffic). One
+  whose deadline passes while it waits is answered at once (504 `deadline_exceeded`) and no
+  engine sees it; so is one that arrives behind more waiting requests than the model's
+  recent dispatch rate can serve before its deadline.
+- **Fairness within a band.** With `admission.fairness = "tenant"`, dispatches go round robin
+  across the tenants with waiting requests in the band, weighted by their `weight` (stride
+  scheduling); each tenant's own requests go earliest deadline first (those without one
+  after, in arrival order): a tenant's backlog delays another tenant's next request by about
+  one dispatch at most, and no tenant's deadlines can overtake another's turn. `"none"`: one
+  line per band, earliest deadline first, then arrival order.
 
 Everything here is synchronous bookkeeping on the Trio thread but the wait in `acquire` and
 the `run` task that dispatches when the routing table changes.
@@ -25,29 +41,46 @@ the `run` task that dispatches when the routing table changes.
 
 from __future__ import annotations
 
+import bisect
+import itertools
+import math
 from collections import deque
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, NamedTuple
 from weakref import WeakKeyDictionary
 
 import trio
 
 from ..config import Config
-from ..errors import NoEngineError, QueueTimeoutError, RateLimitedError
+from ..errors import DeadlineError, NoEngineError, QueueTimeoutError, RateLimitedError
 from ..limits.tenants import Tenant
 from ..table import Engine, RoutingTable
 
-__all__ = ["Admission"]
+__all__ = ["Admission", "ModelLoad", "Urgency"]
 
 # Picks an engine for a request among the routable ones whose uid is not excluded; raises
 # NoEngineError when none is left.
 Pick = Callable[[Collection[str]], Engine]
 
 # Each tenant's position in the fair queue (stride scheduling): grows by 1/weight per
-# dispatch, one for all models' queues; kept as long as the tenant (a reload keeps the
-# tenants that remain), dropped with it.
+# dispatch, one for all models' queues and bands; kept as long as the tenant (a reload keeps
+# the tenants that remain), dropped with it.
 Passes = WeakKeyDictionary[Tenant, float]
+
+RATE_WINDOW: Final = 32  # recent dispatches a model's dispatch rate is measured over
+RATE_MIN_SAMPLES: Final = 8  # fewer: no prediction, no request refused on one
+
+
+class Urgency(NamedTuple):
+    """How a request ranks in the queue: its band (higher first) and its first-token
+    deadline (Trio time; inf: none)."""
+
+    priority: int = 0
+    deadline: float = math.inf
+
+
+ANYTIME: Final = Urgency()  # band 0, no deadline
 
 
 def _queue_full(size: int) -> RateLimitedError:
@@ -58,6 +91,12 @@ def _queue_full(size: int) -> RateLimitedError:
     )
 
 
+def _shed(priority: int, why: str) -> RateLimitedError:
+    return RateLimitedError(
+        f"shed: {why} (priority {priority})", code="shed", headers=((b"retry-after", b"1"),)
+    )
+
+
 class _Waiter:
     __slots__ = (
         "engine",
@@ -65,21 +104,37 @@ class _Waiter:
         "evicted",
         "key",
         "model",
+        "order",
         "pick",
+        "priority",
         "queued_at",
         "tenant",
         "tried",
+        "urgency",
     )
 
     def __init__(
-        self, tenant: Tenant, model: str, pick: Pick, tried: Collection[str], now: float
+        self,
+        tenant: Tenant,
+        model: str,
+        pick: Pick,
+        tried: Collection[str],
+        urgency: Urgency,
+        now: float,
+        seq: int,
     ) -> None:
         self.tenant, self.model, self.pick, self.tried = tenant, model, pick, tried
+        self.urgency, self.priority = urgency, urgency.priority
+        self.order = (urgency.deadline, seq)  # its place in its line: deadline, then arrival
         self.queued_at = now
         self.event = trio.Event()
         self.engine: Engine | None = None  # set when dispatched: a slot is held for it
-        self.key = tenant  # its line in the queue: its tenant, or one line for all (FIFO)
-        self.evicted = False  # pushed out of a full queue by another tenant's request
+        self.key = tenant  # its line in its band: its tenant, or one line for all (FIFO)
+        self.evicted: RateLimitedError | None = None  # pushed out of a full queue: why
+
+
+def _order(waiter: _Waiter) -> tuple[float, int]:
+    return waiter.order
 
 
 class _Excluded(Collection[str]):
@@ -102,51 +157,88 @@ class _Excluded(Collection[str]):
 
 @dataclass
 class _ModelQueue:
-    """The requests waiting for one model, in dispatch order."""
+    """The requests waiting for one model: by band (highest served first), then by line
+    (a tenant's, or one for all), each line in (deadline, arrival) order."""
 
     fair: bool
     passes: Passes  # the admission's, shared by every model's queue
-    by_tenant: dict[Tenant, deque[_Waiter]] = field(default_factory=dict)
+    bands: dict[int, dict[Tenant, list[_Waiter]]] = field(default_factory=dict)
     clock: float = 0.0  # the stride pass of the last dispatch
 
     def __len__(self) -> int:
-        return sum(map(len, self.by_tenant.values()))
+        return sum(len(line) for lines in self.bands.values() for line in lines.values())
+
+    def by_band(self) -> dict[int, int]:
+        return {band: sum(map(len, lines.values())) for band, lines in self.bands.items() if lines}
 
     def push(self, waiter: _Waiter) -> None:
         key = waiter.key = waiter.tenant if self.fair else _FIFO
-        waiting = self.by_tenant.get(key)
-        if waiting is None:
-            waiting = self.by_tenant[key] = deque()
+        lines = self.bands.setdefault(waiter.priority, {})
+        line = lines.get(key)
+        if line is None:
+            line = lines[key] = []
             passes = self.passes
             passes[key] = max(passes.get(key, 0.0), self.clock)  # no credit for idle time
-        waiting.append(waiter)
+        bisect.insort(line, waiter, key=_order)
+
+    def ahead(self, waiter: _Waiter) -> int:
+        """Requests that go before `waiter` (a higher band, or before it in its own)."""
+        count = 0
+        for band, lines in self.bands.items():
+            for line in lines.values():
+                if band > waiter.priority:
+                    count += len(line)
+                elif band == waiter.priority:
+                    count += bisect.bisect_left(line, waiter.order, key=_order)
+        return count
 
     def head(self) -> _Waiter | None:
-        if not self.by_tenant:
+        if not self.bands:
             return None
-        key = min(self.by_tenant, key=self.passes.__getitem__)
-        return self.by_tenant[key][0]
+        lines = self.bands[max(self.bands)]
+        key = min(lines, key=self.passes.__getitem__)
+        return lines[key][0]
 
     def pop(self, waiter: _Waiter) -> None:
         """Take the head `waiter` out: it is being dispatched."""
         key = waiter.key
-        waiting = self.by_tenant[key]
-        waiting.popleft()
+        lines = self.bands[waiter.priority]
+        line = lines[key]
+        line.pop(0)
         self.clock = self.passes[key] = self.passes[key] + 1.0 / key.weight
-        if not waiting:
-            del self.by_tenant[key]
+        if not line:
+            del lines[key]
+            if not lines:
+                del self.bands[waiter.priority]
 
     def remove(self, waiter: _Waiter) -> None:
         """Take `waiter` out from anywhere (it left: timeout, client gone, cancelled)."""
-        key = waiter.key
-        waiting = self.by_tenant.get(key)
-        if waiting is not None and waiter in waiting:
-            waiting.remove(waiter)
-            if not waiting:
-                del self.by_tenant[key]
+        lines = self.bands.get(waiter.priority, {})
+        line = lines.get(waiter.key)
+        if line is not None and waiter in line:
+            line.remove(waiter)
+            if not line:
+                del lines[waiter.key]
+                if not lines:
+                    del self.bands[waiter.priority]
 
 
-_FIFO: Final = Tenant(name="(fifo)")  # the one queue key when fairness is "none"
+_FIFO: Final = Tenant(name="(fifo)")  # the one line of a band when fairness is "none"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLoad:
+    """One model's load as admission sees it (the saturation signal): requests waiting by
+    band, this router's requests in flight to its engines, how many of its engines are
+    saturated, and `saturation`: the engines' mean load (each at most 1) plus the waiting
+    requests over what the engines hold at once. 0 idle, 1 every engine at its limit, above
+    1 while requests wait (see docs/flow-control.md)."""
+
+    queued: dict[int, int]
+    in_flight: int
+    engines: int
+    saturated: int
+    saturation: float
 
 
 class Admission:
@@ -163,8 +255,11 @@ class Admission:
         self._table = table
         self._queues: dict[str, _ModelQueue] = {}
         self._waiting = 0
-        self._by_tenant: dict[Tenant, list[_Waiter]] = {}  # waiting requests, oldest first
+        # Waiting requests of every model by band, then tenant, oldest first.
+        self._by_band: dict[int, dict[Tenant, list[_Waiter]]] = {}
         self._passes: Passes = WeakKeyDictionary()
+        self._dispatched: dict[str, deque[float]] = {}  # recent dispatches' times, by model
+        self._seq = itertools.count()
         self.saturated: set[str] = set()  # uids of engines that take no more now
         self._on_wait = on_wait  # (model, seconds waited) of each request that waited
         self._on_reject = on_reject  # (reason, tenant) of each request turned away
@@ -196,6 +291,18 @@ class Admission:
         tenant)."""
         self._on_wait, self._on_reject = on_wait, on_reject
 
+    @staticmethod
+    def urgency(
+        tenant: Tenant, priority: int | None, deadline_s: float | None, *, since: float
+    ) -> Urgency:
+        """A request's rank: its tenant's priority, lowered (never raised) to `priority`
+        when the client asks, and its deadline: `deadline_s` after `since` (its arrival),
+        or its tenant's default."""
+        band = tenant.priority if priority is None else min(priority, tenant.priority)
+        if deadline_s is None:
+            deadline_s = tenant.ttft_deadline_s or math.inf
+        return Urgency(band, since + deadline_s)
+
     # -- per request ---------------------------------------------------------------------
     async def acquire(
         self,
@@ -204,36 +311,51 @@ class Admission:
         pick: Pick,
         *,
         tried: Collection[str] = (),
+        urgency: Urgency = ANYTIME,
     ) -> Engine:
         """An engine for a request, with a slot held on it for the caller (give it back with
         `release`). When every engine for `model` not in `tried` is saturated, wait in the
         queue. Raises NoEngineError when every routable engine for it has been tried
-        (failover is over), RateLimitedError (429 `queue_full`) when the queue is full,
-        QueueTimeoutError after `admission.queue_timeout_s`. Cancellation (the client left, a
-        deadline) takes the request out of the queue (and gives back a slot it was just
-        given)."""
+        (failover is over), RateLimitedError (429 `queue_full`, or `shed`) when the queue is
+        full or the request's band is sheddable, DeadlineError when its deadline passes
+        first, QueueTimeoutError after `admission.queue_timeout_s`. Cancellation (the client
+        left, a deadline) takes the request out of the queue (and gives back a slot it was
+        just given)."""
+        now = trio.current_time()
+        if now >= urgency.deadline:
+            raise self._late(tenant, model, "before it could be routed")
         if not self._queues.get(model):  # nobody waits for this model: no one to overtake
             engine = self._take_now(model, pick, tried)
             if engine is not None:
                 return engine
-        if self._waiting >= self._config.queue_size and not self._make_room(tenant):
+        config = self._config
+        if urgency.priority < config.sheddable_below:
+            self._reject("shed", tenant)
+            raise _shed(urgency.priority, f"every engine for model {model!r} is saturated")
+        if self._waiting >= config.queue_size and not self._make_room(tenant, urgency.priority):
             self._reject("queue_full", tenant)
-            raise _queue_full(self._config.queue_size)
-        waiter, queue = self._enqueue(tenant, model, pick, tried)
+            raise _queue_full(config.queue_size)
+        waiter, queue = self._enqueue(tenant, model, pick, tried, urgency)
         queued = True
         try:
-            deadline = waiter.queued_at + self._config.queue_timeout_s
+            if self._cannot_start_in_time(waiter, queue, now):
+                raise self._late(tenant, model, "the requests ahead of it cannot be served in time")
+            timeout = waiter.queued_at + config.queue_timeout_s
+            wake = min(timeout, urgency.deadline)
             while waiter.engine is None:
-                with trio.move_on_at(deadline):
+                with trio.move_on_at(wake):
                     await waiter.event.wait()
                 if waiter.engine is not None:
                     break
-                if waiter.evicted:
-                    raise _queue_full(self._config.queue_size)
-                if trio.current_time() >= deadline:
+                if waiter.evicted is not None:
+                    raise waiter.evicted
+                now = trio.current_time()
+                if now >= urgency.deadline:
+                    raise self._late(tenant, model, "while it waited for an engine")
+                if now >= timeout:
                     self._reject("queue_timeout", tenant)
                     raise QueueTimeoutError(
-                        f"waited {self._config.queue_timeout_s:g} s for an engine for model "
+                        f"waited {config.queue_timeout_s:g} s for an engine for model "
                         f"{model!r}: all were saturated (admission.queue_timeout_s)"
                     )
             queued = False  # dispatched: `_dispatch` took it out of the queue
@@ -243,6 +365,26 @@ class Admission:
             return engine
         finally:
             self._left(waiter, queue, queued=queued)
+
+    def _late(self, tenant: Tenant, model: str, when: str) -> DeadlineError:
+        self._reject("deadline_exceeded", tenant)
+        return DeadlineError(
+            f"the request's first-token deadline for model {model!r} passed {when}"
+        )
+
+    def _cannot_start_in_time(self, waiter: _Waiter, queue: _ModelQueue, now: float) -> bool:
+        """Whether the requests ahead of `waiter` would take past its deadline at the
+        model's recent dispatch rate (unknown until RATE_MIN_SAMPLES dispatches: False)."""
+        if waiter.urgency.deadline == math.inf:
+            return False
+        times = self._dispatched.get(waiter.model)
+        if times is None or len(times) < RATE_MIN_SAMPLES:
+            return False
+        span = now - times[0]
+        if span <= 0:
+            return False
+        rate = len(times) / span  # dispatches per second, up to now
+        return queue.ahead(waiter) >= rate * (waiter.urgency.deadline - now)
 
     def _take_now(self, model: str, pick: Pick, tried: Collection[str]) -> Engine | None:
         """An unsaturated engine for `model`, its slot taken, or None (all saturated).
@@ -257,52 +399,71 @@ class Admission:
         return engine
 
     def _enqueue(
-        self, tenant: Tenant, model: str, pick: Pick, tried: Collection[str]
+        self, tenant: Tenant, model: str, pick: Pick, tried: Collection[str], urgency: Urgency
     ) -> tuple[_Waiter, _ModelQueue]:
-        waiter = _Waiter(tenant, model, pick, tried, trio.current_time())
+        now = trio.current_time()
+        waiter = _Waiter(tenant, model, pick, tried, urgency, now, next(self._seq))
         queue = self._queues.get(model)
         if queue is None:
             queue = self._queues[model] = _ModelQueue(fair=self._fair, passes=self._passes)
         queue.push(waiter)
-        self._by_tenant.setdefault(tenant, []).append(waiter)
+        self._by_band.setdefault(waiter.priority, {}).setdefault(tenant, []).append(waiter)
         self._waiting += 1
         return waiter, queue
 
     def _left(self, waiter: _Waiter, queue: _ModelQueue, *, queued: bool) -> None:
         """`waiter` is done waiting, however it ended (dispatched, turned away, cancelled)."""
-        if queued and waiter.engine is None and not waiter.evicted:
+        if queued and waiter.engine is None and waiter.evicted is None:
             self._unqueue(waiter, queue)
-        tenant = waiter.tenant
-        mine = self._by_tenant.get(tenant)
-        if mine is not None and waiter in mine:
-            mine.remove(waiter)
-            if not mine:
-                del self._by_tenant[tenant]
+        self._forget(waiter)
         if waiter.engine is not None:  # dispatched just as it left: give the slot back
             self.release(waiter.engine)
 
-    def _make_room(self, tenant: Tenant) -> bool:
-        """The queue is full: when `tenant` has fewer requests waiting than the tenant with
-        the most, that tenant's newest waiting request is turned away (429) to make room, so
-        a flood from one tenant cannot keep the others out of the queue. False otherwise."""
+    def _forget(self, waiter: _Waiter) -> None:
+        """Take `waiter` out of the index by band and tenant."""
+        tenants = self._by_band.get(waiter.priority, {})
+        mine = tenants.get(waiter.tenant)
+        if mine is not None and waiter in mine:
+            mine.remove(waiter)
+            if not mine:
+                del tenants[waiter.tenant]
+                if not tenants:
+                    del self._by_band[waiter.priority]
+
+    def _make_room(self, tenant: Tenant, priority: int) -> bool:
+        """The queue is full: push out a waiting request for this one (see the module's
+        docstring). False when none may be."""
+        lowest = min(self._by_band, default=None)
+        if lowest is None or lowest > priority:
+            return False
+        tenants = self._by_band[lowest]
+        if lowest < priority:  # the newest request of the lowest band
+            victim = max((line[-1] for line in tenants.values()), key=lambda w: w.queued_at)
+            self._evict(
+                victim, _shed(lowest, "the queue is full and a request of a higher band came")
+            )
+            self._reject("shed", victim.tenant)
+            return True
         if not self._fair:
             return False
-        mine = len(self._by_tenant.get(tenant, ()))
-        biggest = max(self._by_tenant, key=lambda t: len(self._by_tenant[t]), default=None)
-        if biggest is None or biggest is tenant or len(self._by_tenant[biggest]) <= mine + 1:
+        mine = len(tenants.get(tenant, ()))
+        biggest = max(tenants, key=lambda t: len(tenants[t]))
+        if biggest is tenant or len(tenants[biggest]) <= mine + 1:
             return False
-        victim = self._by_tenant[biggest][-1]
-        queue = self._queues[victim.model]
-        self._unqueue(victim, queue)
-        victim.evicted = True
-        victim.event.set()
+        self._evict(tenants[biggest][-1], _queue_full(self._config.queue_size))
         self._reject("queue_full", biggest)
         return True
+
+    def _evict(self, victim: _Waiter, error: RateLimitedError) -> None:
+        self._unqueue(victim, self._queues[victim.model])
+        self._forget(victim)
+        victim.evicted = error
+        victim.event.set()
 
     def _unqueue(self, waiter: _Waiter, queue: _ModelQueue) -> None:
         queue.remove(waiter)
         self._waiting -= 1
-        if not queue.by_tenant and self._queues.get(waiter.model) is queue:
+        if not queue.bands and self._queues.get(waiter.model) is queue:
             del self._queues[waiter.model]
 
     def release(self, engine: Engine) -> None:
@@ -321,6 +482,56 @@ class Admission:
     def queued(self) -> dict[str, int]:
         """Requests waiting, by model."""
         return {model: len(queue) for model, queue in self._queues.items()}
+
+    def load(self) -> dict[str, ModelLoad]:
+        """Each served model's load (`ModelLoad`), read at scrape time."""
+        now = trio.current_time()
+        out: dict[str, ModelLoad] = {}
+        for model in {*(m.id for m in self._table.models() if m.parent is None), *self._queues}:
+            engines = self._table.routable(model)
+            queue = self._queues.get(model)
+            queued = queue.by_band() if queue is not None else {}
+            waiting = sum(queued.values())
+            busy, in_flight, held = 0.0, 0, 0.0
+            saturated = 0
+            for engine in engines:
+                in_flight += engine.in_flight
+                saturated += engine.uid in self.saturated
+                share, holds = self._engine_load(engine, now)
+                busy += share
+                held += holds
+            if engines:
+                saturation = busy / len(engines) + waiting / max(held, 1.0)
+            else:
+                saturation = float(waiting > 0) * (1.0 + waiting)
+            out[model] = ModelLoad(queued, in_flight, len(engines), saturated, saturation)
+        return out
+
+    def _engine_load(self, engine: Engine, now: float) -> tuple[float, float]:
+        """How full `engine` is (0..1) and how many requests it holds at once when full: the
+        cap over this router's requests in flight when there is one; its own figures
+        otherwise (its queue against `admission.max_waiting_per_engine`, its KV cache)."""
+        if engine.uid in self.saturated:
+            share = 1.0
+        elif self._cap:
+            share = engine.in_flight / self._cap
+        else:
+            share = 0.0
+        stats = engine.stats
+        fresh = stats.fresh(now)
+        if fresh and not share >= 1.0:
+            limit = self._config.max_waiting_per_engine
+            if limit and stats.waiting is not None:
+                share = max(share, stats.waiting / limit)
+            if stats.kv_cache_usage is not None:
+                share = max(share, stats.kv_cache_usage)
+        if self._cap:
+            holds = float(self._cap)
+        elif fresh and stats.running:
+            holds = stats.running
+        else:
+            holds = max(float(engine.in_flight), 1.0)
+        return min(share, 1.0), holds
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Until cancelled: after every change of the routing table (an engine routable
@@ -354,7 +565,9 @@ class Admission:
             self.saturated.add(engine.uid)
 
     def _dispatch(self) -> None:
-        """Hand free slots to waiting requests, in fairness order, as long as they can go."""
+        """Hand free slots to waiting requests, in priority and fairness order, as long as
+        they can go."""
+        now = trio.current_time()
         for model, queue in list(self._queues.items()):
             while (waiter := queue.head()) is not None:
                 try:
@@ -363,15 +576,15 @@ class Admission:
                     break
                 queue.pop(waiter)
                 self._waiting -= 1
-                mine = self._by_tenant.get(waiter.tenant)
-                if mine is not None and waiter in mine:
-                    mine.remove(waiter)
-                    if not mine:
-                        del self._by_tenant[waiter.tenant]
+                self._forget(waiter)
                 self._take(engine)
                 waiter.engine = engine
                 waiter.event.set()
-            if not queue.by_tenant:
+                times = self._dispatched.get(model)
+                if times is None:
+                    times = self._dispatched[model] = deque(maxlen=RATE_WINDOW)
+                times.append(now)
+            if not queue.bands:
                 del self._queues[model]
 
     def _reject(self, reason: str, tenant: Tenant) -> None:

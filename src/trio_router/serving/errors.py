@@ -38,6 +38,7 @@ __all__ = [
     "ENGINE_HEADER",
     "MODEL_HEADER",
     "PREFILL_ENGINE_HEADER",
+    "REFUSAL_HEADER",
     "REQUEST_ID_HEADER",
     "engine_unreachable",
     "error_answer",
@@ -52,6 +53,7 @@ CLIENT_CLOSED: Final = 499  # the status of a request whose client went away (ng
 ENGINE_HEADER: Final = b"x-trio-router-engine"
 MODEL_HEADER: Final = b"x-trio-router-model"  # the model that answered (aliases, fallbacks)
 PREFILL_ENGINE_HEADER: Final = b"x-trio-router-prefill-engine"  # disaggregated requests
+REFUSAL_HEADER: Final = b"x-trio-router-refusal"  # why the router refused a request
 REQUEST_ID_HEADER: Final = b"x-request-id"
 _JSON_HEADERS: Final = ((b"content-type", b"application/json"),)
 
@@ -92,8 +94,9 @@ def error_answer(
 ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
     """`exc` as the OpenAI-style JSON error: its status, headers and body. The headers name
     the engine when one had been chosen (`engine`), the request id, `WWW-Authenticate` for a
-    401, the error's own headers and `Retry-After` for a 503; `close` tells the client that
-    the connection ends with it (its request body was not read)."""
+    401, the reason of a refusal (`x-trio-router-refusal`), the error's own headers and
+    `Retry-After` for a 503; `close` tells the client that the connection ends with it (its
+    request body was not read)."""
     extra: list[tuple[bytes, bytes]] = [(b"connection", b"close")] if close else []
     if request_id is not None:
         extra.append((REQUEST_ID_HEADER, request_id))
@@ -101,6 +104,8 @@ def error_answer(
         extra.append((ENGINE_HEADER, engine.encode()))
     if isinstance(exc, AuthError):
         extra.append((b"www-authenticate", b"Bearer"))
+    if exc.refusal:
+        extra.append((REFUSAL_HEADER, exc.code.encode()))
     if exc.headers:
         extra.extend(exc.headers)
     elif exc.status == 503:

@@ -107,7 +107,11 @@ async def _serve(
         record.status = CLIENT_CLOSED  # the client left while sending
         return
     try:
-        prepared = await resolve(scope, head, tenant, body, rt, record)
+        urgency = services.admission.urgency(
+            tenant, head.priority, head.deadline_s, since=record.started
+        )
+        record.priority = urgency.priority
+        prepared = await resolve(scope, head, tenant, body, rt, record, urgency)
         ticket = await services.limits.admit(tenant)
     except RequestError as exc:
         held.release()
@@ -184,6 +188,8 @@ async def _error(
     answer: Answer, record: ExchangeRecord, exc: RequestError, *, close: bool = False
 ) -> None:
     record.status = exc.status
+    if exc.refusal:
+        record.refusal = exc.code
     logger.warning(
         "request %s for %s failed with %d: %s",
         record.request_id_text,

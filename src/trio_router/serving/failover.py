@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection
+from typing import Final
 
 from ..errors import NoEngineError, RequestError
 from ..http import EngineUnreachableError
@@ -22,6 +23,10 @@ from .runtime import Runtime
 __all__ = ["Route", "choose", "try_engines"]
 
 logger = logging.getLogger(__name__)
+
+# Refusals a fallback model does not make good: the request's own deadline is past, or its
+# band is one the router sheds.
+NOT_FALLING_BACK: Final = frozenset({"deadline_exceeded", "shed"})
 
 
 async def choose(
@@ -52,7 +57,9 @@ async def choose(
         return decision.engine
 
     try:
-        engine = await services.admission.acquire(prepared.tenant, model, pick, tried=tried)
+        engine = await services.admission.acquire(
+            prepared.tenant, model, pick, tried=tried, urgency=prepared.urgency
+        )
     except NoEngineError as exc:
         if unreachable is None:
             return Failed(exc, fallback=True)
@@ -62,8 +69,8 @@ async def choose(
                 f"attempt(s); last: {unreachable}"
             )
         )
-    except RequestError as exc:  # the queue: full, or waited too long
-        return Failed(exc, fallback=True)
+    except RequestError as exc:  # the queue: full, shed, waited too long, past its deadline
+        return Failed(exc, fallback=exc.code not in NOT_FALLING_BACK)
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug(
             "request %s for %s (tenant %r): policy %s chose %s (excluded %s): %s",

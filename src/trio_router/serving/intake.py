@@ -2,8 +2,11 @@
 
 - `read_head`: one pass over the request headers: the headers to forward (the client's
   `Authorization` replaced by the engines' key when one is configured, an `x-request-id`
-  added when the client sent none), and what makes the request invalid as it stands (both
-  `Content-Length` and `Transfer-Encoding`, control characters in a header value).
+  added when the client sent none), the client's own priority and first-token deadline
+  (`x-trio-router-priority`, `x-trio-router-deadline-ms`, read here and not forwarded), and
+  what makes the request invalid as it stands (both `Content-Length` and
+  `Transfer-Encoding`, control characters in a header value, a priority or deadline that is
+  not an integer).
 - `read_body`: the body, bounded by `server.max_body_bytes`, timed by
   `server.request_body_timeout_s`, and held within the router-wide body budget
   (`BodyBudget`, `server.max_buffered_body_bytes`).
@@ -36,7 +39,9 @@ from .errors import REQUEST_ID_HEADER
 from .forms import FormModel, form_model
 
 __all__ = [
+    "DEADLINE_HEADER",
     "LARGE_BODY_BYTES",
+    "PRIORITY_HEADER",
     "BodyBudget",
     "BodyParser",
     "Held",
@@ -45,6 +50,8 @@ __all__ = [
     "read_head",
 ]
 
+PRIORITY_HEADER: Final = b"x-trio-router-priority"
+DEADLINE_HEADER: Final = b"x-trio-router-deadline-ms"
 LARGE_BODY_BYTES: Final = 1 << 20  # larger request bodies are parsed in a worker thread
 LARGE_PARSES: Final = 2  # large bodies parsed at once, at most
 
@@ -58,6 +65,8 @@ class RequestHead:
     content_length: bytes | None
     headers: list[tuple[bytes, bytes]]  # to forward to the engine
     invalid: RequestError | None  # why the request cannot be served as it stands
+    priority: int | None = None  # the client's x-trio-router-priority
+    deadline_s: float | None = None  # the client's x-trio-router-deadline-ms, in seconds
 
 
 def read_head(
@@ -66,7 +75,7 @@ def read_head(
     upstream_authorization: bytes | None,
 ) -> RequestHead:
     """One pass over the request's headers (see the module's docstring)."""
-    request_id = authorization = content_length = bad_header = None
+    request_id = authorization = content_length = bad_header = priority = deadline = None
     chunked = False
     headers: list[tuple[bytes, bytes]] = []
     for name, value in raw:
@@ -75,6 +84,12 @@ def read_head(
         if name == b"authorization":
             authorization = value
             continue  # replaced below
+        if name == PRIORITY_HEADER:
+            priority = value
+            continue
+        if name == DEADLINE_HEADER:
+            deadline = value
+            continue
         if name == b"x-request-id":
             request_id = value
         elif name == b"content-length":
@@ -97,7 +112,49 @@ def read_head(
         invalid = BadRequestError(
             f"header {bad_header.decode('latin-1')!r} has control characters in its value"
         )
-    return RequestHead(request_id, authorization, content_length, headers, invalid)
+    rank, wait, wrong = _urgency(priority, deadline)
+    invalid = invalid or wrong
+    return RequestHead(
+        request_id,
+        authorization,
+        content_length,
+        headers,
+        invalid,
+        priority=rank,
+        deadline_s=wait,
+    )
+
+
+def _urgency(
+    priority: bytes | None, deadline: bytes | None
+) -> tuple[int | None, float | None, RequestError | None]:
+    """The client's priority and deadline (seconds), or the error naming what is wrong."""
+    rank = _integer(priority, PRIORITY_HEADER, minimum=-(2**31))
+    wait = _integer(deadline, DEADLINE_HEADER, minimum=1)
+    if isinstance(rank, RequestError):
+        return None, None, rank
+    if isinstance(wait, RequestError):
+        return None, None, wait
+    return rank, None if wait is None else wait / 1000, None
+
+
+def _integer(value: bytes | None, name: bytes, *, minimum: int) -> int | RequestError | None:
+    """The integer a header holds (None without it), or the error naming what is wrong."""
+    if value is None:
+        return None
+    text = value.strip()
+    digits = text[1:] if text[:1] in (b"-", b"+") else text
+    if not digits.isdigit() or len(digits) > 10:
+        return BadRequestError(
+            f"header {name.decode()!r} must be an integer, got {value.decode('latin-1')!r}"
+        )
+    number = int(text)
+    if not minimum <= number < 2**31:
+        return BadRequestError(
+            f"header {name.decode()!r} must be an integer from {minimum} to {2**31 - 1}, "
+            f"got {number}"
+        )
+    return number
 
 
 # -- the body ---------------------------------------------------------------------------------
@@ -236,21 +293,21 @@ class BodyParser:
             return form_model(body, content_type)
         return await trio.to_thread.run_sync(form_model, body, content_type, limiter=self._limiter)
 
-    async def with_model(
-        self, body: bytes | bytearray, payload: dict[str, Any], model: str
+    async def with_members(
+        self, body: bytes | bytearray, payload: dict[str, Any], members: dict[str, Any]
     ) -> tuple[dict[str, Any], bytes]:
-        """The request for `model` instead: its payload and its body re-encoded (the other
-        members as they were, in their order). A large body whose model alone was read is
-        parsed whole first, in a worker thread."""
+        """The request with `members` set (its "model", its "priority"): its payload and its
+        body re-encoded (the other members as they were, in their order). A large body whose
+        model alone was read is parsed whole first, in a worker thread."""
         if len(body) <= LARGE_BODY_BYTES:
-            return _with_model(payload, model)
+            return _with_members(payload, members)
         return await trio.to_thread.run_sync(
-            lambda: _with_model(parse_json(body), model), limiter=self._limiter
+            lambda: _with_members(parse_json(body), members), limiter=self._limiter
         )
 
 
-def _with_model(payload: dict[str, Any], model: str) -> tuple[dict[str, Any], bytes]:
-    payload = {**payload, "model": model}
+def _with_members(payload: dict[str, Any], members: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+    payload = {**payload, **members}
     return payload, msgspec.json.encode(payload)
 
 

@@ -5,8 +5,9 @@ object, or a form upload's model field), the models to try in order (the one ask
 what its alias names, then its fallbacks; a stored response's request goes to the engine that
 holds it, with no fallback), and the first of them a routable engine serves. `for_model`
 makes the request for another model of its chain (its body's "model" rewritten): a new value,
-the old one unchanged. `with_tokens` adds the prompt's token ids when the policy routes on
-them (`tokens.TokenIds`).
+the old one unchanged. With `admission.priority_to_engines`, the body's vLLM `priority` is set
+from the request's band (minus it: vLLM runs a lower value first). `with_tokens` adds the
+prompt's token ids when the policy routes on them (`tokens.TokenIds`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Final, NamedTuple
 
 from ..asgi import Scope
 from ..errors import BadRequestError, NoEngineError, RequestError, UnknownModelError
@@ -23,13 +24,17 @@ from ..routing.disaggregation import PD_PATHS
 from ..routing.policy import RequestInfo, request_info
 from ..table import Engine, RoutingTable
 from .admin import missing_model
+from .admission import ANYTIME, Urgency
 from .forms import FORM_PATHS, FormModel
 from .intake import RequestHead
 from .record import ExchangeRecord
 from .runtime import Runtime
 from .stored import ResponseNotFoundError, holder, stored_response_id
 
-__all__ = ["Prepared", "for_model", "next_model", "resolve", "with_tokens"]
+__all__ = ["PRIORITY_PATHS", "Prepared", "for_model", "next_model", "resolve", "with_tokens"]
+
+# The vLLM requests that take a `priority` (its scheduler's, with --scheduling-policy priority).
+PRIORITY_PATHS: Final = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +59,7 @@ class Prepared:
     pinned: Engine | None = None  # the engine that holds its stored response
     form: FormModel | None = None  # a form upload: where its model field is
     name_responses: bool = False  # /v1/responses: the router names the response
+    urgency: Urgency = ANYTIME  # its band and first-token deadline in the router's queue
 
     @property
     def model(self) -> str:
@@ -83,6 +89,7 @@ async def resolve(
     body: bytes | bytearray,
     rt: Runtime,
     record: ExchangeRecord,
+    urgency: Urgency = ANYTIME,
 ) -> Prepared:
     """The request whose head, tenant and body are given, for the first model of its chain a
     routable engine serves (see the module's docstring). Raises RequestError: the client's
@@ -97,7 +104,7 @@ async def resolve(
     for skipped in read.chain[:index]:  # no routable engine: the next model at once
         fell_back(rt, record, skipped, read.chain[index], "no_engine", "no routable engine")
     payload, body, form, info = await _for(
-        read.chain[index], read.payload, body, read.form, head.headers, rt, record
+        read.chain[index], read.payload, body, read.form, head.headers, rt, record, urgency
     )
     return Prepared(
         tenant=tenant,
@@ -116,6 +123,7 @@ async def resolve(
         pinned=read.pinned,
         form=form,
         name_responses=read.name_responses,
+        urgency=urgency,
     )
 
 
@@ -152,7 +160,13 @@ async def _read(
     else:
         # Resumable streams need the whole request to be carried on (`resume`).
         resume = rt.config.proxy.resume == "on" and path in PD_PATHS
-        model_only = not (rt.needs_request_info or rt.disaggregation is not None or resume)
+        # So does setting its priority: the client's own one is read to be replaced.
+        model_only = not (
+            rt.needs_request_info
+            or rt.disaggregation is not None
+            or resume
+            or rt.config.admission.priority_to_engines
+        )
         payload = await services.parser.parse(body, model_only=model_only)
     record.model = payload["model"]
     chain = rt.names.chain(payload["model"])
@@ -212,6 +226,7 @@ async def for_model(
         prepared.headers,
         rt,
         record,
+        prepared.urgency,
     )
     return Prepared(
         tenant=prepared.tenant,
@@ -231,6 +246,7 @@ async def for_model(
         pinned=prepared.pinned,
         form=form,
         name_responses=prepared.name_responses,
+        urgency=prepared.urgency,
     )
 
 
@@ -242,17 +258,29 @@ async def _for(
     headers: list[tuple[bytes, bytes]],
     rt: Runtime,
     record: ExchangeRecord,
+    urgency: Urgency,
 ) -> tuple[dict[str, Any], bytes | bytearray, FormModel | None, RequestInfo]:
     """The payload, body and form of a request for `model` (its "model" rewritten unless it
-    names it already), and what the policy may know of it."""
+    names it already, its vLLM priority set when the router passes its band on), and what
+    the policy may know of it."""
     record.served_model = record.model_label = model
+    members: dict[str, Any] = {}
     if payload["model"] != model:
         if form is not None:
             body = form.rewritten(body, model)
             form = FormModel(model, form.start, form.start + len(model.encode()))
             payload = {"model": model}
         else:
-            payload, body = await rt.services.parser.with_model(body, payload, model)
+            members["model"] = model
+    if (
+        rt.config.admission.priority_to_engines
+        and form is None
+        and record.path in PRIORITY_PATHS
+        and payload.get("priority", 0) != -urgency.priority
+    ):
+        members["priority"] = -urgency.priority
+    if members:
+        payload, body = await rt.services.parser.with_members(body, payload, members)
     if rt.needs_request_info or rt.disaggregation is not None:
         return payload, body, form, request_info(payload, headers, rt.config.routing)
     return payload, body, form, RequestInfo(model=payload["model"])

@@ -55,6 +55,8 @@ class ExchangeRecord:
     parts: list[str] = field(default_factory=list)  # engines whose part of an answer was cut
     sent: int = 0  # response body bytes handed on
     ttfb: float | None = None  # the engine's first body bytes, after `started`
+    priority: int = 0  # its band in the router's queue
+    refusal: str = ""  # why the router refused it (the error's code), if it did
 
     @classmethod
     def begin(cls, recording: Recording, scope: Scope) -> ExchangeRecord:
@@ -89,6 +91,8 @@ class ExchangeRecord:
             recording.metrics.observe_request(
                 self.model_label, self.engine or NO_LABEL, self.status, duration
             )
+        if self.refusal:
+            recording.metrics.refused(self.refusal, self.priority, self.model_label)
         if recording.tracing is not None and self.span is not None:
             recording.tracing.end_request(
                 self.span,
@@ -125,6 +129,8 @@ class ExchangeRecord:
             "bytes": self.sent,
             "retries": max(0, self.attempts - 1),
             "client": self.client,
+            "priority": self.priority,
+            "refusal": self.refusal,
         }
         args = (
             self.client,
