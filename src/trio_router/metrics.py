@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import trio
 from prometheus_client import (
@@ -84,6 +84,21 @@ class _Child:
         self.count, self.latency = count, latency
 
 
+class ModelLoadView(Protocol):
+    """One model's load, as admission reports it (`serving.admission.ModelLoad`)."""
+
+    @property
+    def queued(self) -> Mapping[int, int]: ...  # requests waiting, by priority band
+    @property
+    def in_flight(self) -> int: ...
+    @property
+    def engines(self) -> int: ...
+    @property
+    def saturated(self) -> int: ...
+    @property
+    def saturation(self) -> float: ...
+
+
 class Metrics:
     """The router's metrics. `observe_request` and `observe_ttfb` are the only calls on the
     request path; label children are created once per label combination and cached."""
@@ -95,6 +110,7 @@ class Metrics:
         discovery_snapshot: Callable[[], Mapping[str, Any]] | None = None,
         relayed: Callable[[], int] | None = None,
         admission: Callable[[], tuple[Mapping[str, int], int]] | None = None,
+        model_load: Callable[[], Mapping[str, ModelLoadView]] | None = None,
         kv: Callable[[], Mapping[str, tuple[Mapping[str, int], int]]] | None = None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
@@ -115,6 +131,8 @@ class Metrics:
             self.registry.register(_RelayCollector(relayed))
         if admission is not None:
             self.registry.register(_AdmissionCollector(admission))
+        if model_load is not None:
+            self.registry.register(_ModelLoadCollector(model_load))
         if kv is not None:
             self.registry.register(_KvCollector(kv))
 
@@ -542,6 +560,46 @@ class _AdmissionCollector:
         )
         busy.add_metric([], saturated)
         return [depth, busy]
+
+
+class _ModelLoadCollector:
+    """The saturation signal per model, read at scrape time (`Admission.load`)."""
+
+    def __init__(self, load: Callable[[], Mapping[str, ModelLoadView]]) -> None:
+        self._load = load
+
+    def collect(self) -> Iterable[Metric]:
+        saturation = GaugeMetricFamily(
+            "trio_router_model_saturation",
+            "How full the model's engines are, as this router sees them: 0 idle, 1 every "
+            "engine at its limit, above 1 while requests wait at the router (the engines' mean "
+            "load, plus the waiting requests over what the engines hold at once). The metric "
+            "to scale engines on: max across router replicas.",
+            labels=["model"],
+        )
+        queued = GaugeMetricFamily(
+            "trio_router_model_queued_requests",
+            "Requests waiting at this router for a free engine, by model and priority band.",
+            labels=["model", "priority"],
+        )
+        in_flight = GaugeMetricFamily(
+            "trio_router_model_in_flight_requests",
+            "This router's requests in flight to the model's engines.",
+            labels=["model"],
+        )
+        share = GaugeMetricFamily(
+            "trio_router_model_saturated_engines_ratio",
+            "The share of the model's routable engines that take no more requests now "
+            "(admission caps, or their own queue).",
+            labels=["model"],
+        )
+        for model, load in sorted(self._load().items()):
+            saturation.add_metric([model], load.saturation)
+            for band, count in sorted(load.queued.items()):
+                queued.add_metric([model, str(band)], count)
+            in_flight.add_metric([model], load.in_flight)
+            share.add_metric([model], load.saturated / load.engines if load.engines else 0.0)
+        return [saturation, queued, in_flight, share]
 
 
 class _KvCollector:

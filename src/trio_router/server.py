@@ -288,6 +288,7 @@ def _services(
         discovery_snapshot=lambda: parts.status.snapshot(trio.current_time()),
         relayed=lambda: relay.relayed,
         admission=lambda: (admission.queued(), len(admission.saturated)),
+        model_load=admission.load,
         kv=None if kv_events is None else kv_events.snapshot,
     )
     admission.observe(on_wait=metrics.queue_wait, on_reject=metrics.rejected)

@@ -1,0 +1,322 @@
+"""Flow control in `serving.admission`: priority bands, fairness within a band, a full queue
+shedding the lowest band, first-token deadlines in the queue, sheddable bands, and the
+saturation signal, on the autojump clock; then through the real router: the headers, the
+refusals' reasons and counters, and the priority passed to the engines."""
+
+from __future__ import annotations
+
+import math
+
+import httpx
+import pytest
+import trio
+import trio.testing
+
+from test_serving_admission import Bench
+from trio_router.config import AdmissionConfig, TenantConfig
+from trio_router.errors import DeadlineError, RateLimitedError
+from trio_router.limits.tenants import Tenant
+from trio_router.serving.admission import Admission, Urgency
+from trio_router.table import Engine, EngineStats
+from trio_router.testing import FakeEngine
+from trio_router.testing.harness import CHAT, LIMIT, chat, open_router
+
+
+def tenants(*specs: tuple[str, int]) -> tuple[TenantConfig, ...]:
+    return tuple(TenantConfig(name=n, key_env=n.upper(), priority=p) for n, p in specs)
+
+
+class Line:
+    """Requests started in a nursery, each recording its name when it gets an engine (and
+    holding that engine until released in order) or its error's code when refused."""
+
+    def __init__(self, bench: Bench) -> None:
+        self.bench = bench
+        self.order: list[str] = []
+        self.refused: dict[str, str] = {}
+        self.held: list[Engine] = []
+
+    async def request(
+        self, name: str, tenant: Tenant, priority: int = 0, deadline: float = math.inf
+    ) -> None:
+        try:
+            engine = await self.bench.acquire(
+                tenant, urgency=Urgency(priority, trio.current_time() + deadline)
+            )
+        except (RateLimitedError, DeadlineError) as exc:
+            self.refused[name] = exc.code
+            return
+        self.order.append(name)
+        self.held.append(engine)
+
+    async def release_all(self) -> None:
+        while self.held:
+            self.bench.admission.release(self.held.pop(0))
+            await trio.testing.wait_all_tasks_blocked()
+
+
+async def saturate(bench: Bench, slots: int) -> list[Engine]:
+    return [await bench.acquire() for _ in range(slots)]
+
+
+async def test_bands_are_served_strictly_by_priority(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    bench = Bench(AdmissionConfig(max_in_flight_per_engine=1), engines=1)
+    line = Line(bench)
+    line.held = await saturate(bench, 1)
+    async with trio.open_nursery() as nursery:
+        for n in range(3):
+            nursery.start_soon(line.request, f"low{n}", bench.anonymous, 0)
+            await trio.testing.wait_all_tasks_blocked()
+        for n in range(2):
+            nursery.start_soon(line.request, f"high{n}", bench.anonymous, 5)
+            await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(line.request, "middle", bench.anonymous, 2)
+        await trio.testing.wait_all_tasks_blocked()
+        await line.release_all()
+    assert line.order == ["high0", "high1", "middle", "low0", "low1", "low2"]
+
+
+async def test_tenants_share_a_band_by_weight_and_a_lower_band_waits(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    configs = (
+        TenantConfig(name="a", key_env="A", priority=1),
+        TenantConfig(name="b", key_env="B", priority=1, weight=2),
+        TenantConfig(name="batch", key_env="C", priority=0),
+    )
+    bench = Bench(AdmissionConfig(max_in_flight_per_engine=1), tenants=configs, engines=1)
+    a, b, batch = bench.tenant("a"), bench.tenant("b"), bench.tenant("batch")
+    line = Line(bench)
+    line.held = await saturate(bench, 1)
+    async with trio.open_nursery() as nursery:
+        for n in range(2):
+            nursery.start_soon(line.request, f"batch{n}", batch, batch.priority)
+            await trio.testing.wait_all_tasks_blocked()
+        for n in range(6):
+            nursery.start_soon(line.request, f"a{n}", a, a.priority)
+        for n in range(6):
+            nursery.start_soon(line.request, f"b{n}", b, b.priority)
+        await trio.testing.wait_all_tasks_blocked()
+        await line.release_all()
+    first = line.order[:9]  # b (weight 2) gets two dispatches to each of a's
+    assert sum(name.startswith("b") for name in first) == 6
+    assert sum(name.startswith("a") for name in first) == 3
+    assert line.order[-2:] == ["batch0", "batch1"]  # only once band 1 is empty
+
+
+async def test_a_full_queue_sheds_the_newest_request_of_the_lowest_band(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    bench = Bench(AdmissionConfig(max_in_flight_per_engine=1, queue_size=3), engines=1)
+    line = Line(bench)
+    line.held = await saturate(bench, 1)
+    async with trio.open_nursery() as nursery:
+        for name, band in (("low0", 0), ("mid", 1), ("low1", 0)):
+            nursery.start_soon(line.request, name, bench.anonymous, band)
+            await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(line.request, "high", bench.anonymous, 2)  # full: low1 goes
+        await trio.testing.wait_all_tasks_blocked()
+        assert line.refused == {"low1": "shed"}
+        nursery.start_soon(line.request, "low2", bench.anonymous, 0)  # full, lowest band
+        await trio.testing.wait_all_tasks_blocked()
+        assert line.refused == {"low1": "shed", "low2": "queue_full"}
+        nursery.start_soon(line.request, "mid2", bench.anonymous, 1)  # full: low0 goes
+        await trio.testing.wait_all_tasks_blocked()
+        assert line.refused["low0"] == "shed"
+        await line.release_all()
+    assert line.order == ["high", "mid", "mid2"]
+    assert ("shed", "") in bench.rejects and ("queue_full", "") in bench.rejects
+
+
+async def test_a_sheddable_band_is_refused_at_once_when_it_would_wait(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    bench = Bench(AdmissionConfig(max_in_flight_per_engine=1, sheddable_below=1), engines=2)
+    first = await bench.acquire(urgency=Urgency(0))  # an engine is free: served
+    await bench.acquire(urgency=Urgency(1))
+    with pytest.raises(RateLimitedError) as shed:
+        await bench.acquire(urgency=Urgency(0))
+    assert shed.value.code == "shed" and shed.value.status == 429
+    assert (b"retry-after", b"1") in shed.value.headers
+    assert bench.admission.queued() == {}  # never queued
+    bench.admission.release(first)
+    assert (await bench.acquire(urgency=Urgency(0))).uid == first.uid
+
+
+async def test_deadlines_order_a_tenants_requests_and_a_passed_one_leaves_the_queue(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    bench = Bench(AdmissionConfig(max_in_flight_per_engine=1, queue_timeout_s=60), engines=1)
+    line = Line(bench)
+    line.held = await saturate(bench, 1)
+    start = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        for name, deadline in (("none", math.inf), ("d20", 20), ("d10", 10), ("d3", 3)):
+            nursery.start_soon(line.request, name, bench.anonymous, 0, deadline)
+            await trio.testing.wait_all_tasks_blocked()
+        await trio.sleep(5)  # d3's deadline passes while it waits
+        assert line.refused == {"d3": "deadline_exceeded"}
+        assert bench.admission.queued() == {"m": 3}
+        await line.release_all()
+    assert line.order == ["d10", "d20", "none"]
+    assert ("deadline_exceeded", "") in bench.rejects
+    assert trio.current_time() - start == pytest.approx(5)
+
+
+async def test_a_request_that_cannot_start_in_time_is_refused_at_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Slots free one a second: behind 6 requests of a higher band, a 2 s deadline cannot be
+    met and is refused on arrival; a 10 s one waits and is served."""
+    bench = Bench(AdmissionConfig(max_in_flight_per_engine=1, queue_timeout_s=60), engines=1)
+    line = Line(bench)
+    line.held = await saturate(bench, 1)
+    async with trio.open_nursery() as nursery:
+
+        async def free_one_a_second() -> None:
+            while True:
+                await trio.sleep(1)
+                if line.held:
+                    bench.admission.release(line.held.pop(0))
+
+        nursery.start_soon(free_one_a_second)
+        for n in range(16):  # 10 dispatched at one a second, 6 still waiting at t = 10.5
+            nursery.start_soon(line.request, f"r{n}", bench.anonymous, 1)
+        await trio.sleep(10.5)
+        assert bench.admission.queued() == {"m": 6}
+        arrived = trio.current_time()
+        nursery.start_soon(line.request, "tight", bench.anonymous, 0, 2.0)
+        nursery.start_soon(line.request, "loose", bench.anonymous, 0, 10.0)
+        await trio.testing.wait_all_tasks_blocked()
+        assert line.refused == {"tight": "deadline_exceeded"}
+        assert trio.current_time() == arrived  # at once, not at its deadline
+        await trio.sleep(12)
+        nursery.cancel_scope.cancel()
+    assert "loose" in line.order
+
+
+async def test_a_client_may_lower_its_priority_never_raise_it(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    tenant = Tenant(name="t")
+    tenant.configure(TenantConfig(name="t", key_env="T", priority=5, ttft_deadline_ms=1500))
+    now = trio.current_time()
+    assert Admission.urgency(tenant, None, None, since=now) == Urgency(5, now + 1.5)
+    assert Admission.urgency(tenant, 9, None, since=now).priority == 5
+    assert Admission.urgency(tenant, -3, 0.25, since=now) == Urgency(-3, now + 0.25)
+    assert Admission.urgency(Tenant(name="anon"), None, None, since=now).deadline == math.inf
+
+
+async def test_the_saturation_signal(autojump_clock: trio.testing.MockClock) -> None:
+    """Two engines capped at 2: 0 idle, 0.25 with one request, 1 with all four slots taken,
+    1.5 with two more waiting (2 waiting over the 4 the engines hold)."""
+    bench = Bench(AdmissionConfig(max_in_flight_per_engine=2), engines=2)
+    assert bench.admission.load()["m"].saturation == 0.0
+    held = [await bench.acquire()]
+    assert bench.admission.load()["m"].saturation == pytest.approx(0.25)
+    held += [await bench.acquire() for _ in range(3)]
+    load = bench.admission.load()["m"]
+    assert (load.saturation, load.in_flight, load.saturated, load.engines) == (1.0, 4, 2, 2)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(bench.acquire, bench.anonymous)
+        nursery.start_soon(lambda: bench.acquire(bench.anonymous, urgency=Urgency(3)))
+        await trio.testing.wait_all_tasks_blocked()
+        load = bench.admission.load()["m"]
+        assert load.saturation == pytest.approx(1.5)
+        assert load.queued == {0: 1, 3: 1}
+        for engine in held[:2]:
+            bench.admission.release(engine)
+    assert bench.admission.load()["m"].queued == {}
+
+
+async def test_the_saturation_signal_without_a_cap_follows_the_engines_figures(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """No in-flight cap: an engine's load is its scraped KV-cache usage, or its own queue
+    against `max_waiting_per_engine`; stale figures count for nothing."""
+    bench = Bench(AdmissionConfig(max_waiting_per_engine=4), engines=2)
+    e0, e1 = bench.table.get("e0"), bench.table.get("e1")
+    assert e0 is not None and e1 is not None
+    now = trio.current_time()
+    e0.stats = EngineStats(running=8, waiting=2, kv_cache_usage=0.3, expires=now + 10)
+    e1.stats = EngineStats(running=8, waiting=0, kv_cache_usage=0.9, expires=now + 10)
+    assert bench.admission.load()["m"].saturation == pytest.approx((0.5 + 0.9) / 2)
+    await trio.sleep(11)
+    assert bench.admission.load()["m"].saturation == 0.0
+
+
+# -- through the router ----------------------------------------------------------------------
+KEYS = {"INTERACTIVE": "key-i", "BATCH": "key-b"}
+TENANTS = (
+    TenantConfig(name="interactive", key_env="INTERACTIVE", priority=10, ttft_deadline_ms=2000),
+    TenantConfig(name="batch", key_env="BATCH", priority=0),
+)
+
+
+def bearer(key: str, **more: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}", **more}
+
+
+async def test_through_the_router_refusals_name_their_reason_and_are_counted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One engine taking one request at a time, held by a batch stream: an interactive
+    request waits and is refused when its deadline passes; a client lowering its own priority
+    below 0 is refused at once (sheddable); bad headers are 400; the engine gets each
+    request's vLLM priority; /metrics shows the saturation and the refusals."""
+    for name, value in KEYS.items():
+        monkeypatch.setenv(name, value)
+    engine = FakeEngine(name="e0", gate=trio.Event())
+    admission = {"max_in_flight_per_engine": 1, "priority_to_engines": True}
+    results: dict[str, httpx.Response] = {}
+    with trio.fail_after(LIMIT):
+        async with open_router([engine], admission=admission, tenants=TENANTS) as router:
+            client = router.client
+
+            async def post(name: str, key: str, stream: bool, headers: dict[str, str]) -> None:
+                results[name] = await client.post(
+                    CHAT, json=chat(stream=stream), headers=bearer(key, **headers)
+                )
+
+            async def metrics_when(line: str) -> str:
+                while line not in (text := (await client.get("/metrics")).text):
+                    await trio.testing.wait_all_tasks_blocked()
+                return text
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(post, "busy", "key-b", True, {})
+                await engine.wait_until(lambda: engine.in_flight == 1)  # its one slot
+                deadline = {"x-trio-router-deadline-ms": "1000"}
+                nursery.start_soon(post, "late", "key-i", False, deadline)
+                nursery.start_soon(post, "shed", "key-b", False, {"x-trio-router-priority": "-1"})
+                queued = 'trio_router_model_queued_requests{model="fake-model",priority="10"} 1.0'
+                metrics = await metrics_when(queued)
+                await metrics_when('reason="deadline_exceeded"')
+                assert engine.gate is not None
+                engine.gate.set()
+            served = await client.post(CHAT, json=chat(), headers=bearer("key-i"))
+            bad = await client.post(
+                CHAT, json=chat(), headers=bearer("key-i", **{"x-trio-router-priority": "high"})
+            )
+            after = (await client.get("/metrics")).text
+    assert results["busy"].status_code == 200
+    late, shed = results["late"], results["shed"]
+    assert late.status_code == 504 and late.headers["x-trio-router-refusal"] == "deadline_exceeded"
+    assert late.json()["error"]["code"] == "deadline_exceeded"
+    assert shed.status_code == 429 and shed.headers["x-trio-router-refusal"] == "shed"
+    assert shed.headers["retry-after"] == "1"
+    assert served.status_code == 200 and "x-trio-router-refusal" not in served.headers
+    assert bad.status_code == 400 and "x-trio-router-priority" in bad.json()["error"]["message"]
+    sent = [r.json() for r in engine.requests_to(CHAT)]
+    assert [r.get("priority") for r in sent] == [None, -10]  # band 0 is vLLM's default already
+    assert 'trio_router_model_saturation{model="fake-model"} 2.0' in metrics  # full, 1 waiting
+    assert (
+        'trio_router_refused_requests_total{model="fake-model",priority="-1",reason="shed"} 1.0'
+        in after
+    )
+    assert (
+        'trio_router_refused_requests_total{model="fake-model",priority="10",'
+        'reason="deadline_exceeded"} 1.0' in after
+    )
