@@ -197,6 +197,31 @@ async def test_a_request_that_cannot_start_in_time_is_refused_at_once(
     assert "loose" in line.order
 
 
+async def test_an_old_dispatch_rate_refuses_nothing(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Dispatches a minute and more ago say nothing of the rate now: a request with a tight
+    deadline behind a queue that has just formed waits (and is served) rather than being
+    refused on a stale figure."""
+    bench = Bench(AdmissionConfig(max_in_flight_per_engine=1, queue_timeout_s=300), engines=1)
+    line = Line(bench)
+    line.held = await saturate(bench, 1)
+    async with trio.open_nursery() as nursery:
+        for n in range(10):  # ten dispatches, one every 10 s: a slow rate
+            nursery.start_soon(line.request, f"old{n}", bench.anonymous)
+        for _ in range(10):
+            await trio.sleep(10)
+            bench.admission.release(line.held.pop(0))
+        await trio.sleep(120)
+        nursery.start_soon(line.request, "ahead", bench.anonymous, 1)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(line.request, "tight", bench.anonymous, 0, 5.0)
+        await trio.testing.wait_all_tasks_blocked()
+        assert line.refused == {}
+        await line.release_all()
+    assert line.order[-2:] == ["ahead", "tight"]
+
+
 async def test_a_client_may_lower_its_priority_never_raise_it(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

@@ -198,7 +198,8 @@ class Metrics:
         self._rejected = Counter(
             "trio_router_rejected_requests",
             "Requests turned away by admission, by reason "
-            "(rate_limited, tenant_concurrency, queue_full, queue_timeout) and tenant.",
+            "(rate_limited, tenant_concurrency, queue_full, shed, queue_timeout, "
+            "deadline_exceeded) and tenant.",
             ["reason", "tenant"],
             registry=self.registry,
         )

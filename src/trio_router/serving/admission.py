@@ -27,7 +27,7 @@ tenants. Whether a tenant may send a request at all (its rate, its concurrency) 
   its tenant's `ttft_deadline_ms`, `admission.ttft_deadline_ms` for anonymous traffic). One
   whose deadline passes while it waits is answered at once (504 `deadline_exceeded`) and no
   engine sees it; so is one that arrives behind more waiting requests than the model's
-  recent dispatch rate can serve before its deadline.
+  recent dispatch rate (`_cannot_start_in_time`) can serve before its deadline.
 - **Fairness within a band.** With `admission.fairness = "tenant"`, dispatches go round robin
   across the tenants with waiting requests in the band, weighted by their `weight` (stride
   scheduling); each tenant's own requests go earliest deadline first (those without one
@@ -70,6 +70,7 @@ Passes = WeakKeyDictionary[Tenant, float]
 
 RATE_WINDOW: Final = 32  # recent dispatches a model's dispatch rate is measured over
 RATE_MIN_SAMPLES: Final = 8  # fewer: no prediction, no request refused on one
+RATE_HORIZON_S: Final = 60.0  # older dispatches say nothing of the rate now
 
 
 class Urgency(NamedTuple):
@@ -232,7 +233,7 @@ class ModelLoad:
     band, this router's requests in flight to its engines, how many of its engines are
     saturated, and `saturation`: the engines' mean load (each at most 1) plus the waiting
     requests over what the engines hold at once. 0 idle, 1 every engine at its limit, above
-    1 while requests wait (see docs/flow-control.md)."""
+    1 while requests wait (README: Autoscaling on the saturation signal)."""
 
     queued: dict[int, int]
     in_flight: int
@@ -374,16 +375,20 @@ class Admission:
 
     def _cannot_start_in_time(self, waiter: _Waiter, queue: _ModelQueue, now: float) -> bool:
         """Whether the requests ahead of `waiter` would take past its deadline at the
-        model's recent dispatch rate (unknown until RATE_MIN_SAMPLES dispatches: False)."""
+        model's recent dispatch rate: over its last RATE_WINDOW dispatches within
+        RATE_HORIZON_S, from the first to the last (the higher figure when the queue was idle
+        since: a request is refused only when even that rate is too slow). Fewer than
+        RATE_MIN_SAMPLES such dispatches: no prediction, False."""
         if waiter.urgency.deadline == math.inf:
             return False
         times = self._dispatched.get(waiter.model)
-        if times is None or len(times) < RATE_MIN_SAMPLES:
+        if times is None:
             return False
-        span = now - times[0]
-        if span <= 0:
+        while times and times[0] < now - RATE_HORIZON_S:
+            times.popleft()
+        if len(times) < RATE_MIN_SAMPLES or times[-1] <= times[0]:
             return False
-        rate = len(times) / span  # dispatches per second, up to now
+        rate = (len(times) - 1) / (times[-1] - times[0])  # dispatches per second
         return queue.ahead(waiter) >= rate * (waiter.urgency.deadline - now)
 
     def _take_now(self, model: str, pick: Pick, tried: Collection[str]) -> Engine | None:
