@@ -100,6 +100,7 @@ def real_engines(
         port=port,
         kv_cache_bytes=REAL_KV_CACHE_BYTES,
         block_size=REAL_BLOCK_SIZE,
+        extra_args=("--scheduling-policy", "priority"),  # requests' priority is obeyed
         extra_env=(
             ("VLLM_SERVER_DEV_MODE", "1"),  # POST /reset_prefix_cache
             ("VLLM_ENABLE_RESPONSES_API_STORE", "1"),  # GET /v1/responses/{id}

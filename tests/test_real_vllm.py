@@ -30,6 +30,7 @@ from trio_router.config import (
     Config,
     KvEventsConfig,
     RoutingConfig,
+    TenantConfig,
 )
 from trio_router.discovery.stats import parse_vllm_metrics
 from trio_router.kv.index import BlockIndex, block_keys
@@ -562,6 +563,96 @@ async def test_engines_shows_the_load_scraped_from_real_metrics(
     assert stats is not None, f"2 running never shown: {seen[-3:]}"
     assert stats["running"] == 2 and stats["waiting"] == 0
     assert 0 < stats["kv_cache_usage"] <= 1  # vllm:kv_cache_usage_perc, read from the engine
+
+
+def saturation_of(metrics: str) -> float | None:
+    """`trio_router_model_saturation` of the tier's model, from a /metrics page."""
+    line = f'trio_router_model_saturation{{model="{MODEL_NAME}"}} '
+    found = [row for row in metrics.splitlines() if row.startswith(line)]
+    return float(found[0].removeprefix(line)) if found else None
+
+
+async def test_the_saturation_signal_follows_the_engines_scraped_kv_cache(
+    real_engines: list[EngineProcess],
+) -> None:
+    """No in-flight cap: the model's saturation is its engine's own KV-cache usage, as
+    scraped: 0 idle, above 0 (and at most 1) while two long streams run, 0 again once they
+    are aborted. Attempts whose answers end before a scrape sees them are run again (see
+    test_engines_shows_the_load_scraped_from_real_metrics)."""
+    engine = real_engines[0]
+    body = {
+        "model": MODEL_NAME,
+        "messages": messages(),
+        "max_tokens": LONG,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    readings: list[float | None] = []
+
+    async def reads(client: httpx.AsyncClient, url: str, busy: bool) -> bool:
+        value = saturation_of((await client.get(f"{url}/metrics")).text)
+        readings.append(value)
+        return value is not None and (0 < value <= 1 if busy else value == 0)
+
+    async def while_running(client: httpx.AsyncClient, url: str) -> bool:
+        async with trio.open_nursery() as streams:
+            started = [trio.Event(), trio.Event()]
+
+            async def stream(started: trio.Event) -> None:
+                async with await post_raw(url, CHAT, body) as stream:
+                    await read_head(stream)
+                    started.set()
+                    await trio.sleep_forever()  # holds the stream until cancelled
+
+            for event in started:
+                streams.start_soon(stream, event)
+            for event in started:
+                await event.wait()
+            try:
+                await poll(partial(reads, client, url, True), within=30, what="saturation > 0")
+            except AssertionError:
+                return False
+            finally:
+                streams.cancel_scope.cancel()
+            return True
+
+    with trio.fail_after(3 * LIMIT):
+        async with (
+            open_router(static([engine], stats={"interval_s": 0.2}), 1) as (url, _),
+            httpx.AsyncClient(timeout=LIMIT) as client,
+        ):
+            await poll(partial(reads, client, url, False), within=30, what="idle: 0")
+            for _ in range(3):
+                if busy := await while_running(client, url):
+                    break
+            await poll(partial(reads, client, url, False), within=30, what="0 after the abort")
+    assert busy, f"saturation never above 0: {readings[-3:]}"
+
+
+async def test_the_band_reaches_the_engines_as_their_priority(
+    real_engines: list[EngineProcess], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With `priority_to_engines`, a tenant's band goes to vLLM as its request priority, which
+    engines run with `--scheduling-policy priority` accept (without it vLLM answers 400 to a
+    non-zero priority); a client's own priority in the body is replaced."""
+    monkeypatch.setenv("INTERACTIVE_KEY", "key-i")
+    tenants = (TenantConfig(name="interactive", key_env="INTERACTIVE_KEY", priority=10),)
+    config = static(real_engines[:1], admission={"priority_to_engines": True}, tenants=tenants)
+    body = {"model": MODEL_NAME, "messages": messages(), "max_tokens": 4, "priority": -1000}
+    with trio.fail_after(LIMIT):
+        async with (
+            open_router(config, 1) as (url, _),
+            httpx.AsyncClient(base_url=url, timeout=LIMIT) as client,
+        ):
+            auth = {"authorization": "Bearer key-i"}
+            high = await client.post(CHAT, json=body, headers=auth)
+            lowered = await client.post(
+                CHAT, json=body, headers={**auth, "x-trio-router-priority": "-5"}
+            )
+            direct = await client.post(f"{real_engines[1].url}{CHAT}", json={**body, "priority": 7})
+    assert high.status_code == 200, high.text
+    assert lowered.status_code == 200, lowered.text
+    assert direct.status_code == 200, direct.text  # the engines take a priority at all
 
 
 async def test_a_pod_deleted_during_a_stream_finishes_it_while_new_requests_go_elsewhere(
