@@ -165,6 +165,30 @@ async def test_deadlines_order_a_tenants_requests_and_a_passed_one_leaves_the_qu
     assert trio.current_time() - start == pytest.approx(5)
 
 
+async def test_a_slot_freed_at_a_waiters_deadline_goes_to_the_next(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A slot that frees at the very moment a waiting request's deadline passes is not
+    handed to it (whichever of the two runs first): no engine sees a request after its
+    deadline; the next request gets the slot."""
+    bench = Bench(AdmissionConfig(max_in_flight_per_engine=1), engines=1)
+    line = Line(bench)
+    line.held = await saturate(bench, 1)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(line.request, "due", bench.anonymous, 0, 5.0)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(line.request, "next", bench.anonymous)
+        await trio.testing.wait_all_tasks_blocked()
+
+        async def free_at_five() -> None:
+            await trio.sleep(5.0)
+            bench.admission.release(line.held.pop(0))
+
+        nursery.start_soon(free_at_five)
+    assert line.refused == {"due": "deadline_exceeded"}
+    assert line.order == ["next"]
+
+
 async def test_a_request_that_cannot_start_in_time_is_refused_at_once(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

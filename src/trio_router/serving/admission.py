@@ -53,7 +53,13 @@ from weakref import WeakKeyDictionary
 import trio
 
 from ..config import Config
-from ..errors import DeadlineError, NoEngineError, QueueTimeoutError, RateLimitedError
+from ..errors import (
+    DeadlineError,
+    NoEngineError,
+    QueueTimeoutError,
+    RateLimitedError,
+    RequestError,
+)
 from ..limits.tenants import Tenant
 from ..table import Engine, RoutingTable
 
@@ -131,7 +137,7 @@ class _Waiter:
         self.event = trio.Event()
         self.engine: Engine | None = None  # set when dispatched: a slot is held for it
         self.key = tenant  # its line in its band: its tenant, or one line for all (FIFO)
-        self.evicted: RateLimitedError | None = None  # pushed out of a full queue: why
+        self.evicted: RequestError | None = None  # out of the queue undispatched: why
 
 
 def _order(waiter: _Waiter) -> tuple[float, int]:
@@ -459,7 +465,7 @@ class Admission:
         self._reject("queue_full", biggest)
         return True
 
-    def _evict(self, victim: _Waiter, error: RateLimitedError) -> None:
+    def _evict(self, victim: _Waiter, error: RequestError) -> None:
         self._unqueue(victim, self._queues[victim.model])
         self._forget(victim)
         victim.evicted = error
@@ -575,6 +581,10 @@ class Admission:
         now = trio.current_time()
         for model, queue in list(self._queues.items()):
             while (waiter := queue.head()) is not None:
+                if waiter.urgency.deadline <= now:  # its wake-up has not run yet: not sent
+                    late = self._late(waiter.tenant, model, "while it waited for an engine")
+                    self._evict(waiter, late)
+                    continue
                 try:
                     engine = waiter.pick(_Excluded(waiter.tried, self.saturated))
                 except NoEngineError:
@@ -589,7 +599,7 @@ class Admission:
                 if times is None:
                     times = self._dispatched[model] = deque(maxlen=RATE_WINDOW)
                 times.append(now)
-            if not queue.bands:
+            if not queue.bands and self._queues.get(model) is queue:
                 del self._queues[model]
 
     def _reject(self, reason: str, tenant: Tenant) -> None:
