@@ -633,8 +633,8 @@ async def test_the_band_reaches_the_engines_as_their_priority(
     real_engines: list[EngineProcess], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With `priority_to_engines`, a tenant's band goes to vLLM as its request priority, which
-    engines run with `--scheduling-policy priority` accept (without it vLLM answers 400 to a
-    non-zero priority); a client's own priority in the body is replaced."""
+    engines run with `--scheduling-policy priority` take; a client's own (an out-of-range
+    -1000 in the body) is replaced, and a client lowering its band is served too."""
     monkeypatch.setenv("INTERACTIVE_KEY", "key-i")
     tenants = (TenantConfig(name="interactive", key_env="INTERACTIVE_KEY", priority=10),)
     config = static(real_engines[:1], admission={"priority_to_engines": True}, tenants=tenants)
@@ -652,7 +652,7 @@ async def test_the_band_reaches_the_engines_as_their_priority(
             direct = await client.post(f"{real_engines[1].url}{CHAT}", json={**body, "priority": 7})
     assert high.status_code == 200, high.text
     assert lowered.status_code == 200, lowered.text
-    assert direct.status_code == 200, direct.text  # the engines take a priority at all
+    assert direct.status_code == 200, direct.text  # the engine takes its own priority too
 
 
 async def test_a_pod_deleted_during_a_stream_finishes_it_while_new_requests_go_elsewhere(
