@@ -633,8 +633,8 @@ async def test_the_band_reaches_the_engines_as_their_priority(
     real_engines: list[EngineProcess], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With `priority_to_engines`, a tenant's band goes to vLLM as its request priority, which
-    engines run with `--scheduling-policy priority` take; a client's own (an out-of-range
-    -1000 in the body) is replaced, and a client lowering its band is served too."""
+    engines run with `--scheduling-policy priority` take; a client's own (-1000 in the
+    body) is replaced, and a client lowering its band is served too."""
     monkeypatch.setenv("INTERACTIVE_KEY", "key-i")
     tenants = (TenantConfig(name="interactive", key_env="INTERACTIVE_KEY", priority=10),)
     config = static(real_engines[:1], admission={"priority_to_engines": True}, tenants=tenants)
