@@ -5,7 +5,9 @@ refusals' reasons and counters, and the priority passed to the engines."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Collection
 
 import httpx
 import pytest
@@ -13,11 +15,12 @@ import trio
 import trio.testing
 
 from test_serving_admission import Bench
+from test_serving_resume import WHOLE, events, resumes, text_of
 from trio_router.config import AdmissionConfig, TenantConfig
-from trio_router.errors import DeadlineError, RateLimitedError
+from trio_router.errors import DeadlineError, NoEngineError, RateLimitedError
 from trio_router.limits.tenants import Tenant
 from trio_router.serving.admission import Admission, Urgency
-from trio_router.table import Engine, EngineStats
+from trio_router.table import Engine, EngineStats, Model
 from trio_router.testing import FakeEngine
 from trio_router.testing.harness import CHAT, LIMIT, chat, open_router
 
@@ -246,6 +249,126 @@ async def test_an_old_dispatch_rate_refuses_nothing(
     assert line.order[-2:] == ["ahead", "tight"]
 
 
+async def test_idle_time_between_bursts_does_not_slow_the_rate(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Two bursts 40 s apart, each drained at 100 requests a second: the rate is that of the
+    bursts, not 8 in 40 s, so a 3 s deadline behind one waiting request is not refused."""
+    bench = Bench(AdmissionConfig(max_in_flight_per_engine=4), engines=1)
+    line = Line(bench)
+    line.held = await saturate(bench, 4)
+    async with trio.open_nursery() as nursery:
+        for burst in range(2):
+            for n in range(4):
+                nursery.start_soon(line.request, f"b{burst}{n}", bench.anonymous)
+            await trio.testing.wait_all_tasks_blocked()
+            for _ in range(4):
+                await trio.sleep(0.01)
+                bench.admission.release(line.held.pop(0))
+                await trio.testing.wait_all_tasks_blocked()
+            if burst == 0:
+                await trio.sleep(40)
+        nursery.start_soon(line.request, "waiting", bench.anonymous, 0, 2.9)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(line.request, "interactive", bench.anonymous, 0, 3.0)
+        await trio.testing.wait_all_tasks_blocked()
+        assert line.refused == {}
+        await line.release_all()
+    assert line.order[-2:] == ["waiting", "interactive"]
+
+
+async def test_the_prediction_counts_the_turns_fairness_gives(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Tenant a keeps 21 requests waiting at 2 dispatches a second, all due before it;
+    tenant b's one request
+    with a 5 s deadline comes within about one turn in round robin, so it waits (and is
+    served within two dispatches) rather than being judged behind all 21."""
+    configs = (
+        TenantConfig(name="a", key_env="A", ttft_deadline_ms=5000),
+        TenantConfig(name="b", key_env="B", ttft_deadline_ms=5000),
+    )
+    bench = Bench(AdmissionConfig(max_in_flight_per_engine=1), tenants=configs, engines=1)
+    a, b = bench.tenant("a"), bench.tenant("b")
+    line = Line(bench)
+    line.held = await saturate(bench, 1)
+    async with trio.open_nursery() as nursery:
+        for n in range(30):  # deadlines far off, but before b's
+            nursery.start_soon(line.request, f"a{n}", a, 0, 8.0)
+        await trio.testing.wait_all_tasks_blocked()
+        for _ in range(9):
+            await trio.sleep(0.5)
+            bench.admission.release(line.held.pop(0))
+            await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(line.request, "b0", b, 0, 5.0)
+        await trio.testing.wait_all_tasks_blocked()
+        assert "b0" not in line.refused
+        for _ in range(2):
+            await trio.sleep(0.5)
+            bench.admission.release(line.held.pop(0))
+            await trio.testing.wait_all_tasks_blocked()
+        assert "b0" in line.order[-2:]
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_request_refused_for_its_deadline_takes_no_ones_place(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A full queue at one dispatch a second: a request that cannot start in time is refused
+    before the full queue would shed a lower band's request for it: that one keeps its
+    place."""
+    bench = Bench(AdmissionConfig(max_in_flight_per_engine=1, queue_size=3), engines=1)
+    line = Line(bench)
+    line.held = await saturate(bench, 1)
+    async with trio.open_nursery() as nursery:
+        for n in range(10):  # a rate of one a second
+            nursery.start_soon(line.request, f"warm{n}", bench.anonymous, 1)
+            await trio.testing.wait_all_tasks_blocked()
+            await trio.sleep(1)
+            bench.admission.release(line.held.pop(0))
+            await trio.testing.wait_all_tasks_blocked()
+        for name, band, deadline in (("mid0", 1, 1.8), ("mid1", 1, 1.8), ("low0", 0, math.inf)):
+            nursery.start_soon(line.request, name, bench.anonymous, band, deadline)
+            await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(line.request, "late", bench.anonymous, 1, 1.9)
+        await trio.testing.wait_all_tasks_blocked()
+        assert line.refused == {"late": "deadline_exceeded"}
+        assert bench.admission.queued() == {"m": 3}  # low0 still waits
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_tenant_new_to_a_band_waits_about_one_turn_there(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Dispatches in a higher band do not move a lower band's stride clock: a tenant that
+    joins band 0 after 20 band-1 dispatches is served within about one turn of the tenant
+    that has waited there all along."""
+    configs = (
+        TenantConfig(name="h", key_env="H", priority=1),
+        TenantConfig(name="m", key_env="M"),
+        TenantConfig(name="l", key_env="L"),
+    )
+    bench = Bench(AdmissionConfig(max_in_flight_per_engine=1), tenants=configs, engines=1)
+    h, m, low = bench.tenant("h"), bench.tenant("m"), bench.tenant("l")
+    line = Line(bench)
+    line.held = await saturate(bench, 1)
+    async with trio.open_nursery() as nursery:
+        for n in range(30):
+            nursery.start_soon(line.request, f"m{n}", m)
+        await trio.testing.wait_all_tasks_blocked()
+        for n in range(20):
+            nursery.start_soon(line.request, f"h{n}", h, 1)
+        await trio.testing.wait_all_tasks_blocked()
+        for _ in range(20):
+            bench.admission.release(line.held.pop(0))
+            await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(line.request, "l0", low)
+        await trio.testing.wait_all_tasks_blocked()
+        await line.release_all()
+    assert {name[0] for name in line.order[:20]} == {"h"}
+    assert line.order[20:].index("l0") <= 1
+
+
 async def test_a_client_may_lower_its_priority_never_raise_it(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
@@ -274,7 +397,7 @@ async def test_the_saturation_signal(autojump_clock: trio.testing.MockClock) -> 
         await trio.testing.wait_all_tasks_blocked()
         load = bench.admission.load()["m"]
         assert load.saturation == pytest.approx(1.5)
-        assert load.queued == {0: 1, 3: 1}
+        assert load.queued == {"0": 1, "other": 1}  # 3 is no configured band
         for engine in held[:2]:
             bench.admission.release(engine)
     assert bench.admission.load()["m"].queued == {}
@@ -294,6 +417,36 @@ async def test_the_saturation_signal_without_a_cap_follows_the_engines_figures(
     assert bench.admission.load()["m"].saturation == pytest.approx((0.5 + 0.9) / 2)
     await trio.sleep(11)
     assert bench.admission.load()["m"].saturation == 0.0
+
+
+async def test_requests_waiting_for_an_adapter_count_for_its_base_model(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    bench = Bench(AdmissionConfig(max_in_flight_per_engine=1), engines=1)
+    engine = bench.table.get("e0")
+    assert engine is not None
+    bench.table.put(
+        dataclasses.replace(
+            engine,
+            models=(Model("m"), Model("m-lora", parent="m")),
+            model_ids=frozenset({"m", "m-lora"}),
+        )
+    )
+    held = await bench.acquire()
+
+    def pick(exclude: Collection[str]) -> Engine:
+        engines = [e for e in bench.table.routable("m-lora") if e.uid not in exclude]
+        if not engines:
+            raise NoEngineError("none")
+        return engines[0]
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(bench.admission.acquire, bench.anonymous, "m-lora", pick)
+        await trio.testing.wait_all_tasks_blocked()
+        load = bench.admission.load()
+        assert set(load) == {"m"}
+        assert load["m"].queued == {"0": 1} and load["m"].saturation == 2.0
+        bench.admission.release(held)
 
 
 # -- through the router ----------------------------------------------------------------------
@@ -362,10 +515,30 @@ async def test_through_the_router_refusals_name_their_reason_and_are_counted(
     assert [r.get("priority") for r in sent] == [None, -10]  # band 0 is vLLM's default already
     assert 'trio_router_model_saturation{model="fake-model"} 2.0' in metrics  # full, 1 waiting
     assert (
-        'trio_router_refused_requests_total{model="fake-model",priority="-1",reason="shed"} 1.0'
-        in after
+        'trio_router_refused_requests_total{model="fake-model",priority="sheddable",'
+        'reason="shed"} 1.0' in after
     )
     assert (
         'trio_router_refused_requests_total{model="fake-model",priority="10",'
         'reason="deadline_exceeded"} 1.0' in after
     )
+
+
+async def test_a_stream_carried_on_after_its_deadline_is_not_refused() -> None:
+    """A stream whose engine breaks after its first tokens, past its first-token deadline,
+    is carried on by another engine: its first token was out in time, so the deadline no
+    longer applies to the continuation."""
+    first = FakeEngine(name="first", tokens=12, break_after_events=5, inter_token_s=0.1)
+    other = FakeEngine(name="other", tokens=12)
+    with trio.fail_after(LIMIT):
+        async with open_router([first, other]) as router:
+            answer = await router.client.post(
+                CHAT, json=chat(stream=True), headers={"x-trio-router-deadline-ms": "200"}
+            )
+            resumed = await resumes(router, "closed", "resumed")
+            late = await router.metric(
+                "trio_router_rejected_requests_total", reason="deadline_exceeded", tenant=""
+            )
+    assert answer.status_code == 200
+    assert text_of(events(answer.content)) == WHOLE
+    assert resumed == 1 and late == 0

@@ -88,7 +88,7 @@ class ModelLoadView(Protocol):
     """One model's load, as admission reports it (`serving.admission.ModelLoad`)."""
 
     @property
-    def queued(self) -> Mapping[int, int]: ...  # requests waiting, by priority band
+    def queued(self) -> Mapping[str, int]: ...  # requests waiting, by band label
     @property
     def in_flight(self) -> int: ...
     @property
@@ -207,8 +207,8 @@ class Metrics:
             "trio_router_refused_requests",
             "Requests the router refused, by reason (the error's code, as in "
             "x-trio-router-refusal: queue_full, shed, deadline_exceeded, queue_timeout, "
-            "rate_limit_exceeded, tenant_concurrency, no_routable_engine), priority band and "
-            "model.",
+            "rate_limit_exceeded, tenant_concurrency, no_routable_engine), priority band (a "
+            "configured priority; sheddable or other for bands clients chose) and model.",
             ["reason", "priority", "model"],
             registry=self.registry,
         )
@@ -417,8 +417,8 @@ class Metrics:
     def rejected(self, reason: str, tenant: str) -> None:
         self._rejected.labels(reason, tenant).inc()
 
-    def refused(self, reason: str, priority: int, model: str) -> None:
-        self._refused.labels(reason, str(priority), model).inc()
+    def refused(self, reason: str, band: str, model: str) -> None:
+        self._refused.labels(reason, band, model).inc()
 
     def reload(self, result: str) -> None:
         """Count one SIGHUP reload: "ok", "unchanged" or "error"."""
@@ -580,7 +580,8 @@ class _ModelLoadCollector:
         )
         queued = GaugeMetricFamily(
             "trio_router_model_queued_requests",
-            "Requests waiting at this router for a free engine, by model and priority band.",
+            "Requests waiting at this router for a free engine, by model and priority band "
+            "(a configured priority; sheddable or other for bands clients chose).",
             labels=["model", "priority"],
         )
         in_flight = GaugeMetricFamily(
@@ -597,7 +598,7 @@ class _ModelLoadCollector:
         for model, load in sorted(self._load().items()):
             saturation.add_metric([model], load.saturation)
             for band, count in sorted(load.queued.items()):
-                queued.add_metric([model, str(band)], count)
+                queued.add_metric([model, band], count)
             in_flight.add_metric([model], load.in_flight)
             share.add_metric([model], load.saturated / load.engines if load.engines else 0.0)
         return [saturation, queued, in_flight, share]

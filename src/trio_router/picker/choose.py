@@ -184,6 +184,7 @@ class Picker:
                 tenant, head.priority, head.deadline_s, since=record.started
             )
             record.priority = urgency.priority
+            record.band = rt.services.admission.band_label(urgency.priority)
             prepared = await resolve(scope, head, tenant, ex.body, rt, record, urgency)
             held.ticket = await rt.services.limits.admit(tenant)
             held.engine, prepared = await self._choose(prepared, ex.subset, record, rt)

@@ -69,9 +69,9 @@ __all__ = ["Admission", "ModelLoad", "Urgency"]
 # NoEngineError when none is left.
 Pick = Callable[[Collection[str]], Engine]
 
-# Each tenant's position in the fair queue (stride scheduling): grows by 1/weight per
-# dispatch, one for all models' queues and bands; kept as long as the tenant (a reload keeps
-# the tenants that remain), dropped with it.
+# Each tenant's position in one band of the fair queue (stride scheduling): grows by 1/weight
+# per dispatch in that band, one for all models' queues; kept as long as the tenant (a reload
+# keeps the tenants that remain), dropped with it.
 Passes = WeakKeyDictionary[Tenant, float]
 
 RATE_WINDOW: Final = 32  # recent dispatches a model's dispatch rate is measured over
@@ -168,9 +168,10 @@ class _ModelQueue:
     (a tenant's, or one for all), each line in (deadline, arrival) order."""
 
     fair: bool
-    passes: Passes  # the admission's, shared by every model's queue
+    passes: dict[int, Passes]  # the admission's, by band, shared by every model's queue
     bands: dict[int, dict[Tenant, list[_Waiter]]] = field(default_factory=dict)
-    clock: float = 0.0  # the stride pass of the last dispatch
+    clocks: dict[int, float] = field(default_factory=dict)  # by band: its last dispatch's pass
+    since: float = 0.0  # when its first request came, then when it last dispatched one
 
     def __len__(self) -> int:
         return sum(len(line) for lines in self.bands.values() for line in lines.values())
@@ -184,26 +185,37 @@ class _ModelQueue:
         line = lines.get(key)
         if line is None:
             line = lines[key] = []
-            passes = self.passes
-            passes[key] = max(passes.get(key, 0.0), self.clock)  # no credit for idle time
+            passes = self.passes.setdefault(waiter.priority, WeakKeyDictionary())
+            clock = self.clocks.get(waiter.priority, 0.0)
+            passes[key] = max(passes.get(key, 0.0), clock)  # no credit for idle time
         bisect.insort(line, waiter, key=_order)
 
     def ahead(self, waiter: _Waiter) -> int:
-        """Requests that go before `waiter` (a higher band, or before it in its own)."""
+        """About how many requests go before `waiter` if it joins: every one of a higher
+        band; in its own, those before it in its line and, with fairness, as many of each
+        other line as the turns by weight give it before that."""
         count = 0
+        key = waiter.tenant if self.fair else _FIFO
+        own = self.bands.get(waiter.priority, {}).get(key, [])
+        mine = bisect.bisect_left(own, waiter.order, key=_order)
         for band, lines in self.bands.items():
-            for line in lines.values():
-                if band > waiter.priority:
-                    count += len(line)
-                elif band == waiter.priority:
-                    count += bisect.bisect_left(line, waiter.order, key=_order)
+            if band > waiter.priority:
+                count += sum(map(len, lines.values()))
+            elif band == waiter.priority:
+                for other, line in lines.items():
+                    if other is key:
+                        count += mine
+                    else:
+                        turns = math.ceil((mine + 1) * other.weight / key.weight)
+                        count += min(len(line), turns)
         return count
 
     def head(self) -> _Waiter | None:
         if not self.bands:
             return None
-        lines = self.bands[max(self.bands)]
-        key = min(lines, key=self.passes.__getitem__)
+        band = max(self.bands)
+        lines = self.bands[band]
+        key = min(lines, key=self.passes[band].__getitem__)
         return lines[key][0]
 
     def pop(self, waiter: _Waiter) -> None:
@@ -212,7 +224,8 @@ class _ModelQueue:
         lines = self.bands[waiter.priority]
         line = lines[key]
         line.pop(0)
-        self.clock = self.passes[key] = self.passes[key] + 1.0 / key.weight
+        passes = self.passes[waiter.priority]
+        self.clocks[waiter.priority] = passes[key] = passes[key] + 1.0 / key.weight
         if not line:
             del lines[key]
             if not lines:
@@ -241,7 +254,7 @@ class ModelLoad:
     requests over what the engines hold at once. 0 idle, 1 every engine at its limit, above
     1 while requests wait (README: Autoscaling on the saturation signal)."""
 
-    queued: dict[int, int]
+    queued: dict[str, int]  # by band label (`Admission.band_label`)
     in_flight: int
     engines: int
     saturated: int
@@ -264,8 +277,10 @@ class Admission:
         self._waiting = 0
         # Waiting requests of every model by band, then tenant, oldest first.
         self._by_band: dict[int, dict[Tenant, list[_Waiter]]] = {}
-        self._passes: Passes = WeakKeyDictionary()
-        self._dispatched: dict[str, deque[float]] = {}  # recent dispatches' times, by model
+        self._passes: dict[int, Passes] = {}
+        # By model: recent dispatches from its queue, each (when, the time it took: since the
+        # one before, or since the queue formed).
+        self._dispatched: dict[str, deque[tuple[float, float]]] = {}
         self._seq = itertools.count()
         self.saturated: set[str] = set()  # uids of engines that take no more now
         self._on_wait = on_wait  # (model, seconds waited) of each request that waited
@@ -277,6 +292,7 @@ class Admission:
         """Apply `config.admission` and `proxy.max_connections_per_engine` (at start and on
         reload): requests queued or in flight keep going."""
         self._config = admission = config.admission
+        self._bands = frozenset({admission.priority, *(t.priority for t in config.tenants)})
         caps = [
             c
             for c in (admission.max_in_flight_per_engine, config.proxy.max_connections_per_engine)
@@ -297,6 +313,14 @@ class Admission:
         """Report each wait (model, seconds) and each rejection by the queue (reason,
         tenant)."""
         self._on_wait, self._on_reject = on_wait, on_reject
+
+    def band_label(self, priority: int) -> str:
+        """The metrics' label of a band: a configured priority (of a tenant, or anonymous
+        traffic's) as itself; any other a client chose (by lowering its own) "sheddable"
+        below `admission.sheddable_below`, "other" above: a bounded label set."""
+        if priority in self._bands:
+            return str(priority)
+        return "sheddable" if priority < self._config.sheddable_below else "other"
 
     @staticmethod
     def urgency(
@@ -339,14 +363,15 @@ class Admission:
         if urgency.priority < config.sheddable_below:
             self._reject("shed", tenant)
             raise _shed(urgency.priority, f"every engine for model {model!r} is saturated")
+        waiter = _Waiter(tenant, model, pick, tried, urgency, now, next(self._seq))
+        if self._cannot_start_in_time(waiter, now):  # before it takes any other's place
+            raise self._late(tenant, model, "the requests ahead of it cannot be served in time")
         if self._waiting >= config.queue_size and not self._make_room(tenant, urgency.priority):
             self._reject("queue_full", tenant)
             raise _queue_full(config.queue_size)
-        waiter, queue = self._enqueue(tenant, model, pick, tried, urgency)
+        queue = self._enqueue(waiter)
         queued = True
         try:
-            if self._cannot_start_in_time(waiter, queue, now):
-                raise self._late(tenant, model, "the requests ahead of it cannot be served in time")
             timeout = waiter.queued_at + config.queue_timeout_s
             wake = min(timeout, urgency.deadline)
             while waiter.engine is None:
@@ -379,22 +404,23 @@ class Admission:
             f"the request's first-token deadline for model {model!r} passed {when}"
         )
 
-    def _cannot_start_in_time(self, waiter: _Waiter, queue: _ModelQueue, now: float) -> bool:
-        """Whether the requests ahead of `waiter` would take past its deadline at the
-        model's recent dispatch rate: over its last RATE_WINDOW dispatches within
-        RATE_HORIZON_S, from the first to the last (the higher figure when the queue was idle
-        since: a request is refused only when even that rate is too slow). Fewer than
-        RATE_MIN_SAMPLES such dispatches: no prediction, False."""
+    def _cannot_start_in_time(self, waiter: _Waiter, now: float) -> bool:
+        """Whether the requests that would go before `waiter` take past its deadline at the
+        model's recent dispatch rate: the rate while its queue waited (idle time between
+        bursts not counted), over its last RATE_WINDOW dispatches within RATE_HORIZON_S.
+        Fewer than RATE_MIN_SAMPLES of them: no prediction, False."""
         if waiter.urgency.deadline == math.inf:
             return False
-        times = self._dispatched.get(waiter.model)
-        if times is None:
+        queue = self._queues.get(waiter.model)
+        recent = self._dispatched.get(waiter.model)
+        if queue is None or recent is None:
             return False
-        while times and times[0] < now - RATE_HORIZON_S:
-            times.popleft()
-        if len(times) < RATE_MIN_SAMPLES or times[-1] <= times[0]:
+        while recent and recent[0][0] < now - RATE_HORIZON_S:
+            recent.popleft()
+        busy = sum(took for _, took in recent)
+        if len(recent) < RATE_MIN_SAMPLES or busy <= 0:
             return False
-        rate = (len(times) - 1) / (times[-1] - times[0])  # dispatches per second
+        rate = len(recent) / busy  # dispatches per second while requests waited
         return queue.ahead(waiter) >= rate * (waiter.urgency.deadline - now)
 
     def _take_now(self, model: str, pick: Pick, tried: Collection[str]) -> Engine | None:
@@ -409,18 +435,16 @@ class Admission:
         self._take(engine)
         return engine
 
-    def _enqueue(
-        self, tenant: Tenant, model: str, pick: Pick, tried: Collection[str], urgency: Urgency
-    ) -> tuple[_Waiter, _ModelQueue]:
-        now = trio.current_time()
-        waiter = _Waiter(tenant, model, pick, tried, urgency, now, next(self._seq))
-        queue = self._queues.get(model)
+    def _enqueue(self, waiter: _Waiter) -> _ModelQueue:
+        queue = self._queues.get(waiter.model)
         if queue is None:
-            queue = self._queues[model] = _ModelQueue(fair=self._fair, passes=self._passes)
+            queue = self._queues[waiter.model] = _ModelQueue(
+                fair=self._fair, passes=self._passes, since=waiter.queued_at
+            )
         queue.push(waiter)
-        self._by_band.setdefault(waiter.priority, {}).setdefault(tenant, []).append(waiter)
+        self._by_band.setdefault(waiter.priority, {}).setdefault(waiter.tenant, []).append(waiter)
         self._waiting += 1
-        return waiter, queue
+        return queue
 
     def _left(self, waiter: _Waiter, queue: _ModelQueue, *, queued: bool) -> None:
         """`waiter` is done waiting, however it ended (dispatched, turned away, cancelled)."""
@@ -495,13 +519,20 @@ class Admission:
         return {model: len(queue) for model, queue in self._queues.items()}
 
     def load(self) -> dict[str, ModelLoad]:
-        """Each served model's load (`ModelLoad`), read at scrape time."""
+        """Each served base model's load (`ModelLoad`), read at scrape time; requests waiting
+        for one of its adapters count as its own."""
         now = trio.current_time()
+        parents = {m.id: m.parent for m in self._table.models() if m.parent is not None}
+        waiting_for: dict[str, dict[str, int]] = {}
+        for name, queue in self._queues.items():
+            counts = waiting_for.setdefault(parents.get(name) or name, {})
+            for band, count in queue.by_band().items():
+                label = self.band_label(band)
+                counts[label] = counts.get(label, 0) + count
         out: dict[str, ModelLoad] = {}
-        for model in {*(m.id for m in self._table.models() if m.parent is None), *self._queues}:
+        for model in {*(m.id for m in self._table.models() if m.parent is None), *waiting_for}:
             engines = self._table.routable(model)
-            queue = self._queues.get(model)
-            queued = queue.by_band() if queue is not None else {}
+            queued = waiting_for.get(model, {})
             waiting = sum(queued.values())
             busy, in_flight, held = 0.0, 0, 0.0
             saturated = 0
@@ -595,10 +626,11 @@ class Admission:
                 self._take(engine)
                 waiter.engine = engine
                 waiter.event.set()
-                times = self._dispatched.get(model)
-                if times is None:
-                    times = self._dispatched[model] = deque(maxlen=RATE_WINDOW)
-                times.append(now)
+                recent = self._dispatched.get(model)
+                if recent is None:
+                    recent = self._dispatched[model] = deque(maxlen=RATE_WINDOW)
+                recent.append((now, now - queue.since))
+                queue.since = now
             if not queue.bands and self._queues.get(model) is queue:
                 del self._queues[model]
 

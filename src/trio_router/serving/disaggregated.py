@@ -7,6 +7,7 @@ whole. Both steps are attempts (`attempt.attempt`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 
@@ -68,14 +69,14 @@ async def disaggregated(
             reason = "same_engine"
         if reason is not None:
             metrics.pd_decision("direct", reason)
-            body: bytes | bytearray | Refused = prepared.body
+            body: bytes | bytearray | Refused | Failed = prepared.body
         else:
             metrics.pd_decision("disaggregated", "")
             body = await _prefilled(prepared, record, rt, pd, decode)
     except BaseException:
         rt.services.admission.release(decode)
         raise
-    if isinstance(body, Refused):  # the prefill engine's 4xx goes to the client
+    if isinstance(body, (Refused, Failed)):  # a prefill engine's 4xx; the deadline passed
         rt.services.admission.release(decode)
         return body
     return await try_engines(prepared, record, rt, take, decode_route, first=decode, body=body)
@@ -83,18 +84,28 @@ async def disaggregated(
 
 async def _prefilled(
     prepared: Prepared, record: ExchangeRecord, rt: Runtime, pd: Disaggregation, decode: Engine
-) -> bytes | bytearray | Refused:
+) -> bytes | bytearray | Refused | Failed:
     """The prefill step on a prefill engine other than `decode`, under
     `disaggregation.prefill_timeout_s`. Returns the decode engine's body: the client's with
     the prefill engine's parameters, or the request's own when the decode engine must prefill
     itself (no prefill engine free, the step failed, or its answer had no parameters; each
-    counted as a fallback); or the prefill engine's 4xx answer (`Refused`), the client's."""
+    counted as a fallback); or the prefill engine's 4xx answer (`Refused`), the client's; or
+    `Failed` when the request's first-token deadline passed while it waited for a prefill
+    engine (no engine is to see it). The step is never shed: with no prefill engine free, the
+    decode engine prefills."""
     metrics, timeout = rt.services.metrics, pd.config.prefill_timeout_s
     body = prefill_body(prepared.payload)  # before a slot is held: nothing here to give back
     engine: Engine | Failed | None = None
+    urgency = prepared.urgency
+    sheddable_below = rt.config.admission.sheddable_below
+    if urgency.priority < sheddable_below:
+        prepared = dataclasses.replace(prepared, urgency=urgency._replace(priority=sheddable_below))
     with trio.move_on_after(timeout):  # the wait for a prefill engine
         route = Route(pd.prefill_policy, _prefill, phase="prefill")
         engine = await choose(prepared, record, rt, route, [decode.uid])
+    error = engine.error if isinstance(engine, Failed) else None
+    if error is not None and error.code == "deadline_exceeded":
+        return Failed(error)
     if not isinstance(engine, Engine):
         why = f"none free within {timeout:g}s" if engine is None else str(engine.error)
         logger.info(

@@ -111,6 +111,7 @@ async def _serve(
             tenant, head.priority, head.deadline_s, since=record.started
         )
         record.priority = urgency.priority
+        record.band = services.admission.band_label(urgency.priority)
         prepared = await resolve(scope, head, tenant, body, rt, record, urgency)
         ticket = await services.limits.admit(tenant)
     except RequestError as exc:

@@ -5,9 +5,10 @@ an engine has answered)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 from collections.abc import Collection
-from typing import Final
 
 from ..errors import NoEngineError, RequestError
 from ..http import EngineUnreachableError
@@ -23,10 +24,6 @@ from .runtime import Runtime
 __all__ = ["Route", "choose", "try_engines"]
 
 logger = logging.getLogger(__name__)
-
-# Refusals a fallback model does not make good: the request's own deadline is past, or its
-# band is one the router sheds.
-NOT_FALLING_BACK: Final = frozenset({"deadline_exceeded", "shed"})
 
 
 async def choose(
@@ -70,7 +67,7 @@ async def choose(
             )
         )
     except RequestError as exc:  # the queue: full, shed, waited too long, past its deadline
-        return Failed(exc, fallback=exc.code not in NOT_FALLING_BACK)
+        return Failed(exc, fallback=_falls_back(exc, prepared, rt))
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug(
             "request %s for %s (tenant %r): policy %s chose %s (excluded %s): %s",
@@ -89,6 +86,17 @@ async def choose(
     record.attempts += 1
     record.engine = engine.name
     return engine
+
+
+def _falls_back(exc: RequestError, prepared: Prepared, rt: Runtime) -> bool:
+    """Whether a fallback model may take a request the queue refused: not past its own
+    deadline, nor of a band the router sheds (`admission.sheddable_below`); a request pushed
+    out of a full queue by a higher band's may."""
+    if exc.code == "deadline_exceeded":
+        return False
+    return not (
+        exc.code == "shed" and prepared.urgency.priority < rt.config.admission.sheddable_below
+    )
 
 
 async def try_engines(
@@ -125,7 +133,7 @@ async def try_engines(
                     return broken
                 if refused is None:
                     return chosen
-                return Failed(chosen.error, fallback=True, refused=refused)
+                return Failed(chosen.error, fallback=chosen.fallback, refused=refused)
             engine = chosen
         outcome = await attempt(engine, current, record, rt, take=take, body=body)
         if isinstance(outcome, Refused):  # a fallback model is left: the next engine, then it
@@ -148,8 +156,9 @@ async def try_engines(
         following = await _next_request(outcome, current, take, rt, retries)
         if following is None:
             return outcome
-        if outcome.cut:  # the continuation of the answer begun
-            current, body = following, None
+        if outcome.cut:  # the continuation of the answer begun: its first token is out
+            urgency = following.urgency._replace(deadline=math.inf)
+            current, body = dataclasses.replace(following, urgency=urgency), None
             record.cut(engine.name)
         retries += 1
         tried.append(engine.uid)

@@ -3,7 +3,8 @@
 - `read_head`: one pass over the request headers: the headers to forward (the client's
   `Authorization` replaced by the engines' key when one is configured, an `x-request-id`
   added when the client sent none), the client's own priority and first-token deadline
-  (`x-trio-router-priority`, `x-trio-router-deadline-ms`, read here and not forwarded), and
+  (`x-trio-router-priority`, `x-trio-router-deadline-ms`, read here and not forwarded by the
+  proxy; a gateway in front of the picker sends them on as they came), and
   what makes the request invalid as it stands (both `Content-Length` and
   `Transfer-Encoding`, control characters in a header value, a priority or deadline that is
   not an integer).
@@ -264,6 +265,7 @@ class _ModelOnly(msgspec.Struct):
     # /v1/responses: which engine holds the response it continues, and whether it names its own
     previous_response_id: Any = None
     request_id: Any = None
+    priority: Any = None  # vLLM's, replaced with `admission.priority_to_engines`
 
 
 _decode_model_only: Final = msgspec.json.Decoder(_ModelOnly).decode
@@ -327,6 +329,8 @@ def _parse_large(body: bytes | bytearray, *, model_only: bool) -> dict[str, Any]
         payload["previous_response_id"] = found.previous_response_id
     if found.request_id is not None:
         payload["request_id"] = found.request_id
+    if found.priority is not None:
+        payload["priority"] = found.priority
     return payload
 
 

@@ -33,8 +33,25 @@ from .stored import ResponseNotFoundError, holder, stored_response_id
 
 __all__ = ["PRIORITY_PATHS", "Prepared", "for_model", "next_model", "resolve", "with_tokens"]
 
-# The vLLM requests that take a `priority` (its scheduler's, with --scheduling-policy priority).
-PRIORITY_PATHS: Final = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
+# The vLLM requests that take a `priority` (its scheduler's, with --scheduling-policy
+# priority): generation, responses and the pooling family (SageMaker's /invocations carries
+# one of those).
+PRIORITY_PATHS: Final = frozenset(
+    {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/responses",
+        "/v1/embeddings",
+        "/pooling",
+        "/classify",
+        "/v1/score",
+        "/score",
+        "/v1/rerank",
+        "/rerank",
+        "/v2/rerank",
+        "/invocations",
+    }
+)
 
 logger = logging.getLogger(__name__)
 
@@ -160,13 +177,7 @@ async def _read(
     else:
         # Resumable streams need the whole request to be carried on (`resume`).
         resume = rt.config.proxy.resume == "on" and path in PD_PATHS
-        # So does setting its priority: the client's own one is read to be replaced.
-        model_only = not (
-            rt.needs_request_info
-            or rt.disaggregation is not None
-            or resume
-            or rt.config.admission.priority_to_engines
-        )
+        model_only = not (rt.needs_request_info or rt.disaggregation is not None or resume)
         payload = await services.parser.parse(body, model_only=model_only)
     record.model = payload["model"]
     chain = rt.names.chain(payload["model"])

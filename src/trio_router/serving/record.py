@@ -56,6 +56,7 @@ class ExchangeRecord:
     sent: int = 0  # response body bytes handed on
     ttfb: float | None = None  # the engine's first body bytes, after `started`
     priority: int = 0  # its band in the router's queue
+    band: str = ""  # the band's metrics label (`Admission.band_label`)
     refusal: str = ""  # why the router refused it (the error's code), if it did
 
     @classmethod
@@ -92,7 +93,7 @@ class ExchangeRecord:
                 self.model_label, self.engine or NO_LABEL, self.status, duration
             )
         if self.refusal:
-            recording.metrics.refused(self.refusal, self.priority, self.model_label)
+            recording.metrics.refused(self.refusal, self.band, self.model_label)
         if recording.tracing is not None and self.span is not None:
             recording.tracing.end_request(
                 self.span,
