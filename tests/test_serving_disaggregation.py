@@ -334,3 +334,32 @@ def test_prompt_chars_counts_messages_and_prompts_up_to_enough() -> None:
     assert prompt_chars(parts, 100) == 4
     assert prompt_chars({"prompt": "hello"}, 100) == 5
     assert prompt_chars({"prompt": [1, 2, 3]}, 100) == 3
+
+
+async def test_a_deadline_passed_while_waiting_for_a_prefill_engine_reaches_no_engine() -> None:
+    """The one prefill engine is busy (a cap of one request, held by a gated prefill), the
+    decode engine free: a request whose first-token deadline passes while it waits for the
+    prefill engine is answered 504 `deadline_exceeded`, and the decode engine never sees it
+    (it is not made to prefill a request nobody waits for)."""
+    gate = trio.Event()
+    prefill, decode = pd_engine("prefill", gate=gate), pd_engine("decode")
+    config = DisaggregationConfig(enabled=True, prefill_timeout_s=5.0)
+    with trio.fail_after(LIMIT):
+        async with (
+            open_router(
+                [prefill, decode],
+                roles=["prefill", "decode"],
+                disaggregation=config,
+                admission={"max_in_flight_per_engine": 1},
+            ) as router,
+            trio.open_nursery() as nursery,
+        ):
+            nursery.start_soon(partial(router.client.post, CHAT, json=body()))
+            await prefill.wait_until(lambda: prefill.in_flight == 1)
+            late = await router.client.post(
+                CHAT, json=body(), headers={"x-trio-router-deadline-ms": "300"}
+            )
+            gate.set()
+    assert late.status_code == 504, late.text
+    assert late.headers["x-trio-router-refusal"] == "deadline_exceeded"
+    assert len(seen(decode)) == 1  # the first request's decode step only
