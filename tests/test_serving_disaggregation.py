@@ -337,18 +337,18 @@ def test_prompt_chars_counts_messages_and_prompts_up_to_enough() -> None:
 
 
 async def test_a_deadline_passed_while_waiting_for_a_prefill_engine_reaches_no_engine() -> None:
-    """The one prefill engine is busy (a cap of one request, held by a gated prefill), the
+    """The one prefill engine is busy (a cap of one request, held by a gated prefill), a
     decode engine free: a request whose first-token deadline passes while it waits for the
     prefill engine is answered 504 `deadline_exceeded`, and the decode engine never sees it
     (it is not made to prefill a request nobody waits for)."""
     gate = trio.Event()
-    prefill, decode = pd_engine("prefill", gate=gate), pd_engine("decode")
+    prefill, decodes = pd_engine("prefill", gate=gate), [pd_engine("decode") for _ in range(2)]
     config = DisaggregationConfig(enabled=True, prefill_timeout_s=5.0)
     with trio.fail_after(LIMIT):
         async with (
             open_router(
-                [prefill, decode],
-                roles=["prefill", "decode"],
+                [prefill, *decodes],
+                roles=["prefill", "decode", "decode"],
                 disaggregation=config,
                 admission={"max_in_flight_per_engine": 1},
             ) as router,
@@ -362,4 +362,4 @@ async def test_a_deadline_passed_while_waiting_for_a_prefill_engine_reaches_no_e
             gate.set()
     assert late.status_code == 504, late.text
     assert late.headers["x-trio-router-refusal"] == "deadline_exceeded"
-    assert len(seen(decode)) == 1  # the first request's decode step only
+    assert len(seen(decodes[0])) + len(seen(decodes[1])) == 1  # the first request's only
