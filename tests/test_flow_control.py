@@ -109,6 +109,40 @@ async def test_tenants_share_a_band_by_weight_and_a_lower_band_waits(
     assert line.order[-2:] == ["batch0", "batch1"]  # only once band 1 is empty
 
 
+async def test_reserved_slots_are_kept_for_the_top_band(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """One engine capped at 2 with 1 slot reserved: the batch tenant gets one slot and waits
+    for more; an interactive request arriving then takes the reserved slot at once, ahead of
+    the waiting batch request; the batch request goes when the engine has more free slots
+    than the reserve."""
+    configs = tenants(("interactive", 10), ("batch", 0))
+    bench = Bench(
+        AdmissionConfig(max_in_flight_per_engine=2, reserve_per_engine=1),
+        tenants=configs,
+        engines=1,
+    )
+    interactive, batch = bench.tenant("interactive"), bench.tenant("batch")
+    line = Line(bench)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(line.request, "batch0", batch)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(line.request, "batch1", batch)
+        await trio.testing.wait_all_tasks_blocked()
+        assert line.order == ["batch0"] and bench.admission.queued() == {"m": 1}
+        arrived = trio.current_time()
+        nursery.start_soon(line.request, "interactive0", interactive, 10)
+        await trio.testing.wait_all_tasks_blocked()
+        assert line.order == ["batch0", "interactive0"] and trio.current_time() == arrived
+        bench.admission.release(line.held.pop(1))  # interactive0 done: 1 in flight, reserved
+        await trio.testing.wait_all_tasks_blocked()
+        assert line.order == ["batch0", "interactive0"]
+        bench.admission.release(line.held.pop(0))  # batch0 done: room beyond the reserve
+        await trio.testing.wait_all_tasks_blocked()
+        assert line.order == ["batch0", "interactive0", "batch1"]
+        await line.release_all()
+
+
 async def test_a_full_queue_sheds_the_newest_request_of_the_lowest_band(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

@@ -50,7 +50,7 @@ class Bench:
         self.rejects: list[tuple[str, str]] = []
         self.admission = Admission(
             self.table,
-            Config(admission=config),  # proxy.max_connections_per_engine: 512
+            Config(admission=config, tenants=tenants),  # proxy.max_connections_per_engine: 512
             on_wait=lambda model, s: self.waits.append(s),
             on_reject=lambda reason, tenant: self.rejects.append((reason, tenant)),
         )

@@ -27,6 +27,7 @@ class AdmissionConfig:
     ttft_deadline_ms: int = 0  # anonymous traffic's first-token deadline; 0: none
     sheddable_below: int = 0  # bands below this are refused when saturated, never queued
     priority_to_engines: bool = False  # set vLLM's request `priority` (minus the band)
+    reserve_per_engine: int = 0  # slots of each engine's cap only the top band may take
 
     def __post_init__(self) -> None:
         for key in (
@@ -34,6 +35,7 @@ class AdmissionConfig:
             "max_waiting_per_engine",
             "queue_size",
             "ttft_deadline_ms",
+            "reserve_per_engine",
         ):
             if getattr(self, key) < 0:
                 raise ConfigError(f"admission.{key} must be >= 0, got {getattr(self, key)}")

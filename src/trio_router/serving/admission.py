@@ -18,6 +18,11 @@ tenants. Whether a tenant may send a request at all (its rate, its concurrency) 
   raise it). Bands are served strictly by priority, the highest first. A band below
   `admission.sheddable_below` is sheddable: its request is refused at once (429 `shed`)
   whenever it would have to wait, never queued.
+- **Reserved slots.** With a cap, `admission.reserve_per_engine` of each engine's slots are
+  kept for the top band (the highest configured priority): a request of a lower band goes
+  only to an engine with more free slots than that, so engines that cannot preempt (or
+  schedule by priority) still have room for the top band's next request the moment it
+  comes. An arriving request of a higher band than any waiting takes a free slot at once.
 - **A full queue.** A request of a band higher than the lowest band waiting takes the place
   of the newest waiting request of that lowest band (429 `shed` for it); in the lowest band
   itself, with fairness, it takes the place of the newest request of the tenant with the
@@ -145,21 +150,24 @@ def _order(waiter: _Waiter) -> tuple[float, int]:
 
 
 class _Excluded(Collection[str]):
-    """The engines a pick must skip: those already tried, and the saturated ones."""
+    """The engines a pick must skip: those already tried, the saturated ones, and for a
+    band below the top one those whose free slots are reserved."""
 
-    __slots__ = ("_saturated", "_tried")
+    __slots__ = ("_reserved", "_saturated", "_tried")
 
-    def __init__(self, tried: Collection[str], saturated: set[str]) -> None:
-        self._tried, self._saturated = tried, saturated
+    def __init__(
+        self, tried: Collection[str], saturated: set[str], reserved: Collection[str] = ()
+    ) -> None:
+        self._tried, self._saturated, self._reserved = tried, saturated, reserved
 
     def __contains__(self, uid: object) -> bool:
-        return uid in self._saturated or uid in self._tried
+        return uid in self._saturated or uid in self._tried or uid in self._reserved
 
     def __iter__(self) -> Iterator[str]:
-        return iter({*self._tried, *self._saturated})
+        return iter({*self._tried, *self._saturated, *self._reserved})
 
     def __len__(self) -> int:
-        return len({*self._tried, *self._saturated})
+        return len({*self._tried, *self._saturated, *self._reserved})
 
 
 @dataclass
@@ -283,6 +291,8 @@ class Admission:
         self._dispatched: dict[str, deque[tuple[float, float]]] = {}
         self._seq = itertools.count()
         self.saturated: set[str] = set()  # uids of engines that take no more now
+        # Uids of engines whose free slots are kept for the top band (reserve_per_engine).
+        self.reserved: set[str] = set()
         self._on_wait = on_wait  # (model, seconds waited) of each request that waited
         self._on_reject = on_reject  # (reason, tenant) of each request turned away
         self.configure(config)
@@ -299,12 +309,17 @@ class Admission:
             if c > 0
         ]
         self._cap = min(caps) if caps else 0
+        self._reserve = min(admission.reserve_per_engine, self._cap) if self._cap else 0
+        self._top = max(self._bands)
         fair = admission.fairness == "tenant"
         for queue in self._queues.values():
             queue.fair = fair  # waiting requests keep their line; new ones follow the setting
         self._fair = fair
+        self.reserved.clear()
         for engine in self._table:
             self._update_saturation(engine, trio.current_time())
+            if self._reserve and engine.in_flight >= self._cap - self._reserve:
+                self.reserved.add(engine.uid)
         self._dispatch()
 
     def observe(
@@ -355,8 +370,9 @@ class Admission:
         now = trio.current_time()
         if now >= urgency.deadline:
             raise self._late(tenant, model, "before it could be routed")
-        if not self._queues.get(model):  # nobody waits for this model: no one to overtake
-            engine = self._take_now(model, pick, tried)
+        queue = self._queues.get(model)
+        if not queue or max(queue.bands) < urgency.priority:  # no one to overtake
+            engine = self._take_now(model, pick, tried, urgency.priority)
             if engine is not None:
                 return engine
         config = self._config
@@ -423,11 +439,14 @@ class Admission:
         rate = len(recent) / busy  # dispatches per second while requests waited
         return queue.ahead(waiter) >= rate * (waiter.urgency.deadline - now)
 
-    def _take_now(self, model: str, pick: Pick, tried: Collection[str]) -> Engine | None:
-        """An unsaturated engine for `model`, its slot taken, or None (all saturated).
-        NoEngineError when every routable engine for it has been tried."""
+    def _take_now(
+        self, model: str, pick: Pick, tried: Collection[str], priority: int
+    ) -> Engine | None:
+        """An unsaturated engine for `model`, its slot taken, or None (all saturated, or
+        only reserved slots left for a lower band). NoEngineError when every routable engine
+        for it has been tried."""
         try:
-            engine = pick(_Excluded(tried, self.saturated))
+            engine = pick(self._excluded(tried, priority))
         except NoEngineError:
             if all(e.uid in tried for e in self._table.routable(model)):
                 raise
@@ -505,10 +524,15 @@ class Admission:
         """Give back the slot a request held on `engine`; the next waiting request may take
         it at once."""
         engine.in_flight -= 1
+        freed = False
         if engine.uid in self.saturated and not self._is_saturated(engine, trio.current_time()):
             self.saturated.discard(engine.uid)
-            if self._waiting:
-                self._dispatch()
+            freed = True
+        if engine.uid in self.reserved and engine.in_flight < self._cap - self._reserve:
+            self.reserved.discard(engine.uid)
+            freed = True
+        if freed and self._waiting:
+            self._dispatch()
 
     def load_changed(self, engine: Engine) -> None:
         """The engine's scraped figures changed: it may have become (un)saturated."""
@@ -582,6 +606,7 @@ class Admission:
         while True:
             await self._table.wait_changed()
             self.saturated.intersection_update(e.uid for e in self._table)
+            self.reserved.intersection_update(e.uid for e in self._table)
             if self._waiting:
                 self._dispatch()
 
@@ -605,6 +630,14 @@ class Admission:
         engine.in_flight += 1
         if self._cap and engine.in_flight >= self._cap:
             self.saturated.add(engine.uid)
+        if self._reserve and engine.in_flight >= self._cap - self._reserve:
+            self.reserved.add(engine.uid)
+
+    def _excluded(self, tried: Collection[str], priority: int) -> _Excluded:
+        """What a request of band `priority` may not be sent to (see `_Excluded`)."""
+        if self._reserve and priority < self._top:
+            return _Excluded(tried, self.saturated, self.reserved)
+        return _Excluded(tried, self.saturated)
 
     def _dispatch(self) -> None:
         """Hand free slots to waiting requests, in priority and fairness order, as long as
@@ -617,7 +650,7 @@ class Admission:
                     self._evict(waiter, late)
                     continue
                 try:
-                    engine = waiter.pick(_Excluded(waiter.tried, self.saturated))
+                    engine = waiter.pick(self._excluded(waiter.tried, waiter.priority))
                 except NoEngineError:
                     break
                 queue.pop(waiter)
