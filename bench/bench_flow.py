@@ -143,6 +143,7 @@ class Workload:
     tokens_spread: float = 0.0  # answers of tokens x [1 - spread, 1 + spread] tokens
     reserve: int = 0  # trio-flow: admission.reserve_per_engine
     engine_priority: bool = False  # the fake engines schedule by priority (and preempt)
+    policy: str = "round_robin"  # trio_router's routing.policy
     model: str = MODEL
     upstreams: tuple[str, ...] = ()  # --real: the vLLM engines the relays lead to
     upstream_pids: tuple[int, ...] = ()  # --real: their API servers' (CPU: with children)
@@ -240,7 +241,7 @@ def trio_config(port: int, urls: Sequence[str], workload: Workload, *, flow: boo
     cap = workload.capacity + (workload.reserve if priority else 0)
     text = (
         f'[server]\nbind = "127.0.0.1:{port}"\ndrain_s = 1.0\naccess_log = false\n'
-        '[routing]\npolicy = "round_robin"\n'
+        f'[routing]\npolicy = "{workload.policy}"\n'
         f'[discovery]\nmode = "static"\n[discovery.static]\nurls = [{listed}]\n'
         f"[admission]\nmax_in_flight_per_engine = {cap}\n"
         'queue_size = 1024\nqueue_timeout_s = 30.0\nfairness = "tenant"\n'
@@ -707,6 +708,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--reserve", type=int, default=1, help="trio-flow: admission.reserve_per_engine"
     )
+    parser.add_argument("--policy", default="round_robin", help="trio_router's routing.policy")
     parser.add_argument(
         "--engine-priority",
         action="store_true",
@@ -816,6 +818,7 @@ async def main_async(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         tokens_spread=args.tokens_spread,
         reserve=args.reserve,
         engine_priority=args.engine_priority,
+        policy=args.policy,
     )
     if not args.real:
         return await run_all(args, workload, workdir)
