@@ -403,6 +403,32 @@ async def test_a_tenant_new_to_a_band_waits_about_one_turn_there(
     assert line.order[20:].index("l0") <= 1
 
 
+async def test_a_deadline_closer_than_the_engines_first_token_is_not_sent(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The model's engines took at least 0.2 s to a first token lately: a request with less
+    time than that left is refused on arrival, and a waiting one leaves the queue 0.2 s
+    before its deadline (sent later, it would miss it at the engine)."""
+    bench = Bench(AdmissionConfig(max_in_flight_per_engine=1), engines=1)
+    for seconds in (0.3, 0.2, 0.25, 0.4):
+        bench.admission.first_token("m", seconds)
+    assert bench.admission.first_token_floor("m") == pytest.approx(0.2)
+    line = Line(bench)
+    line.held = await saturate(bench, 1)
+    async with trio.open_nursery() as nursery:
+        start = trio.current_time()
+        nursery.start_soon(line.request, "short", bench.anonymous, 0, 0.15)
+        await trio.testing.wait_all_tasks_blocked()
+        assert line.refused == {"short": "deadline_exceeded"} and trio.current_time() == start
+        nursery.start_soon(line.request, "one-second", bench.anonymous, 0, 1.0)
+        await trio.sleep(0.79)
+        assert "one-second" not in line.refused
+        await trio.sleep(0.02)
+        assert line.refused["one-second"] == "deadline_exceeded"
+        await line.release_all()
+    assert line.order == []
+
+
 async def test_a_client_may_lower_its_priority_never_raise_it(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

@@ -82,6 +82,8 @@ Passes = WeakKeyDictionary[Tenant, float]
 RATE_WINDOW: Final = 32  # recent dispatches a model's dispatch rate is measured over
 RATE_MIN_SAMPLES: Final = 8  # fewer: no prediction, no request refused on one
 RATE_HORIZON_S: Final = 60.0  # older dispatches say nothing of the rate now
+FIRST_TOKEN_WINDOW: Final = 32  # recent answers whose time to a first byte is remembered
+FIRST_TOKEN_MIN: Final = 4  # fewer: no floor (0)
 
 
 class Urgency(NamedTuple):
@@ -115,6 +117,7 @@ class _Waiter:
         "event",
         "evicted",
         "key",
+        "late_at",
         "model",
         "order",
         "pick",
@@ -143,6 +146,7 @@ class _Waiter:
         self.engine: Engine | None = None  # set when dispatched: a slot is held for it
         self.key = tenant  # its line in its band: its tenant, or one line for all (FIFO)
         self.evicted: RequestError | None = None  # out of the queue undispatched: why
+        self.late_at = urgency.deadline  # dispatched after this, it misses its deadline
 
 
 def _order(waiter: _Waiter) -> tuple[float, int]:
@@ -289,6 +293,7 @@ class Admission:
         # By model: recent dispatches from its queue, each (when, the time it took: since the
         # one before, or since the queue formed).
         self._dispatched: dict[str, deque[tuple[float, float]]] = {}
+        self._first_tokens: dict[str, deque[float]] = {}  # by model: engines' recent TTFB
         self._seq = itertools.count()
         self.saturated: set[str] = set()  # uids of engines that take no more now
         # Uids of engines whose free slots are kept for the top band (reserve_per_engine).
@@ -368,8 +373,9 @@ class Admission:
         left, a deadline) takes the request out of the queue (and gives back a slot it was
         just given)."""
         now = trio.current_time()
-        if now >= urgency.deadline:
-            raise self._late(tenant, model, "before it could be routed")
+        first_token = self.first_token_floor(model)
+        if now >= urgency.deadline - first_token:
+            raise self._late(tenant, model, "before it could be routed", first_token)
         queue = self._queues.get(model)
         if not queue or max(queue.bands) < urgency.priority:  # no one to overtake
             engine = self._take_now(model, pick, tried, urgency.priority)
@@ -380,6 +386,7 @@ class Admission:
             self._reject("shed", tenant)
             raise _shed(urgency.priority, f"every engine for model {model!r} is saturated")
         waiter = _Waiter(tenant, model, pick, tried, urgency, now, next(self._seq))
+        waiter.late_at = urgency.deadline - first_token
         if self._cannot_start_in_time(waiter, now):  # before it takes any other's place
             raise self._late(tenant, model, "the requests ahead of it cannot be served in time")
         if self._waiting >= config.queue_size and not self._make_room(tenant, urgency.priority):
@@ -389,7 +396,7 @@ class Admission:
         queued = True
         try:
             timeout = waiter.queued_at + config.queue_timeout_s
-            wake = min(timeout, urgency.deadline)
+            wake = min(timeout, waiter.late_at)
             while waiter.engine is None:
                 with trio.move_on_at(wake):
                     await waiter.event.wait()
@@ -398,8 +405,8 @@ class Admission:
                 if waiter.evicted is not None:
                     raise waiter.evicted
                 now = trio.current_time()
-                if now >= urgency.deadline:
-                    raise self._late(tenant, model, "while it waited for an engine")
+                if now >= waiter.late_at:
+                    raise self._late(tenant, model, "while it waited for an engine", first_token)
                 if now >= timeout:
                     self._reject("queue_timeout", tenant)
                     raise QueueTimeoutError(
@@ -414,11 +421,35 @@ class Admission:
         finally:
             self._left(waiter, queue, queued=queued)
 
-    def _late(self, tenant: Tenant, model: str, when: str) -> DeadlineError:
+    def _late(
+        self, tenant: Tenant, model: str, when: str, first_token: float = 0.0
+    ) -> DeadlineError:
         self._reject("deadline_exceeded", tenant)
-        return DeadlineError(
-            f"the request's first-token deadline for model {model!r} passed {when}"
+        took = (
+            f" (its engines take at least {first_token * 1000:.0f} ms to a first token)"
+            if first_token
+            else ""
         )
+        return DeadlineError(
+            f"the request's first-token deadline for model {model!r} could not be met {when}{took}"
+        )
+
+    def first_token(self, model: str, seconds: float) -> None:
+        """An engine of `model` gave a request its first byte `seconds` after it was sent
+        there: the floor below which no deadline is met (`first_token_floor`)."""
+        recent = self._first_tokens.get(model)
+        if recent is None:
+            recent = self._first_tokens[model] = deque(maxlen=FIRST_TOKEN_WINDOW)
+        recent.append(seconds)
+
+    def first_token_floor(self, model: str) -> float:
+        """The least time the model's engines took to a first byte over their last
+        FIRST_TOKEN_WINDOW answers (0 until FIRST_TOKEN_MIN of them): a request dispatched
+        with less time than that left before its deadline would miss it at the engine."""
+        recent = self._first_tokens.get(model)
+        if recent is None or len(recent) < FIRST_TOKEN_MIN:
+            return 0.0
+        return min(recent)
 
     def _cannot_start_in_time(self, waiter: _Waiter, now: float) -> bool:
         """Whether the requests that would go before `waiter` take past its deadline at the
@@ -437,7 +468,7 @@ class Admission:
         if len(recent) < RATE_MIN_SAMPLES or busy <= 0:
             return False
         rate = len(recent) / busy  # dispatches per second while requests waited
-        return queue.ahead(waiter) >= rate * (waiter.urgency.deadline - now)
+        return queue.ahead(waiter) >= rate * (waiter.late_at - now)
 
     def _take_now(
         self, model: str, pick: Pick, tried: Collection[str], priority: int
@@ -645,8 +676,9 @@ class Admission:
         now = trio.current_time()
         for model, queue in list(self._queues.items()):
             while (waiter := queue.head()) is not None:
-                if waiter.urgency.deadline <= now:  # its wake-up has not run yet: not sent
-                    late = self._late(waiter.tenant, model, "while it waited for an engine")
+                if waiter.late_at <= now:  # its wake-up has not run yet: not sent
+                    floor = waiter.urgency.deadline - waiter.late_at
+                    late = self._late(waiter.tenant, model, "while it waited for an engine", floor)
                     self._evict(waiter, late)
                     continue
                 try:

@@ -178,6 +178,7 @@ async def attempt(
             body = with_request_id(body, new_response_id(engine))
     generation, status = engine.generation, None
     failure: str | None = "cancelled"
+    sent_at = trio.current_time()
     try:
         async with rt.pool.request(
             engine.url, prepared.method, prepared.target, headers, body
@@ -199,6 +200,10 @@ async def attempt(
             kept = await take(response, engine)
         failure = None
         _answered(engine, generation, status, record, rt, prefill=prefill)
+        # The engine's own time to a first byte (not the queue's), for deadlines.
+        first_byte = None if record.ttfb is None else record.started + record.ttfb - sent_at
+        if status == 200 and first_byte is not None and first_byte >= 0 and not prefill:
+            services.admission.first_token(prepared.model, first_byte)
         return Answered(engine, status, response.headers, kept)
     except EngineUnreachableError as exc:
         failure = str(exc)
