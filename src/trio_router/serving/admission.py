@@ -32,7 +32,9 @@ tenants. Whether a tenant may send a request at all (its rate, its concurrency) 
   its tenant's `ttft_deadline_ms`, `admission.ttft_deadline_ms` for anonymous traffic). One
   whose deadline passes while it waits is answered at once (504 `deadline_exceeded`) and no
   engine sees it; so is one that arrives behind more waiting requests than the model's
-  recent dispatch rate (`_cannot_start_in_time`) can serve before its deadline.
+  recent dispatch rate (`_cannot_start_in_time`) can serve before its deadline. Its deadline
+  counts the engines' own time to a first token (`first_token_floor`): a request with less
+  time left than that is not sent.
 - **Fairness within a band.** With `admission.fairness = "tenant"`, dispatches go round robin
   across the tenants with waiting requests in the band, weighted by their `weight` (stride
   scheduling); each tenant's own requests go earliest deadline first (those without one
