@@ -143,6 +143,35 @@ async def test_reserved_slots_are_kept_for_the_top_band(
         await line.release_all()
 
 
+@pytest.mark.parametrize("engines_preempt", [True, False])
+async def test_with_engines_that_preempt_the_top_band_fills_only_what_an_engine_runs(
+    autojump_clock: trio.testing.MockClock, engines_preempt: bool
+) -> None:
+    """One engine capped at 5 with 2 reserved: with `priority_to_engines` it runs 3 at once
+    and preempts lower bands, so a 4th top-band request waits at the router (at the engine it
+    would wait behind its own band) and goes when one of the 3 ends; without, the cap alone
+    holds it back."""
+    configs = tenants(("interactive", 10), ("batch", 0))
+    admission = AdmissionConfig(
+        max_in_flight_per_engine=5, reserve_per_engine=2, priority_to_engines=engines_preempt
+    )
+    bench = Bench(admission, tenants=configs, engines=1)
+    interactive = bench.tenant("interactive")
+    line = Line(bench)
+    async with trio.open_nursery() as nursery:
+        for n in range(4):
+            nursery.start_soon(line.request, f"i{n}", interactive, 10)
+            await trio.testing.wait_all_tasks_blocked()
+        if engines_preempt:
+            assert len(line.order) == 3 and bench.admission.queued() == {"m": 1}
+            bench.admission.release(line.held.pop(0), 10)
+            await trio.testing.wait_all_tasks_blocked()
+        assert len(line.order) == 4 and bench.admission.queued() == {}
+        while line.held:
+            bench.admission.release(line.held.pop(0), 10)
+    assert bench.admission.top_full == set()
+
+
 async def test_a_full_queue_sheds_the_newest_request_of_the_lowest_band(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

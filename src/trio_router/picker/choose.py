@@ -111,6 +111,7 @@ class _Held:
 
     engine: Engine | None = None
     ticket: Ticket | None = None
+    priority: int = 0  # the request's band: its slot is given back as that band's
 
 
 class Picker:
@@ -151,12 +152,12 @@ class Picker:
             if held.engine is not None:
                 await ex.ended.wait()
                 self._settle(ex, record, rt)
-                held.engine = self._moved(ex, held.engine, rt)
+                held.engine = self._moved(ex, held.engine, held.priority, rt)
         finally:
             if verdict is None:  # cancelled from outside: the picker stops
                 ex.answer(STOPPED)
             if held.engine is not None:
-                rt.services.admission.release(held.engine)
+                rt.services.admission.release(held.engine, held.priority)
             if held.ticket is not None:
                 rt.services.limits.leave(held.ticket)
             if not record.status:
@@ -187,6 +188,7 @@ class Picker:
             record.band = rt.services.admission.band_label(urgency.priority)
             prepared = await resolve(scope, head, tenant, ex.body, rt, record, urgency)
             held.ticket = await rt.services.limits.admit(tenant)
+            held.priority = urgency.priority
             held.engine, prepared = await self._choose(prepared, ex.subset, record, rt)
         except RequestError as exc:
             return _refusal(exc, record)
@@ -266,15 +268,15 @@ class Picker:
             rt.services.metrics.tokens(record.served_model, *usage)
 
     @staticmethod
-    def _moved(ex: Exchange, held: Engine, rt: Runtime) -> Engine:
+    def _moved(ex: Exchange, held: Engine, priority: int, rt: Runtime) -> Engine:
         """The engine whose slot the request holds: the one that served it, if the gateway
         fell back to another endpoint of the list (the slot moves there)."""
         if not ex.served or ex.served == endpoint_of(held):
             return held
         for engine in rt.services.table:
             if endpoint_of(engine) == ex.served:
-                rt.services.admission.release(held)
-                engine.in_flight += 1
+                rt.services.admission.release(held, priority)
+                rt.services.admission.hold(engine, priority)
                 return engine
         return held
 

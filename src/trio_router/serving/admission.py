@@ -23,6 +23,10 @@ tenants. Whether a tenant may send a request at all (its rate, its concurrency) 
   only to an engine with more free slots than that, so engines that cannot preempt (or
   schedule by priority) still have room for the top band's next request the moment it
   comes. An arriving request of a higher band than any waiting takes a free slot at once.
+  With `priority_to_engines` too, the engines are taken to run cap - reserve requests at once
+  and to preempt a lower band for the top one: the top band's requests then go past the
+  lower bands' limit, but never more of them to one engine than it runs at once (more would
+  wait there behind their own band).
 - **A full queue.** A request of a band higher than the lowest band waiting takes the place
   of the newest waiting request of that lowest band (429 `shed` for it); in the lowest band
   itself, with fairness, it takes the place of the newest request of the tenant with the
@@ -300,6 +304,10 @@ class Admission:
         self.saturated: set[str] = set()  # uids of engines that take no more now
         # Uids of engines whose free slots are kept for the top band (reserve_per_engine).
         self.reserved: set[str] = set()
+        # With engines that preempt by priority: the top band's requests in flight by engine,
+        # and the engines that run as many of them as they can run at once.
+        self._top_load: dict[str, int] = {}
+        self.top_full: set[str] = set()
         self._on_wait = on_wait  # (model, seconds waited) of each request that waited
         self._on_reject = on_reject  # (reason, tenant) of each request turned away
         self.configure(config)
@@ -318,12 +326,18 @@ class Admission:
         self._cap = min(caps) if caps else 0
         self._reserve = min(admission.reserve_per_engine, self._cap) if self._cap else 0
         self._top = max(self._bands)
+        # The engines run cap - reserve at once and preempt lower bands for the top one.
+        self._engines_preempt = bool(self._reserve) and admission.priority_to_engines
         fair = admission.fairness == "tenant"
         for queue in self._queues.values():
             queue.fair = fair  # waiting requests keep their line; new ones follow the setting
         self._fair = fair
         self.reserved.clear()
+        self.top_full.clear()
         for engine in self._table:
+            top = self._top_load.get(engine.uid, 0)
+            if self._engines_preempt and top >= self._cap - self._reserve:
+                self.top_full.add(engine.uid)
             self._update_saturation(engine, trio.current_time())
             if self._reserve and engine.in_flight >= self._cap - self._reserve:
                 self.reserved.add(engine.uid)
@@ -484,7 +498,7 @@ class Admission:
             if all(e.uid in tried for e in self._table.routable(model)):
                 raise
             return None
-        self._take(engine)
+        self._take(engine, priority)
         return engine
 
     def _enqueue(self, waiter: _Waiter) -> _ModelQueue:
@@ -504,7 +518,7 @@ class Admission:
             self._unqueue(waiter, queue)
         self._forget(waiter)
         if waiter.engine is not None:  # dispatched just as it left: give the slot back
-            self.release(waiter.engine)
+            self.release(waiter.engine, waiter.priority)
 
     def _forget(self, waiter: _Waiter) -> None:
         """Take `waiter` out of the index by band and tenant."""
@@ -553,11 +567,16 @@ class Admission:
         if not queue.bands and self._queues.get(waiter.model) is queue:
             del self._queues[waiter.model]
 
-    def release(self, engine: Engine) -> None:
-        """Give back the slot a request held on `engine`; the next waiting request may take
-        it at once."""
+    def release(self, engine: Engine, priority: int = 0) -> None:
+        """Give back the slot a request of band `priority` held on `engine`; the next
+        waiting request may take it at once."""
         engine.in_flight -= 1
         freed = False
+        if priority >= self._top and (count := self._top_load.get(engine.uid, 0)):
+            self._top_load[engine.uid] = count - 1
+            if engine.uid in self.top_full and count - 1 < self._cap - self._reserve:
+                self.top_full.discard(engine.uid)
+                freed = True
         if engine.uid in self.saturated and not self._is_saturated(engine, trio.current_time()):
             self.saturated.discard(engine.uid)
             freed = True
@@ -640,6 +659,9 @@ class Admission:
             await self._table.wait_changed()
             self.saturated.intersection_update(e.uid for e in self._table)
             self.reserved.intersection_update(e.uid for e in self._table)
+            self.top_full.intersection_update(e.uid for e in self._table)
+            for uid in self._top_load.keys() - {e.uid for e in self._table}:
+                del self._top_load[uid]
             if self._waiting:
                 self._dispatch()
 
@@ -659,17 +681,29 @@ class Admission:
             if self._waiting:
                 self._dispatch()
 
-    def _take(self, engine: Engine) -> None:
+    def hold(self, engine: Engine, priority: int = 0) -> None:
+        """Take a slot on `engine` for a request of band `priority` that is already there
+        (the gateway served it from another endpoint than the one chosen); give it back
+        with `release`."""
+        self._take(engine, priority)
+
+    def _take(self, engine: Engine, priority: int) -> None:
         engine.in_flight += 1
         if self._cap and engine.in_flight >= self._cap:
             self.saturated.add(engine.uid)
         if self._reserve and engine.in_flight >= self._cap - self._reserve:
             self.reserved.add(engine.uid)
+        if priority >= self._top:
+            count = self._top_load[engine.uid] = self._top_load.get(engine.uid, 0) + 1
+            if self._engines_preempt and count >= self._cap - self._reserve:
+                self.top_full.add(engine.uid)
 
     def _excluded(self, tried: Collection[str], priority: int) -> _Excluded:
         """What a request of band `priority` may not be sent to (see `_Excluded`)."""
         if self._reserve and priority < self._top:
             return _Excluded(tried, self.saturated, self.reserved)
+        if self._engines_preempt:
+            return _Excluded(tried, self.saturated, self.top_full)
         return _Excluded(tried, self.saturated)
 
     def _dispatch(self) -> None:
@@ -690,7 +724,7 @@ class Admission:
                 queue.pop(waiter)
                 self._waiting -= 1
                 self._forget(waiter)
-                self._take(engine)
+                self._take(engine, waiter.priority)
                 waiter.engine = engine
                 waiter.event.set()
                 recent = self._dispatched.get(model)

@@ -218,7 +218,7 @@ async def attempt(
         committed = take.committed
         return _broken(engine, generation, exc, record, rt, answered=committed, prefill=prefill)
     finally:
-        services.admission.release(engine)
+        services.admission.release(engine, prepared.urgency.priority)
         if span is not None and tracing is not None:
             tracing.end_attempt(span, status=status, error=failure)
 

@@ -74,10 +74,10 @@ async def disaggregated(
             metrics.pd_decision("disaggregated", "")
             body = await _prefilled(prepared, record, rt, pd, decode)
     except BaseException:
-        rt.services.admission.release(decode)
+        rt.services.admission.release(decode, prepared.urgency.priority)
         raise
     if isinstance(body, (Refused, Failed)):  # a prefill engine's 4xx; the deadline passed
-        rt.services.admission.release(decode)
+        rt.services.admission.release(decode, prepared.urgency.priority)
         return body
     return await try_engines(prepared, record, rt, take, decode_route, first=decode, body=body)
 
