@@ -164,6 +164,8 @@ async def test_with_engines_that_preempt_the_top_band_fills_only_what_an_engine_
             await trio.testing.wait_all_tasks_blocked()
         if engines_preempt:
             assert len(line.order) == 3 and bench.admission.queued() == {"m": 1}
+            # It runs 3 at once: full, and one waiting over the 3 it holds.
+            assert bench.admission.load()["m"].saturation == pytest.approx(1 + 1 / 3)
             bench.admission.release(line.held.pop(0), 10)
             await trio.testing.wait_all_tasks_blocked()
         assert len(line.order) == 4 and bench.admission.queued() == {}

@@ -627,12 +627,14 @@ class Admission:
 
     def _engine_load(self, engine: Engine, now: float) -> tuple[float, float]:
         """How full `engine` is (0..1) and how many requests it holds at once when full: the
-        cap over this router's requests in flight when there is one; its own figures
-        otherwise (its queue against `admission.max_waiting_per_engine`, its KV cache)."""
+        cap over this router's requests in flight when there is one (with engines that
+        preempt, what it runs at once: the cap less the reserve); its own figures otherwise
+        (its queue against `admission.max_waiting_per_engine`, its KV cache)."""
+        runs = self._cap - self._reserve if self._engines_preempt else self._cap
         if engine.uid in self.saturated:
             share = 1.0
-        elif self._cap:
-            share = engine.in_flight / self._cap
+        elif runs:
+            share = engine.in_flight / runs
         else:
             share = 0.0
         stats = engine.stats
@@ -643,8 +645,8 @@ class Admission:
                 share = max(share, stats.waiting / limit)
             if stats.kv_cache_usage is not None:
                 share = max(share, stats.kv_cache_usage)
-        if self._cap:
-            holds = float(self._cap)
+        if runs:
+            holds = float(runs)
         elif fresh and stats.running:
             holds = stats.running
         else:
