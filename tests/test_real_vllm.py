@@ -503,6 +503,34 @@ async def test_a_client_leaving_mid_stream_makes_the_engine_abort(
     assert took < 5.0
 
 
+async def while_two_streams(
+    url: str, body: dict[str, Any], check: Callable[[], Awaitable[bool]], what: str
+) -> bool:
+    """Hold two streams of `body` open through the router at `url` until `check()` is true
+    (asked as `poll` does, for 30 s); False if it never was (on 2 cores an engine can end
+    both answers before a scrape sees them running)."""
+    async with trio.open_nursery() as streams:
+        started = [trio.Event(), trio.Event()]
+
+        async def stream(started: trio.Event) -> None:
+            async with await post_raw(url, CHAT, body) as stream:
+                await read_head(stream)
+                started.set()
+                await trio.sleep_forever()  # holds the stream until cancelled
+
+        for event in started:
+            streams.start_soon(stream, event)
+        for event in started:
+            await event.wait()
+        try:
+            await poll(check, within=30, what=what)
+        except AssertionError:
+            return False
+        finally:
+            streams.cancel_scope.cancel()
+        return True
+
+
 async def test_engines_shows_the_load_scraped_from_real_metrics(
     real_engines: list[EngineProcess],
 ) -> None:
@@ -529,26 +557,10 @@ async def test_engines_shows_the_load_scraped_from_real_metrics(
 
     async def two_running(client: httpx.AsyncClient, url: str) -> dict[str, float] | None:
         """The figures /engines shows while two streams run, or None if it never did."""
-        async with trio.open_nursery() as streams:
-            started = [trio.Event(), trio.Event()]
-
-            async def stream(started: trio.Event) -> None:
-                async with await post_raw(url, CHAT, body) as stream:
-                    await read_head(stream)
-                    started.set()
-                    await trio.sleep_forever()  # holds the stream until cancelled
-
-            for event in started:
-                streams.start_soon(stream, event)
-            for event in started:
-                await event.wait()
-            try:
-                await poll(partial(shows, client, url, 2), within=30, what="2 running shown")
-            except AssertionError:
-                return None  # both answers ended before a scrape saw them
-            finally:
-                streams.cancel_scope.cancel()
-            return seen[-1]
+        check = partial(shows, client, url, 2)
+        if not await while_two_streams(url, body, check, "2 running shown"):
+            return None
+        return seen[-1]
 
     with trio.fail_after(3 * LIMIT):
         async with (
@@ -595,26 +607,8 @@ async def test_the_saturation_signal_follows_the_engines_scraped_kv_cache(
         return value is not None and (0 < value <= 1 if busy else value == 0)
 
     async def while_running(client: httpx.AsyncClient, url: str) -> bool:
-        async with trio.open_nursery() as streams:
-            started = [trio.Event(), trio.Event()]
-
-            async def stream(started: trio.Event) -> None:
-                async with await post_raw(url, CHAT, body) as stream:
-                    await read_head(stream)
-                    started.set()
-                    await trio.sleep_forever()  # holds the stream until cancelled
-
-            for event in started:
-                streams.start_soon(stream, event)
-            for event in started:
-                await event.wait()
-            try:
-                await poll(partial(reads, client, url, True), within=30, what="saturation > 0")
-            except AssertionError:
-                return False
-            finally:
-                streams.cancel_scope.cancel()
-            return True
+        check = partial(reads, client, url, True)
+        return await while_two_streams(url, body, check, "saturation > 0")
 
     with trio.fail_after(3 * LIMIT):
         async with (

@@ -251,14 +251,21 @@ class _ModelQueue:
 
     def remove(self, waiter: _Waiter) -> None:
         """Take `waiter` out from anywhere (it left: timeout, client gone, cancelled)."""
-        lines = self.bands.get(waiter.priority, {})
-        line = lines.get(waiter.key)
-        if line is not None and waiter in line:
-            line.remove(waiter)
-            if not line:
-                del lines[waiter.key]
-                if not lines:
-                    del self.bands[waiter.priority]
+        _discard(self.bands, waiter.priority, waiter.key, waiter)
+
+
+def _discard(
+    index: dict[int, dict[Tenant, list[_Waiter]]], band: int, key: Tenant, waiter: _Waiter
+) -> None:
+    """Take `waiter` out of `index[band][key]`, and the entries it leaves empty."""
+    lines = index.get(band, {})
+    line = lines.get(key)
+    if line is not None and waiter in line:
+        line.remove(waiter)
+        if not line:
+            del lines[key]
+            if not lines:
+                del index[band]
 
 
 _FIFO: Final = Tenant(name="(fifo)")  # the one line of a band when fairness is "none"
@@ -522,14 +529,7 @@ class Admission:
 
     def _forget(self, waiter: _Waiter) -> None:
         """Take `waiter` out of the index by band and tenant."""
-        tenants = self._by_band.get(waiter.priority, {})
-        mine = tenants.get(waiter.tenant)
-        if mine is not None and waiter in mine:
-            mine.remove(waiter)
-            if not mine:
-                del tenants[waiter.tenant]
-                if not tenants:
-                    del self._by_band[waiter.priority]
+        _discard(self._by_band, waiter.priority, waiter.tenant, waiter)
 
     def _make_room(self, tenant: Tenant, priority: int) -> bool:
         """The queue is full: push out a waiting request for this one (see the module's
