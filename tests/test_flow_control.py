@@ -16,7 +16,7 @@ import trio.testing
 
 from test_serving_admission import Bench
 from test_serving_resume import WHOLE, events, resumes, text_of
-from trio_router.config import AdmissionConfig, TenantConfig
+from trio_router.config import AdmissionConfig, Config, TenantConfig
 from trio_router.errors import DeadlineError, NoEngineError, RateLimitedError
 from trio_router.limits.tenants import Tenant
 from trio_router.serving.admission import Admission, Urgency
@@ -172,6 +172,30 @@ async def test_with_engines_that_preempt_the_top_band_fills_only_what_an_engine_
         while line.held:
             bench.admission.release(line.held.pop(0), 10)
     assert bench.admission.top_full == set()
+
+
+async def test_a_reload_that_changes_the_top_band_counts_its_requests_right(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Slots are counted by band: after a reload makes another band the top one, an engine
+    full of the old top band's requests takes the new top band's, and giving the old ones
+    back leaves nothing counted."""
+    admission = AdmissionConfig(
+        max_in_flight_per_engine=5, reserve_per_engine=2, priority_to_engines=True
+    )
+    bench = Bench(admission, tenants=tenants(("interactive", 10)), engines=1)
+    interactive = bench.tenant("interactive")
+    held = [await bench.acquire(interactive, urgency=Urgency(10)) for _ in range(3)]
+    assert bench.admission.top_full == {"e0"}
+    configs = tenants(("interactive", 10), ("urgent", 20))
+    bench.admission.configure(Config(admission=admission, tenants=configs))
+    assert bench.admission.top_full == set()
+    urgent = await bench.acquire(interactive, urgency=Urgency(20))
+    assert urgent.uid == "e0"
+    for engine in held:
+        bench.admission.release(engine, 10)
+    bench.admission.release(urgent, 20)
+    assert bench.admission.top_full == set() and urgent.in_flight == 0
 
 
 async def test_a_full_queue_sheds_the_newest_request_of_the_lowest_band(

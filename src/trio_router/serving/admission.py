@@ -311,9 +311,10 @@ class Admission:
         self.saturated: set[str] = set()  # uids of engines that take no more now
         # Uids of engines whose free slots are kept for the top band (reserve_per_engine).
         self.reserved: set[str] = set()
-        # With engines that preempt by priority: the top band's requests in flight by engine,
-        # and the engines that run as many of them as they can run at once.
-        self._top_load: dict[str, int] = {}
+        # This router's requests in flight by engine and band (so that a reload that changes
+        # the top band counts right), and, with engines that preempt by priority, the engines
+        # that run as many of the top band's as they can run at once.
+        self._band_load: dict[str, dict[int, int]] = {}
         self.top_full: set[str] = set()
         self._on_wait = on_wait  # (model, seconds waited) of each request that waited
         self._on_reject = on_reject  # (reason, tenant) of each request turned away
@@ -342,8 +343,7 @@ class Admission:
         self.reserved.clear()
         self.top_full.clear()
         for engine in self._table:
-            top = self._top_load.get(engine.uid, 0)
-            if self._engines_preempt and top >= self._cap - self._reserve:
+            if self._engines_preempt and self._top_count(engine) >= self._cap - self._reserve:
                 self.top_full.add(engine.uid)
             self._update_saturation(engine, trio.current_time())
             if self._reserve and engine.in_flight >= self._cap - self._reserve:
@@ -572,11 +572,14 @@ class Admission:
         waiting request may take it at once."""
         engine.in_flight -= 1
         freed = False
-        if priority >= self._top and (count := self._top_load.get(engine.uid, 0)):
-            self._top_load[engine.uid] = count - 1
-            if engine.uid in self.top_full and count - 1 < self._cap - self._reserve:
-                self.top_full.discard(engine.uid)
-                freed = True
+        bands = self._band_load.get(engine.uid)
+        if bands is not None and bands.get(priority):
+            bands[priority] -= 1
+            if not bands[priority]:
+                del bands[priority]
+        if engine.uid in self.top_full and self._top_count(engine) < self._cap - self._reserve:
+            self.top_full.discard(engine.uid)
+            freed = True
         if engine.uid in self.saturated and not self._is_saturated(engine, trio.current_time()):
             self.saturated.discard(engine.uid)
             freed = True
@@ -662,8 +665,8 @@ class Admission:
             self.saturated.intersection_update(e.uid for e in self._table)
             self.reserved.intersection_update(e.uid for e in self._table)
             self.top_full.intersection_update(e.uid for e in self._table)
-            for uid in self._top_load.keys() - {e.uid for e in self._table}:
-                del self._top_load[uid]
+            for uid in self._band_load.keys() - {e.uid for e in self._table}:
+                del self._band_load[uid]
             if self._waiting:
                 self._dispatch()
 
@@ -695,10 +698,15 @@ class Admission:
             self.saturated.add(engine.uid)
         if self._reserve and engine.in_flight >= self._cap - self._reserve:
             self.reserved.add(engine.uid)
-        if priority >= self._top:
-            count = self._top_load[engine.uid] = self._top_load.get(engine.uid, 0) + 1
-            if self._engines_preempt and count >= self._cap - self._reserve:
-                self.top_full.add(engine.uid)
+        bands = self._band_load.setdefault(engine.uid, {})
+        bands[priority] = bands.get(priority, 0) + 1
+        if self._engines_preempt and self._top_count(engine) >= self._cap - self._reserve:
+            self.top_full.add(engine.uid)
+
+    def _top_count(self, engine: Engine) -> int:
+        """The top band's requests this router has in flight on `engine`."""
+        bands = self._band_load.get(engine.uid, {})
+        return sum(count for band, count in bands.items() if band >= self._top)
 
     def _excluded(self, tried: Collection[str], priority: int) -> _Excluded:
         """What a request of band `priority` may not be sent to (see `_Excluded`)."""
