@@ -644,6 +644,27 @@ async def test_engines_health_and_metrics() -> None:
     assert '"missing"' not in text  # unknown model names never become label values
 
 
+async def test_engines_are_filtered_by_model_and_state() -> None:
+    """GET /engines?model=M&state=S lists only those engines; an unknown parameter or state
+    is a 400 naming it."""
+    engines = [FakeEngine(name="a"), FakeEngine(name="b", models=["other"])]
+    with trio.fail_after(LIMIT):
+        async with open_router(engines, wait_models=["fake-model", "other"]) as router:
+            client = router.client
+            other = (await client.get("/engines", params={"model": "other"})).json()["engines"]
+            both = await client.get("/engines", params={"model": "other", "state": "routable"})
+            none = await client.get("/engines", params={"state": "unhealthy"})
+            bad_state = await client.get("/engines", params={"state": "sleeping"})
+            bad_name = await client.get("/engines", params={"pool": "x"})
+    assert [e["models"] for e in other] == [["other"]]
+    assert [e["models"] for e in both.json()["engines"]] == [["other"]]
+    assert none.json() == {"engines": []}
+    assert_openai_error(bad_state, 400, "bad_request")
+    assert "'sleeping'" in bad_state.json()["error"]["message"]
+    assert_openai_error(bad_name, 400, "bad_request")
+    assert "'pool'" in bad_name.json()["error"]["message"]
+
+
 async def test_version_needs_no_key_and_tells_the_engines_versions(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import urllib.parse
 from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
@@ -14,9 +15,9 @@ import trio
 
 from .._version import __version__
 from ..asgi import Scope, Send
-from ..errors import AuthError, NoEngineError, RequestError, UnknownModelError
+from ..errors import AuthError, BadRequestError, NoEngineError, RequestError, UnknownModelError
 from ..metrics import CONTENT_TYPE, Metrics
-from ..table import Engine, RoutingTable
+from ..table import Engine, EngineState, RoutingTable
 from .errors import REQUEST_ID_HEADER, error_body, error_response, http_date, send_json
 from .forms import FORM_PATHS
 from .names import ModelNames
@@ -58,6 +59,8 @@ PROXIED_PATHS: Final = FORM_PATHS | frozenset(
         "/v1/messages/render",
     }
 )
+
+STATES: Final = tuple(state.value for state in EngineState)  # /engines?state=
 
 # As vLLM's own server: only its /v1 paths ask for the key.
 UNAUTHENTICATED_PATHS: Final = frozenset({"/health", "/metrics", "/version"})
@@ -136,7 +139,29 @@ class AdminEndpoints:
                 except AuthError as exc:
                     await error_response(send, exc, request_id)
                     return
-            await self._answer(send, path, model_id, request_id)
+            await self._answer(send, path, model_id, request_id, scope["query_string"])
+
+    def _engines(self, query: bytes) -> list[Engine]:
+        """The engines `GET /engines?model=M&state=S` asks for (each filter optional, `state`
+        one of EngineState's values); BadRequestError naming an unknown parameter or state."""
+        model = state = None
+        for name, value in urllib.parse.parse_qsl(query.decode("latin-1")):
+            if name == "model":
+                model = value
+            elif name == "state":
+                if value not in STATES:
+                    raise BadRequestError(
+                        f"state must be one of {', '.join(STATES)}, got {value!r}"
+                    )
+                state = EngineState(value)
+            else:
+                raise BadRequestError(f"/engines takes model and state, not {name!r}")
+        return [
+            engine
+            for engine in self._table
+            if (model is None or model in engine.model_ids)
+            and (state is None or engine.state is state)
+        ]
 
     @staticmethod
     async def _wrong_method(
@@ -150,14 +175,21 @@ class AdminEndpoints:
         )
         await send_json(send, 405, body, [(b"allow", allowed), *rid])
 
-    async def _answer(self, send: Send, path: str, model_id: str | None, request_id: bytes) -> None:
+    async def _answer(
+        self, send: Send, path: str, model_id: str | None, request_id: bytes, query: bytes
+    ) -> None:
         rid = ((REQUEST_ID_HEADER, request_id),)
         if path == "/v1/models":
             await send_json(send, 200, self._models(), rid)
         elif model_id:
             await self._model(send, model_id, request_id)
         elif path == "/engines":
-            engines = [engine.describe() for engine in self._table]
+            try:
+                chosen = self._engines(query)
+            except BadRequestError as exc:
+                await error_response(send, exc, request_id)
+                return
+            engines = [engine.describe() for engine in chosen]
             # msgspec: the table of a large fleet is encoded without building JSON in Python.
             await send_json(send, 200, msgspec.json.encode({"engines": engines}), rid)
         elif path == "/version":
