@@ -56,6 +56,18 @@ def messages(text: str = "say a few words") -> list[dict[str, str]]:
     return [{"role": "system", "content": "you are a test"}, {"role": "user", "content": text}]
 
 
+def long_stream(**extra: Any) -> dict[str, Any]:
+    """A streamed chat that runs for LONG tokens (`ignore_eos`), with `extra` members."""
+    return {
+        "model": MODEL_NAME,
+        "messages": messages(),
+        "max_tokens": LONG,
+        "ignore_eos": True,
+        "stream": True,
+        **extra,
+    }
+
+
 @asynccontextmanager
 async def open_router(config: Config, engines: int) -> AsyncIterator[tuple[str, RoutingTable]]:
     """`server.run(config)` on 127.0.0.1; yields (url, table) once `engines` serve the model."""
@@ -481,14 +493,7 @@ async def test_a_client_leaving_mid_stream_makes_the_engine_abort(
     Two choices: each runs as a request of its own, slower together, so the engine is
     still generating when its /metrics answers, however busy the machine."""
     engine = real_engines[0]
-    body = {
-        "model": MODEL_NAME,
-        "messages": messages(),
-        "max_tokens": LONG,
-        "ignore_eos": True,
-        "stream": True,
-        "n": 2,
-    }
+    body = long_stream(n=2)
     with trio.fail_after(LIMIT):
         async with (
             open_router(static([engine]), 1) as (url, _),
@@ -539,13 +544,7 @@ async def test_engines_shows_the_load_scraped_from_real_metrics(
     sees them running (its /metrics answered late while it generates): such an attempt is
     run again, up to 3 times."""
     engine = real_engines[0]
-    body = {
-        "model": MODEL_NAME,
-        "messages": messages(),
-        "max_tokens": LONG,
-        "ignore_eos": True,
-        "stream": True,
-    }
+    body = long_stream()
 
     seen: list[dict[str, float]] = []
 
@@ -592,13 +591,7 @@ async def test_the_saturation_signal_follows_the_engines_scraped_kv_cache(
     are aborted. Attempts whose answers end before a scrape sees them are run again (see
     test_engines_shows_the_load_scraped_from_real_metrics)."""
     engine = real_engines[0]
-    body = {
-        "model": MODEL_NAME,
-        "messages": messages(),
-        "max_tokens": LONG,
-        "ignore_eos": True,
-        "stream": True,
-    }
+    body = long_stream()
     readings: list[float | None] = []
 
     async def reads(client: httpx.AsyncClient, url: str, busy: bool) -> bool:
@@ -657,14 +650,7 @@ async def test_a_pod_deleted_during_a_stream_finishes_it_while_new_requests_go_e
     for name, engine in names.items():
         apiserver.add_pod(name, ip=engine.spec.host)
     config = kubernetes_config(apiserver.namespace, str(kubeconfig), port)
-    body = {
-        "model": MODEL_NAME,
-        "messages": messages(),
-        "max_tokens": LONG,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+    body = long_stream(stream_options={"include_usage": True})
     with trio.fail_after(LIMIT):
         async with (
             open_router(config, len(real_engines)) as (url, table),

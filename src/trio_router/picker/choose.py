@@ -28,7 +28,15 @@ from ..serving.attempt import Failed, usage_of
 from ..serving.errors import CLIENT_CLOSED, error_answer, error_body
 from ..serving.failover import choose
 from ..serving.intake import read_head
-from ..serving.prepared import Prepared, fell_back, for_model, next_model, resolve, with_tokens
+from ..serving.prepared import (
+    Prepared,
+    fell_back,
+    for_model,
+    next_model,
+    resolve,
+    urgency_of,
+    with_tokens,
+)
 from ..serving.record import ExchangeRecord
 from ..serving.runtime import Runtime
 from ..table import Engine
@@ -181,11 +189,7 @@ class Picker:
                 raise head.invalid
             tenant = rt.services.tenants.authenticate(head.authorization)
             record.tenant = tenant.name
-            urgency = rt.services.admission.urgency(
-                tenant, head.priority, head.deadline_s, since=record.started
-            )
-            record.priority = urgency.priority
-            record.band = rt.services.admission.band_label(urgency.priority)
+            urgency = urgency_of(rt, tenant, head, record)
             prepared = await resolve(scope, head, tenant, ex.body, rt, record, urgency)
             held.ticket = await rt.services.limits.admit(tenant)
             held.priority = urgency.priority

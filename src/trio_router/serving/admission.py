@@ -601,7 +601,8 @@ class Admission:
         """Each served base model's load (`ModelLoad`), read at scrape time; requests waiting
         for one of its adapters count as its own."""
         now = trio.current_time()
-        parents = {m.id: m.parent for m in self._table.models() if m.parent is not None}
+        models = self._table.models()
+        parents = {m.id: m.parent for m in models if m.parent is not None}
         waiting_for: dict[str, dict[str, int]] = {}
         for name, queue in self._queues.items():
             counts = waiting_for.setdefault(parents.get(name) or name, {})
@@ -609,7 +610,7 @@ class Admission:
                 label = self.band_label(band)
                 counts[label] = counts.get(label, 0) + count
         out: dict[str, ModelLoad] = {}
-        for model in {*(m.id for m in self._table.models() if m.parent is None), *waiting_for}:
+        for model in {*(m.id for m in models if m.parent is None), *waiting_for}:
             engines = self._table.routable(model)
             queued = waiting_for.get(model, {})
             waiting = sum(queued.values())

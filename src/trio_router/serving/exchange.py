@@ -39,7 +39,15 @@ from .disaggregated import disaggregated
 from .errors import CLIENT_CLOSED, error_answer
 from .failover import try_engines
 from .intake import Held, read_body, read_head
-from .prepared import Prepared, fell_back, for_model, next_model, resolve, with_tokens
+from .prepared import (
+    Prepared,
+    fell_back,
+    for_model,
+    next_model,
+    resolve,
+    urgency_of,
+    with_tokens,
+)
 from .record import ExchangeRecord
 from .resume import resumable, with_token_ids
 from .runtime import Runtime
@@ -107,11 +115,7 @@ async def _serve(
         record.status = CLIENT_CLOSED  # the client left while sending
         return
     try:
-        urgency = services.admission.urgency(
-            tenant, head.priority, head.deadline_s, since=record.started
-        )
-        record.priority = urgency.priority
-        record.band = services.admission.band_label(urgency.priority)
+        urgency = urgency_of(rt, tenant, head, record)
         prepared = await resolve(scope, head, tenant, body, rt, record, urgency)
         ticket = await services.limits.admit(tenant)
     except RequestError as exc:

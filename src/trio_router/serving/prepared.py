@@ -31,7 +31,15 @@ from .record import ExchangeRecord
 from .runtime import Runtime
 from .stored import ResponseNotFoundError, holder, stored_response_id
 
-__all__ = ["PRIORITY_PATHS", "Prepared", "for_model", "next_model", "resolve", "with_tokens"]
+__all__ = [
+    "PRIORITY_PATHS",
+    "Prepared",
+    "for_model",
+    "next_model",
+    "resolve",
+    "urgency_of",
+    "with_tokens",
+]
 
 # The vLLM requests that take a `priority` (its scheduler's, with --scheduling-policy
 # priority): generation, responses and the pooling family (SageMaker's /invocations carries
@@ -81,6 +89,15 @@ class Prepared:
     @property
     def model(self) -> str:
         return self.chain[self.index]
+
+
+def urgency_of(rt: Runtime, tenant: Tenant, head: RequestHead, record: ExchangeRecord) -> Urgency:
+    """The request's band and first-token deadline (its tenant's, as the client lowered or
+    set them), written to its record."""
+    admission = rt.services.admission
+    urgency = admission.urgency(tenant, head.priority, head.deadline_s, since=record.started)
+    record.priority, record.band = urgency.priority, admission.band_label(urgency.priority)
+    return urgency
 
 
 def next_model(table: RoutingTable, prepared: Prepared, after: int) -> int | None:
