@@ -22,7 +22,9 @@ Scenarios (sizes are flags):
   are routable, ejections, CPU.
 - `idle`: N routable healthy engines (100, 500, 1000) and no traffic: the router's CPU (share
   of one core) and RSS, once the start-up probes are over; the cost of `/engines` and
-  `/metrics` at that size.
+  `/metrics` at that size; then one request at a time, alternately through the router and
+  straight to an engine (the engines in turn, as the router's default round robin takes
+  them): the p50 and p99 of each and what the router adds.
 - `watch`: heartbeat MODIFIED events for 100 pods (nothing routing reads changes), first a
   burst as fast as the API server sends them, then a trickle of 200 events/s, each alone:
   router CPU per event, beyond its idle cost.
@@ -50,7 +52,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import httpx
 import trio
@@ -63,6 +65,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 ENGINE_PORT = 18800
 TICK = os.sysconf("SC_CLK_TCK")
+CHAT: Final = {
+    "model": "fake-model",
+    "messages": [{"role": "user", "content": "hi"}],
+    "max_tokens": 4,
+}
 
 
 def address(group: int, n: int) -> str:
@@ -210,7 +217,7 @@ class Router:
 
 @asynccontextmanager
 async def cluster(
-    engines: dict[str, str], workdir: Path
+    engines: dict[str, str], workdir: Path, extra: str = ""
 ) -> AsyncIterator[tuple[ApiServer, Router]]:
     """The API server, the engine fleet and the router, running; all killed on exit."""
     spec = workdir / "fleet.json"
@@ -263,7 +270,7 @@ namespace = "default"
 label_selector = "app=vllm"
 port = {ENGINE_PORT}
 kubeconfig = "{kubeconfig}"
-""")
+{extra}""")
         log = workdir / "router.log"
         with log.open("wb") as log_file:
             router = await trio.lowlevel.open_process(
@@ -320,13 +327,12 @@ class Load:
 async def run_load(router: Router, rate: float, duration: float) -> Load:
     """`rate` chat requests per second for `duration` seconds, each with a 10 s budget."""
     load = Load()
-    body = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
     async def one() -> None:
         start = time.perf_counter()
         try:
             response = await router.client.post(
-                f"{router.url}/v1/chat/completions", json=body, timeout=10.0
+                f"{router.url}/v1/chat/completions", json=CHAT, timeout=10.0
             )
             load.statuses[str(response.status_code)] += 1
             if response.status_code == 200:
@@ -342,6 +348,33 @@ async def run_load(router: Router, rate: float, duration: float) -> Load:
             await trio.sleep_until(start + i / rate)
             nursery.start_soon(one)
     return load
+
+
+def percentile_ms(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    return round(1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))], 2)
+
+
+async def routed_and_direct(
+    router: Router, ips: list[str], count: int, warmup: int = 20
+) -> tuple[list[float], list[float]]:
+    """Seconds of `count` chat requests one at a time through the router and as many straight
+    to the engines (in turn), alternating so that both see the same machine."""
+    routed: list[float] = []
+    direct: list[float] = []
+    for i in range(warmup + count):
+        for url, into in (
+            (f"{router.url}/v1/chat/completions", routed),
+            (f"http://{ips[i % len(ips)]}:{ENGINE_PORT}/v1/chat/completions", direct),
+        ):
+            start = time.perf_counter()
+            response = await router.client.post(url, json=CHAT)
+            elapsed = time.perf_counter() - start
+            if response.status_code != 200:
+                raise RuntimeError(f"{url}: HTTP {response.status_code}: {response.text[:200]}")
+            if i >= warmup:
+                into.append(elapsed)
+    return routed, direct
 
 
 async def timed_get(router: Router, path: str) -> tuple[float, int]:
@@ -450,13 +483,15 @@ async def scenario_slow(args: argparse.Namespace, workdir: Path) -> dict[str, An
 
 async def scenario_idle(args: argparse.Namespace, workdir: Path, size: int) -> dict[str, Any]:
     pods = [(f"idle-{n}", address(40, n)) for n in range(size)]
-    async with cluster({ip: "ok" for _, ip in pods}, workdir) as (api, router):
+    extra = f'[metrics]\nengine_series = "{args.engine_series}"\n' if args.engine_series else ""
+    async with cluster({ip: "ok" for _, ip in pods}, workdir, extra) as (api, router):
         await api.add(pods)
         routable_s = await router.wait_routable({n for n, _ in pods}, 60)
         await trio.sleep(args.settle)
         cpu = await cpu_over(router, args.idle_window)
         engines = [await timed_get(router, "/engines") for _ in range(5)]
         metrics = [await timed_get(router, "/metrics") for _ in range(5)]
+        routed, direct = await routed_and_direct(router, [ip for _, ip in pods], args.requests)
         return {
             "scenario": "idle",
             "engines": size,
@@ -468,6 +503,11 @@ async def scenario_idle(args: argparse.Namespace, workdir: Path, size: int) -> d
             "engines_kib": round(engines[0][1] / 1024, 1),
             "metrics_ms": round(1000 * statistics.median(t for t, _ in metrics), 1),
             "metrics_kib": round(metrics[0][1] / 1024, 1),
+            "routed_p50_ms": percentile_ms(routed, 0.5),
+            "direct_p50_ms": percentile_ms(direct, 0.5),
+            "added_p50_ms": round(percentile_ms(routed, 0.5) - percentile_ms(direct, 0.5), 2),
+            "routed_p99_ms": percentile_ms(routed, 0.99),
+            "direct_p99_ms": percentile_ms(direct, 0.99),
             "ejections": router.ejections(),
         }
 
@@ -565,6 +605,14 @@ def main() -> None:
     )
     parser.add_argument("--idle-sizes", default="100,500,1000")
     parser.add_argument("--idle-window", type=float, default=30.0)
+    parser.add_argument(
+        "--requests", type=int, default=300, help="one-at-a-time requests of each kind (idle)"
+    )
+    parser.add_argument(
+        "--engine-series",
+        default="",
+        help="metrics.engine_series of the router (idle; default: the router's default)",
+    )
     parser.add_argument(
         "--settle",
         type=float,

@@ -6,7 +6,8 @@ benchmark (bench/bench_scale.py) and the endpoint picker's (bench/bench_picker.p
 SPEC.json: {"port": 18800, "engines": {"127.0.10.1": "ok", "127.0.11.1": "hang",
 "127.0.12.1": "slow:1.0", ...}}. Every engine listens on its address and `port` (or on the port
 its key names: "127.0.0.1:18801") and answers `GET /v1/models` (model `fake-model`), `GET
-/metrics` (a vLLM page: tests/fixtures) and `POST /v1/chat/completions` (a small
+/metrics` (a vLLM page, tests/fixtures, with the engine's own requests running and none
+waiting) and `POST /v1/chat/completions` (a small
 chat.completion):
 
 - "ok": at once;
@@ -45,9 +46,26 @@ from pathlib import Path
 from typing import Final
 
 KEEP_ALIVE_S: Final = 5.0  # uvicorn's default timeout_keep_alive, which vLLM keeps
-METRICS: Final = (
+_FIXTURE: Final = (
     Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "vllm_metrics.txt"
 ).read_bytes()
+# The fixture's running and waiting samples, which each engine fills in with its own figures.
+_RUNNING_SAMPLE: Final = re.compile(rb"^(vllm:num_requests_running\{[^}]*\}) \S+$", re.M)
+_WAITING_SAMPLE: Final = re.compile(rb"^(vllm:num_requests_waiting\{[^}]*\}) \S+$", re.M)
+_METRICS: dict[int, bytes] = {}
+RUNNING: dict[str, int] = {}  # chat requests each engine (its address) is answering now
+
+
+def metrics(running: int) -> bytes:
+    """The engine's /metrics page as vLLM writes it: `running` requests running, none
+    waiting (the fleet queues nothing)."""
+    page = _METRICS.get(running)
+    if page is None:
+        page = _RUNNING_SAMPLE.sub(rb"\1 %d.0" % running, _FIXTURE)
+        page = _METRICS[running] = _WAITING_SAMPLE.sub(rb"\1 0.0", page)
+    return page
+
+
 MODELS: Final = json.dumps(
     {
         "object": "list",
@@ -166,6 +184,7 @@ class Pacer:
 
     def _first(self, engine: Engine, events: int) -> None:
         if not engine.write(self.first):
+            engine.stream_ended()
             return
         if events <= 1:
             engine.write(self._last)
@@ -184,9 +203,13 @@ class Pacer:
             if stream.left == 1:
                 if stream.engine.write(self._last):
                     stream.engine.stream_done()
+                else:
+                    stream.engine.stream_ended()
             elif stream.engine.write(self._token):
                 stream.left -= 1
                 running.append(stream)
+            else:
+                stream.engine.stream_ended()
         self._running = running
         if not running:
             self._ticking = False
@@ -284,6 +307,8 @@ class Engine(asyncio.Protocol):
             method, _, rest = head[0].partition(b" ")
             path = rest.partition(b" ")[0].partition(b"?")[0]
             chat = method == b"POST" and path == b"/v1/chat/completions"
+            if chat:
+                RUNNING[self._address] = RUNNING.get(self._address, 0) + 1
             if chat and self._pacer is not None and _STREAMED.search(body):
                 tokens = _MAX_TOKENS.search(body)
                 self._streaming = True
@@ -299,7 +324,8 @@ class Engine(asyncio.Protocol):
         if method == b"GET" and path == b"/v1/models":
             return _response(b"200 OK", b"application/json", MODELS)
         if method == b"GET" and path == b"/metrics":
-            return _response(b"200 OK", b"text/plain; version=0.0.4", METRICS)
+            page = metrics(RUNNING.get(self._address, 0))
+            return _response(b"200 OK", b"text/plain; version=0.0.4", page)
         if method == b"GET" and path == b"/health":
             return _response(b"200 OK", b"application/json", b"")
         if method == b"GET" and path == b"/fleet/answers":
@@ -311,6 +337,8 @@ class Engine(asyncio.Protocol):
         return _response(b"404 Not Found", b"application/json", b'{"detail":"Not Found"}')
 
     def _send(self, reply: bytes, chat: bool) -> None:
+        if chat:
+            RUNNING[self._address] -= 1
         if self._transport is not None and not self._transport.is_closing():
             self._transport.write(reply)
             Counter.answers += chat
@@ -323,9 +351,14 @@ class Engine(asyncio.Protocol):
         self._transport.write(data)
         return True
 
+    def stream_ended(self) -> None:
+        """A paced stream ended (its connection gone, or written whole)."""
+        RUNNING[self._address] -= 1
+
     def stream_done(self) -> None:
         """The paced stream's last bytes were written: the next request may be answered."""
         Counter.answers += 1
+        self.stream_ended()
         self._streaming = False
         self._arm()
         self._serve()

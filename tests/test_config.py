@@ -184,6 +184,7 @@ CHOICES: Final[dict[str, tuple[str, list[str]]]] = {
     "disaggregation.decode_policy": ("[disaggregation]\ndecode_policy = {}\n", POLICY_NAMES),
     "admission.fairness": ("[admission]\nfairness = {}\n", ["tenant", "none"]),
     "limits.store": ("[limits]\nstore = {}\n", ["local", "redis"]),
+    "metrics.engine_series": ("[metrics]\nengine_series = {}\n", ["active", "all", "none"]),
 }
 
 
@@ -219,6 +220,7 @@ def test_the_sets_exported_are_the_literal_types() -> None:
     assert list(config_module.LOG_FORMATS) == CHOICES["server.log_format"][1]
     assert list(config_module.FAIRNESS) == CHOICES["admission.fairness"][1]
     assert list(config_module.LIMIT_STORES) == CHOICES["limits.store"][1]
+    assert list(config_module.ENGINE_SERIES) == CHOICES["metrics.engine_series"][1]
 
 
 @pytest.mark.parametrize("key", sorted(CHOICES))

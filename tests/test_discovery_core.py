@@ -445,3 +445,95 @@ def test_a_relisting_that_only_restamps_its_cards_changes_nothing() -> None:
     }  # the card as the engine first listed it
     assert table.mark_routable("u", 0, listing(3, "m", "lora"))
     assert table.version > version
+
+
+async def test_traffic_vouches_for_an_engine_its_probes_wait(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """An engine whose requests are answered is not probed for its health; its model list is
+    still re-read every `probe.refresh_s`. Once its traffic stops, it is probed every
+    `interval_s` again. An idle engine beside it is probed every `interval_s` throughout."""
+    probe = ProbeConfig(timeout_s=5.0, interval_s=10.0, refresh_s=60.0)
+    engines = FakeEngines()
+    async with open_core(engines, probe=probe) as core:
+        core.reconciler.apply(added(make_pod(1)))
+        core.reconciler.apply(added(make_pod(2)))
+        await core.wait_until("routable", "uid-1", "uid-2")
+        busy = core.table.get("uid-1")
+        assert busy is not None
+        start = trio.current_time()
+        for _ in range(55):  # a request answered every second
+            core.supervisors.outliers.request_succeeded(busy)
+            await trio.sleep(1)
+        assert engines.probes["127.0.1.1"] == 1  # the first probe only
+        assert engines.probes["127.0.1.2"] >= 5  # the idle one: every interval_s
+        for _ in range(10):
+            core.supervisors.outliers.request_succeeded(busy)
+            await trio.sleep(1)
+        # Its model list: re-read once refresh_s after its last probe.
+        assert engines.probes["127.0.1.1"] == 2
+        assert trio.current_time() - start < 2 * probe.refresh_s
+        count = engines.probes["127.0.1.1"]
+        await trio.sleep(30)  # no more traffic: probed every interval_s
+        assert 2 <= engines.probes["127.0.1.1"] - count <= 4
+
+
+async def test_a_failed_request_still_ejects_and_reprobes_at_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Traffic's word is taken back by a failed request: an engine its traffic vouches for,
+    found unreachable, is ejected and probed at once, not at its next probe."""
+    engines = FakeEngines()
+    async with open_core(engines) as core:
+        core.reconciler.apply(added(make_pod(1)))
+        await core.wait_until("routable", "uid-1")
+        engine = core.table.get("uid-1")
+        assert engine is not None
+        for _ in range(30):
+            core.supervisors.outliers.request_succeeded(engine)
+            await trio.sleep(1)
+        count = engines.probes["127.0.1.1"]
+        engines.mode["127.0.1.1"] = "refuse"
+        core.supervisors.outliers.report_unreachable(engine, engine.generation, "refused")
+        assert not engine.routable
+        with trio.fail_after(0.01):
+            while engines.probes["127.0.1.1"] == count:  # noqa: ASYNC110 (counted by the fake)
+                await trio.sleep(0.001)
+        engines.mode["127.0.1.1"] = "ok"
+        await core.wait_until("routable", "uid-1")
+
+
+async def test_routine_probes_are_paced_across_engines(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """`probe.max_per_s` bounds the routine re-probes of routable engines, so idle probing
+    costs the same at any number of engines (each engine's period stretches instead); first
+    probes and a failing engine's re-probes are never held back by it."""
+    probe = ProbeConfig(timeout_s=5.0, interval_s=10.0, backoff_max_s=4.0, max_per_s=2.0)
+    engines = FakeEngines()
+    async with open_core(engines, probe=probe) as core:
+        for n in range(1, 101):
+            core.reconciler.apply(added(make_pod(n, ip=f"127.0.2.{n}")))
+        with trio.fail_after(probe.timeout_s):  # first probes: all at once
+            await core.wait_until("routable", *(f"uid-{n}" for n in range(1, 101)))
+        await trio.sleep(100)
+        before = sum(engines.probes.values())
+        await trio.sleep(100)
+        assert 180 <= sum(engines.probes.values()) - before <= 202  # 2 a second
+        # Every engine still gets its turn: about every 100 / 2 = 50 s.
+        counts = dict(engines.probes)
+        await trio.sleep(60)
+        assert all(engines.probes[ip] > counts[ip] for ip in counts)
+
+        engines.mode["127.0.2.7"] = "500"  # failing: re-probed with backoff, not in turn
+        failing = core.table.get("uid-7")
+        assert failing is not None
+        while failing.consecutive_failures == 0:
+            await core.table.wait_changed()
+        failed_at = trio.current_time()
+        while failing.routable:
+            await core.table.wait_changed()
+        assert trio.current_time() - failed_at <= 1.1 * 1.0 + 0.01  # backoff, not 50 s
+        count = engines.probes["127.0.2.7"]
+        await trio.sleep(30)
+        assert engines.probes["127.0.2.7"] - count >= 30 // (probe.backoff_max_s * 1.1)

@@ -13,6 +13,7 @@ from typing import Final
 
 import pytest
 import trio
+import trio.lowlevel
 import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -266,8 +267,10 @@ async def test_scraper_skips_an_engine_that_is_not_routable(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     """A hanging or failing engine is probed, not scraped: no connection per scrape for
-    figures that would route nothing. Scraping resumes once it is routable again."""
+    figures that would route nothing. Once routable again, the first request routed to it
+    has it scraped at once."""
     fake, engine = FakeMetrics(), routable_engine()
+    fake.running = 1  # busy (other routers' requests): scraped while it is routable
     table = RoutingTable()
     table.put(engine)
     async with engine_pool(fake) as (client, _network), trio.open_nursery() as nursery:
@@ -278,13 +281,72 @@ async def test_scraper_skips_an_engine_that_is_not_routable(
         await trio.sleep(60)
         assert len(fake.requests) == 1 and engine.stats is NO_STATS  # expired, not refreshed
         table.mark_routable(engine.uid, 0, [Model("m")])
-        await trio.sleep(6)  # within one jittered interval: scraped again
-        assert len(fake.requests) >= 2 and engine.stats.running == 0.0
+        await trio.sleep(30)
+        assert len(fake.requests) == 1  # nothing routed to it yet
+        engine.routed(trio.current_time())
+        await trio.sleep(0.1)
+        assert len(fake.requests) == 2 and engine.stats.running == 1.0
+        nursery.cancel_scope.cancel()
+
+
+async def test_an_idle_engine_is_scraped_only_while_requests_go_to_it(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """An engine with nothing running and no request routed to it is scraped once, when it
+    becomes routable; then not until a request is routed there (which wakes the scraper at
+    once), every interval while requests keep going there, and for 3 intervals after the
+    last one (its figures stay believable that long)."""
+    fake, engine = FakeMetrics(), routable_engine()
+    table = RoutingTable()
+    table.put(engine)
+    async with engine_pool(fake) as (client, _network), trio.open_nursery() as nursery:
+        nursery.start_soon(partial(run_stats_scraper, engine, table, client, STATS, generation=0))
+        await trio.sleep(100)
+        assert fake.requests == [0.0]  # the first scrape only
+        assert engine.stats is NO_STATS  # its figures expired, not refreshed
+        routed_at = trio.current_time()
+        engine.routed(routed_at)
+        await trio.lowlevel.checkpoint()
+        await trio.sleep(0.01)
+        assert fake.requests == [0.0, routed_at]  # at once
+        for _ in range(6):  # a request every 5 s for 30 s
+            await trio.sleep(5)
+            engine.routed(trio.current_time())
+        last = trio.current_time()
+        await trio.sleep(60)
+        during = [t for t in fake.requests if routed_at < t <= last]
+        after = [t for t in fake.requests if t > last]
+        assert 5 <= len(during) <= 7
+        assert after and max(after) <= last + 3 * STATS.interval_s + 1
+        assert engine.stats is NO_STATS
+        nursery.cancel_scope.cancel()
+
+
+async def test_an_engine_whose_figures_show_work_stays_scraped(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Requests of other routers (or a queue that keeps admission away) keep an engine
+    scraped with no request of this router's going to it; once its figures show no work,
+    scraping stops."""
+    fake, engine = FakeMetrics(), routable_engine()
+    fake.waiting = 4
+    table = RoutingTable()
+    table.put(engine)
+    async with engine_pool(fake) as (client, _network), trio.open_nursery() as nursery:
+        nursery.start_soon(partial(run_stats_scraper, engine, table, client, STATS, generation=0))
+        await trio.sleep(60)
+        assert 11 <= len(fake.requests) <= 14 and engine.stats.waiting == 4.0
+        fake.waiting = 0
+        await trio.sleep(10)
+        count = len(fake.requests)
+        await trio.sleep(60)
+        assert len(fake.requests) == count
         nursery.cancel_scope.cancel()
 
 
 async def test_scraper_deadline_failures_and_expiry(autojump_clock: trio.testing.MockClock) -> None:
     fake, engine = FakeMetrics(), routable_engine()
+    engine.in_flight = 1  # a long request there: in use throughout
     table = RoutingTable()
     table.put(engine)
     async with engine_pool(fake) as (client, _network), trio.open_nursery() as nursery:

@@ -186,8 +186,8 @@ class LiveRouter:
         return self.reloads[-1]
 
 
-def scraped_twice(engine: FakeEngine) -> bool:
-    return len(engine.requests_to("/metrics")) >= 2
+def scraped(engine: FakeEngine, times: int) -> bool:
+    return len(engine.requests_to("/metrics")) >= times
 
 
 def busy(engine: FakeEngine) -> bool:
@@ -199,9 +199,9 @@ async def kubernetes_router(
     apiserver: FakeApiServer, kubeconfig: Path, engines: list[FakeEngine]
 ) -> AsyncIterator[LiveRouter]:
     """The router with Kubernetes discovery of `engines` (pods pod-0, pod-1, ... on 127.0.1.1,
-    127.0.1.2, ..., one port), engine stats scraped every 50 ms, admission capped at one
+    127.0.1.2, ..., one port), engine stats scraped every 100 ms, admission capped at one
     request per engine with a queue of one, and SIGHUP reloading the same config; yields
-    once every engine is routable and has been scraped."""
+    once every engine is routable and has been scraped once."""
     scopes = [trio.CancelScope() for _ in engines]
 
     async def serve(i: int, port: int, *, task_status: trio.TaskStatus[str]) -> None:
@@ -223,7 +223,7 @@ async def kubernetes_router(
                 ),
             ),
             probe=ProbeConfig(interval_s=60.0, timeout_s=2.0, backoff_max_s=60.0),
-            stats=StatsConfig(interval_s=0.05, timeout_s=1.0),
+            stats=StatsConfig(interval_s=0.1, timeout_s=1.0),
             admission=AdmissionConfig(
                 max_in_flight_per_engine=1, queue_size=1, queue_timeout_s=LIMIT
             ),
@@ -243,8 +243,8 @@ async def kubernetes_router(
             client.base_url = httpx.URL(url)
             while len(table.routable("fake-model")) < len(engines):
                 await table.wait_changed()
-            for engine in engines:  # a second scrape began: the first one's figures are stored
-                await engine.wait_until(partial(scraped_twice, engine))
+            for engine in engines:  # scraped once as it became routable (idle since)
+                await engine.wait_until(partial(scraped, engine, 1))
             yield router
         nursery.cancel_scope.cancel()
 
@@ -279,6 +279,10 @@ async def exposed_sample_names(apiserver: FakeApiServer, kubeconfig: Path) -> se
                     nursery.start_soon(post)
                 for engine in engines:
                     await engine.wait_until(partial(busy, engine))
+                # In use, they are scraped: two more scrapes began, so one's figures are stored.
+                counts = [len(engine.requests_to("/metrics")) for engine in engines]
+                for engine, count in zip(engines, counts, strict=True):
+                    await engine.wait_until(partial(scraped, engine, count + 2))
                 await trio.testing.wait_all_tasks_blocked()  # the third request is queued
                 text = (await client.get("/metrics")).text
                 assert 'trio_router_queued_requests{model="fake-model"} 1.0' in text

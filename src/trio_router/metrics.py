@@ -9,6 +9,7 @@ no global registry.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Final, Protocol
 
@@ -28,6 +29,7 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
 from ._version import __version__
+from .config import EngineSeries
 from .table import EngineState, RoutingTable
 
 CONTENT_TYPE: Final = CONTENT_TYPE_LATEST.encode("ascii")
@@ -112,8 +114,10 @@ class Metrics:
         admission: Callable[[], tuple[Mapping[str, int], int]] | None = None,
         model_load: Callable[[], Mapping[str, ModelLoadView]] | None = None,
         kv: Callable[[], Mapping[str, tuple[Mapping[str, int], int]]] | None = None,
+        engine_series: EngineSeries = "active",
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
+        self._engine_series = engine_series
         self._add_request_metrics()
         self._add_routing_metrics()
         self._add_token_metrics()
@@ -125,6 +129,7 @@ class Metrics:
         PlatformCollector(registry=self.registry)
         GCCollector(registry=self.registry)
         self.registry.register(_TableCollector(table))
+        self._engines = _EngineSeries(table, engine_series)
         if discovery_snapshot is not None:
             self.registry.register(_DiscoveryCollector(discovery_snapshot))
         if relayed is not None:
@@ -318,13 +323,17 @@ class Metrics:
         self._store_up: Gauge | None = None  # only with a shared store
         self._store_replicas: Gauge | None = None
 
+    def _engine(self, name: str) -> str:
+        """The engine label for `name` (empty with `metrics.engine_series = "none"`)."""
+        return "" if self._engine_series == "none" else name
+
     def observe_request(self, model: str, engine: str, status: int, seconds: float) -> None:
         """Count one finished request and record its duration."""
-        key = (model, engine, status)
+        key = (model, self._engine(engine), status)
         child = self._children.get(key)
         if child is None:
             child = self._children[key] = _Child(
-                self._requests.labels(model, engine, str(status)), self._latency.labels(model)
+                self._requests.labels(model, key[1], str(status)), self._latency.labels(model)
             )
         child.count.inc()
         child.latency.observe(seconds)
@@ -338,7 +347,7 @@ class Metrics:
 
     def routed(self, policy: str, outcome: str, engine: str) -> None:
         """Count one routing decision."""
-        key = (policy, outcome, engine)
+        key = (policy, outcome, self._engine(engine))
         child = self._decisions.get(key)
         if child is None:
             child = self._decisions[key] = self._routed.labels(*key)
@@ -364,8 +373,8 @@ class Metrics:
     def kv_prediction(self, engine: str, cached: int, prompt: int) -> None:
         """One kv_aware decision for `engine`: the tokens it expected cached there, of the
         prompt's."""
-        self._kv_cached.labels(engine).inc(cached)
-        self._kv_prompt.labels(engine).inc(prompt)
+        self._kv_cached.labels(self._engine(engine)).inc(cached)
+        self._kv_prompt.labels(self._engine(engine)).inc(prompt)
 
     def pd_decision(self, route: str, reason: str) -> None:
         self._pd_decisions.labels(route, reason).inc()
@@ -405,7 +414,7 @@ class Metrics:
         self._pd_prefill.observe(seconds)
 
     def engine_unreachable(self, engine: str) -> None:
-        self._unreachable.labels(engine).inc()
+        self._unreachable.labels(self._engine(engine)).inc()
 
     def resumed(self, model: str, reason: str, outcome: str) -> None:
         """An answer whose engine failed before its end (see `trio_router_stream_resumes`)."""
@@ -439,8 +448,10 @@ class Metrics:
             self._routed.remove(*decision)
 
     def render(self) -> bytes:
-        """The exposition text of every metric, for GET /metrics."""
-        return generate_latest(self.registry)
+        """The exposition text of every metric, for GET /metrics: the registry's, and the
+        per-engine gauges written straight from the table (a sample line each, with no
+        objects per sample: thousands of engines render in milliseconds)."""
+        return generate_latest(self.registry) + self._engines.render(trio.current_time())
 
 
 class _TableCollector:
@@ -450,11 +461,6 @@ class _TableCollector:
         self._table = table
 
     def collect(self) -> Iterable[Metric]:
-        in_flight = GaugeMetricFamily(
-            "trio_router_in_flight_requests",
-            "Requests being served by each engine now.",
-            labels=["engine"],
-        )
         states = GaugeMetricFamily(
             "trio_router_engines", "Engines in the routing table by state.", labels=["state"]
         )
@@ -465,61 +471,127 @@ class _TableCollector:
             "trio_router_routable_models",
             "Distinct models (base models and adapters) served by routable engines.",
         )
-        latency = GaugeMetricFamily(
-            "trio_router_engine_latency_seconds",
-            "Moving average of this router's request latency (received to last byte) per engine.",
-            labels=["engine"],
-        )
-        ttfb = GaugeMetricFamily(
-            "trio_router_engine_time_to_first_byte_seconds",
-            "Moving average of this router's time to first byte per engine.",
-            labels=["engine"],
-        )
-        load = {
-            key: GaugeMetricFamily(
-                f"trio_router_engine_{name}",
-                f"The engine's own {what} (scraped from its /metrics; absent when stale).",
-                labels=["engine"],
-            )
-            for key, name, what in (
-                ("running", "running_requests", "running requests"),
-                ("waiting", "waiting_requests", "waiting requests"),
-                ("kv_cache_usage", "kv_cache_usage_ratio", "KV-cache usage (0..1)"),
-                (
-                    "prefix_cache_hits",
-                    "prefix_cache_hit_tokens",
-                    "prompt tokens served from its prefix cache since it started "
-                    "(vllm:prefix_cache_hits_total)",
-                ),
-                (
-                    "prefix_cache_queries",
-                    "prefix_cache_query_tokens",
-                    "prompt tokens looked up in its prefix cache since it started "
-                    "(vllm:prefix_cache_queries_total)",
-                ),
-            )
-        }
         counts = dict.fromkeys(EngineState, 0)
-        now = trio.current_time()
         for engine in self._table:
             counts[engine.state] += 1
-            name = engine.name
-            in_flight.add_metric([name], engine.in_flight)
-            figures = engine.requests
-            if figures.latency is not None:
-                latency.add_metric([name], figures.latency)
-            if figures.ttfb is not None:
-                ttfb.add_metric([name], figures.ttfb)
-            stats = engine.stats
-            if stats.fresh(now):
-                for key, family in load.items():
-                    if (value := getattr(stats, key)) is not None:
-                        family.add_metric([name], value)
         for state, count in counts.items():
             states.add_metric([state.value], count)
         routable.add_metric([], counts[EngineState.ROUTABLE])
         models.add_metric([], len(self._table.models()))
-        return [in_flight, states, routable, models, latency, ttfb, *load.values()]
+        return [states, routable, models]
+
+
+ACTIVE_S: Final = 300.0  # engine_series "active": engines routed to within this many seconds
+# The per-engine gauges: (name, help, what of an engine), in exposition order.
+_ENGINE_GAUGES: Final = (
+    ("trio_router_in_flight_requests", "Requests being served by each engine now.", "in_flight"),
+    (
+        "trio_router_engine_latency_seconds",
+        "Moving average of this router's request latency (received to last byte) per engine.",
+        "latency",
+    ),
+    (
+        "trio_router_engine_time_to_first_byte_seconds",
+        "Moving average of this router's time to first byte per engine.",
+        "ttfb",
+    ),
+    (
+        "trio_router_engine_running_requests",
+        "The engine's own running requests (scraped from its /metrics; absent when stale).",
+        "running",
+    ),
+    (
+        "trio_router_engine_waiting_requests",
+        "The engine's own waiting requests (scraped from its /metrics; absent when stale).",
+        "waiting",
+    ),
+    (
+        "trio_router_engine_kv_cache_usage_ratio",
+        "The engine's own KV-cache usage (0..1) (scraped from its /metrics; absent when stale).",
+        "kv_cache_usage",
+    ),
+    (
+        "trio_router_engine_prefix_cache_hit_tokens",
+        "The engine's own prompt tokens served from its prefix cache since it started "
+        "(vllm:prefix_cache_hits_total) (scraped from its /metrics; absent when stale).",
+        "prefix_cache_hits",
+    ),
+    (
+        "trio_router_engine_prefix_cache_query_tokens",
+        "The engine's own prompt tokens looked up in its prefix cache since it started "
+        "(vllm:prefix_cache_queries_total) (scraped from its /metrics; absent when stale).",
+        "prefix_cache_queries",
+    ),
+)
+
+
+class _EngineSeries:
+    """The per-engine gauges, written as exposition text straight from the table: for every
+    engine (`all`), the engines in use (`active`: requests in flight there, or routed there
+    within `ACTIVE_S`), or none. prometheus_client would build an object per sample and
+    format each through generic code, which at thousands of engines holds the serving
+    thread for hundreds of milliseconds per scrape."""
+
+    def __init__(self, table: RoutingTable, which: EngineSeries) -> None:
+        self._table, self._which = table, which
+        self._labels: dict[str, bytes] = {}  # engine name -> '{engine="..."} ', escaped once
+
+    def render(self, now: float) -> bytes:
+        if self._which == "none":
+            return b""
+        engines = [
+            e
+            for e in self._table
+            if self._which == "all" or e.in_flight or now - e.routed_at < ACTIVE_S
+        ]
+        lines: dict[str, list[bytes]] = {what: [] for _, _, what in _ENGINE_GAUGES}
+        labels = self._labels
+        if len(labels) > 2 * len(self._table) + 64:  # engines that left: let their labels go
+            labels.clear()
+        for engine in engines:
+            label = labels.get(engine.name)
+            if label is None:
+                label = labels[engine.name] = _engine_label(engine.name)
+            lines["in_flight"].append(b"%s%d.0\n" % (label, engine.in_flight))
+            figures = engine.requests
+            if figures.latency is not None:
+                lines["latency"].append(b"%s%s\n" % (label, _float(figures.latency)))
+            if figures.ttfb is not None:
+                lines["ttfb"].append(b"%s%s\n" % (label, _float(figures.ttfb)))
+            stats = engine.stats
+            if stats.fresh(now):
+                for what in _SCRAPED:
+                    if (value := getattr(stats, what)) is not None:
+                        lines[what].append(b"%s%s\n" % (label, _float(value)))
+        out: list[bytes] = []
+        for name, help_text, what in _ENGINE_GAUGES:
+            if what != "in_flight" and not lines[what]:
+                continue
+            out.append(f"# HELP {name} {help_text}\n# TYPE {name} gauge\n".encode())
+            prefix = name.encode()
+            out.extend(prefix + line for line in lines[what])
+        return b"".join(out)
+
+
+_SCRAPED: Final = (
+    "running",
+    "waiting",
+    "kv_cache_usage",
+    "prefix_cache_hits",
+    "prefix_cache_queries",
+)
+
+
+def _engine_label(name: str) -> bytes:
+    escaped = name.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+    return b'{engine="' + escaped.encode() + b'"} '
+
+
+def _float(value: float) -> bytes:
+    """`value` as the exposition format writes it."""
+    if math.isfinite(value):
+        return repr(float(value)).encode()
+    return b"NaN" if math.isnan(value) else b"+Inf" if value > 0 else b"-Inf"
 
 
 class _RelayCollector:

@@ -290,6 +290,7 @@ def _services(
         admission=lambda: (admission.queued(), len(admission.saturated)),
         model_load=admission.load,
         kv=None if kv_events is None else kv_events.snapshot,
+        engine_series=config.metrics.engine_series,
     )
     admission.observe(on_wait=metrics.queue_wait, on_reject=metrics.rejected)
     if parts.shared is not None:

@@ -233,10 +233,26 @@ class Engine:
     request_failures: int = 0  # requests in a row that failed after reaching the engine
     stats: EngineStats = NO_STATS  # the engine's own load, as scraped
     requests: RequestStats = field(default_factory=RequestStats)  # this router's figures
+    routed_at: float = -math.inf  # Trio time a request last took a slot on it
+    answered_at: float = -math.inf  # Trio time it last answered a request (status < 500)
+    route_waiter: trio.Event | None = None  # set by the next request routed to it
 
     @property
     def routable(self) -> bool:
         return self.state is EngineState.ROUTABLE
+
+    def routed(self, now: float) -> None:
+        """A request takes a slot on this engine: it is in use (its load is scraped again)."""
+        self.routed_at = now
+        if (waiter := self.route_waiter) is not None:
+            self.route_waiter = None
+            waiter.set()
+
+    async def wait_routed(self) -> None:
+        """Until the next request is routed to this engine."""
+        if self.route_waiter is None:
+            self.route_waiter = trio.Event()
+        await self.route_waiter.wait()
 
     def describe(self) -> dict[str, Any]:
         """The engine as shown by GET /engines."""

@@ -46,10 +46,13 @@ from ._routing import (
     RoutingConfig,
 )
 from ._server import (
+    ENGINE_SERIES,
     LOG_FORMATS,
     RESUME_MODES,
     UNKNOWN_PATHS,
+    EngineSeries,
     LogFormat,
+    MetricsConfig,
     PickerConfig,
     ProxyConfig,
     Resume,
@@ -63,6 +66,7 @@ from ._values import env_key
 
 __all__ = [
     "DISCOVERY_MODES",
+    "ENGINE_SERIES",
     "FAIRNESS",
     "KV_EVENT_MODES",
     "LIMIT_STORES",
@@ -77,6 +81,7 @@ __all__ = [
     "DisaggregationConfig",
     "DiscoveryConfig",
     "DiscoveryMode",
+    "EngineSeries",
     "Fairness",
     "KubernetesConfig",
     "KvEventsConfig",
@@ -84,6 +89,7 @@ __all__ = [
     "LimitStore",
     "LimitsConfig",
     "LogFormat",
+    "MetricsConfig",
     "PickerConfig",
     "PolicyName",
     "PrefillPolicyName",

@@ -167,6 +167,13 @@ class ProbeConfig:
     # Tuning:
     failures_to_eject: int = 2  # consecutive failures before a routable engine is ejected
     max_concurrent: int = 1024  # probes in flight at once across all engines
+    # An engine whose requests are answered is not probed for its health; its model list is
+    # still re-read this often.
+    refresh_s: float = 60.0
+    # Routine re-probes of routable engines started per second, across all engines (0: no
+    # bound); first probes, failing engines and re-probes a failed request asks for are never
+    # held back.
+    max_per_s: float = 50.0
 
     def __post_init__(self) -> None:
         positive(
@@ -176,7 +183,10 @@ class ProbeConfig:
             backoff_max_s=self.backoff_max_s,
             failures_to_eject=self.failures_to_eject,
             max_concurrent=self.max_concurrent,
+            refresh_s=self.refresh_s,
         )
+        if not self.max_per_s >= 0:
+            raise ConfigError(f"probe.max_per_s must be >= 0, got {self.max_per_s}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

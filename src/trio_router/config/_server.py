@@ -1,5 +1,5 @@
-"""The sections of what the router serves and how it reaches engines: [server], [proxy], and
-[tracing] (logs are configured in [server])."""
+"""The sections of what the router serves and how it reaches engines: [server], [proxy],
+[metrics] and [tracing] (logs are configured in [server])."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ UnknownPaths = Literal["reject", "model"]
 UNKNOWN_PATHS: typing.Final[tuple[UnknownPaths, ...]] = typing.get_args(UnknownPaths)
 Resume = Literal["on", "off"]
 RESUME_MODES: typing.Final[tuple[Resume, ...]] = typing.get_args(Resume)
+EngineSeries = Literal["active", "all", "none"]
+ENGINE_SERIES: typing.Final[tuple[EngineSeries, ...]] = typing.get_args(EngineSeries)
 
 
 def parse_bind(bind: str, key: str = "server.bind") -> tuple[str, int]:
@@ -123,6 +125,16 @@ class PickerConfig:
         parse_bind(self.bind, "picker.bind")
         if not 1 <= self.endpoints <= 8:
             raise ConfigError(f"picker.endpoints must be 1..8, got {self.endpoints}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MetricsConfig:
+    # Which engines /metrics has per-engine series for: "active" (requests in flight there or
+    # routed there within 5 minutes), "all", or "none" (no engine label at all).
+    engine_series: EngineSeries = "active"
+
+    def __post_init__(self) -> None:
+        check_choice(self.engine_series, ENGINE_SERIES, "metrics.engine_series")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -15,7 +15,7 @@ from ..errors import ConfigError
 from ._admission import AdmissionConfig, LimitsConfig, TenantConfig
 from ._discovery import DiscoveryConfig, ProbeConfig, StaticEngine, StatsConfig
 from ._routing import DisaggregationConfig, KvEventsConfig, RoutingConfig
-from ._server import PickerConfig, ProxyConfig, ServerConfig, TracingConfig
+from ._server import MetricsConfig, PickerConfig, ProxyConfig, ServerConfig, TracingConfig
 from ._values import check_choice
 
 T = TypeVar("T")
@@ -33,6 +33,7 @@ class Config:
     disaggregation: DisaggregationConfig = field(default_factory=DisaggregationConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)
     picker: PickerConfig = field(default_factory=PickerConfig)
     tenants: tuple[TenantConfig, ...] = ()

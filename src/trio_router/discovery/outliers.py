@@ -96,8 +96,10 @@ class Outliers:
             self._wake_up(engine.uid)
 
     def request_succeeded(self, engine: Engine) -> None:
-        """A request to `engine` succeeded: its run of failures is over."""
+        """A request to `engine` succeeded: its run of failures is over, and it has shown it
+        is alive (its probes wait)."""
         engine.request_failures = 0
+        engine.answered_at = trio.current_time()
         if self._ejections:
             self._ejections.pop(engine.uid, None)
 

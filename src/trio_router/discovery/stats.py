@@ -107,27 +107,44 @@ async def run_stats_scraper(
     on_change: Callable[[Engine], None] | None = None,
 ) -> None:
     """Scrape `engine`'s /metrics about every `stats.interval_s` seconds (±10% jitter) while
-    it is routable, over `pool` (the engine's own connections, kept alive between scrapes),
-    and store its gauges in `engine.stats`, believed for 3 intervals. An engine that is not
-    routable is not scraped: its figures would route nothing, and a hanging engine would
-    cost a connection per scrape. `headers()` gives the request's headers (the engine API
-    key); `on_change(engine)` is called after each stored result (admission checks
-    saturation). Each scrape has the hard deadline `stats.timeout_s` (connect, headers and
-    the whole body): a deadline per scrape, not a bound on this function. A result is stored
-    only if `table.current(engine.uid, generation)` is still `engine` after the await; once
-    it is not (the engine was removed or must be probed afresh), this returns, and the
-    supervisor starts a new scraper for the new generation. Failed scrapes store nothing;
-    figures older than 3 intervals are cleared. Runs until cancelled (the engine's
-    supervisor scope: DELETED stops it); cancellation abandons the scrape in progress and
-    closes its connection. Returns at once if the interval is 0."""
+    it is in use, over `pool` (the engine's own connections, kept alive between scrapes),
+    and store its gauges in `engine.stats`, believed for 3 intervals. In use: a request was
+    routed to it within those 3 intervals (or is still in flight there), or its last figures
+    show requests running or waiting (so the first scrape comes as soon as it is routable).
+    An engine not in use is not scraped (its figures would route nothing, and at thousands
+    of engines the scrapes would be most of the router's idle work): its figures expire,
+    and the next request routed to it wakes the scraper at once. `headers()` gives
+    the request's headers (the engine API key); `on_change(engine)` is called after each
+    stored result (admission checks saturation). Each scrape has the hard deadline
+    `stats.timeout_s` (connect, headers and the whole body): a deadline per scrape, not a
+    bound on this function. A result is stored only if `table.current(engine.uid,
+    generation)` is still `engine` after the await; once it is not (the engine was removed
+    or must be probed afresh), this returns, and the supervisor starts a new scraper for
+    the new generation. Failed scrapes store nothing; figures older than 3 intervals are
+    cleared. Runs until cancelled (the engine's supervisor scope: DELETED stops it);
+    cancellation abandons the scrape in progress and closes its connection. Returns at once
+    if the interval is 0."""
     interval, timeout = stats.interval_s, stats.timeout_s
     if interval <= 0:
         return
     stale_after = STALE_INTERVALS * interval
     failing = False
+    scraped = False  # an engine is scraped once when it becomes routable, in use or not
     while True:
         started = trio.current_time()
+        if scraped and not _in_use(engine, started, stale_after):
+            if table.current(engine.uid, generation) is not engine:
+                return
+            # Idle: nothing to scrape for until a request is routed here; its last figures
+            # (which show no work) expire meanwhile.
+            expires = engine.stats.expires if engine.stats is not NO_STATS else math.inf
+            with trio.move_on_at(expires):
+                await engine.wait_routed()
+            if engine.stats is not NO_STATS and trio.current_time() >= engine.stats.expires:
+                engine.stats = NO_STATS
+            continue
         if engine.routable:
+            scraped = True
             body, error = None, f"no complete answer within {timeout:g}s"
             with trio.move_on_after(timeout):
                 body, error = await _fetch(pool, engine.url, headers())
@@ -159,6 +176,16 @@ async def run_stats_scraper(
         if engine.stats is not NO_STATS and not engine.stats.fresh(trio.current_time()):
             engine.stats = NO_STATS
         await trio.sleep_until(started + jittered(interval, JITTER))
+
+
+def _in_use(engine: Engine, now: float, idle_after: float) -> bool:
+    """Whether `engine`'s load is worth scraping: a request went to it within `idle_after`
+    seconds or is still there, or its last figures show work (other routers' requests, or a
+    queue that keeps admission away from it)."""
+    if engine.in_flight or now - engine.routed_at < idle_after:
+        return True
+    stats = engine.stats
+    return stats.fresh(now) and bool(stats.running or stats.waiting)
 
 
 async def _fetch(

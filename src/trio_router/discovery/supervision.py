@@ -147,6 +147,7 @@ class Supervisors:
             table, ejection if ejection is not None else ProxyConfig(), wake_up=self._wake_up
         )
         self._random = random.Random()
+        self._next_turn = -math.inf  # the next free slot of routine probes (Trio time)
 
     def __len__(self) -> int:
         return len(self._scopes)
@@ -213,6 +214,7 @@ class Supervisors:
     async def _probe_forever(self, engine: Engine, generation: int, pool: UpstreamPool) -> None:
         table = self._table
         failures = 0
+        probed_at = -math.inf  # when a probe last succeeded
         while True:
             async with self._limiter:
                 try:
@@ -225,7 +227,8 @@ class Supervisors:
             current = table.current(engine.uid, generation)
             if current is None:
                 return
-            held = self.outliers.hold_left(engine.uid, trio.current_time())
+            now = trio.current_time()
+            held = self.outliers.hold_left(engine.uid, now)
             if error is None and held > 0:  # ejected by requests: out until the hold is over
                 failures = 0
                 delay = held
@@ -241,6 +244,7 @@ class Supervisors:
                     current.request_failures = 0
                 table.mark_routable(engine.uid, generation, models)
                 failures = 0
+                probed_at = now
                 delay = config.interval_s
             else:
                 failures += 1
@@ -268,13 +272,49 @@ class Supervisors:
                     config.backoff_max_s,
                     min(BACKOFF_START_S, config.interval_s) * 2 ** (failures - 1),
                 )
-            delay = jittered(delay, JITTER, self._random)
-            if (wake := self._wake.get(engine.uid)) is None:
+            if engine.uid not in self._wake:
                 return  # stopped while the probe was finishing
-            with trio.move_on_after(delay):
-                await wake.wait()
-            if wake.is_set() and self._wake.get(engine.uid) is wake:
-                self._wake[engine.uid] = trio.Event()  # woken (passive health): re-arm
+            woken = await self._rest(engine.uid, now + jittered(delay, JITTER, self._random))
+            if not woken and probed_at == now:  # a routine re-probe of a healthy engine
+                await self._routine_turn(engine, probed_at)
+
+    async def _rest(self, uid: str, until: float) -> bool:
+        """Wait until `until` (Trio time); True, early, if a failed request asks for a probe
+        (passive health) or the engine's supervision stopped."""
+        if (wake := self._wake.get(uid)) is None:
+            return True
+        with trio.move_on_at(until):
+            await wake.wait()
+        if not wake.is_set():
+            return False
+        if self._wake.get(uid) is wake:
+            self._wake[uid] = trio.Event()  # re-arm
+        return True
+
+    async def _routine_turn(self, engine: Engine, probed_at: float) -> None:
+        """Hold a healthy engine's next probe while its traffic vouches for it (an answered
+        request within `probe.interval_s`, up to `probe.refresh_s` after its last probe, for
+        its model list), then until its turn among the engines due (at most
+        `probe.max_per_s` routine probes a second). Returns early when a failed request asks
+        for a probe."""
+        while True:
+            config = self._config
+            due = min(engine.answered_at + config.interval_s, probed_at + config.refresh_s)
+            if due <= trio.current_time():
+                break
+            if await self._rest(engine.uid, due):
+                return
+        await self._rest(engine.uid, self._turn(trio.current_time()))
+
+    def _turn(self, now: float) -> float:
+        """When a routine probe due at `now` may start: the next free slot of the
+        `probe.max_per_s` a second (now when unbounded). The slot is taken."""
+        rate = self._config.max_per_s
+        if rate <= 0:
+            return now
+        turn = max(now, self._next_turn)
+        self._next_turn = turn + 1.0 / rate
+        return turn
 
 
 @asynccontextmanager

@@ -695,6 +695,7 @@ class Admission:
 
     def _take(self, engine: Engine, priority: int) -> None:
         engine.in_flight += 1
+        engine.routed(trio.current_time())
         if self._cap and engine.in_flight >= self._cap:
             self.saturated.add(engine.uid)
         if self._reserve and engine.in_flight >= self._cap - self._reserve:

@@ -44,6 +44,7 @@ RESTART_SECTIONS: Final = (
     "kv_events",
     "disaggregation",
     "limits",
+    "metrics",
     "picker",
 )
 # Keys of [server] that shape the listening server itself: they need a restart.
