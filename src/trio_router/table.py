@@ -234,7 +234,7 @@ class Engine:
     stats: EngineStats = NO_STATS  # the engine's own load, as scraped
     requests: RequestStats = field(default_factory=RequestStats)  # this router's figures
     routed_at: float = -math.inf  # Trio time a request last took a slot on it
-    answered_at: float = -math.inf  # Trio time it last answered a request (status < 500)
+    answered_at: float = -math.inf  # Trio time a request to it last succeeded (it is alive)
     route_waiter: trio.Event | None = None  # set by the next request routed to it
 
     @property
