@@ -129,6 +129,7 @@ class UpstreamPool:
         self._max_idle_s = max_idle_s
         self._open = connect
         self._origins: dict[str, Origin] = {}
+        self._origins_cap = MAX_ORIGINS  # the size at which unused origins are swept
         self._closed = False
         self.connections_opened = 0  # total TCP connections opened; for metrics and tests
 
@@ -211,8 +212,11 @@ class UpstreamPool:
         """The origin of `base_url`, remembered (with its idle connections) from now on."""
         origin = self._origins.get(base_url)
         if origin is None:
-            if len(self._origins) >= MAX_ORIGINS:  # engines come and go: forget unused ones
+            if len(self._origins) >= self._origins_cap:  # engines come and go: forget
                 self._origins = {k: o for k, o in self._origins.items() if o.idle}
+                # Next time only after as many again: with more engines than MAX_ORIGINS
+                # holding idle connections, the sweep stays amortized O(1) per origin.
+                self._origins_cap = max(MAX_ORIGINS, 2 * len(self._origins))
             origin = self._origins[base_url] = Origin(base_url)
         return origin
 
