@@ -1,4 +1,4 @@
-"""Decision cost of each routing policy with 4, 10, 100 and 1,000 engines (µs per decision).
+"""Decision cost of each routing policy with 4 to 5,000 engines (µs per decision).
 
 Run: python bench/bench_policy.py [--decisions N] [--seed S]
 
@@ -7,8 +7,11 @@ over a live-looking table: every engine has fresh scraped stats and in-flight re
 rise with each decision and drain at random. Requests: session keys from a pool of 10,000
 users; chat prompts of growing multi-turn conversations (about 2 KiB, and 8/32 KiB for
 prefix_aware's prompt-length rows, which also time `request_info`, where the prompt's length
-costs). Also prints one-off costs (ring build, engine removal, re-indexing after a table
-change), request_info and stats parsing costs. Bounded: about fifteen seconds on one core.
+costs); for kv_aware, the token ids of such conversations (a 400-token system prompt, turns
+of 50-150 tokens), each conversation's system prompt held by one engine in the KV index and
+every decision's blocks counted as held by its engine from then on. Also prints one-off
+costs (ring build, engine removal, re-indexing after a table change), request_info and stats
+parsing costs. Bounded: about a minute on one core.
 """
 
 from __future__ import annotations
@@ -24,11 +27,12 @@ from typing import Any
 
 from trio_router.config import POLICIES, PolicyName, RoutingConfig
 from trio_router.discovery.stats import parse_vllm_metrics
+from trio_router.kv.index import BlockIndex, block_keys
 from trio_router.routing.policy import Policy, RequestInfo, make_policy, request_info
 from trio_router.table import Engine, EngineState, EngineStats, Model, RoutingTable
 
 MODEL = "llama"
-SIZES = (4, 10, 100, 1000)  # engines
+SIZES = (4, 10, 100, 1000, 5000)  # engines
 FIXTURE = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "vllm_metrics.txt"
 NOW = 100.0
 WORDS = (
@@ -186,9 +190,35 @@ def run(
     return min(rounds)
 
 
-def build(name: PolicyName, table: RoutingTable, seed: int, **knobs: Any) -> Policy:
+def token_prompts(rng: random.Random, count: int) -> list[RequestInfo]:
+    """`count` kv_aware requests: turns of count/8 conversations, as token ids."""
+    conversations = [[rng.randrange(32000) for _ in range(400)] for _ in range(max(1, count // 8))]
+    infos = []
+    for _ in range(count):
+        k = rng.randrange(len(conversations))
+        tokens = conversations[k]
+        tokens += [rng.randrange(32000) for _ in range(rng.randrange(50, 150))]
+        if len(tokens) > 2000:
+            del tokens[400:]  # start the conversation over
+        infos.append(RequestInfo(MODEL, opening=f"conversation-{k}", tokens=tuple(tokens)))
+    return infos
+
+
+def hold_prefixes(index: BlockIndex, table: RoutingTable, infos: Sequence[RequestInfo]) -> None:
+    """Each conversation's system prompt held by one engine, for as long as the run lasts."""
+    engines = list(table)
+    for info in infos:
+        assert info.tokens is not None and info.opening is not None
+        holder = engines[int(info.opening.rpartition("-")[2]) % len(engines)]
+        keys = block_keys(info.tokens[:400], 16)
+        index.speculate(holder.uid, keys, now=NOW, until=NOW + 1e9)
+
+
+def build(
+    name: PolicyName, table: RoutingTable, seed: int, kv_index: BlockIndex | None = None
+) -> Policy:
     policy = make_policy(
-        RoutingConfig(policy=name, **knobs), clock=lambda: NOW, rng=random.Random(seed)
+        RoutingConfig(policy=name), clock=lambda: NOW, rng=random.Random(seed), kv_index=kv_index
     )
     table.add_remove_listener(lambda engine: policy.forget(engine.uid))
     return policy
@@ -210,7 +240,14 @@ def main() -> None:
     users = [RequestInfo(MODEL, session_key=f"user-{rng.randrange(10**9)}") for _ in range(10000)]
     chats = conversation_prompts(rng, 4000, 2048)
     plain = [RequestInfo(MODEL)]
-    inputs = {"round_robin": plain, "least_loaded": plain, "session": users, "prefix_aware": chats}
+    tokens = token_prompts(rng, 4000)
+    inputs = {
+        "round_robin": plain,
+        "least_loaded": plain,
+        "session": users,
+        "prefix_aware": chats,
+        "kv_aware": tokens,
+    }
     print(
         f"decision cost, µs (mean / p99), {args.decisions} decisions each; "
         f"timer overhead {overhead:.0f} ns subtracted"
@@ -220,7 +257,10 @@ def main() -> None:
         row = []
         for n in SIZES:
             table = make_table(n, random.Random(args.seed + n))
-            policy = build(name, table, args.seed)
+            index = BlockIndex()
+            if name == "kv_aware":
+                hold_prefixes(index, table, tokens)
+            policy = build(name, table, args.seed, index)
             policy.choose(table.routable(MODEL), inputs[name][0])  # builds caches (see below)
             mean, p99 = run(policy, table, MODEL, inputs[name], args.decisions, rng, overhead)
             row.append(f"{mean:8.2f} / {p99:7.2f}")

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from trio_router import server
 from trio_router.config import POLICIES, Config, PolicyName, RoutingConfig, parse_config
 from trio_router.errors import BadRequestError, ConfigError, NoEngineError
+from trio_router.kv.index import BlockIndex, block_keys
 from trio_router.routing.balance import EXACT_SCAN_MAX
 from trio_router.routing.policy import Policy, make_policy
 from trio_router.routing.request import RequestInfo, render_opening, request_info
@@ -653,3 +654,50 @@ def test_the_unused_prefix_memory_bound_is_accepted_with_a_warning(
     assert not caplog.records
     make("prefix_aware", table, prefix_cache_entries=5)
     assert "routing.prefix_cache_entries is no longer used" in caplog.text
+
+
+def test_kv_aware_among_many_engines_weighs_only_holders_and_prefix_awares_pick() -> None:
+    """Beyond EXACT_SCAN_MAX candidates, `kv_aware` weighs the engines the index says hold
+    the prompt's first block against the one `prefix_aware` picks for it: a cached prefix
+    goes to its holder while the holder's load costs less than prefilling elsewhere (256
+    tokens per request above the least loaded + 8), an uncached one where `prefix_aware`
+    would place it, an excluded holder is passed over, and replicas agree on tied holders."""
+    clock = Clock()
+    engines = [make_engine(i) for i in range(1000)]
+    table = make_table(engines)
+    candidates = table.routable(MODEL)
+    assert len(candidates) > EXACT_SCAN_MAX
+
+    def kv_policy(index: BlockIndex) -> Policy:
+        config = RoutingConfig(policy="kv_aware")
+        return make_policy(config, clock=clock, rng=random.Random(1), kv_index=index)
+
+    index = BlockIndex()
+    policy = kv_policy(index)
+    prefix = make_policy(RoutingConfig(policy="prefix_aware"), clock=clock, rng=random.Random(1))
+    tokens = tuple(range(64 * 16))  # 64 blocks of 16 tokens: 1,024 to prefill elsewhere
+    holder = engines[7]
+    index.speculate(holder.uid, block_keys(tokens, 16), now=clock.now, until=clock.now + 1e6)
+    cached = RequestInfo(MODEL, opening="agent A", tokens=tokens)
+
+    decision = policy.choose(candidates, cached)
+    assert decision.engine is holder and decision.cached_tokens == len(tokens)
+    holder.in_flight = 8 + 3  # 3 x 256 < 1,024 tokens to prefill elsewhere: still its
+    assert policy.choose(candidates, cached).engine is holder
+    holder.in_flight = 8 + 5  # 5 x 256 > 1,024: the prefix is prefilled on another engine
+    moved = policy.choose(candidates, cached)
+    assert moved.engine is prefix.choose(candidates, cached).engine is not holder
+    holder.in_flight = 0
+    assert policy.choose(candidates, cached, exclude={holder.uid}).engine is not holder
+
+    clock.now += 10  # the decisions' speculative blocks have expired
+    uncached = RequestInfo(MODEL, opening="agent B", tokens=tuple(range(10**6, 10**6 + 640)))
+    assert policy.choose(candidates, uncached).engine is prefix.choose(candidates, uncached).engine
+
+    # Two replicas' indexes with the same two holders: the same one is chosen by both.
+    replicas = [BlockIndex(), BlockIndex()]
+    for replica in replicas:
+        for uid in (engines[3].uid, engines[900].uid):
+            replica.speculate(uid, block_keys(tokens, 16), now=clock.now, until=clock.now + 1e6)
+    chosen = {kv_policy(replica).choose(candidates, cached).engine.uid for replica in replicas}
+    assert len(chosen) == 1 and chosen <= {engines[3].uid, engines[900].uid}

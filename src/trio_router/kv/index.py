@@ -89,6 +89,7 @@ class BlockIndex:
         self._speculative: dict[int, dict[str, float]] = {}  # key -> {uid: until}
         self._expiries: deque[tuple[float, int, str]] = deque()
         self._changed = trio.Event()
+        self.block_sizes_learned = 0  # changes of an engine's block size, for caches of it
 
     async def wait_changed(self) -> None:
         """Block until the engines' events next change the index (check, then wait, with no
@@ -131,7 +132,9 @@ class BlockIndex:
         if event.lora_id is not None:  # an adapter's blocks are not the base model's
             parent = lora_root(event.lora_id) if event.parent is None else parent
         size = event.block_size
-        engine.block_size = size
+        if engine.block_size != size:
+            engine.block_size = size
+            self.block_sizes_learned += 1
         keys = block_keys(event.token_ids, size, parent=parent)
         holders = self._holders
         for block_hash, key in zip(event.block_hashes, keys, strict=True):
@@ -226,6 +229,15 @@ class BlockIndex:
         for uid in alive:
             result[uid] = depth
         return result
+
+    def holders(self, key: int, now: float) -> set[str]:
+        """The engines that hold block `key` (or were sent it within the speculative
+        time-to-live): a lookup, however many engines there are."""
+        out = set(self._holders.get(key, ()))
+        for uid, until in self._speculative.get(key, {}).items():
+            if until > now:
+                out.add(uid)
+        return out
 
     def _at(self, key: int, among: Iterable[str], now: float) -> set[str]:
         held = self._holders.get(key, {})

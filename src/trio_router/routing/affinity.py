@@ -229,6 +229,11 @@ class SessionPolicy:
         view.average, view.average_uses = total / AVERAGE_SAMPLE, AVERAGE_REUSE - 1
         return view.average
 
+    def by_uid(self, model: str, candidates: Sequence[Engine]) -> dict[str, Engine]:
+        """`candidates` by uid, kept while `candidates` is the same sequence (the table's
+        engines of `model`, rebuilt only when the table changes)."""
+        return self._view(model, candidates).by_uid
+
     def _view(self, model: str, candidates: Sequence[Engine]) -> View:
         old = self._views.get(model)
         if old is not None and old.source is candidates:

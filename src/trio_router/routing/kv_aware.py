@@ -18,16 +18,24 @@ with a new prefix agrees on one engine.
 
 A request without token ids (the engines were not asked in time, or it is not a chat or
 completions request) is routed by `prefix_aware`. Pure and synchronous, like every policy.
+
+With more than `EXACT_SCAN_MAX` candidates the decision touches only the engines that hold the
+prompt's first block (the index's own lookup) and one engine that holds none of it: the one
+`prefix_aware` places the request on (its ring and load bound), which is where the exact rule
+sends an uncached prompt when loads are level. The cost of a decision is then the same at 20
+engines as at 5,000. Ties among holders go to the holder that rendezvous hashing of the
+request's opening picks, the same on every replica.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 
+from ..errors import NoEngineError
 from ..kv.index import BlockIndex, block_keys
 from ..table import Engine
-from .affinity import PrefixAwarePolicy
-from .balance import LoadGauge, no_engine
+from .affinity import PrefixAwarePolicy, opening_hash
+from .balance import EXACT_SCAN_MAX, LoadGauge, no_engine
 from .request import Decision, RequestInfo
 
 __all__ = ["KvAwarePolicy"]
@@ -54,6 +62,8 @@ class KvAwarePolicy:
         self._index, self._gauge, self._ties = index, gauge, ties
         self._load_tokens, self._slack = load_tokens, slack
         self._block_size, self._ttl = block_size, speculative_ttl
+        # model -> (its candidates, index.block_sizes_learned, their block size)
+        self._block_sizes: dict[str, tuple[Sequence[Engine], int, int]] = {}
 
     def choose(
         self, candidates: Sequence[Engine], request: RequestInfo, exclude: Collection[str] = ()
@@ -62,6 +72,8 @@ class KvAwarePolicy:
         if tokens is None:
             tie = self._ties.choose(candidates, request, exclude)
             return Decision(tie.engine, f"kv_aware: no tokens; {tie.reason}")
+        if len(candidates) > EXACT_SCAN_MAX:
+            return self._choose_among_many(candidates, request, exclude, tokens)
         usable = [e for e in candidates if e.uid not in exclude]
         if not usable:
             raise no_engine(request.model, candidates)
@@ -99,6 +111,76 @@ class KvAwarePolicy:
             prompt_tokens=prompt,
         )
 
+    def _choose_among_many(
+        self,
+        candidates: Sequence[Engine],
+        request: RequestInfo,
+        exclude: Collection[str],
+        tokens: Sequence[int],
+    ) -> Decision:
+        """The same rule, over the engines holding the prompt's first block and the engine
+        `prefix_aware` would pick among the others (see the module's docstring)."""
+        index = self._index
+        block = self._candidates_block_size(request.model, candidates)
+        keys = block_keys(tokens, block)
+        now = self._gauge.now()
+        by_uid = self._ties.by_uid(request.model, candidates)
+        holders = (
+            [by_uid[uid] for uid in index.holders(keys[0], now) if uid in by_uid] if keys else []
+        )
+        holders = [e for e in holders if e.uid not in exclude]
+        held = {e.uid for e in holders}
+        try:
+            fresh: Engine | None = self._ties.choose(
+                candidates, request, _Either(exclude, held)
+            ).engine
+        except NoEngineError:
+            fresh = None
+        if fresh is None and not holders:
+            raise no_engine(request.model, candidates)
+        matched = index.match(keys, held, now) if holders else {}
+        contenders = holders if fresh is None else [*holders, fresh]
+        load_of = self._gauge.of
+        loads = {e.uid: load_of(e, now) for e in contenders}
+        floor = min(loads.values()) + self._slack
+        prompt = len(tokens)
+        costs = {
+            e.uid: prompt
+            - matched.get(e.uid, 0) * block
+            + self._load_tokens * max(0.0, loads[e.uid] - floor)
+            for e in contenders
+        }
+        best = min(costs.values())
+        tied = [e for e in contenders if costs[e.uid] == best]
+        if fresh is not None and fresh in tied:
+            engine, how = fresh, "nothing cheaper cached: prefix_aware"
+        elif len(tied) == 1:
+            engine, how = tied[0], "cheapest"
+        else:
+            opening = request.opening or ""
+            engine = max(tied, key=lambda e: opening_hash(f"{e.uid}\0{opening}"))
+            how = f"{len(tied)} tied: rendezvous"
+        blocks = matched.get(engine.uid, 0)
+        index.speculate(engine.uid, keys, now=now, until=now + self._ttl)
+        return Decision(
+            engine,
+            f"kv_aware: {blocks}/{len(keys)} blocks of {block} cached, load "
+            f"{loads[engine.uid]:.3g} ({how}; {len(holders)} holder(s) of {len(candidates)})",
+            cached_tokens=min(blocks * block, prompt),
+            prompt_tokens=prompt,
+        )
+
+    def _candidates_block_size(self, model: str, candidates: Sequence[Engine]) -> int:
+        """The block size the candidates report (the first known), looked up once per
+        candidates sequence and block size the index learns."""
+        learned = self._index.block_sizes_learned
+        cached = self._block_sizes.get(model)
+        if cached is not None and cached[0] is candidates and cached[1] == learned:
+            return cached[2]
+        size = self._index.block_size(e.uid for e in candidates) or self._block_size
+        self._block_sizes[model] = (candidates, learned, size)
+        return size
+
     def cached_share(self, engine: Engine, tokens: Sequence[int]) -> float:
         """The share of the prompt `tokens` whose leading blocks `engine` holds (0..1)."""
         if not tokens:
@@ -112,3 +194,20 @@ class KvAwarePolicy:
 
     def forget(self, uid: str) -> None:
         self._ties.forget(uid)
+
+
+class _Either(Collection[str]):
+    """The union of two collections of uids, without copying either (membership only)."""
+
+    def __init__(self, first: Collection[str], second: Collection[str]) -> None:
+        self._first, self._second = first, second
+
+    def __contains__(self, uid: object) -> bool:
+        return uid in self._first or uid in self._second
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self._first
+        yield from (uid for uid in self._second if uid not in self._first)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
