@@ -484,6 +484,8 @@ async def scenario_slow(args: argparse.Namespace, workdir: Path) -> dict[str, An
 async def scenario_idle(args: argparse.Namespace, workdir: Path, size: int) -> dict[str, Any]:
     pods = [(f"idle-{n}", address(40, n)) for n in range(size)]
     extra = f'[metrics]\nengine_series = "{args.engine_series}"\n' if args.engine_series else ""
+    if args.stats_interval is not None:
+        extra += f"[stats]\ninterval_s = {args.stats_interval}\n"
     async with cluster({ip: "ok" for _, ip in pods}, workdir, extra) as (api, router):
         await api.add(pods)
         routable_s = await router.wait_routable({n for n, _ in pods}, 60)
@@ -612,6 +614,12 @@ def main() -> None:
         "--engine-series",
         default="",
         help="metrics.engine_series of the router (idle; default: the router's default)",
+    )
+    parser.add_argument(
+        "--stats-interval",
+        type=float,
+        default=None,
+        help="stats.interval_s of the router (idle; 0: no scraping; default: the router's)",
     )
     parser.add_argument(
         "--settle",
