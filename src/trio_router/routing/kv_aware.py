@@ -101,15 +101,7 @@ class KvAwarePolicy:
                 usable, request, [e.uid for e in usable if e.uid not in tied]
             ).engine
             how = f"{len(tied)} tied: prefix_aware"
-        blocks = matched[engine.uid]
-        index.speculate(engine.uid, keys, now=now, until=now + self._ttl)
-        return Decision(
-            engine,
-            f"kv_aware: {blocks}/{len(keys)} blocks of {block} cached, load "
-            f"{loads[engine.uid]:.3g} ({how})",
-            cached_tokens=min(blocks * block, prompt),
-            prompt_tokens=prompt,
-        )
+        return self._decided(engine, keys, block, matched[engine.uid], loads, how, prompt, now)
 
     def _choose_among_many(
         self,
@@ -160,12 +152,28 @@ class KvAwarePolicy:
             opening = request.opening or ""
             engine = max(tied, key=lambda e: opening_hash(f"{e.uid}\0{opening}"))
             how = f"{len(tied)} tied: rendezvous"
+        how = f"{how}; {len(holders)} holder(s) of {len(candidates)}"
         blocks = matched.get(engine.uid, 0)
-        index.speculate(engine.uid, keys, now=now, until=now + self._ttl)
+        return self._decided(engine, keys, block, blocks, loads, how, prompt, now)
+
+    def _decided(
+        self,
+        engine: Engine,
+        keys: Sequence[int],
+        block: int,
+        blocks: int,
+        loads: dict[str, float],
+        how: str,
+        prompt: int,
+        now: float,
+    ) -> Decision:
+        """The decision for `engine`, which holds `blocks` of the prompt's `keys`; its blocks
+        are counted as held there from now on (speculatively, until its events say so)."""
+        self._index.speculate(engine.uid, keys, now=now, until=now + self._ttl)
         return Decision(
             engine,
             f"kv_aware: {blocks}/{len(keys)} blocks of {block} cached, load "
-            f"{loads[engine.uid]:.3g} ({how}; {len(holders)} holder(s) of {len(candidates)})",
+            f"{loads[engine.uid]:.3g} ({how})",
             cached_tokens=min(blocks * block, prompt),
             prompt_tokens=prompt,
         )
