@@ -267,8 +267,8 @@ async def test_scraper_skips_an_engine_that_is_not_routable(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     """A hanging or failing engine is probed, not scraped: no connection per scrape for
-    figures that would route nothing. Once routable again, the first request routed to it
-    has it scraped at once."""
+    figures that would route nothing. Once routable again, requests routed to it have it
+    scraped at once."""
     fake, engine = FakeMetrics(), routable_engine()
     fake.running = 1  # busy (other routers' requests): scraped while it is routable
     table = RoutingTable()
@@ -284,6 +284,7 @@ async def test_scraper_skips_an_engine_that_is_not_routable(
         await trio.sleep(30)
         assert len(fake.requests) == 1  # nothing routed to it yet
         engine.routed(trio.current_time())
+        engine.routed(trio.current_time())
         await trio.sleep(0.1)
         assert len(fake.requests) == 2 and engine.stats.running == 1.0
         nursery.cancel_scope.cancel()
@@ -293,9 +294,10 @@ async def test_an_idle_engine_is_scraped_only_while_requests_go_to_it(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     """An engine with nothing running and no request routed to it is scraped once, when it
-    becomes routable; then not until a request is routed there (which wakes the scraper at
-    once), every interval while requests keep going there, and for 3 intervals after the
-    last one (its figures stay believable that long)."""
+    becomes routable; a lone request now and then does not have it scraped; a second one
+    within 3 intervals of the first does, at once; then every interval while requests keep
+    going there, and for 3 intervals after the last but one (its figures stay believable
+    that long)."""
     fake, engine = FakeMetrics(), routable_engine()
     table = RoutingTable()
     table.put(engine)
@@ -304,11 +306,15 @@ async def test_an_idle_engine_is_scraped_only_while_requests_go_to_it(
         await trio.sleep(100)
         assert fake.requests == [0.0]  # the first scrape only
         assert engine.stats is NO_STATS  # its figures expired, not refreshed
+        engine.routed(trio.current_time())
+        await trio.sleep(20)  # one request, then none for more than 3 intervals
+        engine.routed(trio.current_time())
+        await trio.sleep(0.01)
+        assert fake.requests == [0.0]  # lone requests: not scraped
         routed_at = trio.current_time()
         engine.routed(routed_at)
-        await trio.lowlevel.checkpoint()
         await trio.sleep(0.01)
-        assert fake.requests == [0.0, routed_at]  # at once
+        assert fake.requests == [0.0, routed_at]  # the second within 3 intervals: at once
         for _ in range(6):  # a request every 5 s for 30 s
             await trio.sleep(5)
             engine.routed(trio.current_time())
@@ -346,7 +352,7 @@ async def test_an_engine_whose_figures_show_work_stays_scraped(
 
 async def test_scraper_deadline_failures_and_expiry(autojump_clock: trio.testing.MockClock) -> None:
     fake, engine = FakeMetrics(), routable_engine()
-    engine.in_flight = 1  # a long request there: in use throughout
+    engine.in_flight = 2  # two long requests there: in use throughout
     table = RoutingTable()
     table.put(engine)
     async with engine_pool(fake) as (client, _network), trio.open_nursery() as nursery:

@@ -29,15 +29,15 @@ def scraped(engine: FakeEngine, count: int) -> bool:
 
 
 async def scrape_after_traffic() -> tuple[str, str]:
-    """A router with two engines after a few requests (one streamed with a usage summary,
-    one to an engine that then stopped answering): its /metrics text, and an engine name."""
+    """A router with two engines after a few requests (two to each, one streamed with a
+    usage summary): its /metrics text, and an engine name."""
     engines = [FakeEngine(name="a", tokens=3), FakeEngine(name="b", tokens=3)]
     with trio.fail_after(LIMIT):
         async with open_router(
             engines, probe={"interval_s": 60.0}, stats={"interval_s": 0.2}
         ) as router:
             before = [len(scrapes(engine)) for engine in engines]
-            for _ in range(2):
+            for _ in range(3):  # two requests to each engine (lone ones are not scraped for)
                 await router.client.post(CHAT, json=chat())
             await router.client.post(
                 CHAT, json=chat(stream=True, stream_options={"include_usage": True})
@@ -89,11 +89,11 @@ async def test_build_process_engine_and_token_series() -> None:
         )
         for e in (name, _other(text, name))
     )
-    assert decisions == 3
+    assert decisions == 4
     # FakeEngine's usage, per request: the prompt as its chat template tokenizes it (the
     # user role, "hi", the generation prompt: 3), completion = 3.
-    assert sample(text, "trio_router_tokens_total", model="fake-model", kind="completion") == 9
-    assert sample(text, "trio_router_tokens_total", model="fake-model", kind="prompt") == 9
+    assert sample(text, "trio_router_tokens_total", model="fake-model", kind="completion") == 12
+    assert sample(text, "trio_router_tokens_total", model="fake-model", kind="prompt") == 12
 
 
 def _other(text: str, name: str) -> str:

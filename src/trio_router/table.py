@@ -234,6 +234,7 @@ class Engine:
     stats: EngineStats = NO_STATS  # the engine's own load, as scraped
     requests: RequestStats = field(default_factory=RequestStats)  # this router's figures
     routed_at: float = -math.inf  # Trio time a request last took a slot on it
+    routed_before: float = -math.inf  # ... and the time the request before that did
     answered_at: float = -math.inf  # Trio time a request to it last succeeded (it is alive)
     route_waiter: trio.Event | None = None  # set by the next request routed to it
 
@@ -242,8 +243,9 @@ class Engine:
         return self.state is EngineState.ROUTABLE
 
     def routed(self, now: float) -> None:
-        """A request takes a slot on this engine: it is in use (its load is scraped again)."""
-        self.routed_at = now
+        """A request takes a slot on this engine (the second within a few scrape intervals
+        has its load scraped again)."""
+        self.routed_before, self.routed_at = self.routed_at, now
         if (waiter := self.route_waiter) is not None:
             self.route_waiter = None
             waiter.set()

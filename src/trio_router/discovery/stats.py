@@ -108,12 +108,13 @@ async def run_stats_scraper(
 ) -> None:
     """Scrape `engine`'s /metrics about every `stats.interval_s` seconds (±10% jitter) while
     it is in use, over `pool` (the engine's own connections, kept alive between scrapes),
-    and store its gauges in `engine.stats`, believed for 3 intervals. In use: a request was
-    routed to it within those 3 intervals (or is still in flight there), or its last figures
-    show requests running or waiting (so the first scrape comes as soon as it is routable).
-    An engine not in use is not scraped (its figures would route nothing, and at thousands
-    of engines the scrapes would be most of the router's idle work): its figures expire,
-    and the next request routed to it wakes the scraper at once. `headers()` gives
+    and store its gauges in `engine.stats`, believed for 3 intervals. In use: two requests
+    were routed to it within those 3 intervals (or are in flight there at once), or its last
+    figures show requests running or waiting; the first scrape comes as soon as it is
+    routable. An engine not in use is not scraped (its figures would route nothing, and at
+    thousands of engines the scrapes would be most of the router's idle work): its figures
+    expire, and a second request routed to it within 3 intervals of the first wakes the
+    scraper at once. `headers()` gives
     the request's headers (the engine API key); `on_change(engine)` is called after each
     stored result (admission checks saturation). Each scrape has the hard deadline
     `stats.timeout_s` (connect, headers and the whole body): a deadline per scrape, not a
@@ -179,10 +180,12 @@ async def run_stats_scraper(
 
 
 def _in_use(engine: Engine, now: float, idle_after: float) -> bool:
-    """Whether `engine`'s load is worth scraping: a request went to it within `idle_after`
-    seconds or is still there, or its last figures show work (other routers' requests, or a
-    queue that keeps admission away from it)."""
-    if engine.in_flight or now - engine.routed_at < idle_after:
+    """Whether `engine`'s load is worth scraping: two requests went to it within `idle_after`
+    seconds (or are there at once), or its last figures show work (other routers' requests,
+    or a queue that keeps admission away from it). A lone request now and then says nothing
+    of an engine's load that its in-flight count does not: under round robin over thousands
+    of engines at a light load, scraping on every visit cost a scrape per request."""
+    if engine.in_flight > 1 or now - engine.routed_before < idle_after:
         return True
     stats = engine.stats
     return stats.fresh(now) and bool(stats.running or stats.waiting)
