@@ -136,8 +136,8 @@ async def run_stats_scraper(
         if scraped and not _in_use(engine, started, stale_after):
             if table.current(engine.uid, generation) is not engine:
                 return
-            # Idle: nothing to scrape for until a request is routed here; its last figures
-            # (which show no work) expire meanwhile.
+            # Idle: nothing to scrape for until requests are routed here (each wakes this to
+            # look again); its last figures (which show no work) expire meanwhile.
             expires = engine.stats.expires if engine.stats is not NO_STATS else math.inf
             with trio.move_on_at(expires):
                 await engine.wait_routed()
