@@ -280,13 +280,47 @@ async def test_scraper_skips_an_engine_that_is_not_routable(
         table.mark_failed(engine.uid, 0, "probe failed", eject=True)
         await trio.sleep(60)
         assert len(fake.requests) == 1 and engine.stats is NO_STATS  # expired, not refreshed
+        fake.running = 0
         table.mark_routable(engine.uid, 0, [Model("m")])
+        await trio.sleep(STATS.interval_s * 1.2)
+        assert len(fake.requests) == 2  # it last showed work: scraped again once routable
+        assert engine.stats.running == 0.0
         await trio.sleep(30)
-        assert len(fake.requests) == 1  # nothing routed to it yet
+        assert len(fake.requests) == 2  # no work now, nothing routed to it
+        fake.running = 1
         engine.routed(trio.current_time())
         engine.routed(trio.current_time())
         await trio.sleep(0.1)
-        assert len(fake.requests) == 2 and engine.stats.running == 1.0
+        assert len(fake.requests) == 3 and engine.stats.running == 1.0
+        nursery.cancel_scope.cancel()
+
+
+async def test_work_seen_is_scraped_until_seen_to_end(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Figures that showed requests running keep the engine scraped through failed scrapes
+    and past the figures' expiry (an engine busy generating may answer /metrics late), until
+    a scrape shows the work ended: /engines never stays at "unknown" for an engine last seen
+    busy."""
+    fake, engine = FakeMetrics(), routable_engine()
+    table = RoutingTable()
+    table.put(engine)
+    async with engine_pool(fake) as (client, _network), trio.open_nursery() as nursery:
+        fake.running = 2
+        nursery.start_soon(partial(run_stats_scraper, engine, table, client, STATS, generation=0))
+        await trio.sleep(1)
+        assert engine.stats.running == 2.0
+        fake.mode = "hang"  # busy: every scrape misses its deadline
+        await trio.sleep(30)
+        assert engine.stats is NO_STATS  # expired
+        hung = len(fake.requests)
+        assert hung >= 5  # still tried every interval
+        fake.mode, fake.running = "ok", 0
+        await trio.sleep(6)
+        assert engine.stats.running == 0.0  # the end of the work is seen
+        count = len(fake.requests)
+        await trio.sleep(60)
+        assert len(fake.requests) == count  # and then scraping stops
         nursery.cancel_scope.cancel()
 
 

@@ -114,7 +114,8 @@ async def run_stats_scraper(
     routable. An engine not in use is not scraped (its figures would route nothing, and at
     thousands of engines the scrapes would be most of the router's idle work): its figures
     expire, and a second request routed to it within 3 intervals of the first wakes the
-    scraper at once. `headers()` gives
+    scraper at once. Figures that showed work keep it scraped until a scrape shows none,
+    through failed scrapes and expiry. `headers()` gives
     the request's headers (the engine API key); `on_change(engine)` is called after each
     stored result (admission checks saturation). Each scrape has the hard deadline
     `stats.timeout_s` (connect, headers and the whole body): a deadline per scrape, not a
@@ -131,9 +132,13 @@ async def run_stats_scraper(
     stale_after = STALE_INTERVALS * interval
     failing = False
     scraped = False  # an engine is scraped once when it becomes routable, in use or not
+    # Whether the last figures read showed work. Failed scrapes leave it as it was, and it
+    # outlives the figures' expiry: work that was seen is scraped until seen to end (an
+    # engine busy generating can answer /metrics late; its load is still not known to be 0).
+    showed_work = False
     while True:
         started = trio.current_time()
-        if scraped and not _in_use(engine, started, stale_after):
+        if scraped and not showed_work and not _in_use(engine, started, stale_after):
             if table.current(engine.uid, generation) is not engine:
                 return
             # Idle: nothing to scrape for until requests are routed here (each wakes this to
@@ -155,6 +160,7 @@ async def run_stats_scraper(
             gauges = parse_vllm_metrics(body) if body is not None else {}
             if gauges:
                 engine.stats = EngineStats.scraped(gauges, now=now, stale_after=stale_after)
+                showed_work = bool(engine.stats.running or engine.stats.waiting)
                 if on_change is not None:
                     on_change(engine)
                 if failing:
@@ -180,15 +186,13 @@ async def run_stats_scraper(
 
 
 def _in_use(engine: Engine, now: float, idle_after: float) -> bool:
-    """Whether `engine`'s load is worth scraping: two requests went to it within `idle_after`
-    seconds (or are there at once), or its last figures show work (other routers' requests,
-    or a queue that keeps admission away from it). A lone request now and then says nothing
-    of an engine's load that its in-flight count does not: under round robin over thousands
-    of engines at a light load, scraping on every visit cost a scrape per request."""
-    if engine.in_flight > 1 or now - engine.routed_before < idle_after:
-        return True
-    stats = engine.stats
-    return stats.fresh(now) and bool(stats.running or stats.waiting)
+    """Whether this router's traffic makes `engine`'s load worth scraping: two requests went
+    to it within `idle_after` seconds (or are there at once). A lone request now and then
+    says nothing of an engine's load that its in-flight count does not: under round robin
+    over thousands of engines at a light load, scraping on every visit cost a scrape per
+    request. (Figures that show work, other routers' requests or a queue that keeps
+    admission away, keep it scraped too: the scraper's own `showed_work`.)"""
+    return engine.in_flight > 1 or now - engine.routed_before < idle_after
 
 
 async def _fetch(
