@@ -29,7 +29,18 @@ from trio_router.testing.fake_network import FakeNetwork, FakeReply, FakeRequest
 STATS: Final = StatsConfig(interval_s=5.0, timeout_s=2.0)
 
 FIXTURE = (Path(__file__).parent / "fixtures" / "vllm_metrics.txt").read_text()
-KEYS = {"running", "waiting", "kv_cache_usage", "prefix_cache_hits", "prefix_cache_queries"}
+KEYS = {
+    "running",
+    "waiting",
+    "kv_cache_usage",
+    "prefix_cache_hits",
+    "prefix_cache_queries",
+    "prompt_tokens",
+    "ttft_sum",
+    "ttft_count",
+    "queue_sum",
+    "queue_count",
+}
 
 
 def gauges(
@@ -61,6 +72,11 @@ def test_parses_the_vllm_fixture() -> None:
         "kv_cache_usage": 0.4219,
         "prefix_cache_hits": 3.1977e06,
         "prefix_cache_queries": 4.4523e06,
+        "prompt_tokens": 4.4481e06,
+        "ttft_sum": pytest.approx(131.0624558925629),
+        "ttft_count": 1937.0,
+        "queue_sum": pytest.approx(38.41199207305908),
+        "queue_count": 1937.0,
     }
 
 

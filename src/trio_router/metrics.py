@@ -56,6 +56,12 @@ LATENCY_BUCKETS: Final = (
     300.0,
     float("inf"),
 )
+# Signed: how far after (positive) or before its prediction a first token came.
+TTFT_ERROR_BUCKETS: Final = (
+    *(-b for b in (10.0, 5.0, 2.5, 1.0, 0.5, 0.25, 0.1, 0.05, 0.025)),
+    0.0,
+    *(0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+)
 TTFB_BUCKETS: Final = (
     0.001,
     0.0025,
@@ -259,6 +265,14 @@ class Metrics:
             ["engine"],
             registry=self.registry,
         )
+        self._ttft_error = Histogram(
+            "trio_router_kv_ttft_prediction_error_seconds",
+            "kv_aware's predicted time to a first token, subtracted from the time observed "
+            "(seconds; positive: slower than predicted), per engine.",
+            ["engine"],
+            buckets=TTFT_ERROR_BUCKETS,
+            registry=self.registry,
+        )
         self._kv_prompt = Counter(
             "trio_router_kv_prompt_tokens",
             "Prompt tokens of the requests kv_aware routed on their tokens, per engine "
@@ -376,6 +390,11 @@ class Metrics:
         self._kv_cached.labels(self._engine(engine)).inc(cached)
         self._kv_prompt.labels(self._engine(engine)).inc(prompt)
 
+    def ttft_prediction(self, engine: str, error: float) -> None:
+        """A first token came `error` seconds after kv_aware predicted it at `engine`
+        (negative: before)."""
+        self._ttft_error.labels(self._engine(engine)).observe(error)
+
     def pd_decision(self, route: str, reason: str) -> None:
         self._pd_decisions.labels(route, reason).inc()
 
@@ -440,7 +459,7 @@ class Metrics:
             del self._children[key]
             model, engine, status = key
             self._requests.remove(model, engine, str(status))
-        for counter in (self._unreachable, self._kv_cached, self._kv_prompt):
+        for counter in (self._unreachable, self._kv_cached, self._kv_prompt, self._ttft_error):
             with contextlib.suppress(KeyError):
                 counter.remove(name)
         for decision in [k for k in self._decisions if k[2] == name]:

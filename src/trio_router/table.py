@@ -169,6 +169,13 @@ class EngineStats:
     kv_cache_usage: float | None = None
     prefix_cache_hits: float | None = None  # tokens, since the engine started
     prefix_cache_queries: float | None = None
+    # Counters `kv_aware` learns its rates from (`routing.ttft`), since the engine started:
+    # prompt tokens, and the sums and counts of its time-to-first-token and queue histograms.
+    prompt_tokens: float | None = None
+    ttft_sum: float | None = None
+    ttft_count: float | None = None
+    queue_sum: float | None = None
+    queue_count: float | None = None
     scraped_at: float = -math.inf
     expires: float = -math.inf
 
@@ -182,6 +189,11 @@ class EngineStats:
             kv_cache_usage=gauges.get("kv_cache_usage"),
             prefix_cache_hits=gauges.get("prefix_cache_hits"),
             prefix_cache_queries=gauges.get("prefix_cache_queries"),
+            prompt_tokens=gauges.get("prompt_tokens"),
+            ttft_sum=gauges.get("ttft_sum"),
+            ttft_count=gauges.get("ttft_count"),
+            queue_sum=gauges.get("queue_sum"),
+            queue_count=gauges.get("queue_count"),
             scraped_at=now,
             expires=now + stale_after,
         )

@@ -13,6 +13,8 @@ from ._values import check_choice, check_zmq_endpoint, positive
 
 PolicyName = Literal["round_robin", "least_loaded", "session", "prefix_aware", "kv_aware"]
 POLICIES: typing.Final[tuple[PolicyName, ...]] = typing.get_args(PolicyName)
+KvCost = Literal["ttft", "load"]
+KV_COSTS: typing.Final[tuple[KvCost, ...]] = typing.get_args(KvCost)
 PrefillPolicyName = Literal["", PolicyName]  # "": chosen from kv_events.mode
 PD_POLICIES: typing.Final[tuple[PrefillPolicyName, ...]] = typing.get_args(PrefillPolicyName)
 KvEventsMode = Literal["off", "connect", "bind"]
@@ -46,8 +48,13 @@ class RoutingConfig:
     # prefix_aware: leading system (developer) messages at least this long are the key alone:
     # requests that share a long system prompt share an engine, whatever follows it.
     prefix_header_chars: int = 1024
-    # kv_aware: cost = uncached prompt tokens + kv_load_tokens * (load above the least
-    # loaded candidate + kv_load_slack).
+    # kv_aware's cost: "ttft", the predicted wait for a first token (queue, backlog and the
+    # prefill of the uncached tokens, at the rates the engines' own figures show), costs
+    # within kv_ttft_slack_s of the cheapest tied; until the engines' figures have fitted
+    # those rates, and with "load": uncached prompt tokens + kv_load_tokens * (load above
+    # the least loaded candidate + kv_load_slack).
+    kv_cost: KvCost = "ttft"
+    kv_ttft_slack_s: float = 0.05
     kv_load_tokens: float = 256.0
     kv_load_slack: float = 8.0
     kv_block_size: int = 16  # block size assumed until the engines' events tell theirs
@@ -66,6 +73,7 @@ class RoutingConfig:
     def __post_init__(self) -> None:
         self._check_names()
         check_choice(self.policy, POLICIES, "routing.policy")
+        check_choice(self.kv_cost, KV_COSTS, "routing.kv_cost")
         if not self.session_header:
             raise ConfigError("routing.session_header must not be empty")
         positive(
@@ -80,6 +88,7 @@ class RoutingConfig:
             "prefix_balance_abs",
             "kv_load_tokens",
             "kv_load_slack",
+            "kv_ttft_slack_s",
         ):
             if not getattr(self, key) >= 0:
                 raise ConfigError(f"routing.{key} must be >= 0, got {getattr(self, key)!r}")

@@ -30,6 +30,7 @@ request's opening picks, the same on every replica.
 from __future__ import annotations
 
 from collections.abc import Collection, Iterator, Sequence
+from dataclasses import dataclass, field
 
 from ..errors import NoEngineError
 from ..kv.index import BlockIndex, block_keys
@@ -37,6 +38,7 @@ from ..table import Engine
 from .affinity import PrefixAwarePolicy, opening_hash
 from .balance import EXACT_SCAN_MAX, LoadGauge, no_engine
 from .request import Decision, RequestInfo
+from .ttft import Estimate, TtftModel
 
 __all__ = ["KvAwarePolicy"]
 
@@ -58,10 +60,14 @@ class KvAwarePolicy:
         slack: float,
         block_size: int,
         speculative_ttl: float,
+        cost: str = "ttft",
+        ttft_slack: float = 0.05,
     ) -> None:
         self._index, self._gauge, self._ties = index, gauge, ties
         self._load_tokens, self._slack = load_tokens, slack
         self._block_size, self._ttl = block_size, speculative_ttl
+        self._ttft = TtftModel() if cost == "ttft" else None
+        self._ttft_slack = ttft_slack
         # model -> (its candidates, index.block_sizes_learned, their block size)
         self._block_sizes: dict[str, tuple[Sequence[Engine], int, int]] = {}
 
@@ -82,16 +88,9 @@ class KvAwarePolicy:
         keys = block_keys(tokens, block)
         now = self._gauge.now()
         matched = index.match(keys, (e.uid for e in usable), now)
-        load_of = self._gauge.of
-        loads = {e.uid: load_of(e, now) for e in usable}
-        floor = min(loads.values()) + self._slack
-        prompt = len(tokens)
-        costs = {
-            uid: prompt - matched[uid] * block + self._load_tokens * max(0.0, load - floor)
-            for uid, load in loads.items()
-        }
-        best = min(costs.values())
-        tied = {uid for uid, cost in costs.items() if cost == best}
+        costs = self._costs(usable, matched, block, len(tokens), now)
+        best = min(costs.by_uid.values())
+        tied = {uid for uid, cost in costs.by_uid.items() if cost <= best + costs.tolerance}
         if len(tied) == 1:
             (uid,) = tied
             engine = next(e for e in usable if e.uid == uid)
@@ -101,7 +100,7 @@ class KvAwarePolicy:
                 usable, request, [e.uid for e in usable if e.uid not in tied]
             ).engine
             how = f"{len(tied)} tied: prefix_aware"
-        return self._decided(engine, keys, block, matched[engine.uid], loads, how, prompt, now)
+        return self._decided(engine, keys, block, matched.get(engine.uid, 0), costs, how, now)
 
     def _choose_among_many(
         self,
@@ -132,18 +131,9 @@ class KvAwarePolicy:
             raise no_engine(request.model, candidates)
         matched = index.match(keys, held, now) if holders else {}
         contenders = holders if fresh is None else [*holders, fresh]
-        load_of = self._gauge.of
-        loads = {e.uid: load_of(e, now) for e in contenders}
-        floor = min(loads.values()) + self._slack
-        prompt = len(tokens)
-        costs = {
-            e.uid: prompt
-            - matched.get(e.uid, 0) * block
-            + self._load_tokens * max(0.0, loads[e.uid] - floor)
-            for e in contenders
-        }
-        best = min(costs.values())
-        tied = [e for e in contenders if costs[e.uid] == best]
+        costs = self._costs(contenders, matched, block, len(tokens), now)
+        best = min(costs.by_uid.values())
+        tied = [e for e in contenders if costs.by_uid[e.uid] <= best + costs.tolerance]
         if fresh is not None and fresh in tied:
             engine, how = fresh, "nothing cheaper cached: prefix_aware"
         elif len(tied) == 1:
@@ -154,7 +144,39 @@ class KvAwarePolicy:
             how = f"{len(tied)} tied: rendezvous"
         how = f"{how}; {len(holders)} holder(s) of {len(candidates)}"
         blocks = matched.get(engine.uid, 0)
-        return self._decided(engine, keys, block, blocks, loads, how, prompt, now)
+        return self._decided(engine, keys, block, blocks, costs, how, now)
+
+    def _costs(
+        self,
+        contenders: Sequence[Engine],
+        matched: dict[str, int],
+        block: int,
+        prompt: int,
+        now: float,
+    ) -> _Costs:
+        """Each contender's cost: its predicted wait for a first token, in seconds, once the
+        engines' figures have fitted their prefill times (`routing.ttft`); else, and with
+        `kv_cost = "load"`, uncached tokens plus the load term (see the module's
+        docstring)."""
+        model = self._ttft
+        borrowed = model.look(contenders) if model is not None else None
+        if model is not None and borrowed is not None:
+            estimates = {
+                e.uid: model.estimate(e, prompt - matched.get(e.uid, 0) * block, now, borrowed)
+                for e in contenders
+            }
+            by_uid = {uid: estimate.seconds for uid, estimate in estimates.items()}
+            return _Costs(by_uid, self._ttft_slack, prompt, estimates, borrowed)
+        load_of = self._gauge.of
+        loads = {e.uid: load_of(e, now) for e in contenders}
+        floor = min(loads.values()) + self._slack
+        by_uid = {
+            e.uid: prompt
+            - matched.get(e.uid, 0) * block
+            + self._load_tokens * max(0.0, loads[e.uid] - floor)
+            for e in contenders
+        }
+        return _Costs(by_uid, 0.0, prompt, loads=loads)
 
     def _decided(
         self,
@@ -162,20 +184,32 @@ class KvAwarePolicy:
         keys: Sequence[int],
         block: int,
         blocks: int,
-        loads: dict[str, float],
+        costs: _Costs,
         how: str,
-        prompt: int,
         now: float,
     ) -> Decision:
         """The decision for `engine`, which holds `blocks` of the prompt's `keys`; its blocks
-        are counted as held there from now on (speculatively, until its events say so)."""
+        are counted as held there from now on (speculatively, until its events say so), and
+        with the time cost, the prefill it was sent counts in its backlog."""
         self._index.speculate(engine.uid, keys, now=now, until=now + self._ttl)
+        prompt = costs.prompt
+        cached = min(blocks * block, prompt)
+        estimate = costs.estimates.get(engine.uid)
+        if estimate is not None and self._ttft is not None and costs.borrowed is not None:
+            self._ttft.sent(engine, prompt - cached, now, costs.borrowed)
+            figure = (
+                f"first token in {estimate.seconds * 1000:.0f} ms predicted (queue "
+                f"{estimate.queue * 1000:.0f}, backlog {estimate.backlog * 1000:.0f}, prefill "
+                f"{estimate.prefill * 1000:.0f})"
+            )
+        else:
+            figure = f"load {costs.loads[engine.uid]:.3g}"
         return Decision(
             engine,
-            f"kv_aware: {blocks}/{len(keys)} blocks of {block} cached, load "
-            f"{loads[engine.uid]:.3g} ({how})",
-            cached_tokens=min(blocks * block, prompt),
+            f"kv_aware: {blocks}/{len(keys)} blocks of {block} cached, {figure} ({how})",
+            cached_tokens=cached,
             prompt_tokens=prompt,
+            predicted_ttft=None if estimate is None else estimate.seconds,
         )
 
     def _candidates_block_size(self, model: str, candidates: Sequence[Engine]) -> int:
@@ -202,6 +236,21 @@ class KvAwarePolicy:
 
     def forget(self, uid: str) -> None:
         self._ties.forget(uid)
+        if self._ttft is not None:
+            self._ttft.forget(uid)
+
+
+@dataclass(frozen=True, slots=True)
+class _Costs:
+    """The contenders' costs, by uid, and what the decision reports of them. Costs within
+    `tolerance` of the cheapest are tied."""
+
+    by_uid: dict[str, float]
+    tolerance: float
+    prompt: int
+    estimates: dict[str, Estimate] = field(default_factory=dict)  # the time cost's parts
+    borrowed: tuple[float, float] | None = None  # the time cost's mean fit
+    loads: dict[str, float] = field(default_factory=dict)  # the load cost's loads
 
 
 class _Either(Collection[str]):

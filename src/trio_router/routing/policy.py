@@ -113,5 +113,7 @@ def make_policy(
             slack=config.kv_load_slack,
             block_size=config.kv_block_size,
             speculative_ttl=config.kv_speculative_ttl_s,
+            cost=config.kv_cost,
+            ttft_slack=config.kv_ttft_slack_s,
         )
     raise ValueError(f"unknown routing policy {config.policy!r}")  # RoutingConfig validates

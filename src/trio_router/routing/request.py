@@ -32,12 +32,14 @@ class RequestInfo:
 class Decision:
     """A policy's choice: the engine, a short reason for the decision log, and for a choice
     made on the prompt's token ids (`kv_aware`) the prompt tokens it expects `engine` to hold
-    cached (`cached_tokens`, None otherwise) of `prompt_tokens`."""
+    cached (`cached_tokens`, None otherwise) of `prompt_tokens`, and with the time cost the
+    wait for a first token it predicts there (`predicted_ttft`, seconds)."""
 
     engine: Engine
     reason: str
     cached_tokens: int | None = None
     prompt_tokens: int = 0
+    predicted_ttft: float | None = None  # kv_aware's time cost: seconds to a first token
 
 
 def request_info(

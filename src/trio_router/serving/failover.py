@@ -10,6 +10,8 @@ import logging
 import math
 from collections.abc import Collection
 
+import trio
+
 from ..errors import NoEngineError, RequestError
 from ..http import EngineUnreachableError
 from ..routing.disaggregation import Roles
@@ -42,6 +44,7 @@ async def choose(
         routable = services.table.routable(model)
         tried = [*tried, *Roles.others(routable, route.among(Roles.of(routable)))]
     why = ""
+    predicted: float | None = None  # kv_aware's time cost: seconds to a first token
 
     def pick(exclude: Collection[str]) -> Engine:
         nonlocal why
@@ -51,6 +54,8 @@ async def choose(
                 decision.engine.name, decision.cached_tokens, decision.prompt_tokens
             )
         why = decision.reason
+        nonlocal predicted
+        predicted = decision.predicted_ttft
         return decision.engine
 
     try:
@@ -85,6 +90,7 @@ async def choose(
     services.metrics.routed(policy.name, "failover" if record.attempts else "first", engine.name)
     record.attempts += 1
     record.engine = engine.name
+    record.predicted_first = None if predicted is None else trio.current_time() + predicted
     return engine
 
 

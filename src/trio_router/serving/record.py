@@ -55,6 +55,7 @@ class ExchangeRecord:
     parts: list[str] = field(default_factory=list)  # engines whose part of an answer was cut
     sent: int = 0  # response body bytes handed on
     ttfb: float | None = None  # the engine's first body bytes, after `started`
+    predicted_first: float | None = None  # kv_aware's time cost: when (Trio time)
     priority: int = 0  # its band in the router's queue
     band: str = ""  # the band's metrics label (`Admission.band_label`)
     refusal: str = ""  # why the router refused it (the error's code), if it did
@@ -83,6 +84,8 @@ class ExchangeRecord:
         """The engine's first body bytes came (`now`): the time to first byte."""
         self.ttfb = now - self.started
         self.recording.metrics.observe_ttfb(self.served_model, self.ttfb)
+        if self.predicted_first is not None:  # how far kv_aware's prediction was off
+            self.recording.metrics.ttft_prediction(self.engine, now - self.predicted_first)
 
     def finish(self) -> None:
         """However the request ended: it is counted, traced and logged once."""
