@@ -15,12 +15,15 @@ environment, about 3 minutes); stopped at the end.
 system prompt (`--system-words`, 600) with a different short question per request, and
 `--conversations` multi-turn conversations of `--turns` turns whose history grows (each turn
 sends the whole chat so far; the answers are the engines', greedy). `--concurrency` requests are
-in flight at once, in a seeded order. Before each router's run the engines' prefix caches are
-reset (vLLM's `/reset_prefix_cache`, dev mode); the hit rate is the change of
-`vllm:prefix_cache_hits_total` over `vllm:prefix_cache_queries_total` (tokens), summed over the
-engines. "best" is the hit rate of one engine with an unbounded cache serving the same requests
-in the same order: each prompt's longest common prefix with an earlier one, in whole blocks, at
-most all but its last token (vLLM always computes the last) — what any routing could reach.
+in flight at once, in a seeded order. With `--skew S` the groups are not alike: as many group
+requests, each drawn from group k (0, 1, ...) with weight 1/(k+1)^S (S = 1.2 over 8 groups: the
+first takes about a third); with `--concurrency` 16 or more the four engines are saturated.
+Before each router's run the engines' prefix caches are reset (vLLM's `/reset_prefix_cache`,
+dev mode); the hit rate is the change of `vllm:prefix_cache_hits_total` over
+`vllm:prefix_cache_queries_total` (tokens), summed over the engines. "best" is the hit rate
+of one engine with an unbounded cache serving the same requests in the same order: each
+prompt's longest common prefix with an earlier one, in whole blocks, at most all but its last
+token (vLLM always computes the last) — what any routing could reach.
 TTFT is the client's time to the first streamed token (p50, p99). With `--replicas 2` every
 router runs as two processes (replicas) and consecutive requests alternate between them.
 
@@ -110,7 +113,12 @@ def make_workload(args: argparse.Namespace) -> Workload:
         )
         for _ in range(args.conversations)
     ]
-    order = [("group", g) for g in range(args.groups) for _ in range(args.per_group)]
+    if args.skew > 0:  # popularity 1/rank^s: as many group requests, drawn by weight
+        weights = [1 / (rank + 1) ** args.skew for rank in range(args.groups)]
+        drawn = rng.choices(range(args.groups), weights, k=args.groups * args.per_group)
+        order = [("group", g) for g in drawn]
+    else:
+        order = [("group", g) for g in range(args.groups) for _ in range(args.per_group)]
     order += [("chat", c) for c in range(args.conversations) for _ in range(args.turns)]
     rng.shuffle(order)
     return Workload(groups, conversations, order)
@@ -473,12 +481,20 @@ async def router_figures(client: httpx.AsyncClient, urls: Sequence[str]) -> dict
             else float("nan")
         ),
         "tokenize_fallbacks": sums.get("trio_router_tokenize_fallbacks_total", 0.0),
+        # kv_aware's time cost: the mean of observed minus predicted time to a first token
+        "ttft_error_mean_ms": (
+            sums.get("trio_router_kv_ttft_prediction_error_seconds_sum", 0.0) / predictions * 1000
+            if (predictions := sums.get("trio_router_kv_ttft_prediction_error_seconds_count"))
+            else float("nan")
+        ),
     }
 
 
 _ROUTER_SAMPLE = re.compile(
     r"^(trio_router_(?:kv_predicted_cached_tokens_total|kv_prompt_tokens_total|"
-    r"tokenize_seconds_sum|tokenize_seconds_count|tokenize_fallbacks_total))(?:\{[^}]*\})? (\S+)$",
+    r"tokenize_seconds_sum|tokenize_seconds_count|tokenize_fallbacks_total|"
+    r"kv_ttft_prediction_error_seconds_sum|kv_ttft_prediction_error_seconds_count))"
+    r"(?:\{[^}]*\})? (\S+)$",
     re.M,
 )
 
@@ -637,6 +653,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument(
+        "--skew",
+        type=float,
+        default=0.0,
+        help="group popularity falls as 1/rank^SKEW (0: every group alike)",
+    )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=60)
@@ -668,8 +690,12 @@ def table(results: Sequence[Result]) -> str:
             lines.append(
                 f"{r.router}: predicted hit rate {predicted:.1%}, tokenize mean "
                 f"{r.router_figures['tokenize_mean_ms']:.2f} ms, "
-                f"{r.router_figures['tokenize_fallbacks']:.0f} fallbacks"
+                f"{r.router_figures['tokenize_fallbacks']:.0f} fallbacks, TTFT observed - "
+                f"predicted {r.router_figures['ttft_error_mean_ms']:.0f} ms mean"
             )
+    for r in results:
+        shares = " / ".join(f"{q / 1000:.0f}k" for q in r.per_engine_queries)
+        lines.append(f"{r.router}: prompt tokens per engine {shares}")
     return "\n".join(lines)
 
 

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
+from typing import Final
 
 from ..errors import NoEngineError
 from ..kv.index import BlockIndex, block_keys
@@ -38,9 +40,13 @@ from ..table import Engine
 from .affinity import PrefixAwarePolicy, opening_hash
 from .balance import EXACT_SCAN_MAX, LoadGauge, no_engine
 from .request import Decision, RequestInfo
-from .ttft import Estimate, TtftModel
+from .ttft import Estimate, Rates, TtftModel
 
 __all__ = ["KvAwarePolicy"]
+
+# Predicted waits closer than this many times the predictions' recent mean absolute error are
+# not told apart (about the 90th percentile of the error, were it normal).
+ERROR_MARGIN: Final = 2.0
 
 
 class KvAwarePolicy:
@@ -88,9 +94,12 @@ class KvAwarePolicy:
         keys = block_keys(tokens, block)
         now = self._gauge.now()
         matched = index.match(keys, (e.uid for e in usable), now)
-        costs = self._costs(usable, matched, block, len(tokens), now)
+        costs = self._costs(request.model, usable, matched, block, len(tokens), now)
         best = min(costs.by_uid.values())
         tied = {uid for uid, cost in costs.by_uid.items() if cost <= best + costs.tolerance}
+        if costs.estimates:  # within the time cost's error: keep the cache hits
+            most = max(matched.get(uid, 0) for uid in tied)
+            tied = {uid for uid in tied if matched.get(uid, 0) == most}
         if len(tied) == 1:
             (uid,) = tied
             engine = next(e for e in usable if e.uid == uid)
@@ -131,9 +140,12 @@ class KvAwarePolicy:
             raise no_engine(request.model, candidates)
         matched = index.match(keys, held, now) if holders else {}
         contenders = holders if fresh is None else [*holders, fresh]
-        costs = self._costs(contenders, matched, block, len(tokens), now)
+        costs = self._costs(request.model, contenders, matched, block, len(tokens), now)
         best = min(costs.by_uid.values())
         tied = [e for e in contenders if costs.by_uid[e.uid] <= best + costs.tolerance]
+        if costs.estimates:  # within the time cost's error: keep the cache hits
+            most = max(matched.get(e.uid, 0) for e in tied)
+            tied = [e for e in tied if matched.get(e.uid, 0) == most]
         if fresh is not None and fresh in tied:
             engine, how = fresh, "nothing cheaper cached: prefix_aware"
         elif len(tied) == 1:
@@ -148,6 +160,7 @@ class KvAwarePolicy:
 
     def _costs(
         self,
+        model_name: str,
         contenders: Sequence[Engine],
         matched: dict[str, int],
         block: int,
@@ -159,14 +172,15 @@ class KvAwarePolicy:
         `kv_cost = "load"`, uncached tokens plus the load term (see the module's
         docstring)."""
         model = self._ttft
-        borrowed = model.look(contenders) if model is not None else None
-        if model is not None and borrowed is not None:
+        rates = model.rates(model_name, contenders) if model is not None else None
+        if model is not None and rates is not None:
             estimates = {
-                e.uid: model.estimate(e, prompt - matched.get(e.uid, 0) * block, now, borrowed)
+                e.uid: model.estimate(e, prompt - matched.get(e.uid, 0) * block, now, rates)
                 for e in contenders
             }
             by_uid = {uid: estimate.seconds for uid, estimate in estimates.items()}
-            return _Costs(by_uid, self._ttft_slack, prompt, estimates, borrowed)
+            tolerance = max(self._ttft_slack, ERROR_MARGIN * model.error(model_name))
+            return _Costs(by_uid, tolerance, prompt, estimates, rates, model_name)
         load_of = self._gauge.of
         loads = {e.uid: load_of(e, now) for e in contenders}
         floor = min(loads.values()) + self._slack
@@ -195,12 +209,13 @@ class KvAwarePolicy:
         prompt = costs.prompt
         cached = min(blocks * block, prompt)
         estimate = costs.estimates.get(engine.uid)
-        if estimate is not None and self._ttft is not None and costs.borrowed is not None:
-            self._ttft.sent(engine, prompt - cached, now, costs.borrowed)
+        if estimate is not None and self._ttft is not None and costs.rates is not None:
+            self._ttft.sent(engine, prompt - cached, now, costs.rates)
             figure = (
                 f"first token in {estimate.seconds * 1000:.0f} ms predicted (queue "
                 f"{estimate.queue * 1000:.0f}, backlog {estimate.backlog * 1000:.0f}, prefill "
-                f"{estimate.prefill * 1000:.0f})"
+                f"{estimate.prefill * 1000:.0f}; others within "
+                f"{costs.tolerance * 1000:.0f} ms are tied)"
             )
         else:
             figure = f"load {costs.loads[engine.uid]:.3g}"
@@ -210,6 +225,11 @@ class KvAwarePolicy:
             cached_tokens=cached,
             prompt_tokens=prompt,
             predicted_ttft=None if estimate is None else estimate.seconds,
+            observe_ttft=(
+                None
+                if estimate is None or self._ttft is None
+                else partial(self._ttft.observed, costs.model)
+            ),
         )
 
     def _candidates_block_size(self, model: str, candidates: Sequence[Engine]) -> int:
@@ -249,7 +269,8 @@ class _Costs:
     tolerance: float
     prompt: int
     estimates: dict[str, Estimate] = field(default_factory=dict)  # the time cost's parts
-    borrowed: tuple[float, float] | None = None  # the time cost's mean fit
+    rates: Rates | None = None  # the time cost's fitted rates
+    model: str = ""  # ...of this model
     loads: dict[str, float] = field(default_factory=dict)  # the load cost's loads
 
 

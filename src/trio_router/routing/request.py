@@ -4,7 +4,7 @@ it decides: `Decision`."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -40,6 +40,8 @@ class Decision:
     cached_tokens: int | None = None
     prompt_tokens: int = 0
     predicted_ttft: float | None = None  # kv_aware's time cost: seconds to a first token
+    # ...and where to report how far off it was (seconds late; negative: early)
+    observe_ttft: Callable[[float], None] | None = None
 
 
 def request_info(

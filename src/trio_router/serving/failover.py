@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 import trio
 
@@ -45,6 +45,7 @@ async def choose(
         tried = [*tried, *Roles.others(routable, route.among(Roles.of(routable)))]
     why = ""
     predicted: float | None = None  # kv_aware's time cost: seconds to a first token
+    observe: Callable[[float], None] | None = None  # ...and where its error goes
 
     def pick(exclude: Collection[str]) -> Engine:
         nonlocal why
@@ -54,8 +55,8 @@ async def choose(
                 decision.engine.name, decision.cached_tokens, decision.prompt_tokens
             )
         why = decision.reason
-        nonlocal predicted
-        predicted = decision.predicted_ttft
+        nonlocal predicted, observe
+        predicted, observe = decision.predicted_ttft, decision.observe_ttft
         return decision.engine
 
     try:
@@ -91,6 +92,7 @@ async def choose(
     record.attempts += 1
     record.engine = engine.name
     record.predicted_first = None if predicted is None else trio.current_time() + predicted
+    record.observe_ttft = observe
     return engine
 
 

@@ -5,6 +5,7 @@ record."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final
 
@@ -55,7 +56,8 @@ class ExchangeRecord:
     parts: list[str] = field(default_factory=list)  # engines whose part of an answer was cut
     sent: int = 0  # response body bytes handed on
     ttfb: float | None = None  # the engine's first body bytes, after `started`
-    predicted_first: float | None = None  # kv_aware's time cost: when (Trio time)
+    predicted_first: float | None = None  # kv_aware's time cost: when (Trio time)...
+    observe_ttft: Callable[[float], None] | None = None  # ...and who learns how far off
     priority: int = 0  # its band in the router's queue
     band: str = ""  # the band's metrics label (`Admission.band_label`)
     refusal: str = ""  # why the router refused it (the error's code), if it did
@@ -85,7 +87,10 @@ class ExchangeRecord:
         self.ttfb = now - self.started
         self.recording.metrics.observe_ttfb(self.served_model, self.ttfb)
         if self.predicted_first is not None:  # how far kv_aware's prediction was off
-            self.recording.metrics.ttft_prediction(self.engine, now - self.predicted_first)
+            error = now - self.predicted_first
+            self.recording.metrics.ttft_prediction(self.engine, error)
+            if self.observe_ttft is not None:
+                self.observe_ttft(error)
 
     def finish(self) -> None:
         """However the request ended: it is counted, traced and logged once."""
