@@ -465,8 +465,12 @@ async def router_figures(client: httpx.AsyncClient, urls: Sequence[str]) -> dict
     its mean tokenization time and its fallbacks."""
     sums: dict[str, float] = {}
     for url in urls:
-        for name, value in _ROUTER_SAMPLE.findall((await client.get(f"{url}/metrics")).text):
+        text = (await client.get(f"{url}/metrics")).text
+        for name, value in _ROUTER_SAMPLE.findall(text):
             sums[name] = sums.get(name, 0.0) + float(value)
+        for bound, value in _ERROR_BUCKET.findall(text):  # summed over engines
+            key = f"error_le_{bound}"
+            sums[key] = sums.get(key, 0.0) + float(value)
     count = sums.get("trio_router_tokenize_seconds_count", 0.0)
     prompt = sums.get("trio_router_kv_prompt_tokens_total", 0.0)
     return {
@@ -481,21 +485,29 @@ async def router_figures(client: httpx.AsyncClient, urls: Sequence[str]) -> dict
             else float("nan")
         ),
         "tokenize_fallbacks": sums.get("trio_router_tokenize_fallbacks_total", 0.0),
-        # kv_aware's time cost: the mean of observed minus predicted time to a first token
-        "ttft_error_mean_ms": (
-            sums.get("trio_router_kv_ttft_prediction_error_seconds_sum", 0.0) / predictions * 1000
-            if (predictions := sums.get("trio_router_kv_ttft_prediction_error_seconds_count"))
-            else float("nan")
-        ),
+        # kv_aware's time cost: the share of first tokens within 250 ms and 1 s of their
+        # predictions (the histogram is signed, so it has no _sum: its buckets tell)
+        **{
+            f"ttft_within_{name}": (
+                (sums.get(f"error_le_{bound}", 0.0) - sums.get(f"error_le_-{bound}", 0.0))
+                / predictions
+                if (predictions := sums.get("trio_router_kv_ttft_prediction_error_seconds_count"))
+                else float("nan")
+            )
+            for name, bound in (("250ms", "0.25"), ("1s", "1.0"))
+        },
     }
 
 
 _ROUTER_SAMPLE = re.compile(
     r"^(trio_router_(?:kv_predicted_cached_tokens_total|kv_prompt_tokens_total|"
     r"tokenize_seconds_sum|tokenize_seconds_count|tokenize_fallbacks_total|"
-    r"kv_ttft_prediction_error_seconds_sum|kv_ttft_prediction_error_seconds_count))"
+    r"kv_ttft_prediction_error_seconds_count))"
     r"(?:\{[^}]*\})? (\S+)$",
     re.M,
+)
+_ERROR_BUCKET = re.compile(
+    r'^trio_router_kv_ttft_prediction_error_seconds_bucket\{[^}]*le="([^"]+)"\} (\S+)$', re.M
 )
 
 
@@ -690,8 +702,10 @@ def table(results: Sequence[Result]) -> str:
             lines.append(
                 f"{r.router}: predicted hit rate {predicted:.1%}, tokenize mean "
                 f"{r.router_figures['tokenize_mean_ms']:.2f} ms, "
-                f"{r.router_figures['tokenize_fallbacks']:.0f} fallbacks, TTFT observed - "
-                f"predicted {r.router_figures['ttft_error_mean_ms']:.0f} ms mean"
+                f"{r.router_figures['tokenize_fallbacks']:.0f} fallbacks, first tokens within "
+                f"250 ms / 1 s of kv_aware's prediction: "
+                f"{r.router_figures['ttft_within_250ms']:.0%} / "
+                f"{r.router_figures['ttft_within_1s']:.0%}"
             )
     for r in results:
         shares = " / ".join(f"{q / 1000:.0f}k" for q in r.per_engine_queries)

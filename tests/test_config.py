@@ -174,6 +174,7 @@ CHOICES: Final[dict[str, tuple[str, list[str]]]] = {
         ["", "prefill", "decode", "prefill-decode"],
     ),
     "routing.policy": ("[routing]\npolicy = {}\n", POLICY_NAMES),
+    "routing.kv_cost": ("[routing]\nkv_cost = {}\n", ["ttft", "load"]),
     "proxy.unknown_paths": ("[proxy]\nunknown_paths = {}\n", ["reject", "model"]),
     "proxy.resume": ("[proxy]\nresume = {}\n", ["on", "off"]),
     "kv_events.mode": ("[kv_events]\nmode = {}\n", ["off", "connect", "bind"]),

@@ -6,11 +6,13 @@ The end-to-end tests wait on the block index (`BlockIndex.wait_changed`), never 
 
 from __future__ import annotations
 
+import logging
 import math
 import struct
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any, Final
 
 import msgspec
@@ -150,7 +152,12 @@ def words(prefix: str, n: int) -> str:
 
 @asynccontextmanager
 async def open_kv_router(
-    count: int = 2, *, capacity: int = 64, replay: bool = False, **routing: Any
+    count: int = 2,
+    *,
+    capacity: int = 64,
+    replay: bool = False,
+    stats: dict[str, Any] | None = None,
+    **routing: Any,
 ) -> AsyncIterator[tuple[Router, list[FakeKvCache], BlockIndex]]:
     port = free_port(HOSTS[:count])
     replay_port = free_port(HOSTS[:count]) if replay else 0
@@ -165,6 +172,7 @@ async def open_kv_router(
         kv_index=index,
         routing={"policy": "kv_aware", "kv_block_size": B, **routing},
         kv_events={"mode": "connect", "port": port, "replay_port": replay_port},
+        stats=stats or {"interval_s": 0.0},
     ) as router:
         yield router, caches, index
 
@@ -204,6 +212,47 @@ async def test_a_shared_prefix_goes_where_the_first_request_left_it() -> None:
     assert owner.hits >= 4 * 40  # and it served the shared prefix from its cache
     assert predicted == owner.hits  # as the router expected, block for block
     assert other  # a new prefix still routes
+
+
+def _scraped_more(engine: FakeEngine, than: int) -> bool:
+    return len(engine.requests_to("/metrics")) > than
+
+
+async def test_the_time_cost_learns_from_the_engines_figures_and_exports_its_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The engines export vLLM's TTFT and queue-time histograms and token counters; once
+    scrapes after ten answers have fitted the rates, each decision predicts a first token
+    (the decision log says when) and the error of each prediction is in
+    trio_router_kv_ttft_prediction_error_seconds, per engine."""
+    caplog.set_level(logging.DEBUG, logger="trio_router.serving.failover")
+    with trio.fail_after(LIMIT):
+        async with open_kv_router(stats={"interval_s": 0.2, "timeout_s": 1.0}) as (
+            router,
+            _caches,
+            _index,
+        ):
+
+            async def scraped() -> None:
+                """Until every engine has been scraped once more."""
+                for engine in router.engines:
+                    seen = len(engine.requests_to("/metrics"))
+                    await engine.wait_until(partial(_scraped_more, engine, seen))
+
+            # Scrapes before and after ten answers: an interval that holds them.
+            await scraped()
+            for i in range(10):
+                await send(router, chat(words(f"warm{i}-", 12)))
+            await scraped()
+            caplog.clear()
+            served = [await send(router, chat(words(f"timed{i}-", 12))) for i in range(4)]
+            errors = [
+                await router.metric("trio_router_kv_ttft_prediction_error_seconds_count", engine=e)
+                for e in set(served)
+            ]
+    predicted = [r.getMessage() for r in caplog.records if "first token in" in r.getMessage()]
+    assert len(predicted) == 4, caplog.text
+    assert sum(errors) == 4
 
 
 async def test_eviction_and_a_cleared_cache_move_traffic_and_a_restart_drops_the_engine() -> None:

@@ -103,6 +103,8 @@ class FakeEngine:
     disconnects: int = field(init=False, default=0)  # clients gone before their reply ended
     completed: int = field(init=False, default=0)  # POST replies sent to the end
     prompt_tokens: int = field(init=False, default=0)  # of every generation request
+    first_tokens: int = field(init=False, default=0)  # answers whose first bytes went out...
+    first_token_seconds: float = field(init=False, default=0.0)  # ...this long after arrival
     stored_responses: dict[str, Any] = field(init=False, default_factory=dict)  # by id
     forms: list[dict[str, str]] = field(init=False, default_factory=list)  # audio forms' fields
     _changed: trio.Event = field(init=False, repr=False)
@@ -210,10 +212,38 @@ class FakeEngine:
                 "Prefix cache hits, in terms of number of cached tokens.",
                 float(self.kv.hits if self.kv is not None else 0),
             ),
+            (
+                "vllm:prompt_tokens_total",
+                "Number of prefill tokens processed.",
+                float(self.kv.queries if self.kv is not None else self.prompt_tokens),
+            ),
         )
         for metric, help_text, value in counters:
             lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} counter"]
             lines += [f'{metric}{{engine="0",model_name="{m}"}} {value!r}' for m in self.models]
+        # Histograms' sums and counts (no buckets: what the router reads), as vLLM names them;
+        # a request spends no time in this engine's queue.
+        for metric, help_text, total, count in (
+            (
+                "vllm:time_to_first_token_seconds",
+                "Histogram of time to first token in seconds.",
+                self.first_token_seconds,
+                self.first_tokens,
+            ),
+            (
+                "vllm:request_queue_time_seconds",
+                "Histogram of time spent in WAITING phase for request.",
+                0.0,
+                self.first_tokens,
+            ),
+        ):
+            lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} histogram"]
+            for m in self.models:
+                labels = f'engine="0",model_name="{m}"'
+                lines += [
+                    f"{metric}_count{{{labels}}} {float(count)!r}",
+                    f"{metric}_sum{{{labels}}} {float(total)!r}",
+                ]
         lines += [
             "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
             "# TYPE vllm:cache_config_info gauge",

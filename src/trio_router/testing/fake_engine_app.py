@@ -56,6 +56,24 @@ _SSE_HEADERS: Final = [
 ]
 
 
+def _timing_first_token(engine: FakeEngine, path: str, send: Send) -> Send:
+    """`send`, counting for a generation request the time to the reply's first body bytes
+    into vLLM's TTFT histogram (a request spends no time in this engine's queue)."""
+    if path not in _GENERATION:
+        return send
+    arrived, answering = trio.current_time(), False
+
+    async def timed(message: Message) -> None:
+        nonlocal answering
+        if not answering and message["type"] == "http.response.body":
+            answering = True
+            engine.first_tokens += 1
+            engine.first_token_seconds += trio.current_time() - arrived
+        await send(message)
+
+    return timed
+
+
 class FakeEngineAbort(Exception):
     """Raised inside the fake engine's app to break off a response mid-body."""
 
@@ -97,6 +115,7 @@ class FakeEngineApp:
         )
         inference = scope["path"] in POST_HANDLERS or scope["path"] in _AUDIO
         finished = False  # the last body message was handed to the server
+        send = _timing_first_token(engine, scope["path"], send)
 
         async def tracked_send(message: Message) -> None:
             nonlocal finished
