@@ -272,6 +272,19 @@ def test_waits_closer_than_the_predictions_error_are_not_told_apart() -> None:
     assert choose(2.0).engine is cold  # 0.98 s dearer: beyond it
 
 
+def test_an_adapter_is_predicted_with_its_base_models_rates() -> None:
+    clock, index = [1000.0], BlockIndex()
+    policy = kv_policy(clock, index)
+    engines = [make_engine(i) for i in range(2)]
+    for engine in engines:
+        engine.models = (Model(MODEL), Model("tuned", parent=MODEL))
+        engine.model_ids = frozenset({MODEL, "tuned"})
+        fit(engine, Counters(), clock[0], policy)  # decisions for the base model
+    clock[0] += 1
+    decision = policy.choose(engines, RequestInfo("tuned", tokens=tuple(range(500))))
+    assert decision.predicted_ttft == pytest.approx(BASE + PER_TOKEN * 500)
+
+
 def test_until_the_engines_figures_fit_kv_aware_decides_on_load() -> None:
     clock, index = [1000.0], BlockIndex()
     engines = [make_engine(i) for i in range(2)]

@@ -172,6 +172,8 @@ class KvAwarePolicy:
         `kv_cost = "load"`, uncached tokens plus the load term (see the module's
         docstring)."""
         model = self._ttft
+        if model is not None:  # adapters run on their base model's weights: one fit
+            model_name = _base_model(model_name, contenders[0])
         rates = model.rates(model_name, contenders) if model is not None else None
         if model is not None and rates is not None:
             estimates = {
@@ -258,6 +260,14 @@ class KvAwarePolicy:
         self._ties.forget(uid)
         if self._ttft is not None:
             self._ttft.forget(uid)
+
+
+def _base_model(model: str, engine: Engine) -> str:
+    """`model`, or the base model it is an adapter of on `engine`."""
+    for entry in engine.models:
+        if entry.id == model:
+            return entry.parent or model
+    return model
 
 
 @dataclass(frozen=True, slots=True)

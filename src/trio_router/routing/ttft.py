@@ -10,18 +10,19 @@
   the growth of their time-to-first-token and queue-time histograms' sums and counts and of
   their prompt-token and prefix-cache-hit counters (`vllm:time_to_first_token_seconds`,
   `vllm:request_queue_time_seconds`, `vllm:prompt_tokens_total`,
-  `vllm:prefix_cache_hits_total`). One least-squares fit over every engine of the model (they
-  run the same weights; a fit per engine would make an engine look cheap for a while on a
-  few lucky figures, and draw a herd), older intervals weighing less (`DECAY` per interval).
+  `vllm:prefix_cache_hits_total`). One least-squares fit over every engine of the model
+  (adapters share their base model's): the engines run the same weights, and a fit per
+  engine would make an engine look cheap for a while on a few lucky figures, and draw a
+  herd. Older intervals weigh less (`DECAY` per interval).
 - `queue(e)`: while the engine reports requests waiting (its batch is full), the mean time
   its recent requests spent waiting.
 - `backlog(e)`: the prefill this replica sent the engine that, by the fit, it has not done
   yet: each decision adds `per_token * u`; it drains in real time.
 
 The backlog is this replica's own and immediate; the fit and the queue are the engines' and
-a scrape old. How far the predictions are off is learned too (`observed`, from each first
-token against its prediction), and `kv_aware` does not tell apart waits closer than about
-that error. Until the engines' figures have fitted the model (`MIN_FIT_REQUESTS` first
+a scrape old. How far the predictions are off is learned too: at first from the scatter of
+the engines' intervals around the fit, then from each first token against its prediction
+(`observed`); `kv_aware` does not tell apart waits closer than about that error. Until the engines' figures have fitted the model (`MIN_FIT_REQUESTS` first
 tokens), `rates` is None and `kv_aware` decides as with `kv_cost = "load"`. Pure and
 synchronous: it learns when a decision looks at an engine whose figures changed (the
 counters are cumulative, so no scrape is missed); memory is a few floats per engine and per
@@ -80,9 +81,11 @@ class _Fit:
     tt: float = 0.0
     ny: float = 0.0
     ty: float = 0.0
+    yy: float = 0.0
     requests: float = 0.0
     rates: Rates | None = None
-    error: float = 0.0  # mean absolute error of its predictions, as first tokens came
+    error: float = 0.0  # mean absolute error of its predictions, as first tokens came...
+    observed: int = 0  # ...counting this many (before any, the fit's own scatter)
 
     def add(self, n: float, tokens: float, seconds: float) -> None:
         d = DECAY
@@ -91,9 +94,19 @@ class _Fit:
         self.tt = d * self.tt + tokens * tokens
         self.ny = d * self.ny + n * seconds
         self.ty = d * self.ty + tokens * seconds
+        self.yy = d * self.yy + seconds * seconds
         self.requests = d * self.requests + n
-        if self.requests >= MIN_FIT_REQUESTS:
-            self.rates = _solve(self.nn, self.nt, self.tt, self.ny, self.ty)
+        if self.requests < MIN_FIT_REQUESTS:
+            return
+        rates = self.rates = _solve(self.nn, self.nt, self.tt, self.ny, self.ty)
+        if not self.observed:
+            # The intervals' scatter around the fit, per request (an interval of n requests
+            # scatters sqrt(n) times one's), as a mean absolute error (0.8 sigma): how far
+            # predictions are off until first tokens say.
+            b, p = rates.base, rates.per_token
+            residual = self.yy - 2 * (b * self.ny + p * self.ty)
+            residual += b * b * self.nn + 2 * b * p * self.nt + p * p * self.tt
+            self.error = 0.8 * math.sqrt(max(0.0, residual) / self.requests)
 
 
 def _solve(nn: float, nt: float, tt: float, ny: float, ty: float) -> Rates:
@@ -184,7 +197,9 @@ class TtftModel:
         """A first token came `error` seconds after (or before) one of `model`'s
         predictions."""
         if (fit := self._fits.get(model)) is not None:
-            fit.error += ERROR_WEIGHT * (abs(error) - fit.error)
+            weight = max(ERROR_WEIGHT, 1 / (fit.observed + 2))  # a mean with the prior, at first
+            fit.error += weight * (abs(error) - fit.error)
+            fit.observed += 1
 
     def error(self, model: str) -> float:
         """The mean absolute error of `model`'s recent predictions (0 until observed)."""
