@@ -12,7 +12,6 @@ import struct
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from functools import partial
 from typing import Any, Final
 
 import msgspec
@@ -214,45 +213,47 @@ async def test_a_shared_prefix_goes_where_the_first_request_left_it() -> None:
     assert other  # a new prefix still routes
 
 
-def _scraped_more(engine: FakeEngine, than: int) -> bool:
-    return len(engine.requests_to("/metrics")) > than
-
-
 async def test_the_time_cost_learns_from_the_engines_figures_and_exports_its_error(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """The engines export vLLM's TTFT and queue-time histograms and token counters; once
-    scrapes after ten answers have fitted the rates, each decision predicts a first token
-    (the decision log says when) and the error of each prediction is in
-    trio_router_kv_ttft_prediction_error_seconds, per engine."""
+    """The engines export vLLM's TTFT and queue-time histograms and token counters, scraped
+    every 0.2 s while requests go to them: once the intervals between scrapes have fitted the
+    rates, each decision predicts a first token (the decision log says when), and the error
+    of each prediction is in trio_router_kv_ttft_prediction_error_seconds, per engine."""
     caplog.set_level(logging.DEBUG, logger="trio_router.serving.failover")
+
+    def predicted() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "first token in" in r.getMessage()]
+
     with trio.fail_after(LIMIT):
         async with open_kv_router(stats={"interval_s": 0.2, "timeout_s": 1.0}) as (
             router,
             _caches,
             _index,
         ):
+            warm = 0
+            while not predicted():  # requests until scrapes between them have fitted it
+                await send(router, chat(words(f"warm{warm}-", 12)))
+                warm += 1
+            engines = [e.name for e in router.table]
 
-            async def scraped() -> None:
-                """Until every engine has been scraped once more."""
-                for engine in router.engines:
-                    seen = len(engine.requests_to("/metrics"))
-                    await engine.wait_until(partial(_scraped_more, engine, seen))
+            async def observed() -> float:
+                return sum(
+                    [
+                        await router.metric(
+                            "trio_router_kv_ttft_prediction_error_seconds_count", engine=name
+                        )
+                        for name in engines
+                    ]
+                )
 
-            # Scrapes before and after ten answers: an interval that holds them.
-            await scraped()
-            for i in range(10):
-                await send(router, chat(words(f"warm{i}-", 12)))
-            await scraped()
-            caplog.clear()
-            served = [await send(router, chat(words(f"timed{i}-", 12))) for i in range(4)]
-            errors = [
-                await router.metric("trio_router_kv_ttft_prediction_error_seconds_count", engine=e)
-                for e in set(served)
-            ]
-    predicted = [r.getMessage() for r in caplog.records if "first token in" in r.getMessage()]
-    assert len(predicted) == 4, caplog.text
-    assert sum(errors) == 4
+            before, caplog_before = await observed(), len(predicted())
+            for i in range(4):
+                await send(router, chat(words(f"timed{i}-", 12)))
+            after = await observed()
+    assert warm >= 8  # a fit needs 8 first tokens
+    assert len(predicted()) - caplog_before == 4, caplog.text
+    assert after - before == 4
 
 
 async def test_eviction_and_a_cleared_cache_move_traffic_and_a_restart_drops_the_engine() -> None:

@@ -701,3 +701,31 @@ def test_kv_aware_among_many_engines_weighs_only_holders_and_prefix_awares_pick(
             replica.speculate(uid, block_keys(tokens, 16), now=clock.now, until=clock.now + 1e6)
     chosen = {kv_policy(replica).choose(candidates, cached).engine.uid for replica in replicas}
     assert len(chosen) == 1 and chosen <= {engines[3].uid, engines[900].uid}
+
+
+def test_kv_aware_sends_a_request_without_tokens_where_its_opening_last_went() -> None:
+    """A request whose token ids did not come in time goes to the engine the last decision
+    on its opening's token ids chose (which holds what that conversation or shared prompt
+    left), not to wherever `prefix_aware` would place the opening; an opening never routed
+    on tokens, and an excluded engine, fall back to `prefix_aware`."""
+    clock = Clock()
+    engines = [make_engine(i) for i in range(4)]
+    table = make_table(engines)
+    candidates = table.routable(MODEL)
+    index = BlockIndex()
+    policy = make_policy(
+        RoutingConfig(policy="kv_aware"), clock=clock, rng=random.Random(1), kv_index=index
+    )
+    prefix = make_policy(RoutingConfig(policy="prefix_aware"), clock=clock, rng=random.Random(1))
+    tokens = tuple(range(64 * 16))
+    opening = RequestInfo(MODEL, opening="agent A")
+    ring_owner = prefix.choose(candidates, opening).engine
+    holder = next(e for e in engines if e is not ring_owner)
+    index.speculate(holder.uid, block_keys(tokens, 16), now=clock.now, until=clock.now + 1e6)
+    with_tokens = policy.choose(candidates, RequestInfo(MODEL, opening="agent A", tokens=tokens))
+    assert with_tokens.engine is holder
+    without = policy.choose(candidates, opening)
+    assert without.engine is holder and "where its opening last went" in without.reason
+    assert policy.choose(candidates, opening, exclude={holder.uid}).engine is not holder
+    other = RequestInfo(MODEL, opening="agent B")
+    assert policy.choose(candidates, other).engine is prefix.choose(candidates, other).engine

@@ -29,6 +29,7 @@ request's opening picks, the same on every replica.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -47,6 +48,9 @@ __all__ = ["KvAwarePolicy"]
 # Predicted waits closer than this many times the predictions' recent mean absolute error are
 # not told apart (about the 90th percentile of the error, were it normal).
 ERROR_MARGIN: Final = 2.0
+# Openings remembered with the engine their last decision chose, for requests of the same
+# conversation or shared prompt whose token ids do not come in time (about 100 bytes each).
+RECENT_OPENINGS: Final = 65536
 
 
 class KvAwarePolicy:
@@ -76,14 +80,16 @@ class KvAwarePolicy:
         self._ttft_slack = ttft_slack
         # model -> (its candidates, index.block_sizes_learned, their block size)
         self._block_sizes: dict[str, tuple[Sequence[Engine], int, int]] = {}
+        # The engine each recent opening's last decision on token ids chose (oldest first):
+        # where a request of that opening without token ids goes.
+        self._openings: OrderedDict[int, str] = OrderedDict()
 
     def choose(
         self, candidates: Sequence[Engine], request: RequestInfo, exclude: Collection[str] = ()
     ) -> Decision:
         tokens = request.tokens
         if tokens is None:
-            tie = self._ties.choose(candidates, request, exclude)
-            return Decision(tie.engine, f"kv_aware: no tokens; {tie.reason}")
+            return self._without_tokens(candidates, request, exclude)
         if len(candidates) > EXACT_SCAN_MAX:
             return self._choose_among_many(candidates, request, exclude, tokens)
         usable = [e for e in candidates if e.uid not in exclude]
@@ -109,6 +115,7 @@ class KvAwarePolicy:
                 usable, request, [e.uid for e in usable if e.uid not in tied]
             ).engine
             how = f"{len(tied)} tied: prefix_aware"
+        self._remember(request, engine)
         return self._decided(engine, keys, block, matched.get(engine.uid, 0), costs, how, now)
 
     def _choose_among_many(
@@ -156,7 +163,32 @@ class KvAwarePolicy:
             how = f"{len(tied)} tied: rendezvous"
         how = f"{how}; {len(holders)} holder(s) of {len(candidates)}"
         blocks = matched.get(engine.uid, 0)
+        self._remember(request, engine)
         return self._decided(engine, keys, block, blocks, costs, how, now)
+
+    def _without_tokens(
+        self, candidates: Sequence[Engine], request: RequestInfo, exclude: Collection[str]
+    ) -> Decision:
+        """A request whose token ids are not known: to the engine the last decision for its
+        opening chose (it holds what the conversation or shared prompt left there), if it is
+        still a candidate; else where `prefix_aware` places it."""
+        if request.opening and (uid := self._openings.get(opening_hash(request.opening))):
+            engine = self._ties.by_uid(request.model, candidates).get(uid)
+            if engine is not None and uid not in exclude:
+                return Decision(engine, "kv_aware: no tokens; where its opening last went")
+        tie = self._ties.choose(candidates, request, exclude)
+        return Decision(tie.engine, f"kv_aware: no tokens; {tie.reason}")
+
+    def _remember(self, request: RequestInfo, engine: Engine) -> None:
+        """`engine` is where the request's opening last went (`RECENT_OPENINGS` kept)."""
+        if not request.opening:
+            return
+        key = opening_hash(request.opening)
+        openings = self._openings
+        openings[key] = engine.uid
+        openings.move_to_end(key)
+        if len(openings) > RECENT_OPENINGS:
+            openings.popitem(last=False)
 
     def _costs(
         self,

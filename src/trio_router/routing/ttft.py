@@ -22,11 +22,11 @@
 The backlog is this replica's own and immediate; the fit and the queue are the engines' and
 a scrape old. How far the predictions are off is learned too: at first from the scatter of
 the engines' intervals around the fit, then from each first token against its prediction
-(`observed`); `kv_aware` does not tell apart waits closer than about that error. Until the engines' figures have fitted the model (`MIN_FIT_REQUESTS` first
-tokens), `rates` is None and `kv_aware` decides as with `kv_cost = "load"`. Pure and
-synchronous: it learns when a decision looks at an engine whose figures changed (the
-counters are cumulative, so no scrape is missed); memory is a few floats per engine and per
-model.
+(`observed`); `kv_aware` does not tell apart waits closer than about that error. Until the
+engines' figures have fitted the model (`MIN_FIT_REQUESTS` first tokens), `rates` is None and
+`kv_aware` decides as with `kv_cost = "load"`. Pure and synchronous: it learns when a
+decision looks at an engine whose figures changed (the counters are cumulative, so no scrape
+is missed); memory is a few floats per engine and per model.
 """
 
 from __future__ import annotations
