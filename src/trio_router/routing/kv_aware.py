@@ -1,23 +1,30 @@
 """`kv_aware`: each request to the engine that already holds the longest prefix of it, as the
-engines' own KV-cache events say (`kv.index.BlockIndex`), balanced against load.
+engines' own KV-cache events say (`kv.index.BlockIndex`), unless waiting there costs more
+than prefilling it elsewhere.
 
-For every candidate the policy counts the leading blocks of the request's token ids it holds,
-and takes the cheapest by
+For every candidate the policy counts the leading blocks of the request's token ids it holds.
+With `kv_cost = "ttft"` (the default) each candidate's cost is its predicted wait for the
+request's first token (`routing.ttft`: queue, this replica's backlog there, and the prefill of
+the tokens it does not hold, at rates fitted from the engines' own figures); waits closer
+than the predictions' error (or `kv_ttft_slack_s`) are tied, and a tie goes to the engine
+holding the most of the prompt. Until the rates are fitted, and with `kv_cost = "load"`:
 
     cost = uncached prompt tokens + kv_load_tokens * max(0, load - least load - kv_load_slack)
 
 where load is the router's usual figure (in-flight requests, and the engine's own running
-and waiting requests and KV-cache usage while they are fresh). Small load differences cost
-nothing, so replicas, which see different in-flight counts, still agree; a hot prefix stays
-on its engine until that engine is busier than the others by more than the slack, and then
-spreads by what it costs to prefill it again. Ties, among them every request whose prefix no
-engine holds, are broken by `prefix_aware` on the request's opening: the same engine on every
-replica. The blocks of each decision are counted as held by its engine for
+and waiting requests and KV-cache usage while they are fresh): small load differences cost
+nothing, so replicas, which see different in-flight counts, still agree. Either way a hot
+prefix stays on its engine until waiting there costs more than prefilling it again, and then
+the next engine takes it and holds it too. Remaining ties, among them every request whose
+prefix no engine holds, are broken by `prefix_aware` on the request's opening: the same
+engine on every replica. The blocks of each decision are counted as held by its engine for
 `kv_speculative_ttl_s`, until the engine's own events say so, so that a burst of requests
 with a new prefix agrees on one engine.
 
 A request without token ids (the engines were not asked in time, or it is not a chat or
-completions request) is routed by `prefix_aware`. Pure and synchronous, like every policy.
+completions request) goes where the last decision on its opening's token ids went (a bounded
+memory of recent openings), else where `prefix_aware` places it. Pure and synchronous, like
+every policy.
 
 With more than `EXACT_SCAN_MAX` candidates the decision touches only the engines that hold the
 prompt's first block (the index's own lookup) and one engine that holds none of it: the one
