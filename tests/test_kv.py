@@ -219,7 +219,8 @@ async def test_the_time_cost_learns_from_the_engines_figures_and_exports_its_err
     """The engines export vLLM's TTFT and queue-time histograms and token counters, scraped
     every 0.2 s while requests go to them: once the intervals between scrapes have fitted the
     rates, each decision predicts a first token (the decision log says when), and the error
-    of each prediction is in trio_router_kv_ttft_prediction_error_seconds, per engine."""
+    of each streamed answer's prediction is in trio_router_kv_ttft_prediction_error_seconds,
+    per engine."""
     caplog.set_level(logging.DEBUG, logger="trio_router.serving.failover")
 
     def predicted() -> list[str]:
@@ -248,12 +249,15 @@ async def test_the_time_cost_learns_from_the_engines_figures_and_exports_its_err
                 )
 
             before, caplog_before = await observed(), len(predicted())
-            for i in range(4):
-                await send(router, chat(words(f"timed{i}-", 12)))
+            for i in range(4):  # streamed: their first bytes are their first tokens
+                await send(router, chat(words(f"timed{i}-", 12)) | {"stream": True})
+            streamed = await observed()
+            for i in range(2):  # whole answers: predicted, but their first bytes are no timing
+                await send(router, chat(words(f"whole{i}-", 12)))
             after = await observed()
     assert warm >= 8  # a fit needs 8 first tokens
-    assert len(predicted()) - caplog_before == 4, caplog.text
-    assert after - before == 4
+    assert len(predicted()) - caplog_before == 6, caplog.text
+    assert streamed - before == 4 and after == streamed
 
 
 async def test_eviction_and_a_cleared_cache_move_traffic_and_a_restart_drops_the_engine() -> None:

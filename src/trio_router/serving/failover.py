@@ -91,8 +91,13 @@ async def choose(
     services.metrics.routed(policy.name, "failover" if record.attempts else "first", engine.name)
     record.attempts += 1
     record.engine = engine.name
-    record.predicted_first = None if predicted is None else trio.current_time() + predicted
-    record.observe_ttft = observe
+    # A streamed answer's first bytes are its first token: only there is a prediction timed
+    # (a whole answer's first bytes come after its last token).
+    if predicted is not None and prepared.payload.get("stream") is True:
+        record.predicted_first = trio.current_time() + predicted
+        record.observe_ttft = observe
+    else:
+        record.predicted_first = record.observe_ttft = None
     return engine
 
 
