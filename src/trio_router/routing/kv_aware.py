@@ -108,22 +108,14 @@ class KvAwarePolicy:
         now = self._gauge.now()
         matched = index.match(keys, (e.uid for e in usable), now)
         costs = self._costs(request.model, usable, matched, block, len(tokens), now)
-        best = min(costs.by_uid.values())
-        tied = {uid for uid, cost in costs.by_uid.items() if cost <= best + costs.tolerance}
-        if costs.estimates:  # within the time cost's error: keep the cache hits
-            most = max(matched.get(uid, 0) for uid in tied)
-            tied = {uid for uid in tied if matched.get(uid, 0) == most}
+        tied = costs.tied(usable)
         if len(tied) == 1:
-            (uid,) = tied
-            engine = next(e for e in usable if e.uid == uid)
-            how = "cheapest"
+            engine, how = tied[0], "cheapest"
         else:
-            engine = self._ties.choose(
-                usable, request, [e.uid for e in usable if e.uid not in tied]
-            ).engine
+            others = [e.uid for e in usable if e not in tied]
+            engine = self._ties.choose(usable, request, others).engine
             how = f"{len(tied)} tied: prefix_aware"
-        self._remember(request, engine)
-        return self._decided(engine, keys, block, matched.get(engine.uid, 0), costs, how, now)
+        return self._decided(request, engine, keys, block, costs, how, now)
 
     def _choose_among_many(
         self,
@@ -155,11 +147,7 @@ class KvAwarePolicy:
         matched = index.match(keys, held, now) if holders else {}
         contenders = holders if fresh is None else [*holders, fresh]
         costs = self._costs(request.model, contenders, matched, block, len(tokens), now)
-        best = min(costs.by_uid.values())
-        tied = [e for e in contenders if costs.by_uid[e.uid] <= best + costs.tolerance]
-        if costs.estimates:  # within the time cost's error: keep the cache hits
-            most = max(matched.get(e.uid, 0) for e in tied)
-            tied = [e for e in tied if matched.get(e.uid, 0) == most]
+        tied = costs.tied(contenders)
         if fresh is not None and fresh in tied:
             engine, how = fresh, "nothing cheaper cached: prefix_aware"
         elif len(tied) == 1:
@@ -169,9 +157,7 @@ class KvAwarePolicy:
             engine = max(tied, key=lambda e: opening_hash(f"{e.uid}\0{opening}"))
             how = f"{len(tied)} tied: rendezvous"
         how = f"{how}; {len(holders)} holder(s) of {len(candidates)}"
-        blocks = matched.get(engine.uid, 0)
-        self._remember(request, engine)
-        return self._decided(engine, keys, block, blocks, costs, how, now)
+        return self._decided(request, engine, keys, block, costs, how, now)
 
     def _without_tokens(
         self, candidates: Sequence[Engine], request: RequestInfo, exclude: Collection[str]
@@ -221,7 +207,7 @@ class KvAwarePolicy:
             }
             by_uid = {uid: estimate.seconds for uid, estimate in estimates.items()}
             tolerance = max(self._ttft_slack, ERROR_MARGIN * model.error(model_name))
-            return _Costs(by_uid, tolerance, prompt, estimates, rates, model_name)
+            return _Costs(by_uid, tolerance, prompt, matched, estimates, rates, model_name)
         load_of = self._gauge.of
         loads = {e.uid: load_of(e, now) for e in contenders}
         floor = min(loads.values()) + self._slack
@@ -231,22 +217,24 @@ class KvAwarePolicy:
             + self._load_tokens * max(0.0, loads[e.uid] - floor)
             for e in contenders
         }
-        return _Costs(by_uid, 0.0, prompt, loads=loads)
+        return _Costs(by_uid, 0.0, prompt, matched, loads=loads)
 
     def _decided(
         self,
+        request: RequestInfo,
         engine: Engine,
         keys: Sequence[int],
         block: int,
-        blocks: int,
         costs: _Costs,
         how: str,
         now: float,
     ) -> Decision:
-        """The decision for `engine`, which holds `blocks` of the prompt's `keys`; its blocks
-        are counted as held there from now on (speculatively, until its events say so), and
-        with the time cost, the prefill it was sent counts in its backlog."""
+        """The decision for `engine`: the prompt's blocks (`keys`) are counted as held there
+        from now on (speculatively, until its events say so), with the time cost the prefill
+        it was sent counts in its backlog, and its opening remembered as gone there."""
         self._index.speculate(engine.uid, keys, now=now, until=now + self._ttl)
+        self._remember(request, engine)
+        blocks = costs.matched.get(engine.uid, 0)
         prompt = costs.prompt
         cached = min(blocks * block, prompt)
         estimate = costs.estimates.get(engine.uid)
@@ -317,10 +305,22 @@ class _Costs:
     by_uid: dict[str, float]
     tolerance: float
     prompt: int
+    matched: dict[str, int]  # leading blocks of the prompt each contender holds
     estimates: dict[str, Estimate] = field(default_factory=dict)  # the time cost's parts
     rates: Rates | None = None  # the time cost's fitted rates
     model: str = ""  # ...of this model
     loads: dict[str, float] = field(default_factory=dict)  # the load cost's loads
+
+    def tied(self, contenders: Sequence[Engine]) -> list[Engine]:
+        """The contenders within `tolerance` of the cheapest; with the time cost, of those,
+        the ones holding the most of the prompt (the model cannot tell their waits apart:
+        keep the cache hits)."""
+        best = min(self.by_uid.values())
+        tied = [e for e in contenders if self.by_uid[e.uid] <= best + self.tolerance]
+        if self.estimates:
+            most = max(self.matched.get(e.uid, 0) for e in tied)
+            tied = [e for e in tied if self.matched.get(e.uid, 0) == most]
+        return tied
 
 
 class _Either(Collection[str]):

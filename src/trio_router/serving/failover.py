@@ -8,13 +8,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 
 import trio
 
 from ..errors import NoEngineError, RequestError
 from ..http import EngineUnreachableError
 from ..routing.disaggregation import Roles
+from ..routing.request import Decision
 from ..routing.route import Route
 from ..table import Engine
 from .attempt import Answered, Failed, Outcome, Refused, Take, Unreachable, attempt
@@ -43,20 +44,16 @@ async def choose(
     if route.among is not None:  # the engines the step may not go to count as tried
         routable = services.table.routable(model)
         tried = [*tried, *Roles.others(routable, route.among(Roles.of(routable)))]
-    why = ""
-    predicted: float | None = None  # kv_aware's time cost: seconds to a first token
-    observe: Callable[[float], None] | None = None  # ...and where its error goes
+    chosen: Decision | None = None  # the policy's last decision
 
     def pick(exclude: Collection[str]) -> Engine:
-        nonlocal why
+        nonlocal chosen
         decision = policy.choose(services.table.routable(model), prepared.info, exclude=exclude)
         if decision.cached_tokens is not None:
             services.metrics.kv_prediction(
                 decision.engine.name, decision.cached_tokens, decision.prompt_tokens
             )
-        why = decision.reason
-        nonlocal predicted, observe
-        predicted, observe = decision.predicted_ttft, decision.observe_ttft
+        chosen = decision
         return decision.engine
 
     try:
@@ -83,7 +80,7 @@ async def choose(
             policy.name,
             engine.name,
             list(tried),
-            why,
+            chosen.reason if chosen is not None else "",
         )
     if route.phase:
         services.metrics.routed(policy.name, route.phase, engine.name)
@@ -93,9 +90,10 @@ async def choose(
     record.engine = engine.name
     # A streamed answer's first bytes are its first token: only there is a prediction timed
     # (a whole answer's first bytes come after its last token).
-    if predicted is not None and prepared.payload.get("stream") is True:
-        record.predicted_first = trio.current_time() + predicted
-        record.observe_ttft = observe
+    streamed = prepared.payload.get("stream") is True
+    if chosen is not None and chosen.predicted_ttft is not None and streamed:
+        record.predicted_first = trio.current_time() + chosen.predicted_ttft
+        record.observe_ttft = chosen.observe_ttft
     else:
         record.predicted_first = record.observe_ttft = None
     return engine
