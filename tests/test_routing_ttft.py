@@ -205,58 +205,82 @@ def test_a_hot_engine_with_a_queue_loses_to_a_cold_one_exactly_when_it_costs_mor
     assert policy.choose([hot, cold], request).engine is hot
 
 
-def test_a_hot_prefix_is_replicated_when_its_holders_backlog_exceeds_prefilling_it_elsewhere() -> (
-    None
-):
-    """A burst of requests sharing a prefix held by one engine: each adds its 32 uncached
-    tokens to the holder's backlog; the first request whose wait there would exceed the
-    full prefill elsewhere by more than the slack goes to another engine, which then holds
-    the prefix too: the next requests see two holders."""
+def burst_on_a_holder(
+    *, waiting: float, requests: int
+) -> tuple[list[Decision], Engine, Policy, list[Engine], list[float]]:
+    """`requests` requests at one instant sharing a 1,024-token prefix that one of three
+    fitted engines holds, the holder reporting `waiting` requests waiting (its queue time 0):
+    (their decisions, the holder, the policy, the engines, the clock)."""
     clock, index = [1000.0], BlockIndex()
     policy = kv_policy(clock, index)
     engines = [make_engine(i) for i in range(3)]
     for engine in engines:
-        fit(engine, Counters(), clock[0], policy)
+        fit(engine, Counters(waiting=waiting if engine is engines[0] else 0.0), clock[0], policy)
     clock[0] += 1  # the fitting decisions' backlogs drained
     holder = engines[0]
     prefix = tuple(range(1024))
     index.speculate(holder.uid, block_keys(prefix, BLOCK), now=clock[0], until=math.inf)
+    chosen = [policy.choose(engines, shares_prefix(prefix, n)) for n in range(requests)]
+    return chosen, holder, policy, engines, clock
 
-    def request(n: int) -> RequestInfo:
-        tokens = prefix + tuple(range(10**6 + 32 * n, 10**6 + 32 * n + 32))
-        return RequestInfo(MODEL, opening=f"agent {n}", tokens=tokens)
 
+def shares_prefix(prefix: tuple[int, ...], n: int) -> RequestInfo:
+    """The `n`-th request of a burst: `prefix` and 32 tokens of its own."""
+    tokens = prefix + tuple(range(10**6 + 32 * n, 10**6 + 32 * n + 32))
+    return RequestInfo(MODEL, opening=f"agent {n}", tokens=tokens)
+
+
+def test_a_hot_prefix_is_replicated_when_its_holders_backlog_exceeds_prefilling_it_elsewhere() -> (
+    None
+):
+    """A burst of requests sharing a prefix held by one engine that reports requests
+    waiting: each adds its 32 uncached tokens to the holder's backlog; the first request
+    whose wait there would exceed the full prefill elsewhere by more than the slack goes to
+    another engine, which then holds the prefix too: the next requests see two holders."""
     # The holder's n-th request (from 0) waits n * 32 ms of backlog and 82 ms; elsewhere
     # 1,106 ms. It stays while no more than the slack (50 ms) dearer: n <= 33.
     step, hot, cold = PER_TOKEN * 32, BASE + PER_TOKEN * 32, BASE + PER_TOKEN * 1056
     stays = math.floor((cold + SLACK - hot) / step) + 1
     assert stays == 34
-    chosen = [policy.choose(engines, request(n)) for n in range(stays + 1)]
+    chosen, holder, policy, engines, clock = burst_on_a_holder(waiting=2, requests=stays + 1)
     assert [d.engine for d in chosen[:stays]] == [holder] * stays
     replica = chosen[stays].engine
     assert replica is not holder and chosen[stays].cached_tokens == 0  # prefilled there
     # A little later (backlogs partly drained): both hold the prefix, and the next request
     # is predicted to wait less at either than the full prefill.
     clock[0] += 0.5
-    following = policy.choose(engines, request(stays + 1))
+    following = policy.choose(engines, shares_prefix(tuple(range(1024)), stays + 1))
     assert following.engine in (holder, replica) and following.cached_tokens == 1024
     assert following.predicted_ttft is not None
     assert following.predicted_ttft < BASE + PER_TOKEN * 1056
 
 
+def test_a_holder_without_a_queue_keeps_its_prefix_whatever_the_backlog() -> None:
+    """The same burst while the holder reports no requests waiting: every request stays
+    there (an engine without a queue takes each into its next step; a move would only lose
+    the hits), even those predicted dearer than a prefill elsewhere."""
+    chosen, holder, *_ = burst_on_a_holder(waiting=0, requests=60)
+    assert [d.engine for d in chosen] == [holder] * 60
+    assert all(d.cached_tokens == 1024 for d in chosen)
+    last = chosen[-1].predicted_ttft
+    assert last is not None and last > BASE + PER_TOKEN * 1056 + SLACK  # dearer, and kept
+
+
 def test_waits_closer_than_the_predictions_error_are_not_told_apart() -> None:
-    """Once first tokens come on average 0.4 s off their predictions, a holder predicted
-    0.5 s slower than a cold engine keeps its prefix (the model cannot tell them apart); a
-    holder 1 s slower does not."""
+    """Once first tokens come on average 0.4 s off their predictions, a holder (reporting
+    requests waiting) predicted 0.5 s slower than a cold engine keeps its prefix (the model
+    cannot tell them apart); a holder 1 s slower does not."""
     clock, index = [1000.0], BlockIndex()
     policy = kv_policy(clock, index)
     hot, cold = make_engine(0), make_engine(1)
-    for engine in (hot, cold):
-        fit(engine, Counters(), clock[0], policy)
+    hot_counters = Counters(waiting=1)
+    for engine, counters in ((hot, hot_counters), (cold, Counters())):
+        fit(engine, counters, clock[0], policy)
     tokens = tuple(range(1024 + 32))
 
     def choose(backlog: float) -> Decision:
         clock[0] += 100
+        hot.stats = hot_counters.stats(clock[0])  # still waiting, as a fresh scrape says
         index.speculate(hot.uid, block_keys(tokens, BLOCK)[:64], now=clock[0], until=math.inf)
         if backlog:  # an earlier request's prefill still ahead at the holder, that long
             ahead = tuple(range(-1, -1 - round(backlog / PER_TOKEN), -1))
