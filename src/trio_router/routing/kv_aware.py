@@ -3,11 +3,14 @@ engines' own KV-cache events say (`kv.index.BlockIndex`), unless waiting there c
 than prefilling it elsewhere.
 
 For every candidate the policy counts the leading blocks of the request's token ids it holds.
-With `kv_cost = "ttft"` (the default) each candidate's cost is its predicted wait for the
-request's first token (`routing.ttft`: queue, this replica's backlog there, and the prefill of
-the tokens it does not hold, at rates fitted from the engines' own figures); waits closer
-than the predictions' error (or `kv_ttft_slack_s`) are tied, and a tie goes to the engine
-holding the most of the prompt. Until the rates are fitted, and with `kv_cost = "load"`:
+With `kv_cost = "ttft"` (the default) the holders of the most of the prompt whose fresh
+figures show no request waiting are the only contenders while there are any (an engine
+without a queue starts a request in its next step, as another would: moving would only lose
+the hits). Each contender's cost is its predicted wait for the request's first token
+(`routing.ttft`: queue, this replica's backlog there, and the prefill of the tokens it does
+not hold, at rates fitted from the engines' own figures); waits closer than the predictions'
+error (or `kv_ttft_slack_s`) are tied, and a tie goes to the engine holding the most of the
+prompt. Until the rates are fitted, and with `kv_cost = "load"`:
 
     cost = uncached prompt tokens + kv_load_tokens * max(0, load - least load - kv_load_slack)
 
@@ -213,6 +216,8 @@ class KvAwarePolicy:
             }
             by_uid = {uid: estimate.seconds for uid, estimate in estimates.items()}
             tolerance = max(self._ttft_slack, ERROR_MARGIN * model.error(model_name))
+            if unqueued:  # keeping up: no queue, and first tokens not later than the margin
+                unqueued = frozenset(u for u in unqueued if estimates[u].late <= tolerance)
             return _Costs(
                 by_uid, tolerance, prompt, matched, unqueued, estimates, rates, model_name
             )
@@ -250,8 +255,9 @@ class KvAwarePolicy:
             self._ttft.sent(engine, prompt - cached, now, costs.rates)
             figure = (
                 f"first token in {estimate.seconds * 1000:.0f} ms predicted (queue "
-                f"{estimate.queue * 1000:.0f}, backlog {estimate.backlog * 1000:.0f}, prefill "
-                f"{estimate.prefill * 1000:.0f}; others within "
+                f"{estimate.queue * 1000:.0f}, backlog {estimate.backlog * 1000:.0f}, late "
+                f"{estimate.late * 1000:.0f}, prefill {estimate.prefill * 1000:.0f}; others "
+                f"within "
                 f"{costs.tolerance * 1000:.0f} ms are tied)"
             )
         else:
@@ -265,9 +271,15 @@ class KvAwarePolicy:
             observe_ttft=(
                 None
                 if estimate is None or self._ttft is None
-                else partial(self._ttft.observed, costs.model)
+                else partial(self._observed, costs.model, engine.uid, estimate.late)
             ),
         )
+
+    def _observed(self, model: str, uid: str, late: float, error: float) -> None:
+        """A first token came `error` seconds off the prediction for `uid` (which counted
+        `late` seconds of its lateness): the time model learns from it."""
+        if self._ttft is not None:
+            self._ttft.observed(model, uid, late, error, self._gauge.now())
 
     def _candidates_block_size(self, model: str, candidates: Sequence[Engine]) -> int:
         """The block size the candidates report (the first known), looked up once per
