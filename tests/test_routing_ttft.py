@@ -23,7 +23,7 @@ from trio_router.http import UpstreamPool
 from trio_router.kv.index import BlockIndex, block_keys
 from trio_router.routing.policy import Policy, make_policy
 from trio_router.routing.request import Decision, RequestInfo
-from trio_router.routing.ttft import LATE_HALF_LIFE_S, TtftModel
+from trio_router.routing.ttft import TtftModel
 from trio_router.table import Engine, EngineState, EngineStats, Model, RoutingTable
 from trio_router.testing.fake_network import FakeNetwork, FakeReply, FakeRequest
 
@@ -294,55 +294,6 @@ def test_waits_closer_than_the_predictions_error_are_not_told_apart() -> None:
         decision.observe_ttft(0.4 if n % 2 else -0.4)  # late, early: 0.4 s off either way
     assert choose(1.5).engine is hot  # 0.48 s dearer: within 2 x 0.4 s
     assert choose(2.0).engine is cold  # 0.98 s dearer: beyond it
-
-
-def test_an_engines_lateness_is_learned_from_its_first_tokens_and_fades() -> None:
-    """First tokens that come 1 s after their predictions at one engine: its predictions
-    grow by about 1 s (learned against the prediction without it, so it settles at the
-    truth, not half of it); another engine's do not; without news it halves every
-    LATE_HALF_LIFE_S. An engine early is never predicted below the fit."""
-    model, slow, fast = TtftModel(), make_engine(0), make_engine(1)
-    for engine in (slow, fast):
-        fit(engine, Counters(), 0.0, model)
-    rates = model.rates(MODEL, [slow, fast])
-    assert rates is not None
-    for _ in range(30):
-        predicted = model.estimate(slow, 100, 0.0, rates)
-        truth = predicted.prefill + 1.0
-        model.observed(MODEL, slow.uid, predicted.late, truth - predicted.seconds, 0.0)
-        early = model.estimate(fast, 100, 0.0, rates)
-        model.observed(MODEL, fast.uid, early.late, -0.04, 0.0)
-    assert model.estimate(slow, 100, 0.0, rates).late == pytest.approx(1.0, rel=0.01)
-    assert model.estimate(fast, 100, 0.0, rates).late == 0.0
-    faded = model.estimate(slow, 100, LATE_HALF_LIFE_S, rates)
-    assert faded.late == pytest.approx(0.5, rel=0.01)
-    assert faded.seconds == pytest.approx(faded.prefill + 0.5, rel=0.01)
-
-
-def test_a_late_holder_without_a_queue_loses_its_prefix_once_the_lateness_costs_more() -> None:
-    """A holder reporting no queue keeps its prefix while it keeps up. Its first tokens
-    come 2 s after the fit's prediction (a slower device, a busy neighbour): once its
-    lateness exceeds the full prefill elsewhere (1,024 ms more) by the margin, a cold engine
-    whose first tokens come on time takes the prefix, and keeps it."""
-    clock, index = [1000.0], BlockIndex()
-    policy = kv_policy(clock, index)
-    hot, cold = make_engine(0), make_engine(1)
-    for engine in (hot, cold):
-        fit(engine, Counters(), clock[0], policy)
-    tokens = tuple(range(1024 + 32))
-    index.speculate(hot.uid, block_keys(tokens, BLOCK)[:64], now=clock[0], until=math.inf)
-    chosen: list[Engine] = []
-    for n in range(60):
-        clock[0] += 0.1
-        decision = policy.choose([hot, cold], RequestInfo(MODEL, opening=f"q{n}", tokens=tokens))
-        chosen.append(decision.engine)
-        assert decision.predicted_ttft is not None and decision.observe_ttft is not None
-        uncached = len(tokens) - decision.cached_tokens if decision.cached_tokens else 1056
-        truth = BASE + PER_TOKEN * uncached + (2.0 if decision.engine is hot else 0.0)
-        decision.observe_ttft(truth - decision.predicted_ttft)
-    moved = chosen.index(cold)
-    assert moved > 5 and chosen[:moved] == [hot] * moved  # it kept up at first...
-    assert chosen[moved:] == [cold] * (60 - moved)  # ...then the on-time holder has it
 
 
 def test_an_adapter_is_predicted_with_its_base_models_rates() -> None:

@@ -3,13 +3,12 @@ engines' own KV-cache events say (`kv.index.BlockIndex`), unless waiting there c
 than prefilling it elsewhere.
 
 For every candidate the policy counts the leading blocks of the request's token ids it holds.
-With `kv_cost = "ttft"` (the default) the holders of the most of the prompt that keep up
-(fresh figures showing no request waiting, first tokens not late beyond the error margin)
-are the only contenders while there are any (an engine without a queue starts a request in
-its next step, as another would: moving would only lose the hits). Each contender's cost is
-its predicted wait for the request's first token (`routing.ttft`: queue, this replica's
-backlog there, the engine's recent lateness, and the prefill of the tokens it does not hold,
-at rates fitted from the engines' own figures); waits closer than the predictions'
+With `kv_cost = "ttft"` (the default) the holders of the most of the prompt whose fresh
+figures show no request waiting are the only contenders while there are any (an engine
+without a queue starts a request in its next step, as another would: moving would only lose
+the hits). Each contender's cost is its predicted wait for the request's first token
+(`routing.ttft`: queue, this replica's backlog there, and the prefill of the tokens it does
+not hold, at rates fitted from the engines' own figures); waits closer than the predictions'
 error (or `kv_ttft_slack_s`) are tied, and a tie goes to the engine holding the most of the
 prompt. Until the rates are fitted, and with `kv_cost = "load"`:
 
@@ -217,8 +216,6 @@ class KvAwarePolicy:
             }
             by_uid = {uid: estimate.seconds for uid, estimate in estimates.items()}
             tolerance = max(self._ttft_slack, ERROR_MARGIN * model.error(model_name))
-            if unqueued:  # keeping up: no queue, and first tokens not later than the margin
-                unqueued = frozenset(u for u in unqueued if estimates[u].late <= tolerance)
             return _Costs(
                 by_uid, tolerance, prompt, matched, unqueued, estimates, rates, model_name
             )
@@ -256,9 +253,8 @@ class KvAwarePolicy:
             self._ttft.sent(engine, prompt - cached, now, costs.rates)
             figure = (
                 f"first token in {estimate.seconds * 1000:.0f} ms predicted (queue "
-                f"{estimate.queue * 1000:.0f}, backlog {estimate.backlog * 1000:.0f}, late "
-                f"{estimate.late * 1000:.0f}, prefill {estimate.prefill * 1000:.0f}; others "
-                f"within "
+                f"{estimate.queue * 1000:.0f}, backlog {estimate.backlog * 1000:.0f}, prefill "
+                f"{estimate.prefill * 1000:.0f}; others within "
                 f"{costs.tolerance * 1000:.0f} ms are tied)"
             )
         else:
@@ -272,15 +268,9 @@ class KvAwarePolicy:
             observe_ttft=(
                 None
                 if estimate is None or self._ttft is None
-                else partial(self._observed, costs.model, engine.uid, estimate.late)
+                else partial(self._ttft.observed, costs.model)
             ),
         )
-
-    def _observed(self, model: str, uid: str, late: float, error: float) -> None:
-        """A first token came `error` seconds off the prediction for `uid` (which counted
-        `late` seconds of its lateness): the time model learns from it."""
-        if self._ttft is not None:
-            self._ttft.observed(model, uid, late, error, self._gauge.now())
 
     def _candidates_block_size(self, model: str, candidates: Sequence[Engine]) -> int:
         """The block size the candidates report (the first known), looked up once per
@@ -322,14 +312,13 @@ def _base_model(model: str, engine: Engine) -> str:
 class _Costs:
     """The contenders' costs, by uid, and what the decision reports of them. Costs within
     `tolerance` of the cheapest are tied. With the time cost (`unqueued` not None), a holder
-    of the most of the prompt that keeps up keeps it."""
+    of the most of the prompt whose engine's fresh figures show no request waiting keeps it."""
 
     by_uid: dict[str, float]
     tolerance: float
     prompt: int
     matched: dict[str, int]  # leading blocks of the prompt each contender holds
-    # Contenders keeping up: fresh figures showing none waiting, first tokens on time.
-    unqueued: frozenset[str] | None
+    unqueued: frozenset[str] | None  # contenders whose fresh figures show none waiting
     estimates: dict[str, Estimate] = field(default_factory=dict)  # the time cost's parts
     rates: Rates | None = None  # the time cost's fitted rates
     model: str = ""  # ...of this model
@@ -339,9 +328,9 @@ class _Costs:
         """The contenders within `tolerance` of the cheapest; with the time cost, of those,
         the ones holding the most of the prompt (the model cannot tell their waits apart:
         keep the cache hits). With the time cost, only the holders of the most of the prompt
-        that keep up (`unqueued`) contend, if there are any: an engine without a queue takes a
-        request into its next step, as any other engine would, so leaving it would only lose
-        the hits (docs/routing.md, "When a hot prefix moves")."""
+        whose fresh figures show no request waiting contend, if there are any: an engine
+        without a queue takes a request into its next step, as any other engine would, so
+        leaving it would only lose the hits (docs/routing.md, "When a hot prefix moves")."""
         matched, unqueued = self.matched, self.unqueued
         if unqueued is not None and (most := max(matched.get(e.uid, 0) for e in contenders)):
             free = [e for e in contenders if matched.get(e.uid, 0) == most and e.uid in unqueued]

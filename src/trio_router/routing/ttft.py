@@ -1,7 +1,7 @@
 """The time a request would wait for its first token on each engine, for `kv_aware`
 (`routing.kv_cost = "ttft"`; docs/routing.md works an example through).
 
-    predicted(e, u) = queue(e) + backlog(e) + late(e) + base + per_token * u
+    predicted(e, u) = queue(e) + backlog(e) + base + per_token * u
 
 - `u`: the prompt tokens engine `e` does not hold, which it must prefill.
 - `base` and `per_token`: the model's engines' prefill time as their own requests lived it
@@ -18,11 +18,6 @@
   its recent requests spent waiting.
 - `backlog(e)`: the prefill this replica sent the engine that, by the fit, it has not done
   yet: each decision adds `per_token * u`; it drains in real time.
-- `late(e)`: how much later than predicted (without it) the engine's own first tokens have
-  come lately, if later: a mean of each first token's lateness (`LATE_WEIGHT` for the newest)
-  that halves every `LATE_HALF_LIFE_S` without news. It is what the shared fit cannot see of
-  one engine: a slower device, a busy neighbour, a stall. Never negative: an engine early
-  for a while is not made cheaper than the fit, lest it draw a herd on lucky figures.
 
 The backlog is this replica's own and immediate; the fit and the queue are the engines' and
 a scrape old. How far the predictions are off is learned too: at first from the scatter of
@@ -46,8 +41,6 @@ from ..table import Engine, EngineStats
 __all__ = ["Estimate", "Rates", "TtftModel"]
 
 DECAY: Final = 0.95  # weight of an interval's figures, per later interval of the model's
-LATE_WEIGHT: Final = 0.2  # weight of an engine's newest first token in its lateness...
-LATE_HALF_LIFE_S: Final = 10.0  # ...which halves every this many seconds without one
 ERROR_WEIGHT: Final = 0.05  # weight of each observed first token in the model's mean error
 MIN_REQUESTS: Final = 1.0  # an interval counts once this many first tokens came in it...
 MIN_FIT_REQUESTS: Final = 8.0  # ...and a fit is believed after this many (decayed)
@@ -68,7 +61,6 @@ class Estimate:
     seconds: float
     queue: float
     backlog: float
-    late: float  # the engine's recent lateness
     prefill: float  # base + per_token * uncached
 
 
@@ -77,15 +69,6 @@ class _Engine:
     last: EngineStats | None = None  # the figures the last interval ended with
     queue_mean: float = 0.0  # mean queue time of its recent queued requests
     busy_until: float = -math.inf  # this replica's backlog there ends then
-    late: float = 0.0  # mean lateness of its first tokens (signed)...
-    late_at: float = -math.inf  # ...as of then
-
-    def decayed(self, now: float) -> float:
-        """`late` as of `now` (halved every `LATE_HALF_LIFE_S`)."""
-        if not self.late:
-            return 0.0
-        halvings = max(0.0, now - self.late_at) / LATE_HALF_LIFE_S
-        return self.late * math.pow(0.5, halvings)
 
 
 @dataclass(slots=True)
@@ -202,29 +185,21 @@ class TtftModel:
         stats = engine.stats
         queue = state.queue_mean if stats.fresh(now) and stats.waiting else 0.0
         backlog = max(0.0, state.busy_until - now)
-        late = max(0.0, state.decayed(now))
         prefill = rates.base + rates.per_token * uncached
-        return Estimate(queue + backlog + late + prefill, queue, backlog, late, prefill)
+        return Estimate(queue + backlog + prefill, queue, backlog, prefill)
 
     def sent(self, engine: Engine, uncached: float, now: float, rates: Rates) -> None:
         """A request with `uncached` tokens to prefill went to `engine`: its backlog grows."""
         state = self._engines[engine.uid]
         state.busy_until = max(now, state.busy_until) + rates.per_token * uncached
 
-    def observed(self, model: str, uid: str, late: float, error: float, now: float) -> None:
-        """A first token came `error` seconds after (or before) one of `model`'s predictions
-        for engine `uid`, which counted `late` seconds of that engine's lateness."""
+    def observed(self, model: str, error: float) -> None:
+        """A first token came `error` seconds after (or before) one of `model`'s
+        predictions."""
         if (fit := self._fits.get(model)) is not None:
             weight = max(ERROR_WEIGHT, 1 / (fit.observed + 2))  # a mean with the prior, at first
             fit.error += weight * (abs(error) - fit.error)
             fit.observed += 1
-        if (state := self._engines.get(uid)) is not None:
-            # The lateness is learned against the prediction without it (with it, it would
-            # settle at half the truth).
-            now = max(now, state.late_at)
-            decayed = state.decayed(now)
-            state.late = decayed + LATE_WEIGHT * (error + late - decayed)
-            state.late_at = now
 
     def error(self, model: str) -> float:
         """The mean absolute error of `model`'s recent predictions (0 until observed)."""
