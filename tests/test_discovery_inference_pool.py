@@ -450,7 +450,11 @@ async def test_an_expired_pool_watch_relists_and_changes_nothing(
         async with open_core() as core, running(core, pool_config(kubeconfig)) as pool:
             await core.wait_until("routable", "uid-1:8000")
             engine = core.table.get("uid-1:8000")
-            await apiserver.wait_for(lambda: apiserver.open_pool_watches == 1)
+            # The pool's watch open again, and the pods' watch open (it may start after the
+            # pool's relist: the pods were routable from their LIST alone).
+            await apiserver.wait_for(
+                lambda: apiserver.open_pool_watches == 1 and len(apiserver.requests.watches) >= 1
+            )
             assert len(apiserver.requests.pool_lists) == 2
             assert core.table.get("uid-1:8000") is engine
             assert len(apiserver.requests.lists) == len(apiserver.requests.watches) == 1
