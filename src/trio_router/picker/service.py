@@ -1,14 +1,15 @@
 """The endpoint picker's gRPC side: Envoy's external processing protocol
 (`envoy.service.ext_proc.v3.ExternalProcessor/Process`, the Gateway API Inference Extension's
 endpoint-picker protocol) and gRPC health (`grpc.health.v1.Health/Check`), served on Trio by
-a gRPC server of the router's own over HTTP/2 (h2, plaintext, prior knowledge), so that a
+a gRPC server of the router's own over HTTP/2 (`wire`, plaintext, prior knowledge), so that a
 request's messages, its decision and its answers stay on one thread.
 
 Why this shape: the picker's work per request is a handful of small messages. Served by
 grpcio's asyncio server on a thread of its own, every request crossed between that thread and
 the Trio thread four times and both contended for the GIL; grpcio's per-message Python cost
 and those hand-overs came to several times the decision itself (docs/performance.md, "The
-endpoint picker"). Here a connection's reader parses HTTP/2 with h2 and the gRPC messages with
+endpoint picker"). Here a connection's reader parses HTTP/2 (`wire.ServerConnection`, which
+calls this module back per frame, with no event objects) and the gRPC messages with
 protobuf, and handles each message at once, synchronously; only the decision is a task
 (`choose.Picker.exchange`), whose verdict is written back in the callback that gives it.
 Writes are coalesced: whatever one read of the gateway produced goes out in one write. The
@@ -38,11 +39,6 @@ import os
 import struct
 from typing import Final
 
-import h2.config
-import h2.connection
-import h2.events
-import h2.exceptions
-import h2.settings
 import trio
 from google.protobuf import struct_pb2
 from grpc_health.v1 import health_pb2
@@ -52,6 +48,7 @@ from .._envoy_proto.envoy.extensions.filters.http.ext_proc.v3 import processing_
 from .._envoy_proto.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from .._envoy_proto.envoy.type.v3 import http_status_pb2
 from .choose import STOPPED, Chosen, Exchange, Picker, Refusal, Verdict
+from .wire import ProtocolError, ServerConnection, StreamClosed
 
 __all__ = ["DESTINATION", "SERVED", "PickerServer"]
 
@@ -322,15 +319,7 @@ class _Connection:
     def __init__(self, server: PickerServer, stream: trio.SocketStream) -> None:
         self.server, self._stream = server, stream
         self._fd = stream.socket.fileno()
-        config = h2.config.H2Configuration(
-            client_side=False,
-            header_encoding=None,
-            validate_inbound_headers=False,
-            normalize_inbound_headers=False,
-            validate_outbound_headers=False,
-            normalize_outbound_headers=False,
-        )
-        self._h2 = h2.connection.H2Connection(config)
+        self._wire = ServerConnection(self, window=WINDOW, max_streams=MAX_STREAMS)
         self._calls: dict[int, _Process] = {}
         self._unary: set[int] = set()  # health checks (unary calls)
         self._buffers: dict[int, bytes] = {}  # the part of a message not in yet, by stream
@@ -343,16 +332,6 @@ class _Connection:
         self._lost = False
 
     async def run(self) -> None:
-        h2c = self._h2
-        h2c.local_settings = h2.settings.Settings(
-            client=False,
-            initial_values={
-                h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: WINDOW,
-                h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: MAX_STREAMS,
-            },
-        )
-        h2c.initiate_connection()
-        h2c.increment_flow_control_window(WINDOW - 65535)
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._write)
@@ -370,7 +349,7 @@ class _Connection:
                 await self._stream.aclose()
 
     async def _read(self) -> None:
-        h2c, fd = self._h2, self._fd
+        wire, fd = self._wire, self._fd
         burst = 0  # reads in a row that found data: a checkpoint every READ_BURST of them
         while not self._lost:
             try:
@@ -385,10 +364,8 @@ class _Connection:
                 return
             self._reading = True
             try:
-                events = h2c.receive_data(data)
-                for event in events:
-                    self._event(event)
-            except h2.exceptions.ProtocolError as exc:
+                wire.receive(data)
+            except ProtocolError as exc:
                 logger.warning("endpoint picker: HTTP/2 protocol error from the gateway: %s", exc)
                 return
             finally:
@@ -399,31 +376,26 @@ class _Connection:
                 burst = 0
                 await trio.lowlevel.checkpoint()
 
-    def _event(self, event: h2.events.Event) -> None:
-        # (A frame that ends its stream comes with a StreamEnded event of its own.)
-        if isinstance(event, h2.events.DataReceived):
-            self._h2.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
-            self._data(event.stream_id, event.data)
-        elif isinstance(event, h2.events.RequestReceived):
-            self._request(event.stream_id, event.headers)
-        elif isinstance(event, h2.events.StreamEnded):
-            self._half_closed(event.stream_id)
-        elif isinstance(event, h2.events.StreamReset):
-            self._forget(event.stream_id, gone=True)
-        elif isinstance(event, h2.events.WindowUpdated):
-            for stream_id in list(self._pending):
-                self._pump(stream_id)
-        elif isinstance(event, h2.events.ConnectionTerminated):
-            self._lost = True
+    # -- what the wire calls (`wire.WireHandler`) ---------------------------------------------
 
-    def _request(self, stream_id: int, headers: list[tuple[bytes, bytes]]) -> None:
+    def reset(self, stream_id: int) -> None:
+        self._forget(stream_id, gone=True)
+
+    def window_opened(self) -> None:
+        for stream_id in list(self._pending):
+            self._pump(stream_id)
+
+    def goaway(self) -> None:
+        self._lost = True
+
+    def request(self, stream_id: int, headers: list[tuple[bytes, bytes]]) -> None:
         path = next((v for k, v in headers if k == b":path"), b"")
         if path == PROCESS_PATH:
             self._calls[stream_id] = _Process(self, stream_id)
         elif path == HEALTH_CHECK_PATH:
             self._unary.add(stream_id)
         else:
-            self._h2.send_headers(
+            self._wire.send_headers(
                 stream_id,
                 [*_RESPONSE_HEAD, (b"grpc-status", b"12"), (b"grpc-message", b"unimplemented")],
                 end_stream=True,
@@ -431,7 +403,7 @@ class _Connection:
             return
         self._unanswered.add(stream_id)  # its head goes out with its first message
 
-    def _data(self, stream_id: int, data: bytes) -> None:
+    def data(self, stream_id: int, data: bytes) -> None:
         buffered = self._buffers.pop(stream_id, b"")
         if buffered:
             data = buffered + data
@@ -464,7 +436,7 @@ class _Connection:
                 return
             self.send(stream_id, _message(health_pb2.HealthCheckResponse(status=status)))
 
-    def _half_closed(self, stream_id: int) -> None:
+    def ended(self, stream_id: int) -> None:
         """The gateway has sent all of the call: it is over; its end goes out once all its
         data has."""
         call = self._calls.get(stream_id)
@@ -479,8 +451,8 @@ class _Connection:
     def _fail(self, stream_id: int, status: bytes, message: bytes) -> None:
         head = _RESPONSE_HEAD if stream_id in self._unanswered else []
         self._forget(stream_id, gone=True)
-        with contextlib.suppress(h2.exceptions.H2Error):
-            self._h2.send_headers(
+        with contextlib.suppress(StreamClosed):
+            self._wire.send_headers(
                 stream_id,
                 [*head, (b"grpc-status", status), (b"grpc-message", message)],
                 end_stream=True,
@@ -503,27 +475,27 @@ class _Connection:
         if stream_id in self._unanswered:
             self._unanswered.discard(stream_id)
             try:
-                self._h2.send_headers(stream_id, _RESPONSE_HEAD)
-            except h2.exceptions.H2Error:  # the stream is closed (reset by the gateway)
+                self._wire.send_headers(stream_id, _RESPONSE_HEAD)
+            except StreamClosed:  # reset by the gateway
                 self._forget(stream_id, gone=True)
                 return
         self._pending.setdefault(stream_id, []).append(data)
         self._pump(stream_id)
 
     def _pump(self, stream_id: int) -> None:
-        h2c = self._h2
+        wire = self._wire
         pending = self._pending.get(stream_id)
         try:
             while pending:
-                window = min(h2c.local_flow_control_window(stream_id), h2c.max_outbound_frame_size)
+                window = wire.window(stream_id)
                 if window <= 0:
                     return
                 data = pending[0]
                 if len(data) > window:
-                    h2c.send_data(stream_id, data[:window])
+                    wire.send_data(stream_id, data[:window])
                     pending[0] = data[window:]
                 else:
-                    h2c.send_data(stream_id, data)
+                    wire.send_data(stream_id, data)
                     pending.pop(0)
             self._pending.pop(stream_id, None)
             if stream_id in self._closing:
@@ -532,19 +504,19 @@ class _Connection:
                 self._buffers.pop(stream_id, None)
                 if stream_id in self._unanswered:  # no message: a trailers-only answer
                     self._unanswered.discard(stream_id)
-                    h2c.send_headers(stream_id, [*_RESPONSE_HEAD, *_OK], end_stream=True)
+                    wire.send_headers(stream_id, [*_RESPONSE_HEAD, *_OK], end_stream=True)
                 else:
-                    h2c.send_headers(stream_id, _OK, end_stream=True)
-        except h2.exceptions.H2Error:  # the stream is closed (reset by the gateway)
+                    wire.send_headers(stream_id, _OK, end_stream=True)
+        except StreamClosed:  # reset by the gateway
             self._forget(stream_id, gone=True)
 
     def flush(self) -> None:
-        """Write what h2 has to send, synchronously, unless the reader is handling a read (it
+        """Write what the wire has to send, synchronously, unless the reader is handling a read (it
         flushes once it has) or earlier bytes still wait for the socket (the writer sends
         these in order)."""
         if self._reading or self._lost:
             return
-        data = self._h2.data_to_send()
+        data = self._wire.data_to_send()
         out = self._out
         if data:
             out += data
