@@ -176,17 +176,11 @@ class ServerConnection:
         if stream_id == 0 or stream_id > self._last_stream:
             self._fail(PROTOCOL_ERROR, "DATA on an idle stream")
         length = len(payload)
-        self._received += length
-        if self._received >= self._window // 2:
-            self._out += _frame(WINDOW_UPDATE, 0, 0, self._received.to_bytes(4, "big"))
-            self._received = 0
+        self._received = self._top_up(0, self._received + length)
         if stream_id not in self._streams:
             return  # closed by this side (answered, failed): its data is not wanted
         received = self._stream_received.get(stream_id, 0) + length
-        if received >= self._window // 2:
-            self._out += _frame(WINDOW_UPDATE, 0, stream_id, received.to_bytes(4, "big"))
-            received = 0
-        self._stream_received[stream_id] = received
+        self._stream_received[stream_id] = self._top_up(stream_id, received)
         if flags & PADDED:
             if not payload or payload[0] >= length:
                 self._fail(PROTOCOL_ERROR, "padding longer than its DATA frame")
@@ -210,6 +204,14 @@ class ServerConnection:
             self._fail(FRAME_SIZE_ERROR, "a PING frame not of 8 bytes")
         if not flags & ACK:
             self._out += _frame(PING, ACK, 0, payload)
+
+    def _top_up(self, stream_id: int, received: int) -> int:
+        """`received` bytes read on the stream (0: the connection) and not given back: once
+        half the window, a WINDOW_UPDATE gives them back. What is left not given back."""
+        if received < self._window // 2:
+            return received
+        self._out += _frame(WINDOW_UPDATE, 0, stream_id, received.to_bytes(4, "big"))
+        return 0
 
     def _on_headers(self, flags: int, stream_id: int, payload: bytes) -> None:
         if stream_id == 0:

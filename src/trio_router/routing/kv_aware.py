@@ -87,7 +87,6 @@ class KvAwarePolicy:
         self._load_tokens, self._slack = load_tokens, slack
         self._block_size, self._ttl = block_size, speculative_ttl
         self._ttft = TtftModel() if cost == "ttft" else None
-        self._keep_holders = cost == "ttft"
         self._ttft_slack = ttft_slack
         # model -> (its candidates, index.block_sizes_learned, their block size)
         self._block_sizes: dict[str, tuple[Sequence[Engine], int, int]] = {}
@@ -112,7 +111,7 @@ class KvAwarePolicy:
         now = self._gauge.now()
         matched = index.match(keys, (e.uid for e in usable), now)
         costs = self._costs(request.model, usable, matched, block, len(tokens), now)
-        tied = costs.tied(usable)
+        tied = costs.tied(usable, now)
         if len(tied) == 1:
             engine, how = tied[0], "cheapest"
         else:
@@ -151,7 +150,7 @@ class KvAwarePolicy:
         matched = index.match(keys, held, now) if holders else {}
         contenders = holders if fresh is None else [*holders, fresh]
         costs = self._costs(request.model, contenders, matched, block, len(tokens), now)
-        tied = costs.tied(contenders)
+        tied = costs.tied(contenders, now)
         if fresh is not None and fresh in tied:
             engine, how = fresh, "nothing cheaper cached: prefix_aware"
         elif len(tied) == 1:
@@ -201,11 +200,7 @@ class KvAwarePolicy:
         `kv_cost = "load"`, uncached tokens plus the load term (see the module's
         docstring)."""
         model = self._ttft
-        unqueued = (
-            frozenset(e.uid for e in contenders if e.stats.waiting == 0 and e.stats.fresh(now))
-            if self._keep_holders
-            else None
-        )
+        keep = model is not None  # the time cost: a holder without a queue keeps its prompt
         if model is not None:  # adapters run on their base model's weights: one fit
             model_name = _base_model(model_name, contenders[0])
         rates = model.rates(model_name, contenders) if model is not None else None
@@ -216,9 +211,7 @@ class KvAwarePolicy:
             }
             by_uid = {uid: estimate.seconds for uid, estimate in estimates.items()}
             tolerance = max(self._ttft_slack, ERROR_MARGIN * model.error(model_name))
-            return _Costs(
-                by_uid, tolerance, prompt, matched, unqueued, estimates, rates, model_name
-            )
+            return _Costs(by_uid, tolerance, prompt, matched, keep, estimates, rates, model_name)
         load_of = self._gauge.of
         loads = {e.uid: load_of(e, now) for e in contenders}
         floor = min(loads.values()) + self._slack
@@ -228,7 +221,7 @@ class KvAwarePolicy:
             + self._load_tokens * max(0.0, loads[e.uid] - floor)
             for e in contenders
         }
-        return _Costs(by_uid, 0.0, prompt, matched, unqueued, loads=loads)
+        return _Costs(by_uid, 0.0, prompt, matched, keep, loads=loads)
 
     def _decided(
         self,
@@ -311,35 +304,39 @@ def _base_model(model: str, engine: Engine) -> str:
 @dataclass(frozen=True, slots=True)
 class _Costs:
     """The contenders' costs, by uid, and what the decision reports of them. Costs within
-    `tolerance` of the cheapest are tied. With the time cost (`unqueued` not None), a holder
-    of the most of the prompt whose engine's fresh figures show no request waiting keeps it."""
+    `tolerance` of the cheapest are tied. With the time cost (`keep_holders`), a holder of the
+    most of the prompt whose engine's fresh figures show no request waiting keeps it."""
 
     by_uid: dict[str, float]
     tolerance: float
     prompt: int
     matched: dict[str, int]  # leading blocks of the prompt each contender holds
-    unqueued: frozenset[str] | None  # contenders whose fresh figures show none waiting
+    keep_holders: bool  # the time cost's rule for holders without a queue applies
     estimates: dict[str, Estimate] = field(default_factory=dict)  # the time cost's parts
     rates: Rates | None = None  # the time cost's fitted rates
     model: str = ""  # ...of this model
     loads: dict[str, float] = field(default_factory=dict)  # the load cost's loads
 
-    def tied(self, contenders: Sequence[Engine]) -> list[Engine]:
+    def tied(self, contenders: Sequence[Engine], now: float) -> list[Engine]:
         """The contenders within `tolerance` of the cheapest; with the time cost, of those,
         the ones holding the most of the prompt (the model cannot tell their waits apart:
         keep the cache hits). With the time cost, only the holders of the most of the prompt
         whose fresh figures show no request waiting contend, if there are any: an engine
         without a queue takes a request into its next step, as any other engine would, so
         leaving it would only lose the hits (docs/routing.md, "When a hot prefix moves")."""
-        matched, unqueued = self.matched, self.unqueued
-        if unqueued is not None and (most := max(matched.get(e.uid, 0) for e in contenders)):
-            free = [e for e in contenders if matched.get(e.uid, 0) == most and e.uid in unqueued]
+        matched, by_uid = self.matched, self.by_uid
+        if self.keep_holders and (most := max(matched.get(e.uid, 0) for e in contenders)):
+            free = [
+                e
+                for e in contenders
+                if matched.get(e.uid, 0) == most and e.stats.waiting == 0 and e.stats.fresh(now)
+            ]
             contenders = free or contenders
-        best = min(self.by_uid[e.uid] for e in contenders)
-        tied = [e for e in contenders if self.by_uid[e.uid] <= best + self.tolerance]
+        best = min(by_uid[e.uid] for e in contenders)
+        tied = [e for e in contenders if by_uid[e.uid] <= best + self.tolerance]
         if self.estimates:
-            most = max(self.matched.get(e.uid, 0) for e in tied)
-            tied = [e for e in tied if self.matched.get(e.uid, 0) == most]
+            most = max(matched.get(e.uid, 0) for e in tied)
+            tied = [e for e in tied if matched.get(e.uid, 0) == most]
         return tied
 
 
