@@ -824,8 +824,10 @@ async def engine_counters(client: httpx.AsyncClient, engine: EngineProcess) -> t
 
 
 @asynccontextmanager
-async def open_router_with(config: Config, engines: int, index: BlockIndex) -> AsyncIterator[str]:
-    table = RoutingTable()
+async def open_router_with(
+    config: Config, engines: int, index: BlockIndex, table: RoutingTable | None = None
+) -> AsyncIterator[str]:
+    table = table if table is not None else RoutingTable()
     async with trio.open_nursery() as nursery:
         (url,) = await nursery.start(
             partial(server.run, config, table=table, handle_signals=False, kv_index=index)
@@ -851,9 +853,10 @@ async def test_a_deleted_pod_leaves_the_kv_index(
         routing=RoutingConfig(policy="kv_aware", kv_block_size=32),
         kv_events=KvEventsConfig(**sections["kv_events"]),
     )
+    table = RoutingTable()
     with trio.fail_after(LIMIT):
         async with (
-            open_router_with(config, len(real_engines), index) as url,
+            open_router_with(config, len(real_engines), index, table) as url,
             httpx.AsyncClient(timeout=LIMIT) as client,
         ):
             answer = await client.post(f"{url}{CHAT}", json=long_chat(text_of(9, 300), "q"))
@@ -861,7 +864,22 @@ async def test_a_deleted_pod_leaves_the_kv_index(
             uid = f"uid-{name}"
             await wait_index(index, lambda: index.blocks(uid) > 0, within=30)
             apiserver.delete_pod(name)
-            await wait_index(index, lambda: index.blocks(uid) == 0, within=30)
+            with trio.move_on_after(30):
+                while table.get(uid) is not None:
+                    await table.wait_changed()
+            assert table.get(uid) is None, "the DELETED event did not reach the routing table"
+            # Leaving the table dropped its entries in the same step, and nothing of the
+            # engine's event stream comes back: its process still runs and caches a prompt
+            # sent straight to it, published before another engine's events for the next.
+            assert index.blocks(uid) == 0
+            gone = real_engines[int(name.removeprefix("vllm-"))]
+            await client.post(f"{gone.url}{CHAT}", json=long_chat(text_of(10, 300), "q"))
+            held = {
+                f"uid-vllm-{i}": index.blocks(f"uid-vllm-{i}") for i in range(len(real_engines))
+            }
+            other = await client.post(f"{url}{CHAT}", json=long_chat(text_of(10, 300), "q"))
+            other_uid = f"uid-{other.headers['x-trio-router-engine']}"
+            await wait_index(index, lambda: index.blocks(other_uid) != held[other_uid], within=30)
     assert index.blocks(uid) == 0
 
 
