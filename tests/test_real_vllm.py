@@ -823,6 +823,14 @@ async def engine_counters(client: httpx.AsyncClient, engine: EngineProcess) -> t
     )
 
 
+async def prompt_keys(client: httpx.AsyncClient, url: str, chat: dict[str, Any]) -> list[int]:
+    """The block keys of `chat`'s prompt, as the router's index names them."""
+    tokenized = await client.post(
+        f"{url}/tokenize", json={"model": MODEL_NAME, "messages": chat["messages"]}
+    )
+    return block_keys(tokenized.json()["tokens"], 32)
+
+
 @asynccontextmanager
 async def open_router_with(
     config: Config, engines: int, index: BlockIndex, table: RoutingTable | None = None
@@ -859,10 +867,15 @@ async def test_a_deleted_pod_leaves_the_kv_index(
             open_router_with(config, len(real_engines), index, table) as url,
             httpx.AsyncClient(timeout=LIMIT) as client,
         ):
-            answer = await client.post(f"{url}{CHAT}", json=long_chat(text_of(9, 300), "q"))
+            uids = [f"uid-vllm-{i}" for i in range(len(real_engines))]
+            first, second = long_chat(text_of(9, 300), "q"), long_chat(text_of(10, 300), "q")
+            answer = await client.post(f"{url}{CHAT}", json=first)
             name = answer.headers["x-trio-router-engine"]
             uid = f"uid-{name}"
-            await wait_index(index, lambda: index.blocks(uid) > 0, within=30)
+            # The engine's events for this prompt are in (its cache may be full: evictions
+            # keep its block count where it was).
+            keys = await prompt_keys(client, url, first)
+            await wait_index(index, lambda: index.match(keys, [uid], math.inf)[uid] >= 9, within=30)
             apiserver.delete_pod(name)
             with trio.move_on_after(30):
                 while table.get(uid) is not None:
@@ -873,13 +886,13 @@ async def test_a_deleted_pod_leaves_the_kv_index(
             # sent straight to it, published before another engine's events for the next.
             assert index.blocks(uid) == 0
             gone = real_engines[int(name.removeprefix("vllm-"))]
-            await client.post(f"{gone.url}{CHAT}", json=long_chat(text_of(10, 300), "q"))
-            held = {
-                f"uid-vllm-{i}": index.blocks(f"uid-vllm-{i}") for i in range(len(real_engines))
-            }
-            other = await client.post(f"{url}{CHAT}", json=long_chat(text_of(10, 300), "q"))
+            await client.post(f"{gone.url}{CHAT}", json=second)
+            other = await client.post(f"{url}{CHAT}", json=second)
             other_uid = f"uid-{other.headers['x-trio-router-engine']}"
-            await wait_index(index, lambda: index.blocks(other_uid) != held[other_uid], within=30)
+            keys = await prompt_keys(client, url, second)
+            await wait_index(
+                index, lambda: index.match(keys, uids, math.inf)[other_uid] >= 9, within=30
+            )
     assert index.blocks(uid) == 0
 
 
