@@ -500,13 +500,14 @@ async def test_a_client_leaving_mid_stream_makes_the_engine_abort(
 ) -> None:
     """The router closes the engine connection when its client goes: vLLM aborts the
     generation. Once its running count is back to 0, it has generated far fewer than the
-    LONG tokens the answer would have had (what the engine's own counter says, whenever its
-    /metrics answers on a busy machine). vLLM on a busy machine sometimes holds a stream
-    back and sends it in one burst at its end (head and events together, seconds late): an
-    attempt whose first reads brought more than 32 events had its answer generated before
-    the client could leave, shows nothing, and is run again (at most 3 attempts)."""
+    LONG tokens the answer would have had without the abort (what the engine's own counter
+    says, whenever its /metrics answers on a busy machine). vLLM's API server, starved of
+    CPU on a busy machine, sometimes holds a stream back and sends what its engine made
+    meanwhile in one burst (head and events together, seconds late): an attempt whose first
+    reads brought more than a quarter of the answer left the client no time to leave early,
+    shows nothing, and is run again (at most 3 attempts)."""
     engine = real_engines[0]
-    burst = 32
+    burst = LONG // 4
     with trio.fail_after(3 * LIMIT):
         async with (
             open_router(static([engine]), 1) as (url, _),
@@ -528,7 +529,7 @@ async def test_a_client_leaving_mid_stream_makes_the_engine_abort(
                 if received <= burst:
                     break
     assert received <= burst, f"every attempt's answer came in one burst ({received} events)"
-    assert 0 < generated < LONG // 2, f"{generated} tokens generated after {received} events"
+    assert 0 < generated < LONG * 3 // 4, f"{generated} tokens generated after {received} events"
 
 
 async def while_two_streams(
