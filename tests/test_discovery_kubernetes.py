@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from trio_router.config import KubernetesConfig
+from trio_router.config import KubernetesConfig, ProbeConfig
 from trio_router.discovery.kubernetes import WATCH_THREAD_NAME, KubernetesPodSource, _WatchStream
 from trio_router.discovery.loop import (
     DiscoveryStatus,
@@ -30,6 +30,9 @@ from trio_router.testing.fake_pod_source import RecordingSink
 
 FAST = WatchTuning(backoff_initial_s=0.05, backoff_max_s=0.4)
 LIMIT_S = 10  # every test ends well within this many real seconds
+# Tests that count probes on the real clock: no routine re-probe within LIMIT_S, however
+# slowly a loaded machine runs them.
+NO_ROUTINE_PROBE = ProbeConfig(timeout_s=5.0, interval_s=3600.0, backoff_max_s=30.0)
 
 
 def k8s_config(kubeconfig: Path, *, read_timeout_s: float = 5.0) -> KubernetesConfig:
@@ -71,7 +74,7 @@ async def test_1_7_routine_watch_expiry_is_silent(
     apiserver.max_watch_s = 0.2  # the server ends every watch after 0.2 s, with a bookmark
     with trio.fail_after(LIMIT_S):
         async with (
-            open_core() as core,
+            open_core(probe=NO_ROUTINE_PROBE) as core,
             running(k8s_config(kubeconfig), core.reconciler) as (_, status),
         ):
             await core.wait_until("routable", "uid-1", "uid-2")
@@ -110,7 +113,10 @@ async def test_1_9_gone_relists_and_reconciles_by_difference(
 ) -> None:
     add_engines(apiserver, 1, 2, 3)
     with trio.fail_after(LIMIT_S):
-        async with open_core() as core, running(k8s_config(kubeconfig), core.reconciler):
+        async with (
+            open_core(probe=NO_ROUTINE_PROBE) as core,
+            running(k8s_config(kubeconfig), core.reconciler),
+        ):
             await core.wait_until("routable", "uid-1", "uid-2", "uid-3")
             kept = {uid: core.table.get(uid) for uid in ("uid-1", "uid-3")}
             removed: list[str] = []
