@@ -12,11 +12,14 @@ import struct
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any, Final
 
 import msgspec
 import pytest
 import trio
+import trio.testing
+import zmq
 
 from trio_router.config import KvEventsConfig
 from trio_router.http import UpstreamPool
@@ -366,3 +369,100 @@ async def test_a_new_subscription_learns_what_the_engine_published_before_it() -
     keys = block_keys(tokens, B)
     assert index.match(keys, ["e"], now=math.inf)["e"] == len(keys)
     assert events.counters["e"].replays == 1 and events.counters["e"].gaps == 0
+
+
+def stored(n: int, *, first: bool = False) -> list[Any]:
+    """A batch storing one block of B tokens, hash n + 1, its parent the block before (none
+    for the first of a chain)."""
+    return [
+        {
+            "type": "BlockStored",
+            "block_hashes": [n + 1],
+            "parent_block_hash": None if first or n == 0 else n,
+            "token_ids": list(range(n * B, (n + 1) * B)),
+            "block_size": B,
+            "lora_id": None,
+            "medium": "GPU",
+        }
+    ]
+
+
+async def test_a_replay_ends_on_the_engines_silence_not_its_length(
+    mock_clock: trio.testing.MockClock,
+) -> None:
+    """`replay_timeout_s` is how long the engine may stay silent during a replay: a long
+    replay that keeps coming is applied whole however long it takes (vLLM keeps 10,000
+    batches), and one that stops for longer is given up (counted) and the live stream
+    carries on. Virtual time moves only when the test says."""
+    port, replay_port = free_port(HOSTS[:1]), free_port(HOSTS[:1])
+    table = RoutingTable()
+    engine = Engine(uid="e", name="e", url=f"http://{HOSTS[0]}:8000")
+    table.put(engine)
+    index = BlockIndex()
+    config = KvEventsConfig(
+        mode="connect", port=port, replay_port=replay_port, replay_timeout_s=2.0
+    )
+    events = KvEvents(index, config, table)
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    publisher, replays = context.socket(zmq.PUB), context.socket(zmq.ROUTER)
+    publisher.bind(f"tcp://{HOSTS[0]}:{port}")
+    replays.bind(f"tcp://{HOSTS[0]}:{replay_port}")
+    replays_fd = int(replays.getsockopt(zmq.FD))
+
+    async def request() -> tuple[bytes, int]:
+        while True:
+            try:
+                identity, _, start = replays.recv_multipart(zmq.NOBLOCK)
+                return identity, struct.unpack(">q", start)[0]
+            except zmq.Again:
+                await trio.lowlevel.wait_readable(replays_fd)
+
+    def reply(identity: bytes, n: int) -> None:
+        replays.send_multipart([identity, b"", *message(stored(n), n)])
+
+    async def watchdog(scope: trio.CancelScope) -> None:
+        """Virtual time moves only when told: a hang ends after LIMIT real seconds."""
+        await trio.to_thread.run_sync(time.sleep, LIMIT, abandon_on_cancel=True)
+        scope.cancel()
+
+    try:
+        with trio.CancelScope() as guard:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(watchdog, guard)
+                pool = UpstreamPool(connect_timeout=1.0, read_timeout=1.0)
+                nursery.start_soon(events.run_engine, engine, 0, pool)
+                identity, start = await request()  # the new subscription's history
+                assert start == 0
+                began = trio.current_time()
+                for n in range(5):  # 1.5 s between batches: 7.5 s in all
+                    reply(identity, n)
+                    await until(index, partial(has_blocks, index, n + 1))
+                    mock_clock.jump(1.5)
+                replays.send_multipart([identity, b"", b"", struct.pack(">q", -1), b""])
+                publisher.send_multipart(message(stored(5), 5))  # live, after the replay
+                await until(index, lambda: index.blocks("e") == 6)
+                assert trio.current_time() - began > config.replay_timeout_s
+                counters = events.counters["e"]
+                assert (counters.replays, counters.replay_failures) == (1, 0)
+
+                publisher.send_multipart(message(stored(7, first=True), 7))  # a gap: 6 asked
+                identity, start = await request()
+                assert start == 6
+                reply(identity, 6)
+                await until(index, lambda: index.blocks("e") == 7)
+                mock_clock.jump(2.5)  # and then nothing more
+                await trio.testing.wait_all_tasks_blocked()
+                assert counters.replay_failures == 1
+                # Given up: the entries are rebuilt from the batch that showed the gap on.
+                assert index.blocks("e") == 1
+                publisher.send_multipart(message(stored(8), 8))
+                await until(index, lambda: index.blocks("e") == 2)
+                nursery.cancel_scope.cancel()
+        assert not guard.cancelled_caught, f"no end within {LIMIT} s"
+    finally:
+        events.close()
+        context.destroy(linger=0)
+
+
+def has_blocks(index: BlockIndex, count: int) -> bool:
+    return index.blocks("e") == count

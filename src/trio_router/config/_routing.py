@@ -144,7 +144,7 @@ class KvEventsConfig:
     endpoint: str = ""  # bind: tcp://HOST:PORT the router binds
     topic: str = ""  # connect: the topic prefix subscribed to; bind: the prefix before an
     # engine's address in the topic it publishes under
-    replay_timeout_s: float = 2.0  # longest wait for a replay
+    replay_timeout_s: float = 2.0  # longest silence of an engine during a replay
     receive_hwm: int = 100000  # messages queued per subscription before ZMQ drops
     max_blocks_per_engine: int = 1048576  # an engine holding more is cleared (lost removals)
 

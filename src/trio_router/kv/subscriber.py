@@ -275,32 +275,44 @@ class KvEvents:
         counters: SubscriberCounters,
     ) -> bool:
         """Ask `endpoint` for every batch from `start` on and apply them in order. True if
-        the replay filled everything from `start` (the engine still had it)."""
+        the replay filled everything from `start` (the engine still had it). The engine may
+        stay silent for `replay_timeout_s` before each batch; a long replay (vLLM keeps 10,000
+        batches) lets other tasks run every MAX_BURST batches, as the live stream does."""
         sock = self._socket(zmq.DEALER)
         first: int | None = None
+        silent = False
         try:
             sock.connect(endpoint)
             sock.send_multipart([b"", _SEQ.pack(start)], zmq.NOBLOCK)
             fd = _fd(sock)
-            with trio.move_on_after(self._config.replay_timeout_s) as waited:
-                while True:
-                    frames = await _receive(sock, fd)
-                    if len(frames) != 4 or frames[2] == _END_OF_REPLAY:
+            received = 0
+            while True:
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    with trio.move_on_after(self._config.replay_timeout_s) as waited:
+                        frames = await _receive(sock, fd)
+                    if silent := waited.cancelled_caught:
                         break
-                    _, topic, seq_bytes, payload = frames
-                    try:
-                        batch = decode_payload(topic, _SEQ.unpack(seq_bytes)[0], payload)
-                    except (MalformedMessage, struct.error):
-                        counters.skipped += 1
-                        continue
-                    if first is None:
-                        first = batch.seq
-                        if first > start:  # the engine no longer had the first ones
-                            self._reset(uid, counters)
-                    if stream.last is None or batch.seq > stream.last:
-                        self._apply(uid, batch, counters)
-                        stream.last = batch.seq
-                        stream.replayed = True
+                if len(frames) != 4 or frames[2] == _END_OF_REPLAY:
+                    break
+                received += 1
+                if received % MAX_BURST == 0:
+                    await trio.lowlevel.checkpoint()
+                _, topic, seq_bytes, payload = frames
+                try:
+                    batch = decode_payload(topic, _SEQ.unpack(seq_bytes)[0], payload)
+                except (MalformedMessage, struct.error):
+                    counters.skipped += 1
+                    continue
+                if first is None:
+                    first = batch.seq
+                    if first > start:  # the engine no longer had the first ones
+                        self._reset(uid, counters)
+                if stream.last is None or batch.seq > stream.last:
+                    self._apply(uid, batch, counters)
+                    stream.last = batch.seq
+                    stream.replayed = True
         except zmq.ZMQError as exc:
             logger.warning(
                 "cannot replay the KV events of engine %s at %s: %s", name, endpoint, exc
@@ -309,9 +321,9 @@ class KvEvents:
             return False
         finally:
             sock.close(linger=0)
-        if waited.cancelled_caught:
+        if silent:
             logger.warning(
-                "replay of the KV events of engine %s at %s took over %g s",
+                "replay of the KV events of engine %s at %s: nothing for %g s",
                 name,
                 endpoint,
                 self._config.replay_timeout_s,
