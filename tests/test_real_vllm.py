@@ -499,15 +499,14 @@ async def test_a_client_leaving_mid_stream_makes_the_engine_abort(
     real_engines: list[EngineProcess],
 ) -> None:
     """The router closes the engine connection when its client goes: vLLM aborts the
-    generation. Once its running count is back to 0, it has generated far fewer than the
-    LONG tokens the answer would have had without the abort (what the engine's own counter
-    says, whenever its /metrics answers on a busy machine). vLLM's API server, starved of
-    CPU on a busy machine, sometimes holds a stream back and sends what its engine made
-    meanwhile in one burst (head and events together, seconds late): an attempt whose first
-    reads brought more than a quarter of the answer left the client no time to leave early,
-    shows nothing, and is run again (at most 3 attempts)."""
+    generation. Once its running count is back to 0, it has generated fewer than the LONG
+    tokens the answer has without an abort (`ignore_eos`: exactly LONG), by the engine's own
+    counter, whenever its /metrics answers on a busy machine. vLLM's API server, starved of
+    CPU on a busy machine, can hold a stream back while its engine core makes the whole
+    answer, then send it in one burst: such an attempt (LONG tokens made) cannot show the
+    abort and is run again, at most 3 attempts."""
     engine = real_engines[0]
-    burst = LONG // 4
+    seen: list[int] = []  # events read before leaving, per attempt
     with trio.fail_after(3 * LIMIT):
         async with (
             open_router(static([engine]), 1) as (url, _),
@@ -525,11 +524,10 @@ async def test_a_client_leaving_mid_stream_makes_the_engine_abort(
                 # The client has closed its connection; a LONG answer takes the engine seconds.
                 await wait_running(client, engine, 0, within=30.0)
                 generated = await generated_tokens(client, engine) - before
-                received = rest.count(b"data: ")
-                if received <= burst:
+                seen.append(rest.count(b"data: "))
+                if generated < LONG:
                     break
-    assert received <= burst, f"every attempt's answer came in one burst ({received} events)"
-    assert 0 < generated < LONG * 3 // 4, f"{generated} tokens generated after {received} events"
+    assert 0 < generated < LONG, f"every answer made whole; events read before leaving: {seen}"
 
 
 async def while_two_streams(
