@@ -2,21 +2,23 @@
 
     python bench/bench_kv_replay.py [--batches 10000] [--blocks 2] [--runs 3]
 
-An engine's replay socket (a ZMQ ROUTER answering as vLLM's publisher does, on a thread of
-this process) holds `--batches` batches, each storing `--blocks` blocks of 16 tokens and, once
-the cache is full, removing as many: what vLLM's buffer (10,000 steps by default) holds after
-a busy while. The router's subscriber asks for all of it, as on a new subscription (every
-engine's, when a router replica starts) or after a gap. Reported: the replay's wall time, and
-the longest the event loop went without running another task meanwhile (a task that does
-nothing but checkpoint records the gaps between its turns): how long requests would wait.
+An engine's replay socket (a ZMQ ROUTER answering as vLLM's publisher does, in a process of its
+own, as fast as ZMQ takes the batches) holds `--batches` batches, each storing `--blocks`
+blocks of 16 tokens and, once the cache is full, removing as many: what vLLM's buffer (10,000
+steps by default) holds after a busy while. The router's subscriber asks for all of it, as on a
+new subscription (every engine's, when a router replica starts) or after a gap. Reported: the
+replay's wall time, and the longest the event loop went without running another task meanwhile
+(a task that does nothing but checkpoint records the gaps between its turns): how long requests
+would wait.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import socket
 import struct
-import threading
 import time
 from typing import Any
 
@@ -60,8 +62,15 @@ def batches(count: int, blocks: int, capacity: int = 4096) -> list[bytes]:
     return out
 
 
-def serve_replays(router: zmq.Socket[bytes], payloads: list[bytes], stop: threading.Event) -> None:
-    """Answer every replay request with the batches from the asked number on, then the end."""
+def serve_replays(port: int, count: int, blocks: int, ready: Any, stop: Any) -> None:
+    """Another process: answer every replay request on 127.0.0.1:`port` with the batches
+    from the asked number on, then the end."""
+    payloads = batches(count, blocks)
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.SNDHWM, 0)
+    router.bind(f"tcp://127.0.0.1:{port}")
+    ready.set()
     while not stop.is_set():
         if not router.poll(50):
             continue
@@ -69,6 +78,8 @@ def serve_replays(router: zmq.Socket[bytes], payloads: list[bytes], stop: thread
         for seq in range(struct.unpack(">q", start)[0], len(payloads)):
             router.send_multipart([client, b"", b"", struct.pack(">q", seq), payloads[seq]])
         router.send_multipart([client, b"", b"", END, b""])
+    router.close(linger=0)
+    context.destroy(linger=0)
 
 
 async def one_replay(endpoint: str) -> dict[str, float]:
@@ -111,23 +122,23 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=2)
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
-    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    router = context.socket(zmq.ROUTER)
-    router.setsockopt(zmq.SNDHWM, 0)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
-    stop = threading.Event()
-    thread = threading.Thread(
-        target=serve_replays, args=(router, batches(args.batches, args.blocks), stop)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    spawn = multiprocessing.get_context("spawn")
+    ready, stop = spawn.Event(), spawn.Event()
+    server = spawn.Process(
+        target=serve_replays, args=(port, args.batches, args.blocks, ready, stop)
     )
-    thread.start()
+    server.start()
     try:
+        if not ready.wait(30):
+            raise SystemExit("the replay server did not start")
         for _ in range(args.runs):
             print(json.dumps(trio.run(one_replay, f"tcp://127.0.0.1:{port}")))
     finally:
         stop.set()
-        thread.join()
-        router.close(linger=0)
-        context.destroy(linger=0)
+        server.join(5)
 
 
 if __name__ == "__main__":

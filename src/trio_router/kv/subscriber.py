@@ -56,6 +56,7 @@ logger = logging.getLogger(__name__)
 _END_OF_REPLAY: Final = struct.pack(">q", -1)
 _SEQ: Final = struct.Struct(">q")
 MAX_BURST: Final = 256  # messages read at once before a checkpoint
+REPLAY_BURST: Final = 64  # replayed batches applied before a checkpoint
 
 
 @dataclass(slots=True)
@@ -277,7 +278,7 @@ class KvEvents:
         """Ask `endpoint` for every batch from `start` on and apply them in order. True if
         the replay filled everything from `start` (the engine still had it). The engine may
         stay silent for `replay_timeout_s` before each batch; a long replay (vLLM keeps 10,000
-        batches) lets other tasks run every MAX_BURST batches, as the live stream does."""
+        batches) lets other tasks run every REPLAY_BURST batches."""
         sock = self._socket(zmq.DEALER)
         first: int | None = None
         silent = False
@@ -297,7 +298,7 @@ class KvEvents:
                 if len(frames) != 4 or frames[2] == _END_OF_REPLAY:
                     break
                 received += 1
-                if received % MAX_BURST == 0:
+                if received % REPLAY_BURST == 0:
                     await trio.lowlevel.checkpoint()
                 _, topic, seq_bytes, payload = frames
                 try:
