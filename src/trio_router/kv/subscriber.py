@@ -55,8 +55,7 @@ logger = logging.getLogger(__name__)
 
 _END_OF_REPLAY: Final = struct.pack(">q", -1)
 _SEQ: Final = struct.Struct(">q")
-MAX_BURST: Final = 256  # messages read at once before a checkpoint
-REPLAY_BURST: Final = 64  # replayed batches applied before a checkpoint
+MAX_BURST: Final = 64  # messages applied at once before a checkpoint
 
 
 @dataclass(slots=True)
@@ -278,7 +277,7 @@ class KvEvents:
         """Ask `endpoint` for every batch from `start` on and apply them in order. True if
         the replay filled everything from `start` (the engine still had it). The engine may
         stay silent for `replay_timeout_s` before each batch; a long replay (vLLM keeps 10,000
-        batches) lets other tasks run every REPLAY_BURST batches."""
+        batches) lets other tasks run every MAX_BURST batches."""
         sock = self._socket(zmq.DEALER)
         first: int | None = None
         silent = False
@@ -298,7 +297,7 @@ class KvEvents:
                 if len(frames) != 4 or frames[2] == _END_OF_REPLAY:
                     break
                 received += 1
-                if received % REPLAY_BURST == 0:
+                if received % MAX_BURST == 0:
                     await trio.lowlevel.checkpoint()
                 _, topic, seq_bytes, payload = frames
                 try:
@@ -353,8 +352,12 @@ class KvEvents:
             )
             task_status.started()
             unknown: Counter[bytes] = Counter()
+            received = 0
             while True:
                 frames = await _receive(sock, fd)
+                received += 1
+                if received % MAX_BURST == 0:  # a backlog: other tasks run in between
+                    await trio.lowlevel.checkpoint()
                 engine = self._engine_of(frames[0][len(prefix) :]) if frames else None
                 if engine is None:
                     unknown[frames[0] if frames else b""] += 1
