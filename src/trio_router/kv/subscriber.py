@@ -55,7 +55,7 @@ logger = logging.getLogger(__name__)
 
 _END_OF_REPLAY: Final = struct.pack(">q", -1)
 _SEQ: Final = struct.Struct(">q")
-MAX_BURST: Final = 64  # messages applied at once before a checkpoint
+MAX_BURST: Final = 64  # messages read without waiting before a checkpoint
 
 
 @dataclass(slots=True)
@@ -92,6 +92,39 @@ async def _receive(sock: zmq.Socket[bytes], fd: int) -> list[bytes]:
         except zmq.Again:
             pass
         await trio.lowlevel.wait_readable(fd)
+
+
+class _Reader:
+    """One socket's messages in order: it waits only when none is ready, and lets other tasks
+    run after MAX_BURST messages read without waiting (a backlog, a long replay)."""
+
+    __slots__ = ("_fd", "_ready", "_sock")
+
+    def __init__(self, sock: zmq.Socket[bytes]) -> None:
+        self._sock, self._fd = sock, _fd(sock)
+        self._ready = 0  # messages read in a row without waiting
+
+    async def next(self) -> list[bytes]:
+        """The next message, waiting for it if none is ready."""
+        frames = await self.ready()
+        return frames if frames is not None else await self.wait()
+
+    async def ready(self) -> list[bytes] | None:
+        """The next message if one is ready (None if not)."""
+        try:
+            frames = self._sock.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return None
+        self._ready += 1
+        if self._ready >= MAX_BURST:
+            self._ready = 0
+            await trio.lowlevel.checkpoint()
+        return frames
+
+    async def wait(self) -> list[bytes]:
+        """The next message, once one comes."""
+        self._ready = 0
+        return await _receive(self._sock, self._fd)
 
 
 class KvEvents:
@@ -161,7 +194,6 @@ class KvEvents:
             monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
             try:
                 sock.connect(endpoint)
-                fd = _fd(sock)
                 logger.info(
                     "subscribing to the KV events of engine %s at %s", engine.name, endpoint
                 )
@@ -176,15 +208,9 @@ class KvEvents:
                 monitor.close(linger=0)
                 with contextlib.suppress(zmq.ZMQError):
                     sock.disable_monitor()
+            reader = _Reader(sock)
             while True:
-                frames = await _receive(sock, fd)
-                for _ in range(MAX_BURST):
-                    await self._handle(engine, stream, frames, replay)
-                    try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                await trio.lowlevel.checkpoint()
+                await self._handle(engine, stream, await reader.next(), replay)
         finally:
             sock.close(linger=0)
 
@@ -277,28 +303,23 @@ class KvEvents:
         """Ask `endpoint` for every batch from `start` on and apply them in order. True if
         the replay filled everything from `start` (the engine still had it). The engine may
         stay silent for `replay_timeout_s` before each batch; a long replay (vLLM keeps 10,000
-        batches) lets other tasks run every MAX_BURST batches."""
+        batches) lets other tasks run as the live stream does (`_Reader`)."""
         sock = self._socket(zmq.DEALER)
         first: int | None = None
         silent = False
         try:
             sock.connect(endpoint)
             sock.send_multipart([b"", _SEQ.pack(start)], zmq.NOBLOCK)
-            fd = _fd(sock)
-            received = 0
+            reader = _Reader(sock)
             while True:
-                try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    with trio.move_on_after(self._config.replay_timeout_s) as waited:
-                        frames = await _receive(sock, fd)
-                    if silent := waited.cancelled_caught:
+                frames = await reader.ready()
+                if frames is None:
+                    with trio.move_on_after(self._config.replay_timeout_s):
+                        frames = await reader.wait()
+                    if silent := frames is None:
                         break
                 if len(frames) != 4 or frames[2] == _END_OF_REPLAY:
                     break
-                received += 1
-                if received % MAX_BURST == 0:
-                    await trio.lowlevel.checkpoint()
                 _, topic, seq_bytes, payload = frames
                 try:
                     batch = decode_payload(topic, _SEQ.unpack(seq_bytes)[0], payload)
@@ -346,18 +367,14 @@ class KvEvents:
             prefix = self._config.topic.encode()
             sock.setsockopt(zmq.SUBSCRIBE, prefix)
             sock.bind(self._config.endpoint)
-            fd = _fd(sock)
+            reader = _Reader(sock)
             logger.info(
                 "KV events: bound %s, topic prefix %r", self._config.endpoint, self._config.topic
             )
             task_status.started()
             unknown: Counter[bytes] = Counter()
-            received = 0
             while True:
-                frames = await _receive(sock, fd)
-                received += 1
-                if received % MAX_BURST == 0:  # a backlog: other tasks run in between
-                    await trio.lowlevel.checkpoint()
+                frames = await reader.next()
                 engine = self._engine_of(frames[0][len(prefix) :]) if frames else None
                 if engine is None:
                     unknown[frames[0] if frames else b""] += 1
