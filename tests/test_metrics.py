@@ -119,3 +119,23 @@ async def test_every_series_of_an_engine_leaves_with_it(policy: str) -> None:
             text = (await router.client.get("/metrics")).text
     assert f'engine="{name}"' in before
     assert f'engine="{name}"' not in text
+
+
+async def test_engine_families_are_described_before_any_request() -> None:
+    """A router whose engines took no request yet: its /metrics describes the per-engine
+    gauges the dashboard and the alerts select, with no sample (no engine is in use)."""
+    with trio.fail_after(LIMIT):
+        async with open_router([FakeEngine(name="a")]) as router:
+            text = (await router.client.get("/metrics")).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for name in (
+        "trio_router_in_flight_requests",
+        "trio_router_engine_latency_seconds",
+        "trio_router_engine_time_to_first_byte_seconds",
+        "trio_router_engine_running_requests",
+        "trio_router_engine_waiting_requests",
+        "trio_router_engine_kv_cache_usage_ratio",
+    ):
+        assert f"# HELP {name} " in text, name
+        assert f"# TYPE {name} gauge\n" in text, name
+        assert families[name].samples == [], name

@@ -73,3 +73,69 @@ async def test_engine_series_are_those_metrics_engine_series_names(
     gauges = _per_engine(metrics.render().decode())
     expected = {"busy"} if which == "active" else engines
     assert set(gauges["trio_router_in_flight_requests"]) == expected
+
+
+# Every per-engine gauge family, in exposition order.
+ENGINE_FAMILIES = (
+    "trio_router_in_flight_requests",
+    "trio_router_engine_latency_seconds",
+    "trio_router_engine_time_to_first_byte_seconds",
+    "trio_router_engine_running_requests",
+    "trio_router_engine_waiting_requests",
+    "trio_router_engine_kv_cache_usage_ratio",
+    "trio_router_engine_prefix_cache_hit_tokens",
+    "trio_router_engine_prefix_cache_query_tokens",
+)
+
+
+def _samples(text: str) -> dict[str, int]:
+    """{family: its sample lines} of every family `text` describes (HELP and TYPE lines both
+    present), with no samples counted as 0."""
+    families = text_string_to_metric_families(text)
+    return {
+        f.name: len(f.samples)
+        for f in families
+        if f"# HELP {f.name} " in text and f"# TYPE {f.name} {f.type}\n" in text
+    }
+
+
+@pytest.mark.parametrize("which", ["active", "all", "none"])
+async def test_engine_families_are_described_with_no_engine_in_use(
+    autojump_clock: trio.testing.MockClock, which: EngineSeries
+) -> None:
+    """With no engine in use (`active`: routable engines, none ever routed to; `all`: an
+    empty table; `none`: engines never get samples), every per-engine family is still
+    described, as a gauge, with no samples: a dashboard or alert selecting it finds the
+    family on the target, empty."""
+    await trio.sleep(1000)
+    table = RoutingTable()
+    if which != "all":
+        for name in ("a", "b"):
+            table.put(Engine(uid=name, name=name, url=f"http://{name}", state=EngineState.ROUTABLE))
+    text = Metrics(table, engine_series=which).render().decode()
+    for name in ENGINE_FAMILIES:
+        assert f"# HELP {name} " in text, name
+        assert f"# TYPE {name} gauge\n" in text, name
+        assert text.count(f"# HELP {name} ") == 1, name
+    samples = _samples(text)
+    assert {name: samples.get(name) for name in ENGINE_FAMILIES} == dict.fromkeys(
+        ENGINE_FAMILIES, 0
+    )
+    assert not [line for line in text.splitlines() if line.startswith(ENGINE_FAMILIES)]
+
+
+async def test_scraped_families_are_described_while_the_figures_are_stale(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """An engine in use whose own figures went stale: its in-flight gauge has a sample, the
+    scraped families are described with none."""
+    await trio.sleep(1000)
+    table = RoutingTable()
+    table.put(Engine(uid="a", name="a", url="http://a", state=EngineState.ROUTABLE))
+    (engine,) = table
+    engine.in_flight = 1
+    engine.stats = EngineStats.scraped({"running": 3.0, "waiting": 1.0}, now=0.0, stale_after=1)
+    samples = _samples(Metrics(table).render().decode())
+    assert samples["trio_router_in_flight_requests"] == 1
+    for name in ENGINE_FAMILIES[1:]:
+        assert samples.get(name) == 0, name

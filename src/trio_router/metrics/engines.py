@@ -29,29 +29,30 @@ ENGINE_GAUGES: Final = (
     ),
     (
         "trio_router_engine_running_requests",
-        "The engine's own running requests (scraped from its /metrics; absent when stale).",
+        "The engine's own running requests (scraped from its /metrics; no sample while stale).",
         "running",
     ),
     (
         "trio_router_engine_waiting_requests",
-        "The engine's own waiting requests (scraped from its /metrics; absent when stale).",
+        "The engine's own waiting requests (scraped from its /metrics; no sample while stale).",
         "waiting",
     ),
     (
         "trio_router_engine_kv_cache_usage_ratio",
-        "The engine's own KV-cache usage (0..1) (scraped from its /metrics; absent when stale).",
+        "The engine's own KV-cache usage (0..1) "
+        "(scraped from its /metrics; no sample while stale).",
         "kv_cache_usage",
     ),
     (
         "trio_router_engine_prefix_cache_hit_tokens",
         "The engine's own prompt tokens served from its prefix cache since it started "
-        "(vllm:prefix_cache_hits_total) (scraped from its /metrics; absent when stale).",
+        "(vllm:prefix_cache_hits_total) (scraped from its /metrics; no sample while stale).",
         "prefix_cache_hits",
     ),
     (
         "trio_router_engine_prefix_cache_query_tokens",
         "The engine's own prompt tokens looked up in its prefix cache since it started "
-        "(vllm:prefix_cache_queries_total) (scraped from its /metrics; absent when stale).",
+        "(vllm:prefix_cache_queries_total) (scraped from its /metrics; no sample while stale).",
         "prefix_cache_queries",
     ),
 )
@@ -66,8 +67,10 @@ _SCRAPED: Final = (
 
 
 class EngineGauges:
-    """The per-engine gauges of every engine (`all`), of the engines in use (`active`:
-    requests in flight there, or routed there within `ACTIVE_S`), or of none."""
+    """The per-engine gauges. Every family is described (HELP and TYPE) on every scrape, so
+    the target always names it; samples are written for every engine (`all`), for the
+    engines in use (`active`: requests in flight there, or routed there within `ACTIVE_S`),
+    or for none, and of those only the figures an engine has (scraped ones while fresh)."""
 
     def __init__(self, table: RoutingTable, which: EngineSeries) -> None:
         self._table, self._which = table, which
@@ -76,8 +79,17 @@ class EngineGauges:
     def render(self, now: float) -> bytes:
         """The gauges' exposition text at `now` (Trio's clock, against `ACTIVE_S` and the
         scraped figures' freshness)."""
-        if self._which == "none":
-            return b""
+        lines = self._samples(now) if self._which != "none" else {}
+        out: list[bytes] = []
+        for name, help_text, what in ENGINE_GAUGES:
+            out.append(f"# HELP {name} {help_text}\n# TYPE {name} gauge\n".encode())
+            prefix = name.encode()
+            out.extend(prefix + line for line in lines.get(what, ()))
+        return b"".join(out)
+
+    def _samples(self, now: float) -> dict[str, list[bytes]]:
+        """{what of an engine: its sample lines less the family name} for the engines
+        `metrics.engine_series` names."""
         engines = [
             e
             for e in self._table
@@ -102,14 +114,7 @@ class EngineGauges:
                 for what in _SCRAPED:
                     if (value := getattr(stats, what)) is not None:
                         lines[what].append(b"%s%s\n" % (label, _float(value)))
-        out: list[bytes] = []
-        for name, help_text, what in ENGINE_GAUGES:
-            if what != "in_flight" and not lines[what]:
-                continue
-            out.append(f"# HELP {name} {help_text}\n# TYPE {name} gauge\n".encode())
-            prefix = name.encode()
-            out.extend(prefix + line for line in lines[what])
-        return b"".join(out)
+        return lines
 
 
 def _engine_label(name: str) -> bytes:
