@@ -24,7 +24,6 @@ PENDING: Final = frozenset(
         ("trio_router/discovery/kubernetes.py", "__init__"),
         ("trio_router/discovery/loop.py", "run_list_watch"),
         ("trio_router/discovery/stats.py", "run_stats_scraper"),
-        ("trio_router/metrics.py", ""),
         ("trio_router/routing/kv_aware.py", "__init__"),
         ("trio_router/serving/admission.py", ""),
         ("trio_router/serving/prepared.py", "_for"),
