@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol
 from urllib.parse import urlsplit
 
 from .config import TracingConfig
@@ -61,6 +61,42 @@ def check_environment(config: TracingConfig, environ: dict[str, str] | None = No
             break
 
 
+class RequestFacts(Protocol):
+    """What the server span of a proxied request reports of it, once it has ended (its
+    record: `serving.record.ExchangeRecord`)."""
+
+    @property
+    def status(self) -> int:
+        """The answer's status; 0 when none was given (cancelled: the drain deadline)."""
+        ...
+
+    @property
+    def request_id_text(self) -> str: ...
+
+    @property
+    def model(self) -> str:
+        """The model as the client asked for it ("": not known)."""
+        ...
+
+    @property
+    def tenant(self) -> str: ...
+
+    @property
+    def engine(self) -> str:
+        """The engine that answered, or was tried last ("": none)."""
+        ...
+
+    @property
+    def retries(self) -> int:
+        """Engines tried after the first."""
+        ...
+
+    @property
+    def resumes(self) -> int:
+        """Times another engine carried on an answer whose engine failed mid-answer."""
+        ...
+
+
 class Tracing:
     """Starts and ends the spans of proxied requests; owns the SDK's provider."""
 
@@ -87,30 +123,21 @@ class Tracing:
             attributes={"http.request.method": method, "url.path": path},
         )
 
-    def end_request(
-        self,
-        span: Span,
-        *,
-        status: int,
-        request_id: str,
-        model: str,
-        tenant: str,
-        engine: str,
-        retries: int,
-        resumes: int,
-    ) -> None:
+    def end_request(self, span: Span, facts: RequestFacts) -> None:
+        """End the server span of a proxied request with what its record reports of it."""
+        status = facts.status
         attributes: dict[str, Any] = {
             "http.response.status_code": status,
-            "trio_router.request_id": request_id,
-            "trio_router.retries": retries,
+            "trio_router.request_id": facts.request_id_text,
+            "trio_router.retries": facts.retries,
         }
-        if resumes:
+        if resumes := facts.resumes:
             attributes["trio_router.resumes"] = resumes
-        if model:
+        if model := facts.model:
             attributes["gen_ai.request.model"] = model
-        if tenant:
+        if tenant := facts.tenant:
             attributes["trio_router.tenant"] = tenant
-        if engine:
+        if engine := facts.engine:
             attributes["trio_router.engine"] = engine
         if not status:  # no answer: the request was cancelled (the drain deadline)
             del attributes["http.response.status_code"]

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Final
 
+from ..config import RoutingConfig
 from ..errors import NoEngineError
 from ..kv.index import BlockIndex, block_keys
 from ..table import Engine
@@ -53,7 +54,7 @@ from .balance import EXACT_SCAN_MAX, LoadGauge, no_engine
 from .request import Decision, RequestInfo
 from .ttft import Estimate, Rates, TtftModel
 
-__all__ = ["KvAwarePolicy"]
+__all__ = ["KvAwarePolicy", "KvTuning"]
 
 # Predicted waits closer than this many times the predictions' recent mean absolute error are
 # not told apart (about the 90th percentile of the error, were it normal).
@@ -63,31 +64,44 @@ ERROR_MARGIN: Final = 2.0
 RECENT_OPENINGS: Final = 65536
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KvTuning:
+    """kv_aware's knobs: the `routing.kv_*` keys of a config (`of`)."""
+
+    cost: str  # "ttft" (the predicted wait for a first token) or "load"
+    ttft_slack_s: float  # predicted waits at least this close are tied
+    load_tokens: float  # the load cost: tokens per unit of load above the floor...
+    load_slack: float  # ...which is this far above the least loaded contender's load
+    block_size: int  # assumed until the engines' events tell theirs
+    speculative_ttl_s: float  # a decision's blocks count as held by its engine this long
+
+    @classmethod
+    def of(cls, config: RoutingConfig) -> KvTuning:
+        return cls(
+            cost=config.kv_cost,
+            ttft_slack_s=config.kv_ttft_slack_s,
+            load_tokens=config.kv_load_tokens,
+            load_slack=config.kv_load_slack,
+            block_size=config.kv_block_size,
+            speculative_ttl_s=config.kv_speculative_ttl_s,
+        )
+
+
 class KvAwarePolicy:
-    """See the module's docstring."""
+    """See the module's docstring; `tuning`: its knobs."""
 
     name = "kv_aware"
     needs_request_info = True
     needs_tokens = True
 
     def __init__(
-        self,
-        index: BlockIndex,
-        gauge: LoadGauge,
-        ties: PrefixAwarePolicy,
-        *,
-        load_tokens: float,
-        slack: float,
-        block_size: int,
-        speculative_ttl: float,
-        cost: str = "ttft",
-        ttft_slack: float = 0.05,
+        self, index: BlockIndex, gauge: LoadGauge, ties: PrefixAwarePolicy, tuning: KvTuning
     ) -> None:
         self._index, self._gauge, self._ties = index, gauge, ties
-        self._load_tokens, self._slack = load_tokens, slack
-        self._block_size, self._ttl = block_size, speculative_ttl
-        self._ttft = TtftModel() if cost == "ttft" else None
-        self._ttft_slack = ttft_slack
+        self._load_tokens, self._slack = tuning.load_tokens, tuning.load_slack
+        self._block_size, self._ttl = tuning.block_size, tuning.speculative_ttl_s
+        self._ttft = TtftModel() if tuning.cost == "ttft" else None
+        self._ttft_slack = tuning.ttft_slack_s
         # model -> (its candidates, index.block_sizes_learned, their block size)
         self._block_sizes: dict[str, tuple[Sequence[Engine], int, int]] = {}
         # The engine each recent opening's last decision on token ids chose (oldest first):

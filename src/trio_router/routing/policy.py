@@ -30,7 +30,7 @@ from ..kv.index import BlockIndex
 from ..table import Engine
 from .affinity import PrefixAwarePolicy, SessionPolicy
 from .balance import LeastLoadedPolicy, LoadGauge, RoundRobinPolicy
-from .kv_aware import KvAwarePolicy
+from .kv_aware import KvAwarePolicy, KvTuning
 from .request import Decision, RequestInfo, request_info
 
 __all__ = ["Decision", "Policy", "RequestInfo", "make_policy", "request_info"]
@@ -105,15 +105,6 @@ def make_policy(
         )
         if config.policy == "prefix_aware":
             return prefix
-        return KvAwarePolicy(
-            kv_index if kv_index is not None else BlockIndex(),
-            gauge,
-            prefix,
-            load_tokens=config.kv_load_tokens,
-            slack=config.kv_load_slack,
-            block_size=config.kv_block_size,
-            speculative_ttl=config.kv_speculative_ttl_s,
-            cost=config.kv_cost,
-            ttft_slack=config.kv_ttft_slack_s,
-        )
+        index = kv_index if kv_index is not None else BlockIndex()
+        return KvAwarePolicy(index, gauge, prefix, KvTuning.of(config))
     raise ValueError(f"unknown routing policy {config.policy!r}")  # RoutingConfig validates

@@ -78,6 +78,16 @@ class ExchangeRecord:
         """The request id for logs and records."""
         return self.request_id.decode(errors="replace")
 
+    @property
+    def retries(self) -> int:
+        """Engines tried after the first."""
+        return max(0, self.attempts - 1)
+
+    @property
+    def resumes(self) -> int:
+        """Times another engine carried on an answer cut mid-way."""
+        return len(self.parts)
+
     def cut(self, engine: str) -> None:
         """`engine`'s part of the answer was cut off; another engine carries it on."""
         self.parts.append(engine)
@@ -103,16 +113,7 @@ class ExchangeRecord:
         if self.refusal:
             recording.metrics.refused(self.refusal, self.band, self.model_label)
         if recording.tracing is not None and self.span is not None:
-            recording.tracing.end_request(
-                self.span,
-                status=self.status,
-                request_id=self.request_id_text,
-                model=self.model,
-                tenant=self.tenant,
-                engine=self.engine,
-                retries=max(0, self.attempts - 1),
-                resumes=len(self.parts),
-            )
+            recording.tracing.end_request(self.span, self)
         if recording.access_log and access_logger.isEnabledFor(logging.INFO):
             self._log_access(duration)
 
@@ -129,14 +130,14 @@ class ExchangeRecord:
             "served_model": self.served_model,
             "engine": self.engine,
             "engines": [*self.parts, self.engine] if self.parts else [],
-            "resumes": len(self.parts),
+            "resumes": self.resumes,
             "prefill_engine": self.prefill_engine,
             "policy": self.recording.policy,
             "status": self.status,
             "duration_ms": round(duration * 1000, 2),
             "ttfb_ms": None if self.ttfb is None else round(self.ttfb * 1000, 2),
             "bytes": self.sent,
-            "retries": max(0, self.attempts - 1),
+            "retries": self.retries,
             "client": self.client,
             "priority": self.priority,
             "refusal": self.refusal,
