@@ -22,7 +22,7 @@ import trio
 from trio_router.asgi import Message, Receive, Scope, Send, answer_lifespan
 from trio_router.http import EngineBrokeOffError, UpstreamPool, open_relay
 from trio_router.serving import hypercorn_seam
-from trio_router.serving.answer import Answer, AsgiAnswer, answer_of, open_asgi_answer
+from trio_router.serving.answer import Answer, AsgiAnswer, Rewrite, answer_of, open_asgi_answer
 from trio_router.serving.connection import ConnectionAnswer
 
 LIMIT: Final = 10.0
@@ -146,7 +146,7 @@ async def test_a_rewritten_body_goes_out_rewritten() -> None:
                 def rewrite(piece: bytes, final: bool) -> bytes:
                     return piece.replace(b'"a"', b'"alias"')
 
-                await answer.relay(response, rewrite=rewrite)
+                await answer.relay(response, rewrite=Rewrite(rewrite))
                 await answer.end()
     assert b"".join(body for _, body, _ in sent.kinds()) == b'{"model":"alias"}' * 2
 

@@ -25,13 +25,25 @@ from .errors import (
 )
 from .pool import RelaySource, UpstreamResponse
 
-__all__ = ["CHECK_S", "PAUSE_AT", "PAUSE_S", "Relay", "RelayTarget", "open_relay"]
+__all__ = ["CHECK_S", "PAUSE_AT", "PAUSE_S", "Relay", "RelayTarget", "Rewrite", "open_relay"]
 
 CHECK_S: Final = 0.25  # how often the relayed streams' deadlines are checked
 PAUSE_S: Final = 0.001  # the pause after a busy pass, so that the next serves more events
 PAUSE_AT: Final = 4  # a pass that served this many sockets is busy
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Rewrite:
+    """A rewriting of an answer's body on its way to the client. `data(piece, final)`: what
+    goes out for a piece of the body's data (`final`: the body ends with it). `framed(chunk)`,
+    when given: what goes out for a read that is one HTTP chunk as it came on the wire, the
+    chunk to write, or None when the read is to be unframed and go through `data` (a relayed
+    body's common read, rewritten without unframing and framing it again)."""
+
+    data: Callable[[bytes, bool], bytes]
+    framed: Callable[[bytes], bytes | None] | None = None
 
 
 class RelayTarget(Protocol):
@@ -94,7 +106,7 @@ class Relay:
         *,
         hold_last: bool = False,
         on_first: Callable[[float], None] | None = None,
-        transform: Callable[[bytes, bool], bytes] | None = None,
+        transform: Rewrite | None = None,
     ) -> tuple[bytes, int, bytes]:
         """Move the rest of `response`'s body (`response.relayable`) to `client`. Returns
         when the engine's last chunk has been read and everything before it written (the
@@ -104,9 +116,10 @@ class Relay:
         not written: the caller writes them with the end of its response, in one write
         (b"" without `hold_last`, or when that read held nothing before the end).
         `on_first(now)` is called (from the relay's task) when the first bytes are passed on.
-        With `transform`, the body's bytes are decoded and go through it (`transform(data,
+        With `transform`, the body's bytes are decoded and go through it (`transform.data(data,
         final)`, `final` at the end of the body) and what it returns is framed anew as one
-        chunk per read: the relay's path, with a rewriting of the body between. Raises
+        chunk per read (a read of one chunk goes through `transform.framed` first, when it
+        has one): the relay's path, with a rewriting of the body between. Raises
         ClientGoneError, EngineTimeoutError or EngineBrokeOffError (then the client's response
         cannot be ended cleanly). Cancellation takes the stream out of the relay at once."""
         stream = _Relayed(
@@ -247,7 +260,7 @@ class _Relayed:
         write_timeout: float,
         hold_last: bool = False,
         on_first: Callable[[float], None] | None = None,
-        transform: Callable[[bytes, bool], bytes] | None = None,
+        transform: Rewrite | None = None,
     ) -> None:
         # The relay's epoll set, its fd -> stream map and its set of streams, shared by its
         # streams (each registers and unregisters its own sockets there).
@@ -255,10 +268,8 @@ class _Relayed:
         self._write_timeout = write_timeout
         self._hold_last = hold_last
         self._on_first = on_first
-        self._transform = transform
-        # A transform may take a read as it is framed on the wire (one chunk of the common
-        # kind): `framed(chunk)` gives the chunk to write, or None for the general way.
-        self._framed: Callable[[bytes], bytes | None] | None = getattr(transform, "framed", None)
+        self._transform = transform.data if transform is not None else None
+        self._framed = transform.framed if transform is not None else None
         self._conn, self._parser = source.conn, source.parser
         self._url = source.url
         self._read_timeout = source.read_timeout

@@ -25,6 +25,7 @@ import trio
 
 from ..asgi import Message, Receive, Scope, Send
 from ..http import UpstreamResponse
+from ..http.relay import Rewrite
 
 __all__ = [
     "ANSWER_EXTENSION",
@@ -39,9 +40,6 @@ __all__ = [
 
 ANSWER_EXTENSION: Final = "trio_router.answer"  # where a request's writer is in its scope
 TAIL_BYTES: Final = 4096  # of an engine body's last two pieces, kept: its usage summary
-
-# Rewrites a piece of an engine's body (`final`: the last piece) before it goes out.
-Rewrite = Callable[[bytes, bool], bytes]
 
 
 class Answer(Protocol):
@@ -185,7 +183,7 @@ class AsgiAnswer:
                 on_first(trio.current_time())
                 on_first = None
             final = response.complete
-            piece = rewrite(chunk, final) if rewrite is not None else chunk
+            piece = rewrite.data(chunk, final) if rewrite is not None else chunk
             before, last = last, chunk
             if final:
                 self._held += piece
@@ -196,7 +194,7 @@ class AsgiAnswer:
                 break
         else:
             if rewrite is not None:  # what the rewriting held back for a match
-                piece = rewrite(b"", True)
+                piece = rewrite.data(b"", True)
                 self._held += piece
                 self.sent += len(piece)
         return tail_of(before, last)

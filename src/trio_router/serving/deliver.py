@@ -224,8 +224,8 @@ def _is_event_stream(response: UpstreamResponse) -> bool:
 def _chained(track: Track | None, echo: ModelEcho | None) -> Rewrite | None:
     """The rewriting of a body: the track's, then the alias's echo."""
     if echo is None:
-        return track
+        return None if track is None else Rewrite(track, track.framed)
     feed = echo.feed
     if track is None:
-        return lambda piece, final: feed(piece, final=final)
-    return lambda piece, final: feed(track(piece, final), final=final)
+        return Rewrite(lambda piece, final: feed(piece, final=final))
+    return Rewrite(lambda piece, final: feed(track(piece, final), final=final))

@@ -139,9 +139,10 @@ def _ids(raw: bytes) -> list[int]:
 
 
 class Track:
-    """One resumable stream's events as they pass (a `Rewrite` of its body: see the
-    module's docstring). `kind`: "chat" or "completion"; `show_ids`: the client asked for
-    token ids; `usage`: it asked for the usage object."""
+    """One resumable stream's events as they pass (the rewriting of its body, `__call__`
+    and `framed` as a `Rewrite`'s two ways: see the module's docstring). `kind`: "chat" or
+    "completion"; `show_ids`: the client asked for token ids; `usage`: it asked for the usage
+    object."""
 
     __slots__ = (
         "_partial",
