@@ -105,8 +105,8 @@ class Deliver:
             raise StreamAbortedError(
                 f"engine {engine.name} answered the continuation with {response.status}"
             )
-        assert self._track is not None
-        response.stall_s = self._rt.config.proxy.stall_timeout_s
+        assert self._track is not None and self._rt.resume is not None
+        response.stall_s = self._rt.resume.stall_s
         self.committed = True
         return await self._pass(response, engine, _chained(self._track, echo), None)
 
@@ -153,9 +153,9 @@ class Deliver:
 
     def _follow(self, response: UpstreamResponse) -> Track | None:
         """A `Track` of this stream when a continuation could carry it on."""
-        prepared = self._prepared
+        prepared, resume = self._prepared, self._rt.resume
         if (
-            self._rt.config.proxy.resume != "on"
+            resume is None
             or response.status != 200
             or not _is_event_stream(response)
             or (kind := resumable(prepared)) is None
@@ -165,7 +165,7 @@ class Deliver:
         usage = isinstance(options, dict) and options.get("include_usage") is True
         show = prepared.payload.get("return_token_ids") is True
         self._track = Track(kind, show_ids=show, usage=usage)
-        response.stall_s = self._rt.config.proxy.stall_timeout_s
+        response.stall_s = resume.stall_s
         return self._track
 
     def continuation_possible(self) -> bool:
@@ -208,7 +208,7 @@ class Deliver:
     def _held(self, response: UpstreamResponse) -> bool:
         """The answer is read whole before it is passed on: `proxy.resume` is on and its
         length is known (a whole answer, not a stream) and at most MAX_HELD_ANSWER_BYTES."""
-        if self._rt.config.proxy.resume != "on":
+        if self._rt.resume is None:
             return False
         length = next((v for k, v in response.headers if k == b"content-length"), None)
         return length is not None and length.isdigit() and int(length) <= MAX_HELD_ANSWER_BYTES

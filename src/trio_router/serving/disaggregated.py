@@ -143,7 +143,7 @@ async def _prefilled(
             rt.services.outliers.request_succeeded(engine)
             record.prefill_engine = engine.name
             payload = prepared.payload
-            if rt.config.proxy.resume == "on" and resumable(prepared) is not None:
+            if rt.resume is not None and resumable(prepared) is not None:
                 payload = {**payload, "return_token_ids": True}  # carried on if it fails
             return decode_body(payload, params)
     elif isinstance(outcome, Unreachable):

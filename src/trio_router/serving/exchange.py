@@ -136,7 +136,7 @@ async def _route_through_fallbacks(
     """The request routed to the model it names, then to each fallback model while the one
     before cannot take it (no engine, the queue, every engine refused)."""
     while True:
-        if rt.config.proxy.resume == "on" and resumable(prepared) is not None:
+        if rt.resume is not None and resumable(prepared) is not None:
             prepared = dataclasses.replace(prepared, body=with_token_ids(prepared))
         take = Deliver(answer, record, rt, prepared)
         outcome = await _route(prepared, take, rt, record)

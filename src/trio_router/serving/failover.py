@@ -208,10 +208,10 @@ async def _next_request(
     answer, and an answer begun is ended as well as it can be): the same one when its engine
     broke it off before anything reached the client (not a silent engine: another would
     likely keep the client waiting as long), else the continuation of the answer begun."""
-    proxy, metrics = rt.config.proxy, rt.services.metrics
-    if proxy.resume != "on":
+    resume, metrics = rt.resume, rt.services.metrics
+    if resume is None:
         return None
-    left = retries < proxy.resume_attempts
+    left = retries < resume.attempts
     if not failed.cut:
         if failed.broke in ("timeout", "stall"):
             return None

@@ -193,7 +193,7 @@ async def _read(
         payload: dict[str, Any] = {"model": form.model}
     else:
         # Resumable streams need the whole request to be carried on (`resume`).
-        resume = rt.config.proxy.resume == "on" and path in PD_PATHS
+        resume = rt.resume is not None and path in PD_PATHS
         model_only = not (rt.needs_request_info or rt.disaggregation is not None or resume)
         payload = await services.parser.parse(body, model_only=model_only)
     record.model = payload["model"]

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import Config, env_key
+from ..config import Config, ProxyConfig, env_key
 from ..discovery.outliers import Outliers
 from ..http import UpstreamPool
 from ..http.connection import Connector, open_tcp_socket
@@ -39,7 +39,7 @@ from .names import ModelNames
 from .record import Recording
 from .tokens import Tokenizer
 
-__all__ = ["Runtime", "Services", "build_runtime", "new_pool"]
+__all__ = ["Resumption", "Runtime", "Services", "build_runtime", "new_pool"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -63,6 +63,24 @@ class Services:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Resumption:
+    """What `proxy.resume = "on"` makes of the serving path, read from the config once
+    (`of`; None when it is off): an answer whose engine fails before its end is carried on at
+    another engine (`failover.try_engines`), a whole answer held until it is in and a
+    resumable stream followed (`deliver.Deliver`), its request asking for token ids
+    (`resume`)."""
+
+    attempts: int  # proxy.resume_attempts: other engines tried per request
+    stall_s: float  # proxy.stall_timeout_s: a followed stream silent this long has failed
+
+    @classmethod
+    def of(cls, proxy: ProxyConfig) -> Resumption | None:
+        if proxy.resume != "on":
+            return None
+        return cls(attempts=proxy.resume_attempts, stall_s=proxy.stall_timeout_s)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Runtime:
     """The serving path of one config. Immutable: a reload builds another."""
 
@@ -80,6 +98,7 @@ class Runtime:
     needs_request_info: bool  # the policy reads more of a request than its model
     needs_tokens: bool  # the policy (or disaggregation) routes on the prompt's token ids
     proxy_unknown_paths: bool  # proxy.unknown_paths = "model"
+    resume: Resumption | None  # proxy.resume = "on": how answers are carried on
     unsubscribe: Callable[[], None]  # ends the policies' subscription to table removals
 
     def retired(self, previous: Runtime) -> tuple[UpstreamPool | None, Callable[[], None] | None]:
@@ -193,5 +212,6 @@ def build_runtime(config: Config, services: Services, previous: Runtime | None =
         needs_tokens=policy.needs_tokens
         or (disaggregation is not None and disaggregation.needs_tokens),
         proxy_unknown_paths=config.proxy.unknown_paths == "model",
+        resume=Resumption.of(config.proxy),
         unsubscribe=unsubscribe,
     )
