@@ -35,7 +35,7 @@ import httpx
 import trio
 
 from bench_engines import Fleet, RouterSpec, free_port, router_command
-from trio_router.testing.envoy import envoy_binary, gateway_config
+from trio_router.testing.envoy import Gateway, envoy_binary, gateway_config
 from trio_router.testing.processes import Output, open_command
 
 CHAT: Final = "/v1/chat/completions"
@@ -278,7 +278,8 @@ async def _open_gateway(
     async with _process(running, "picker", command, {}, workdir) as process:
         own = Running(running.name, f"http://127.0.0.1:{http}", running.pids, running.stderr)
         await _until_routing(own, process, "the picker's router", model, len(urls), models=True)
-        config = gateway_config(port, free_port(), f"127.0.0.1:{picker}")
+        gateway = Gateway(picker=f"127.0.0.1:{picker}")
+        config = gateway_config(gateway, port=port, admin_port=free_port())
         envoy = envoy_command(config, workdir, port)
         async with _process(running, "envoy", envoy, {}, workdir) as process:
             await _until_routing(running, process, "envoy+picker", model, 0, models=False)

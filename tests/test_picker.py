@@ -25,7 +25,7 @@ from trio_router.config import (
 from trio_router.kv.index import BlockIndex
 from trio_router.table import RoutingTable
 from trio_router.testing import FakeEngine, serve_fake_engine
-from trio_router.testing.envoy import Envoy, free_port, open_envoy
+from trio_router.testing.envoy import Envoy, Gateway, free_port, open_envoy
 from trio_router.testing.fake_apiserver import FakeApiServer
 from trio_router.testing.fake_kv import FakeKvCache
 from trio_router.testing.fake_replies import prompt_tokens
@@ -64,7 +64,7 @@ async def gateway(
     async with open_router(fakes, picker=PICKER, **sections) as router:
         picker = router.picker.removeprefix("grpc://")
         async with (
-            open_envoy(picker, tmp_path, **(envoy or {})) as proxy,
+            open_envoy(Gateway(picker=picker, **(envoy or {})), tmp_path) as proxy,
             httpx.AsyncClient(base_url=proxy.url, timeout=LIMIT) as client,
         ):
             yield router, proxy, client
@@ -149,14 +149,14 @@ async def test_the_subset_hint_restricts_the_choice(tmp_path: Path) -> None:
             picker = router.picker.removeprefix("grpc://")
             only = endpoint(router, 1)
             async with (
-                open_envoy(picker, tmp_path, subset=[only]) as proxy,
+                open_envoy(Gateway(picker=picker, subset=(only,)), tmp_path) as proxy,
                 httpx.AsyncClient(base_url=proxy.url, timeout=LIMIT) as client,
             ):
                 served = {
                     (await client.post(CHAT, json=chat())).headers["x-engine"] for _ in range(6)
                 }
             async with (
-                open_envoy(picker, tmp_path, subset=["10.9.9.9:8000"]) as proxy,
+                open_envoy(Gateway(picker=picker, subset=("10.9.9.9:8000",)), tmp_path) as proxy,
                 httpx.AsyncClient(base_url=proxy.url, timeout=LIMIT) as client,
             ):
                 refused = await client.post(CHAT, json=chat())
@@ -199,7 +199,7 @@ async def test_a_deleted_pod_is_never_chosen(
             while len(table.routable("fake-model")) < 2:
                 await table.wait_changed()
             async with (
-                open_envoy(picker.removeprefix("grpc://"), tmp_path) as proxy,
+                open_envoy(Gateway(picker=picker.removeprefix("grpc://")), tmp_path) as proxy,
                 httpx.AsyncClient(base_url=proxy.url, timeout=LIMIT) as client,
             ):
                 before = {
@@ -274,9 +274,10 @@ async def test_a_stopped_picker_fails_closed_or_open_as_configured(
         async with trio.open_nursery() as nursery:
             url = await nursery.start(serve_fake_engine, fake, "127.0.1.1", 0)
             stopped = f"127.0.0.1:{free_port()}"  # no picker listens there
-            fallback = [url.removeprefix("http://")]
+            fallback = (url.removeprefix("http://"),)
+            recipe = Gateway(picker=stopped, fail_open=fail_open, fallback=fallback)
             async with (
-                open_envoy(stopped, tmp_path, fail_open=fail_open, fallback=fallback) as proxy,
+                open_envoy(recipe, tmp_path) as proxy,
                 httpx.AsyncClient(base_url=proxy.url, timeout=LIMIT) as client,
             ):
                 answer = await client.post(CHAT, json=chat())
@@ -353,9 +354,10 @@ async def test_a_gateway_checking_the_pickers_health_sends_it_its_requests(
     with trio.fail_after(LIMIT):
         async with open_router(fakes, picker=PICKER) as router:
             picker = router.picker.removeprefix("grpc://")
-            fallback = [endpoint(router, 0)]  # the gateway's own route: engine 0 only
+            fallback = (endpoint(router, 0),)  # the gateway's own route: engine 0 only
+            recipe = Gateway(picker=picker, fail_open=True, fallback=fallback)
             async with (
-                open_envoy(picker, tmp_path, fail_open=True, fallback=fallback) as proxy,
+                open_envoy(recipe, tmp_path) as proxy,
                 httpx.AsyncClient(base_url=proxy.url, timeout=LIMIT) as client,
             ):
                 served = [

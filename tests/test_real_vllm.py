@@ -38,7 +38,7 @@ from trio_router.kv.index import BlockIndex, block_keys
 from trio_router.kv.local_tokenizer import LocalTokenizer
 from trio_router.table import RoutingTable
 from trio_router.testing._vllm_model import WORDS
-from trio_router.testing.envoy import open_envoy
+from trio_router.testing.envoy import Gateway, open_envoy
 from trio_router.testing.fake_apiserver import FakeApiServer
 from trio_router.testing.harness import kubernetes_config, router_config, sample, undated
 from trio_router.testing.vllm_engines import MODEL_NAME, EngineEnvironment, EngineProcess
@@ -917,8 +917,9 @@ async def test_envoy_with_the_picker_streams_and_follows_the_engines_kv_events(
             )
             while len(table.routable(MODEL_NAME)) < len(real_engines):
                 await table.wait_changed()
+            gateway = Gateway(picker=picker.removeprefix("grpc://"), message_timeout_s=30)
             async with (
-                open_envoy(picker.removeprefix("grpc://"), tmp_path, message_timeout_s=30) as proxy,
+                open_envoy(gateway, tmp_path) as proxy,
                 httpx.AsyncClient(timeout=LIMIT) as client,
             ):
                 body = {"model": MODEL_NAME, "messages": messages(), "max_tokens": 30}
