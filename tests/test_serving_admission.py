@@ -1,6 +1,10 @@
-"""Admission: saturation, the router's queue and tenant fairness. Virtual time for the queue,
-its timeouts and the fairness order (the admission object against a real routing table and
-policy); real sockets for the router end to end, tenants' limits included."""
+"""Admission as a whole (`serving.admission.Admission`): a request goes at once to an engine
+that may take it or waits, a freed slot dispatches at once, a reload and a changed routing
+table dispatch what they let go, failover ends when every engine was tried; then tenants'
+fairness and limits through the real router. Virtual time for the admission object (against a
+real routing table and policy); real sockets for the router end to end. `Bench` and `Line`
+serve the concern modules' tests too (tests/test_serving_admission_ordering.py, _fairness.py,
+_saturation.py)."""
 
 from __future__ import annotations
 
@@ -15,11 +19,11 @@ import trio
 import trio.testing
 
 from trio_router.config import AdmissionConfig, Config, RoutingConfig, TenantConfig
-from trio_router.errors import NoEngineError, QueueTimeoutError, RateLimitedError
+from trio_router.errors import DeadlineError, NoEngineError, RateLimitedError
 from trio_router.limits.tenants import ANONYMOUS, Tenant
 from trio_router.routing.policy import RequestInfo, make_policy
-from trio_router.serving.admission import Admission
-from trio_router.table import Engine, EngineState, EngineStats, Model, RoutingTable
+from trio_router.serving.admission import Admission, Urgency
+from trio_router.table import Engine, EngineState, Model, RoutingTable
 from trio_router.testing import FakeEngine
 from trio_router.testing.harness import CHAT, LIMIT, chat, open_router
 
@@ -70,6 +74,43 @@ class Bench:
         return await self.admission.acquire(tenant or self.anonymous, "m", self.pick, **kwargs)
 
 
+def tenants(*specs: tuple[str, int]) -> tuple[TenantConfig, ...]:
+    return tuple(TenantConfig(name=n, key_env=n.upper(), priority=p) for n, p in specs)
+
+
+class Line:
+    """Requests started in a nursery, each recording its name when it gets an engine (and
+    holding that engine until released in order) or its error's code when refused."""
+
+    def __init__(self, bench: Bench) -> None:
+        self.bench = bench
+        self.order: list[str] = []
+        self.refused: dict[str, str] = {}
+        self.held: list[Engine] = []
+
+    async def request(
+        self, name: str, tenant: Tenant, priority: int = 0, deadline: float = math.inf
+    ) -> None:
+        try:
+            engine = await self.bench.acquire(
+                tenant, urgency=Urgency(priority, trio.current_time() + deadline)
+            )
+        except (RateLimitedError, DeadlineError) as exc:
+            self.refused[name] = exc.code
+            return
+        self.order.append(name)
+        self.held.append(engine)
+
+    async def release_all(self) -> None:
+        while self.held:
+            self.bench.admission.release(self.held.pop(0))
+            await trio.testing.wait_all_tasks_blocked()
+
+
+async def saturate(bench: Bench, slots: int) -> list[Engine]:
+    return [await bench.acquire() for _ in range(slots)]
+
+
 async def test_saturated_engines_are_skipped_and_a_freed_slot_dispatches_at_once(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
@@ -91,134 +132,6 @@ async def test_saturated_engines_are_skipped_and_a_freed_slot_dispatches_at_once
     assert got == [held[1]] and trio.current_time() == freed  # no polling: the same instant
     assert bench.waits == [pytest.approx(5.0)] and bench.admission.queued() == {}
     assert max(e.in_flight for e in bench.table) == 2
-
-
-async def test_queue_full_is_429_and_waiting_too_long_is_503(
-    autojump_clock: trio.testing.MockClock,
-) -> None:
-    bench = Bench(AdmissionConfig(max_in_flight_per_engine=1, queue_size=2, queue_timeout_s=7.0))
-    for _ in range(2):
-        await bench.acquire()
-    async with trio.open_nursery() as nursery:
-        outcomes: list[str] = []
-
-        async def wait() -> None:
-            start = trio.current_time()
-            with pytest.raises(QueueTimeoutError, match=r"admission\.queue_timeout_s"):
-                await bench.acquire()
-            outcomes.append(f"timeout after {trio.current_time() - start:g}")
-
-        nursery.start_soon(wait)
-        nursery.start_soon(wait)
-        await trio.testing.wait_all_tasks_blocked()
-        with pytest.raises(RateLimitedError) as full:
-            await bench.acquire()
-        assert full.value.code == "queue_full" and full.value.status == 429
-        assert (b"retry-after", b"1") in full.value.headers
-    assert outcomes == ["timeout after 7", "timeout after 7"]
-    assert bench.rejects == [("queue_full", ""), ("queue_timeout", ""), ("queue_timeout", "")]
-    assert bench.admission.queued() == {}
-
-
-async def test_a_flooding_tenant_delays_another_by_about_one_slot(
-    autojump_clock: trio.testing.MockClock,
-) -> None:
-    tenants = (TenantConfig(name="a", key_env="A"), TenantConfig(name="b", key_env="B", weight=1))
-    bench = Bench(AdmissionConfig(max_in_flight_per_engine=1), tenants=tenants)
-    a, b = bench.tenant("a"), bench.tenant("b")
-    slots = [await bench.acquire(a) for _ in range(2)]
-    order: list[str] = []
-    async with trio.open_nursery() as nursery:
-
-        async def request(tenant: Tenant) -> None:
-            engine = await bench.acquire(tenant)
-            order.append(tenant.name)
-            slots.append(engine)
-
-        for _ in range(30):
-            nursery.start_soon(request, a)
-        await trio.testing.wait_all_tasks_blocked()
-        nursery.start_soon(request, b)  # b arrives behind a's backlog of 30
-        await trio.testing.wait_all_tasks_blocked()
-        for _ in range(31):
-            bench.admission.release(slots.pop(0))
-            await trio.testing.wait_all_tasks_blocked()
-    assert order.index("b") <= 1  # dispatched within about one slot
-    assert order.count("a") == 30
-
-
-async def test_weights_share_the_dispatches(autojump_clock: trio.testing.MockClock) -> None:
-    tenants = (
-        TenantConfig(name="heavy", key_env="H", weight=3),
-        TenantConfig(name="light", key_env="L", weight=1),
-    )
-    bench = Bench(AdmissionConfig(max_in_flight_per_engine=1), tenants=tenants, engines=1)
-    heavy, light = bench.tenant("heavy"), bench.tenant("light")
-    slot = [await bench.acquire(heavy)]
-    order: list[str] = []
-    async with trio.open_nursery() as nursery:
-
-        async def request(tenant: Tenant) -> None:
-            slot.append(await bench.acquire(tenant))
-            order.append(tenant.name)
-
-        for _ in range(12):
-            nursery.start_soon(request, heavy)
-            nursery.start_soon(request, light)
-        await trio.testing.wait_all_tasks_blocked()
-        for _ in range(16):
-            bench.admission.release(slot.pop(0))
-            await trio.testing.wait_all_tasks_blocked()
-        nursery.cancel_scope.cancel()
-    assert order.count("heavy") == 12 and order.count("light") == 4
-
-
-async def test_fifo_without_fairness(autojump_clock: trio.testing.MockClock) -> None:
-    tenants = (TenantConfig(name="a", key_env="A"), TenantConfig(name="b", key_env="B"))
-    bench = Bench(
-        AdmissionConfig(max_in_flight_per_engine=1, fairness="none"), tenants=tenants, engines=1
-    )
-    a, b = bench.tenant("a"), bench.tenant("b")
-    slot = [await bench.acquire(a)]
-    order: list[str] = []
-    async with trio.open_nursery() as nursery:
-
-        async def request(tenant: Tenant, tag: str) -> None:
-            slot.append(await bench.acquire(tenant))
-            order.append(tag)
-
-        for i, tenant in enumerate([a, a, a, b]):
-            nursery.start_soon(request, tenant, f"{tenant.name}{i}")
-            await trio.testing.wait_all_tasks_blocked()
-        for _ in range(4):
-            bench.admission.release(slot.pop(0))
-            await trio.testing.wait_all_tasks_blocked()
-    assert order == ["a0", "a1", "a2", "b3"]
-
-
-async def test_a_queued_client_that_leaves_leaves_the_queue(
-    autojump_clock: trio.testing.MockClock,
-) -> None:
-    """The client leaving cancels its request (the server's disconnect hook): the wait ends
-    at once and the request is out of the queue."""
-    bench = Bench(AdmissionConfig(max_in_flight_per_engine=1), engines=1)
-    held = await bench.acquire()
-    async with trio.open_nursery() as nursery:
-        request = trio.CancelScope()
-
-        async def wait() -> None:
-            with request:
-                await bench.acquire()
-
-        nursery.start_soon(wait)
-        await trio.sleep(3)
-        assert bench.admission.queued() == {"m": 1}
-        request.cancel()
-        await trio.testing.wait_all_tasks_blocked()
-        assert bench.admission.queued() == {}
-    assert request.cancelled_caught and trio.current_time() == 3
-    bench.admission.release(held)
-    assert held.in_flight == 0
 
 
 async def test_reload_with_a_full_queue_drops_nothing(
@@ -269,30 +182,6 @@ async def test_an_engine_removed_while_requests_wait(
         await trio.testing.wait_all_tasks_blocked()
         nursery.cancel_scope.cancel()
     assert sorted(got) == ["e1", "e2"]
-
-
-async def test_an_engine_whose_own_queue_is_long_is_saturated(
-    autojump_clock: trio.testing.MockClock,
-) -> None:
-    bench = Bench(AdmissionConfig(max_waiting_per_engine=4), engines=1)
-    (engine,) = bench.table
-    engine.stats = EngineStats.scraped({"waiting": 6.0}, now=trio.current_time(), stale_after=15.0)
-    bench.admission.load_changed(engine)
-    assert bench.admission.saturated == {"e0"}
-    got: list[Engine] = []
-    async with trio.open_nursery() as nursery:
-
-        async def wait() -> None:
-            got.append(await bench.acquire())
-
-        nursery.start_soon(wait)
-        await trio.sleep(2)
-        assert got == []
-        engine.stats = EngineStats.scraped(
-            {"waiting": 1.0}, now=trio.current_time(), stale_after=15.0
-        )
-        bench.admission.load_changed(engine)  # the scraper saw the queue shrink
-    assert got == [engine]
 
 
 async def test_failover_gives_up_when_every_engine_was_tried(
