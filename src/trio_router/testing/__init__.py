@@ -12,7 +12,7 @@
 - `fake_network`: engines on socket pairs whose answers sleep on Trio's clock, for the
   discovery core on virtual time.
 - `fake_apiserver`: a wire-level fake Kubernetes API server (real HTTP list and watch) for the
-  official client, and a Trio-native fake pod source.
+  official client; `fake_pod_source`: a Trio-native fake pod source for the discovery core.
 - `core`: the discovery core (table, supervisors, reconciler) wired to fake engines.
 - `harness`: the real router (`server.run`) in front of fake engines, and raw-socket clients.
 - `processes`: subprocesses (a router process, or any command) with their output searchable.
