@@ -176,15 +176,26 @@ class FakeEngine:
         return {"object": "list", "data": data}
 
     def metrics_text(self) -> str:
-        """GET /metrics in vLLM's Prometheus text format, one series per base model."""
-        running = float(
-            self.in_flight if self.num_requests_running is None else self.num_requests_running
-        )
-        gauges = (
+        """GET /metrics in vLLM's Prometheus text format, one series per base model: the load
+        gauges, the prefix-cache and prompt-token counters, the latency histograms, the cache
+        configuration and the finished requests."""
+        lines = [
+            *self._families("gauge", self._load_gauges()),
+            *self._families("counter", self._token_counters()),
+            *self._histograms(),
+            *self._cache_config(),
+            *self._successes(),
+        ]
+        return "\n".join(lines) + "\n"
+
+    def _load_gauges(self) -> list[tuple[str, str, float]]:
+        """(name, help, value) of the gauges a router reads the engine's load from."""
+        running = self.in_flight if self.num_requests_running is None else self.num_requests_running
+        return [
             (
                 "vllm:num_requests_running",
                 "Number of requests in model execution batches.",
-                running,
+                float(running),
             ),
             (
                 "vllm:num_requests_waiting",
@@ -196,33 +207,38 @@ class FakeEngine:
                 "KV-cache usage. 1 means 100 percent usage.",
                 float(self.kv_cache_usage_perc),
             ),
-        )
-        lines: list[str] = []
-        for metric, help_text, value in gauges:
-            lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} gauge"]
-            lines += [f'{metric}{{engine="0",model_name="{m}"}} {value!r}' for m in self.models]
-        counters = (
+        ]
+
+    def _token_counters(self) -> list[tuple[str, str, float]]:
+        """(name, help, value) of the prefix-cache and prompt-token counters: the prefix
+        cache's when the engine has one, else every prompt token queried and none hit."""
+        queried = float(self.kv.queries if self.kv is not None else self.prompt_tokens)
+        return [
             (
                 "vllm:prefix_cache_queries_total",
                 "Prefix cache queries, in terms of number of queried tokens.",
-                float(self.kv.queries if self.kv is not None else self.prompt_tokens),
+                queried,
             ),
             (
                 "vllm:prefix_cache_hits_total",
                 "Prefix cache hits, in terms of number of cached tokens.",
                 float(self.kv.hits if self.kv is not None else 0),
             ),
-            (
-                "vllm:prompt_tokens_total",
-                "Number of prefill tokens processed.",
-                float(self.kv.queries if self.kv is not None else self.prompt_tokens),
-            ),
-        )
-        for metric, help_text, value in counters:
-            lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} counter"]
+            ("vllm:prompt_tokens_total", "Number of prefill tokens processed.", queried),
+        ]
+
+    def _families(self, kind: str, families: list[tuple[str, str, float]]) -> list[str]:
+        """Each family of `kind` (gauge, counter) with one sample per base model."""
+        lines: list[str] = []
+        for metric, help_text, value in families:
+            lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} {kind}"]
             lines += [f'{metric}{{engine="0",model_name="{m}"}} {value!r}' for m in self.models]
-        # Histograms' sums and counts (no buckets: what the router reads), as vLLM names them;
-        # a request spends no time in this engine's queue.
+        return lines
+
+    def _histograms(self) -> list[str]:
+        """The latency histograms' sums and counts (no buckets: what the router reads), as
+        vLLM names them; a request spends no time in this engine's queue."""
+        lines: list[str] = []
         for metric, help_text, total, count in (
             (
                 "vllm:time_to_first_token_seconds",
@@ -244,17 +260,26 @@ class FakeEngine:
                     f"{metric}_count{{{labels}}} {float(count)!r}",
                     f"{metric}_sum{{{labels}}} {float(total)!r}",
                 ]
-        lines += [
+        return lines
+
+    def _cache_config(self) -> list[str]:
+        """vLLM's cache configuration: the prefix cache's block size (a fixed one when the
+        engine has no prefix cache), prefix caching on."""
+        return [
             "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
             "# TYPE vllm:cache_config_info gauge",
             f'vllm:cache_config_info{{block_size="{self.kv.block_size if self.kv else 128}",'
             'enable_prefix_caching="True",engine="0",prefix_caching_hash_algo="sha256"} 1.0',
+        ]
+
+    def _successes(self) -> list[str]:
+        """The requests answered to the end, as finished by a stop."""
+        return [
             "# HELP vllm:request_success_total Count of successfully processed requests.",
             "# TYPE vllm:request_success_total counter",
+            *(
+                f'vllm:request_success_total{{engine="0",finished_reason="stop",'
+                f'model_name="{m}"}} {float(self.completed)!r}'
+                for m in self.models
+            ),
         ]
-        lines += [
-            f'vllm:request_success_total{{engine="0",finished_reason="stop",'
-            f'model_name="{m}"}} {float(self.completed)!r}'
-            for m in self.models
-        ]
-        return "\n".join(lines) + "\n"
