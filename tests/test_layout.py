@@ -24,14 +24,7 @@ PENDING: Final = frozenset(
         ("trio_router/discovery/kubernetes.py", "__init__"),
         ("trio_router/discovery/loop.py", "run_list_watch"),
         ("trio_router/discovery/stats.py", "run_stats_scraper"),
-        ("trio_router/routing/kv_aware.py", "__init__"),
-        ("trio_router/serving/admission.py", ""),
         ("trio_router/serving/prepared.py", "_for"),
-        ("trio_router/testing/envoy.py", "gateway_config"),
-        ("trio_router/testing/fake_apiserver.py", ""),
-        ("trio_router/testing/fake_apiserver.py", "_watch"),
-        ("trio_router/testing/fake_engine.py", "metrics_text"),
-        ("trio_router/tracing.py", "end_request"),
     }
 )
 # The tier of each top-level module or package of trio_router; a module may import its own
