@@ -4,7 +4,7 @@
 
 Three processes besides this one, all on loopback:
 
-- the wire-level fake Kubernetes API server (tests/fake_apiserver.py) with realistic pod
+- the wire-level fake Kubernetes API server (trio_router.testing.fake_apiserver) with realistic pod
   objects (about 2.4 KB per watch event), driven by this script over a pipe;
 - a fleet of fake vLLM engines (bench/fleet.py), each on its own address 127.0.x.y (the pod
   IPs), healthy, slow or hanging, closing idle connections after 5 s as vLLM does;
