@@ -1,6 +1,6 @@
 """Hostile clients against the real router process: what they cost, measured black box.
 
-    python bench/bench_hostile.py [--scenario slow-reader,big-bodies,burst]
+    python bench/bench_hostile.py [--scenario slow-reader,big-bodies,burst] [--big-body array]
 
 Two fake engines (bench/fleet.py, fast, on 127.0.8.1 and 127.0.8.2) and the router
 (`trio-router --config FILE`, static discovery, default settings but `server.drain_s`),
@@ -10,7 +10,9 @@ all on loopback; every load is bounded in count and time.
   the router gets SIGTERM: how long until the process has exited (goal: `drain_s` + 5 s).
 - `big-bodies`: six clients each post a 30 MB JSON body at once, while another sends small
   requests: the router's peak RSS (goal: under 400 MB) and the small requests' p99 (goal:
-  under 300 ms), and what the big ones got.
+  under 300 ms), and what the big ones got. The body is a chat whose one message is 30 MB
+  of text (`--big-body text`, the default) or a small chat with a 15-million element array
+  beside its messages (`--big-body array`: decoded, it would be 15 million objects).
 - `burst`: 600 concurrent clients send chat requests for 8 s: outcomes, p99, and engines
   ejected (from the router's log; goal: no error, no ejection).
 """
@@ -28,9 +30,10 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -141,10 +144,17 @@ async def slow_reader(workdir: Path) -> dict[str, Any]:
         }
 
 
-async def big_bodies(workdir: Path) -> dict[str, Any]:
-    big = json.dumps(
+def big_body(kind: str) -> bytes:
+    if kind == "array":
+        chat = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
+        return json.dumps({**chat, "extra": [0] * 15_000_000}, separators=(",", ":")).encode()
+    return json.dumps(
         {"model": "fake-model", "messages": [{"role": "user", "content": "x" * (30 * 1000 * 1000)}]}
     ).encode()
+
+
+async def big_bodies(workdir: Path, *, body: str = "text") -> dict[str, Any]:
+    big = big_body(body)
     async with router(workdir) as r:
         peak, small, outcomes = 0.0, [], Counter[str]()
         limits = httpx.Limits(max_connections=20)
@@ -179,6 +189,7 @@ async def big_bodies(workdir: Path) -> dict[str, Any]:
                 done.set()
         return {
             "scenario": "big-bodies",
+            "body": body,
             "body_mb": round(len(big) / 1e6, 1),
             "big_outcomes": dict(outcomes),
             "router_peak_rss_mib": round(peak, 1),
@@ -249,7 +260,11 @@ async def burst(workdir: Path, *, clients: int = 600, seconds: float = 8.0) -> d
 
 
 async def main_async(args: argparse.Namespace) -> None:
-    runs = {"slow-reader": slow_reader, "big-bodies": big_bodies, "burst": burst}
+    runs: dict[str, Callable[[Path], Awaitable[dict[str, Any]]]] = {
+        "slow-reader": slow_reader,
+        "big-bodies": partial(big_bodies, body=args.big_body),
+        "burst": burst,
+    }
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.scenario.split(","):
@@ -265,6 +280,7 @@ async def main_async(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scenario", default="slow-reader,big-bodies,burst")
+    parser.add_argument("--big-body", choices=["text", "array"], default="text")
     parser.add_argument("--json-out", default="")
     args = parser.parse_args()
     os.environ.setdefault("PYTHONUNBUFFERED", "1")

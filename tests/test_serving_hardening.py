@@ -9,6 +9,7 @@ import json
 import logging
 import math
 import socket
+import tracemalloc
 from typing import Any, Final
 
 import httpx
@@ -224,6 +225,63 @@ async def test_a_large_body_is_parsed_off_the_event_loop_and_served() -> None:
             assert engine.requests_to(CHAT)[-1].body == big
             bad = await router.client.post(CHAT, content=b'{"pad": "' + b"z" * (2 << 20) + b'"}')
             assert bad.status_code == 400 and "model" in bad.json()["error"]["message"]
+
+
+async def test_a_large_body_is_not_decoded_whole_while_it_is_served() -> None:
+    """Of a large body the router decodes only what routing reads (its model; with
+    `proxy.resume` on, as by default, more of a streamed request): while it waits for its
+    engine, the serving path holds its bytes and no decoded copy of the rest (a long array
+    beside its messages here); the engine gets the body as it came."""
+    big = json.dumps({**chat(), "extra": [0] * 1_000_000}, separators=(",", ":")).encode()
+    engine = FakeEngine(gate=trio.Event())
+    answers: list[httpx.Response] = []
+    queued = 'trio_router_model_queued_requests{model="fake-model",'
+    with trio.fail_after(LIMIT):
+        async with (
+            open_router([engine], admission={"max_in_flight_per_engine": 1}) as router,
+            trio.open_nursery() as nursery,
+        ):
+
+            async def post(body: bytes) -> None:
+                answers.append(await router.client.post(CHAT, content=body))
+
+            nursery.start_soon(post, BODY)
+            await engine.wait_until(lambda: engine.in_flight == 1)  # the engine's one slot
+            tracemalloc.start(64)
+            try:
+                nursery.start_soon(post, big)
+                while not any(
+                    line.startswith(queued) and line.endswith(" 1.0")
+                    for line in (await router.client.get("/metrics")).text.splitlines()
+                ):
+                    await trio.testing.wait_all_tasks_blocked()
+                snapshot = tracemalloc.take_snapshot()  # the big one waits, resolved
+            finally:
+                tracemalloc.stop()
+            assert engine.gate is not None
+            engine.gate.set()
+    serving = tracemalloc.Filter(True, "*/trio_router/serving/*", all_frames=True)
+    held = sum(trace.size for trace in snapshot.filter_traces([serving]).traces)
+    assert held < 1.5 * len(big)  # the body's bytes as read, at most
+    assert [a.status_code for a in answers] == [200, 200]
+    assert engine.requests_to(CHAT)[-1].body == big
+
+
+async def test_a_large_body_whose_model_is_rewritten_keeps_its_other_bytes() -> None:
+    """A large body for an alias reaches the engine with its "model" replaced in its bytes:
+    every other member's value byte for byte (numbers, escapes and spaces as the client wrote
+    them), none of it decoded and encoded again."""
+    messages = b'[{"role": "user", "content": "caf\\u00e9 \\"x\\""}]'
+    extra = b"[" + b"1.50, " * 200_000 + b"1e3]"
+    big = b'{"model": "chat", "messages": %s, "max_tokens": 2, "extra": %s}' % (messages, extra)
+    engine = FakeEngine()
+    with trio.fail_after(LIMIT):
+        async with open_router([engine], routing={"aliases": {"chat": "fake-model"}}) as router:
+            response = await router.client.post(CHAT, content=big)
+    assert response.status_code == 200, response.text
+    sent = engine.requests_to(CHAT)[-1].body
+    assert json.loads(sent) == {**json.loads(big), "model": "fake-model"}
+    assert messages in sent and extra in sent and b'"max_tokens":2' in sent
 
 
 # -- slow readers, bounded connections --------------------------------------------------------

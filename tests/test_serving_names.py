@@ -4,6 +4,7 @@ every split of its answer, and end to end through the router in front of fake en
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import re
 from functools import partial
@@ -214,6 +215,26 @@ async def test_an_engine_that_keeps_refusing_is_ejected_though_a_fallback_took_i
                 assert response.headers[MODEL_HEADER] == "fake-model"
             routable = {e.name for e in router.table.routable("big-model")}
     assert routable == set()  # both ejected by their refusals
+
+
+async def test_a_large_streamed_request_falls_back_with_its_own_members() -> None:
+    """A large streamed chat, sent on with `return_token_ids` (`proxy.resume`), whose
+    engine refuses: the fallback's engine gets it with its model replaced, asked for token
+    ids once, the client's members unchanged; the client, who did not ask for token ids,
+    gets none."""
+    big = FakeEngine(name="big", models=["big-model"])
+    big.inference_fail_status = 503
+    small = FakeEngine(name="small", tokens=3)
+    body = chat("big-model", stream=True, messages=[{"role": "user", "content": "x" * (1 << 20)}])
+    with trio.fail_after(LIMIT):
+        async with fallback_router([big, small]) as router:
+            response = await router.client.post(CHAT, json=body)
+    assert response.status_code == 200, response.text
+    assert "data: [DONE]" in response.text and '"token_ids":[' not in response.text
+    assert big.requests_to(CHAT)[-1].json() == {**body, "return_token_ids": True}
+    sent = small.requests_to(CHAT)[-1].body
+    assert sent.count(b'"return_token_ids"') == 1
+    assert json.loads(sent) == {**body, "model": "fake-model", "return_token_ids": True}
 
 
 async def test_without_fallbacks_an_engines_refusal_is_the_answer() -> None:

@@ -59,6 +59,7 @@ from .serving.app import RouterApp
 from .serving.exchange import request_ids
 from .serving.intake import BodyBudget, BodyParser
 from .serving.reload import ReloadOutcome, log_applied, plan
+from .serving.resume import RESUME_READS
 from .serving.runtime import Runtime, Services, build_runtime
 from .serving.tokens import Tokenizer
 from .table import Engine, RoutingTable
@@ -313,7 +314,7 @@ def _services(
         tenants=parts.tenants,
         limits=parts.limits,
         bodies=BodyBudget(config.server.max_buffered_body_bytes),
-        parser=BodyParser(),
+        parser=BodyParser(streamed_reads=RESUME_READS),
         tokenizer=Tokenizer(
             timeout=config.routing.tokenize_timeout_s,
             on_answer=metrics.tokenized,

@@ -44,8 +44,8 @@ class Policy(Protocol):
     """A routing policy. `choose` is pure and synchronous; `forget` drops per-engine memory."""
 
     name: str
-    # It reads more of a request than its model (the session key, the opening): the request
-    # is parsed whole and `request_info` rendered for it.
+    # It reads more of a request than its model (the session key, the opening): the members
+    # `request_info` reads (`request_reads`) are parsed, and it is rendered for the request.
     needs_request_info: bool
     # It routes on the prompt's token ids (`RequestInfo.tokens`), asked of an engine first.
     needs_tokens: bool

@@ -12,7 +12,7 @@ from ..config import RoutingConfig
 from ..errors import BadRequestError
 from ..table import Engine
 
-__all__ = ["Decision", "RequestInfo", "render_opening", "request_info"]
+__all__ = ["Decision", "RequestInfo", "render_opening", "request_info", "request_reads"]
 
 _ROLE_SEP, _MESSAGE_SEP = "\x1f", "\x1e"  # separators that do not occur in ordinary text
 _HEADER_ROLES: Final = frozenset({"system", "developer"})  # a conversation's shared header
@@ -69,6 +69,13 @@ def request_info(
             header_chars=config.prefix_header_chars,
         )
     return RequestInfo(model=model, session_key=key, opening=opening)
+
+
+def request_reads(config: RoutingConfig) -> frozenset[str]:
+    """The members of a body that `request_info` reads under `config`."""
+    if config.policy in ("prefix_aware", "kv_aware"):
+        return frozenset({"model", "user", "messages", "prompt"})
+    return frozenset({"model", "user"})
 
 
 def _header(headers: Mapping[str, str] | Iterable[tuple[bytes, bytes]], name: str) -> str | None:

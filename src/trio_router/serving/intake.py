@@ -12,7 +12,8 @@
   `server.request_body_timeout_s`, and held within the router-wide body budget
   (`BodyBudget`, `server.max_buffered_body_bytes`).
 - `BodyParser`: the JSON of a body; large bodies are parsed in a worker thread, and only
-  their model when routing needs no more.
+  the members routing reads (`Reads`): the rest stays bytes, forwarded as it came, and a
+  member the router sets is replaced in those bytes (`set_members`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, Final
 
 import msgspec
@@ -43,12 +43,15 @@ __all__ = [
     "DEADLINE_HEADER",
     "LARGE_BODY_BYTES",
     "PRIORITY_HEADER",
+    "SERVING_READS",
     "BodyBudget",
     "BodyParser",
     "Held",
+    "Reads",
     "RequestHead",
     "read_body",
     "read_head",
+    "set_members",
 ]
 
 PRIORITY_HEADER: Final = b"x-trio-router-priority"
@@ -260,33 +263,46 @@ async def read_body(
 
 
 # -- the JSON ---------------------------------------------------------------------------------
-class _ModelOnly(msgspec.Struct):
-    model: str
-    # /v1/responses: which engine holds the response it continues, and whether it names its own
-    previous_response_id: Any = None
-    request_id: Any = None
-    priority: Any = None  # vLLM's, replaced with `admission.priority_to_engines`
+# What the serving path itself reads of every request (the model and what /v1/responses
+# continues, vLLM's priority it may replace, whether the answer is streamed).
+SERVING_READS: Final = frozenset(
+    {"model", "previous_response_id", "request_id", "priority", "stream"}
+)
 
 
-_decode_model_only: Final = msgspec.json.Decoder(_ModelOnly).decode
+@dataclass(frozen=True, slots=True)
+class Reads:
+    """The members of a large body that routing reads (`BodyParser.parse`): `members` of
+    every request; with `streamed`, of a request with `"stream": true` also what carrying its
+    stream on at another engine reads (the parser's `streamed_reads`)."""
+
+    members: frozenset[str]
+    streamed: bool = False
 
 
 class BodyParser:
     """Parses request bodies: small ones at once, large ones (over LARGE_BODY_BYTES) in a
-    worker thread, LARGE_PARSES at a time."""
+    worker thread, LARGE_PARSES at a time. `streamed_reads`: the members that carrying a
+    stream on reads of a streamed request (`resume.RESUME_READS`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, streamed_reads: frozenset[str]) -> None:
         self._limiter = trio.CapacityLimiter(LARGE_PARSES)
+        self._streamed_reads = streamed_reads
+        self._decoders: dict[Reads, _Members] = {}
 
-    async def parse(self, body: bytes | bytearray, *, model_only: bool) -> dict[str, Any]:
-        """The JSON object of `body` (with `model_only`, of a large body only its model:
-        msgspec skips the rest without building it, so a 30 MB request costs no more than its
-        bytes). BadRequestError if it is not an object with a string model."""
+    async def parse(self, body: bytes | bytearray, *, reads: Reads | None) -> dict[str, Any]:
+        """The JSON object of `body`; of a large body only the members `reads` names (all
+        of them when None): msgspec skips the others without building them, so a large
+        request costs little more than its bytes. BadRequestError if it is not an object
+        with a string model."""
         if len(body) <= LARGE_BODY_BYTES:
             return parse_json(body)
-        return await trio.to_thread.run_sync(
-            partial(_parse_large, body, model_only=model_only), limiter=self._limiter
-        )
+        if reads is None:
+            return await trio.to_thread.run_sync(parse_json, body, limiter=self._limiter)
+        if (members := self._decoders.get(reads)) is None:
+            streamed = self._streamed_reads if reads.streamed else frozenset()
+            members = self._decoders[reads] = _Members(reads.members, streamed)
+        return await trio.to_thread.run_sync(members.parse, body, limiter=self._limiter)
 
     async def form(self, body: bytes | bytearray, content_type: bytes | None) -> FormModel:
         """The `model` field of a multipart form upload (`forms.form_model`), read in a
@@ -299,13 +315,13 @@ class BodyParser:
         self, body: bytes | bytearray, payload: dict[str, Any], members: dict[str, Any]
     ) -> tuple[dict[str, Any], bytes]:
         """The request with `members` set (its "model", its "priority"): its payload and its
-        body re-encoded (the other members as they were, in their order). A large body whose
-        model alone was read is parsed whole first, in a worker thread."""
+        body, the other members as they were, in their order. A small body is re-encoded
+        from its payload; a large one, whose payload may hold only what routing reads, has
+        its members replaced in its bytes (`set_members`), in a worker thread."""
         if len(body) <= LARGE_BODY_BYTES:
             return _with_members(payload, members)
-        return await trio.to_thread.run_sync(
-            lambda: _with_members(parse_json(body), members), limiter=self._limiter
-        )
+        encoded = await trio.to_thread.run_sync(set_members, body, members, limiter=self._limiter)
+        return {**payload, **members}, encoded
 
 
 def _with_members(payload: dict[str, Any], members: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
@@ -313,34 +329,64 @@ def _with_members(payload: dict[str, Any], members: dict[str, Any]) -> tuple[dic
     return payload, msgspec.json.encode(payload)
 
 
-def _parse_large(body: bytes | bytearray, *, model_only: bool) -> dict[str, Any]:
-    if not model_only:
-        return parse_json(body)
+_decode_top_level: Final = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
+
+
+def set_members(body: bytes | bytearray, members: dict[str, Any]) -> bytes:
+    """`body` (a JSON object) with `members` set: every other member's value as it was,
+    byte for byte, in its place (a new member goes last). Nothing but the top level is
+    decoded."""
+    return msgspec.json.encode({**_decode_top_level(body), **members})
+
+
+class _Members:
+    """What routing reads of a large body (see `BodyParser.parse`): the members `always`
+    names, and `streamed` of a streamed request, each found as its raw JSON (nothing else is
+    built) and decoded as `json.loads` decodes it in a small body."""
+
+    __slots__ = ("_always", "_decode", "_names", "_streamed")
+
+    def __init__(self, always: frozenset[str], streamed: frozenset[str]) -> None:
+        self._always = always | {"model"}
+        self._streamed = streamed - self._always
+        self._names = tuple(sorted(self._always | self._streamed))
+        fields = [(name, msgspec.Raw, msgspec.UNSET) for name in self._names]
+        self._decode = msgspec.json.Decoder(msgspec.defstruct("Members", fields)).decode
+
+    def parse(self, body: bytes | bytearray) -> dict[str, Any]:
+        try:
+            found = self._decode(body)
+        except msgspec.ValidationError as exc:  # a DecodeError too: first
+            raise BadRequestError(f"request body must be a JSON object: {exc}") from None
+        except msgspec.DecodeError as exc:
+            raise BadRequestError(f"request body is not valid JSON: {exc}") from None
+        raw = {
+            name: value
+            for name in self._names
+            if (value := getattr(found, name)) is not msgspec.UNSET
+        }
+        payload = {name: _loads(value) for name, value in raw.items() if name in self._always}
+        model = payload.get("model")
+        if not isinstance(model, str) or not model:
+            raise BadRequestError('request body has no "model" string')
+        if payload.get("stream") is True:
+            payload |= {
+                name: _loads(value) for name, value in raw.items() if name in self._streamed
+            }
+        return payload
+
+
+def _loads(data: bytes | bytearray | msgspec.Raw) -> Any:
     try:
-        found = _decode_model_only(body)
-    except msgspec.DecodeError as exc:
+        return json.loads(data if isinstance(data, bytes | bytearray) else bytes(data))
+    except (ValueError, RecursionError) as exc:
         raise BadRequestError(f"request body is not valid JSON: {exc}") from None
-    except msgspec.ValidationError as exc:
-        raise BadRequestError(f'request body has no "model" string: {exc}') from None
-    if not found.model:
-        raise BadRequestError('request body has no "model" string')
-    payload: dict[str, Any] = {"model": found.model}
-    if found.previous_response_id is not None:
-        payload["previous_response_id"] = found.previous_response_id
-    if found.request_id is not None:
-        payload["request_id"] = found.request_id
-    if found.priority is not None:
-        payload["priority"] = found.priority
-    return payload
 
 
 def parse_json(body: bytes | bytearray) -> dict[str, Any]:
     """The JSON object of a request; BadRequestError if it is not one or has no string
     model."""
-    try:
-        payload = json.loads(body)
-    except (ValueError, RecursionError) as exc:
-        raise BadRequestError(f"request body is not valid JSON: {exc}") from None
+    payload = _loads(body)
     if not isinstance(payload, dict):
         raise BadRequestError(f"request body must be a JSON object, got {type(payload).__name__}")
     model = payload.get("model")

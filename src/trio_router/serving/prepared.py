@@ -22,14 +22,16 @@ from ..errors import BadRequestError, NoEngineError, RequestError, UnknownModelE
 from ..limits.tenants import Tenant
 from ..routing.disaggregation import PD_PATHS
 from ..routing.policy import RequestInfo, request_info
+from ..routing.request import request_reads
 from ..table import Engine, RoutingTable
 from .admin import missing_model
 from .admission import ANYTIME, Urgency
 from .forms import FORM_PATHS, FormModel
-from .intake import RequestHead
+from .intake import SERVING_READS, Reads, RequestHead
 from .record import ExchangeRecord
 from .runtime import Runtime
 from .stored import ResponseNotFoundError, holder, stored_response_id
+from .tokens import TOKENIZE_READS
 
 __all__ = [
     "PRIORITY_PATHS",
@@ -192,10 +194,7 @@ async def _read(
         form = await services.parser.form(body, content_type)
         payload: dict[str, Any] = {"model": form.model}
     else:
-        # Resumable streams need the whole request to be carried on (`resume`).
-        resume = rt.resume is not None and path in PD_PATHS
-        model_only = not (rt.needs_request_info or rt.disaggregation is not None or resume)
-        payload = await services.parser.parse(body, model_only=model_only)
+        payload = await services.parser.parse(body, reads=_reads(rt, path))
     record.model = payload["model"]
     chain = rt.names.chain(payload["model"])
     if path != "/v1/responses":
@@ -210,6 +209,20 @@ async def _read(
             )
         chain = chain[:1]
     return _Read(payload, chain, pinned, form, name_responses="request_id" not in payload)
+
+
+def _reads(rt: Runtime, path: str) -> Reads | None:
+    """What routing reads of a large body on `path` (`intake.Reads`): what the serving
+    path, the policy and the tokenizer read, and what `resume` reads of a stream it may
+    carry on; all of it with disaggregation, whose prefill request is made of it."""
+    if rt.disaggregation is not None:
+        return None
+    members = SERVING_READS
+    if rt.needs_request_info:
+        members |= request_reads(rt.config.routing)
+    if rt.needs_tokens:
+        members |= TOKENIZE_READS
+    return Reads(members, streamed=rt.resume is not None and path in PD_PATHS)
 
 
 def _missing(

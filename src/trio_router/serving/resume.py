@@ -22,15 +22,18 @@ partial event (`MAX_EVENT_BYTES`; a longer one is a malformed answer).
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, Final
 
 import msgspec
 
 from ..http import EngineBrokeOffError, MalformedResponseError
+from .intake import set_members
 from .prepared import Prepared
 
 __all__ = [
     "RESUMABLE_PATHS",
+    "RESUME_READS",
     "StreamAbortedError",
     "Track",
     "continuation",
@@ -81,6 +84,23 @@ _SAMPLING: Final = (
     "priority",
     "user",
 )
+# What `resumable`, `with_token_ids`, `continuation` and the deliverer read of a streamed
+# request (of a large body, only these are decoded: `intake.BodyParser`).
+RESUME_READS: Final = frozenset(
+    {
+        "stream",
+        "n",
+        "messages",
+        "prompt",
+        "return_token_ids",
+        "stream_options",
+        "max_tokens",
+        "max_completion_tokens",
+        "min_tokens",
+        *_NOT_RESUMABLE,
+        *_SAMPLING,
+    }
+)
 _TOKEN_IDS: Final = b'"token_ids":['
 _PROMPT_IDS: Final = b'"prompt_token_ids":['
 # A token of content, no reasoning or tool call: a chat's delta, a completion's text, after
@@ -94,6 +114,8 @@ _PLAIN_END_FRAMED: Final = _PLAIN_END + b"\r\n"  # as it ends an HTTP chunk
 _NULLED_EVENT_END: Final = b'"finish_reason":null,"token_ids":null}]}\n\n'
 _NEVER: Final = b"\x00"  # a prefix no event begins with
 _encode = msgspec.json.encode
+_ASKED: Final = b'{"return_token_ids":true'  # what `with_token_ids` puts first
+_OPENING: Final = re.compile(rb"[ \t\r\n]*\{[ \t\r\n]*")  # a JSON object's, to its first member
 MAX_EVENT_BYTES: Final = 1 << 20  # one event of a followed stream, held until its end
 
 
@@ -121,17 +143,16 @@ def resumable(prepared: Prepared) -> str | None:
 
 
 def with_token_ids(prepared: Prepared) -> bytes | bytearray:
-    """The request's body asking the engine for the token ids of its answer."""
+    """The request's body asking the engine for the token ids of its answer: the member
+    put first (one copy of the body), or set in place when the client sent one."""
     payload, body = prepared.payload, prepared.body
-    if payload.get("return_token_ids") is True:
-        return body
-    if "return_token_ids" not in payload:
-        start = body.find(b"{")
-        if start >= 0 and not body[:start].strip():
-            rest = body[start + 1 :].lstrip()
-            joint = b"" if rest.startswith(b"}") else b","
-            return b'{"return_token_ids":true' + joint + bytes(rest)
-    return _encode({**payload, "return_token_ids": True})
+    if payload.get("return_token_ids") is True or body[: len(_ASKED)] == _ASKED:
+        return body  # asked by the client, or here for a model before (`for_model` kept it)
+    if "return_token_ids" not in payload and (opening := _OPENING.match(body)):
+        end = opening.end()
+        joint = b"" if body[end : end + 1] == b"}" else b","
+        return b"".join((_ASKED, joint, memoryview(body)[end:]))
+    return set_members(body, {"return_token_ids": True})
 
 
 def _ids(raw: bytes) -> list[int]:

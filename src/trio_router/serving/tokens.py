@@ -23,7 +23,7 @@ from ..config import Config
 from ..http import MalformedResponseError, TransportError, UpstreamPool, fetch
 from ..table import Engine
 
-__all__ = ["Tokenizer"]
+__all__ = ["TOKENIZE_READS", "Tokenizer"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +39,8 @@ _CHAT_FIELDS: Final = (
     "add_special_tokens",
     "mm_processor_kwargs",
 )
+# What the prompt's token ids are made of (here, and by the router's own tokenizer).
+TOKENIZE_READS: Final = frozenset({"prompt", *_CHAT_FIELDS})
 _JSON: Final = [(b"content-type", b"application/json")]
 _TOKENIZE_WINDOW: Final = 8  # candidates compared for the least busy one
 
