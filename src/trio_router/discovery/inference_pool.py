@@ -36,7 +36,7 @@ import trio
 
 from ..config import KubernetesConfig
 from ..table import EventType, Pod, PodEvent
-from .kubernetes import KubernetesCustomObjectSource, own_namespace
+from .kubernetes import CustomObject, KubernetesCustomObjectSource, own_namespace
 from .loop import (
     FAILING_AFTER_ERRORS,
     DiscoveryStatus,
@@ -123,16 +123,15 @@ def inference_pool_source(
     config: KubernetesConfig, *, api_client_factory: Callable[[], Any] | None = None
 ) -> KubernetesCustomObjectSource[InferencePool]:
     """The real source of the pool `config.inference_pool` in `config.namespace`."""
-    return KubernetesCustomObjectSource(
-        config,
+    pool = CustomObject(
         group=GROUP,
         version=VERSION,
         plural=PLURAL,
         name=config.inference_pool,
         parse=pool_from_dict,
         hints=HINTS,
-        api_client_factory=api_client_factory,
     )
+    return KubernetesCustomObjectSource(config, pool, api_client_factory=api_client_factory)
 
 
 # -- status ---------------------------------------------------------------------------------
