@@ -6,6 +6,7 @@ test_discovery_kubernetes_codec.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import random
@@ -50,7 +51,14 @@ async def running(
     status = DiscoveryStatus()
     async with trio.open_nursery() as nursery:
         await nursery.start(
-            partial(run_kubernetes_discovery, source, sink, status, config, rng=random.Random(seed))
+            partial(
+                run_kubernetes_discovery,
+                source,
+                sink,
+                status,
+                config,
+                tuning=WatchTuning(rng=random.Random(seed)),
+            )
         )
         yield status
         nursery.cancel_scope.cancel()
@@ -242,7 +250,7 @@ async def test_1_12_a_long_outage_is_not_a_hot_loop(autojump_clock: trio.testing
 def test_1_12_backoff_delays_stay_within_their_bounds() -> None:
     tuning = WatchTuning()
     for seed in range(20):
-        backoff, now = Backoff(tuning, random.Random(seed)), 0.0
+        backoff, now = Backoff(dataclasses.replace(tuning, rng=random.Random(seed))), 0.0
         for k in range(15):
             delay = backoff.next_delay(now)
             assert base_delay(k) <= delay <= 2 * base_delay(k) <= 2 * tuning.backoff_max_s

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
@@ -188,22 +187,21 @@ async def run_inference_pool_discovery(
     config: KubernetesConfig,
     *,
     tuning: WatchTuning | None = None,
-    rng: random.Random | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Mirror the engines of the InferencePool `config.inference_pool` into `reconciler`
     (made with `port_in_uid=True`) until cancelled: watch the pool from `pools`, and its pods
     from a source `new_pods(config)` per selector, `config.label_selector` being the pool's.
+    Both watches are paced by `tuning` (see `loop.run_list_watch`).
 
     Ready once the first LIST of the pool has been tried and, if it found a valid pool, the
     first LIST of its pods too. Never raises for Kubernetes errors or bad pools: they are
     logged and reported by `status`. Cancellation stops both watches (their threads are
     told to stop and abandoned)."""
-    rng = rng or random.Random()
     tuning = tuning or WatchTuning()
     async with trio.open_nursery() as nursery:
         follower = _PoolFollower(
-            nursery, partial(_run_pods, new_pods, status, tuning, rng), reconciler, status, config
+            nursery, partial(_run_pods, new_pods, status, tuning), reconciler, status, config
         )
         await nursery.start(
             partial(
@@ -214,7 +212,6 @@ async def run_inference_pool_discovery(
                 config,
                 what=f"InferencePool {status.pool_name}",
                 tuning=tuning,
-                rng=rng,
             )
         )
         await follower.wait_pods_tried()
@@ -255,14 +252,13 @@ async def _run_pods(
     new_pods: Callable[[KubernetesConfig], PodSource],
     status: DiscoveryStatus,
     tuning: WatchTuning,
-    rng: random.Random,
     run: _PodRun,
     config: KubernetesConfig,
 ) -> None:
     """Run pod discovery for `run` (its `config` selecting the pool's pods) until stopped."""
     with run.scope:
         await run_kubernetes_discovery(
-            new_pods(config), run, status, config, tuning=tuning, rng=rng, task_status=run
+            new_pods(config), run, status, config, tuning=tuning, task_status=run
         )
 
 
