@@ -213,9 +213,10 @@ class Picker:
             route = rt.route
             if (pinned := prepared.pinned) is not None:
                 route = Route(rt.policy, lambda roles: (pinned,))
-            chosen = await choose(prepared, record, rt, route, _outside(prepared, subset, rt))
+            chosen = await choose(prepared, rt, route, _outside(prepared, subset, rt))
             if not isinstance(chosen, Failed):
-                return chosen, prepared
+                record.tried(chosen.engine.name)
+                return chosen.engine, prepared
             index = next_model(rt.services.table, prepared, prepared.index)
             assert chosen.error is not None
             if index is None or not chosen.fallback:
