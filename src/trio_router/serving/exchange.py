@@ -2,7 +2,8 @@
 
     resolve  -> admit -> disaggregate, or try engines -> answer -> record
 
-`run_exchange` reads the request and resolves it (`prepared.resolve`: a frozen `Prepared`),
+`run_exchange` takes the request in as the endpoint picker does (`prepared.take_in`: its
+head and tenant), reads its body and resolves it (`prepared.resolve`: a frozen `Prepared`),
 admits it under its tenant's limits (`limits`), takes its token ids when the policy routes on
 them, routes it (to the engine that holds its stored response, through prefill and decode
 steps, or to the policy's choice, `failover.try_engines`: each try one `attempt.attempt`),
@@ -30,7 +31,7 @@ from collections.abc import Callable
 
 import trio
 
-from ..asgi import Receive, Scope
+from ..asgi import Receive
 from ..errors import RequestError
 from ..routing.route import Route
 from .answer import Answer
@@ -39,14 +40,14 @@ from .deliver import Deliver
 from .disaggregated import disaggregated
 from .errors import CLIENT_CLOSED, error_answer
 from .failover import Trail, try_engines
-from .intake import Held, read_body, read_head
+from .intake import Held, Incoming, read_body
 from .prepared import (
     Prepared,
     fell_back,
     for_model,
     next_model,
     resolve,
-    urgency_of,
+    take_in,
     with_tokens,
 )
 from .record import ExchangeRecord
@@ -67,15 +68,16 @@ def request_ids() -> Callable[[], bytes]:
     return lambda: b"%s-%d" % (prefix, next(counter))
 
 
-async def run_exchange(scope: Scope, receive: Receive, answer: Answer, rt: Runtime) -> None:
-    """Serve the request to its end (see the module's docstring). A cancellation from outside
-    (the drain deadline) propagates; the client leaving ends it quietly with status 499."""
-    record = ExchangeRecord.begin(rt.recording, scope)
+async def run_exchange(incoming: Incoming, receive: Receive, answer: Answer, rt: Runtime) -> None:
+    """Serve the request `incoming` (its body from `receive`) to its end (see the module's
+    docstring). A cancellation from outside (the drain deadline) propagates; the client
+    leaving ends it quietly with status 499."""
+    record = ExchangeRecord.begin(rt.recording, incoming)
     held = Held(rt.services.bodies)
     try:
         with trio.CancelScope() as cancel:
             answer.arm(cancel)
-            await _serve(scope, receive, answer, rt, record, held)
+            await _serve(incoming, receive, answer, rt, record, held)
         if cancel.cancelled_caught:  # only the client leaving cancels this scope
             record.status = CLIENT_CLOSED
     finally:
@@ -84,7 +86,7 @@ async def run_exchange(scope: Scope, receive: Receive, answer: Answer, rt: Runti
 
 
 async def _serve(
-    scope: Scope,
+    incoming: Incoming,
     receive: Receive,
     answer: Answer,
     rt: Runtime,
@@ -94,16 +96,11 @@ async def _serve(
     """Resolve, admit and route the request, and answer what its routing left to answer; the
     request leaves its tenant's limits however it ends."""
     services, server = rt.services, rt.config.server
-    head = read_head(scope["headers"], services.new_request_id, rt.upstream_authorization)
-    record.request_id = head.request_id
     try:
-        if head.invalid is not None:
-            raise head.invalid
-        tenant = services.tenants.authenticate(head.authorization)
-        record.tenant = tenant.name
+        intake = take_in(incoming, rt, record)
         body = await read_body(
             receive,
-            head.content_length,
+            intake.head.content_length,
             server.max_body_bytes,
             stall_s=server.request_body_timeout_s,
             held=held,
@@ -116,9 +113,8 @@ async def _serve(
         record.status = CLIENT_CLOSED  # the client left while sending
         return
     try:
-        urgency = urgency_of(rt, tenant, head, record)
-        prepared = await resolve(scope, head, tenant, body, rt, record, urgency)
-        ticket = await services.limits.admit(tenant)
+        prepared = await resolve(intake, body, rt, record)
+        ticket = await services.limits.admit(intake.tenant)
     except RequestError as exc:
         held.release()
         await _error(answer, record, exc)

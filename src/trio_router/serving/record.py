@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING, Final
 
 import trio
 
-from ..asgi import Scope
 from ..metrics import NO_LABEL, Metrics
 from ..tracing import Tracing
+from .intake import Incoming
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
@@ -72,14 +72,12 @@ class ExchangeRecord:
     refusal: str = ""  # why the router refused it (the error's code), if it did
 
     @classmethod
-    def begin(cls, recording: Recording, scope: Scope) -> ExchangeRecord:
-        """The record of the request `scope` describes, its span started (tracing on)."""
-        client = scope.get("client")
-        record = cls(
-            recording, scope["method"], scope["path"], f"{client[0]}:{client[1]}" if client else ""
-        )
+    def begin(cls, recording: Recording, incoming: Incoming) -> ExchangeRecord:
+        """The record of the request `incoming` (the proxy's or the picker's), its span
+        started (tracing on)."""
+        record = cls(recording, incoming.method, incoming.path, incoming.client)
         if (tracing := recording.tracing) is not None:
-            record.span = tracing.start_request(scope["method"], scope["path"], scope["headers"])
+            record.span = tracing.start_request(incoming.method, incoming.path, incoming.headers)
         return record
 
     @property
