@@ -142,7 +142,6 @@ async def running(
     pools: Source[InferencePool] | None = None,
     pods: Callable[[KubernetesConfig], PodSource] | None = None,
     tuning: WatchTuning = FAST,
-    rng: random.Random | None = None,
 ) -> AsyncIterator[Running]:
     """Pool discovery started as the server starts it (the real sources, unless `pools` and
     `pods` are given), into `core`'s table; cancelled when the block is left."""
@@ -164,7 +163,6 @@ async def running(
                 status,
                 config,
                 tuning=tuning,
-                rng=rng,
             )
         )
         yield Running(status, reconciler, limiters)
@@ -531,7 +529,7 @@ def running_fakes(
 ) -> AbstractAsyncContextManager[Running]:
     """`running` against Trio-native sources, with the default (client-go) backoff."""
     return running(
-        core, pool_config(), pools=pools, pods=pods, tuning=WatchTuning(), rng=random.Random(1)
+        core, pool_config(), pools=pools, pods=pods, tuning=WatchTuning(rng=random.Random(1))
     )
 
 

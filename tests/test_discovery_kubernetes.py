@@ -15,7 +15,8 @@ import pytest
 import trio
 
 from trio_router.config import KubernetesConfig, ProbeConfig
-from trio_router.discovery.kubernetes import WATCH_THREAD_NAME, KubernetesPodSource, _WatchStream
+from trio_router.discovery.kubernetes import WATCH_THREAD_NAME, KubernetesPodSource
+from trio_router.discovery.kubernetes.watch import WatchStream
 from trio_router.discovery.loop import (
     DiscoveryStatus,
     PodSink,
@@ -335,8 +336,8 @@ class _Observer:
 def test_1_21_thread_to_trio_after_the_run_finished_is_quiet() -> None:
     observer = _Observer()
 
-    async def open_stream() -> _WatchStream[Pod]:
-        return _WatchStream(
+    async def open_stream() -> WatchStream[Pod]:
+        return WatchStream(
             KubernetesPodSource(KubernetesConfig()),
             "1",
             60,
@@ -351,7 +352,7 @@ def test_1_21_thread_to_trio_after_the_run_finished_is_quiet() -> None:
 
 async def test_1_21_nothing_is_applied_after_the_stream_stopped() -> None:
     observer = _Observer()
-    stream = _WatchStream(
+    stream = WatchStream(
         KubernetesPodSource(KubernetesConfig()),
         "1",
         60,

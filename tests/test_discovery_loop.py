@@ -1,12 +1,13 @@
 """The discovery algorithm on Trio's virtual clock (`autojump_clock`), against the Trio-native
 `FakePodSource`: no threads, no sockets. Each test is named after the guarantee it proves;
 the official client and the thread bridge are tested over real HTTP in
-test_discovery_wire.py."""
+test_discovery_kubernetes.py, the decoding of what the API server sends in
+test_discovery_kubernetes_codec.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
-import json
 import math
 import random
 from collections.abc import AsyncIterator
@@ -16,12 +17,8 @@ from functools import partial
 import pytest
 import trio
 import trio.testing
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from kubernetes.client.exceptions import ApiException
 
 from trio_router.config import KubernetesConfig
-from trio_router.discovery.kubernetes import _decode_event, pod_from_dict, watch_event_from_dict
 from trio_router.discovery.loop import (
     FAILING_AFTER_ERRORS,
     Backoff,
@@ -54,7 +51,14 @@ async def running(
     status = DiscoveryStatus()
     async with trio.open_nursery() as nursery:
         await nursery.start(
-            partial(run_kubernetes_discovery, source, sink, status, config, rng=random.Random(seed))
+            partial(
+                run_kubernetes_discovery,
+                source,
+                sink,
+                status,
+                config,
+                tuning=WatchTuning(rng=random.Random(seed)),
+            )
         )
         yield status
         nursery.cancel_scope.cancel()
@@ -70,137 +74,6 @@ DEFAULT_TUNING = WatchTuning()
 def base_delay(k: int, tuning: WatchTuning = DEFAULT_TUNING) -> float:
     """The base delay d of the k-th consecutive failure (k = 0 for the first)."""
     return min(tuning.backoff_initial_s * tuning.backoff_factor**k, tuning.backoff_max_s)
-
-
-# -- pods --------------------------------------------------------------------------------------
-def test_pod_from_dict_reads_the_readiness_fields() -> None:
-    raw = pod_json(PodFacts("e", uid="u1", ip="10.0.0.7", restarts=2, terminating=True))
-    raw["status"]["containerStatuses"].append({"name": "sidecar", "restartCount": 3})
-    raw["status"]["conditions"].insert(0, {"type": "PodScheduled", "status": "True"})
-    pod = pod_from_dict(raw)
-    assert (pod.uid, pod.name, pod.ip, pod.phase) == ("u1", "e", "10.0.0.7", "Running")
-    assert pod.ready and pod.terminating and pod.restart_count == 5
-    assert not pod_from_dict(pod_json(PodFacts("e", ready=False))).ready
-    failed = pod_from_dict(pod_json(PodFacts("e", phase="Failed")))
-    assert failed.unroutable_reason() == "phase Failed"
-
-
-@pytest.mark.parametrize(
-    "raw",
-    [
-        {},
-        {"metadata": None, "status": None},
-        {"metadata": {"name": "e"}, "status": {"conditions": None, "containerStatuses": None}},
-        {
-            "metadata": {"name": "e", "uid": 7},
-            "status": {
-                "podIP": None,
-                "phase": 3,
-                "conditions": ["Ready", {"type": "Ready"}],
-                "containerStatuses": [None, {"restartCount": "2"}, {"restartCount": True}],
-            },
-        },
-    ],
-)
-def test_pod_from_dict_tolerates_missing_and_mistyped_fields(raw: dict[str, object]) -> None:
-    pod = pod_from_dict(raw)
-    assert (pod.ip, pod.phase, pod.ready, pod.terminating, pod.restart_count) == (
-        "",
-        "Unknown",
-        False,
-        False,
-        0,
-    )
-    assert pod.unroutable_reason() is not None
-    assert pod.uid == pod.name  # no UID: identified by name
-
-
-@settings(max_examples=200, deadline=None)
-@given(
-    name=st.text(max_size=20),
-    ip=st.sampled_from(["", "10.0.0.7", "fd00::1"]),
-    ready=st.booleans(),
-    phase=st.sampled_from(["Running", "Pending", "Failed", "Unknown"]),
-    restarts=st.integers(0, 10**6),
-    terminating=st.booleans(),
-    realistic=st.booleans(),
-    kind=st.sampled_from(["ADDED", "MODIFIED", "DELETED", "BOOKMARK", "WEIRD"]),
-    rv=st.text(max_size=12),
-)
-def test_watch_lines_decode_to_what_the_tolerant_path_reads(
-    name: str,
-    ip: str,
-    ready: bool,
-    phase: str,
-    restarts: int,
-    terminating: bool,
-    realistic: bool,
-    kind: str,
-    rv: str,
-) -> None:
-    """The fast decoder (msgspec, only the fields discovery reads) and the tolerant one
-    (json.loads + pod_from_dict) agree on every well-formed event."""
-    raw = {
-        "type": kind,
-        "object": pod_json(
-            PodFacts(
-                name,
-                ip=ip,
-                ready=ready,
-                phase=phase,
-                restarts=restarts,
-                terminating=terminating,
-                realistic=realistic,
-                resource_version=rv,
-            )
-        ),
-    }
-    line = json.dumps(raw).encode()
-    assert _decode_event(line) == watch_event_from_dict(raw)
-
-
-@pytest.mark.parametrize(
-    "raw",
-    [
-        {
-            "type": "MODIFIED",
-            "object": {
-                "metadata": {"name": "e", "uid": 7},
-                "status": {
-                    "podIP": None,
-                    "phase": 3,
-                    "conditions": ["Ready", {"type": "Ready"}],
-                    "containerStatuses": [None, {"restartCount": "2"}, {"restartCount": True}],
-                },
-            },
-        },
-        {"type": "ADDED", "object": pod_json(PodFacts("e", restarts=2)) | {"status": "odd"}},
-        {"type": 5, "object": []},
-    ],
-)
-def test_mistyped_watch_lines_take_the_tolerant_path(raw: dict[str, object]) -> None:
-    assert _decode_event(json.dumps(raw).encode()) == watch_event_from_dict(raw)
-
-
-def test_watch_error_lines_and_garbage() -> None:
-    error = _decode_event(
-        json.dumps(
-            {
-                "type": "ERROR",
-                "object": {
-                    "kind": "Status",
-                    "status": "Failure",
-                    "code": 410,
-                    "reason": "Expired",
-                    "message": "too old resource version",
-                },
-            }
-        ).encode()
-    )
-    assert isinstance(error, ApiException) and error.status == 410
-    assert "Expired: too old resource version" in str(error.reason)
-    assert _decode_event(b"  ") is None and _decode_event(b"{not json") is None
-    assert _decode_event(b"[1, 2]") is None
 
 
 # -- the algorithm -----------------------------------------------------------------------------
@@ -377,7 +250,7 @@ async def test_1_12_a_long_outage_is_not_a_hot_loop(autojump_clock: trio.testing
 def test_1_12_backoff_delays_stay_within_their_bounds() -> None:
     tuning = WatchTuning()
     for seed in range(20):
-        backoff, now = Backoff(tuning, random.Random(seed)), 0.0
+        backoff, now = Backoff(dataclasses.replace(tuning, rng=random.Random(seed))), 0.0
         for k in range(15):
             delay = backoff.next_delay(now)
             assert base_delay(k) <= delay <= 2 * base_delay(k) <= 2 * tuning.backoff_max_s

@@ -13,6 +13,7 @@ from trio_router.config import KubernetesConfig
 from trio_router.discovery.loop import (
     DiscoveryStatus,
     KubernetesConnectionError,
+    WatchTuning,
     run_kubernetes_discovery,
 )
 from trio_router.testing.core import FakeEngines, open_core
@@ -43,7 +44,7 @@ async def test_1_14_long_api_outage(autojump_clock: trio.testing.MockClock) -> N
                 core.reconciler,
                 status,
                 CONFIG,
-                rng=random.Random(7),
+                tuning=WatchTuning(rng=random.Random(7)),
             )
         )
         await core.wait_until("routable", "uid-1", "uid-2", "uid-3")
@@ -88,7 +89,7 @@ async def test_deleted_during_a_probe_storm_is_applied_at_once(
                 core.reconciler,
                 status,
                 CONFIG,
-                rng=random.Random(7),
+                tuning=WatchTuning(rng=random.Random(7)),
             )
         )
         for n in range(1, 11):

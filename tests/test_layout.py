@@ -19,11 +19,6 @@ GENERATED: Final = frozenset({"_envoy_proto"})  # written by setup.py, not by ha
 # module's length). Only shrinks; empty once the tree is under every limit.
 PENDING: Final = frozenset(
     {
-        ("trio_router/discovery/inference_pool.py", "run_inference_pool_discovery"),
-        ("trio_router/discovery/kubernetes.py", ""),
-        ("trio_router/discovery/kubernetes.py", "__init__"),
-        ("trio_router/discovery/loop.py", "run_list_watch"),
-        ("trio_router/discovery/stats.py", "run_stats_scraper"),
         ("trio_router/serving/prepared.py", "_for"),
     }
 )

@@ -166,6 +166,24 @@ async def test_the_subset_hint_restricts_the_choice(tmp_path: Path) -> None:
     assert "subset" in refused.json()["error"]["message"]
 
 
+async def test_a_subset_hint_given_as_one_string_restricts_the_choice(tmp_path: Path) -> None:
+    """Envoy's header-to-metadata filter gives the hint as one string, the endpoints separated
+    by commas (the reference endpoint picker takes that or a list): it restricts the choice as
+    the list it names would, entries stripped and empty ones ignored."""
+    fakes = engines(3)
+    with trio.fail_after(LIMIT):
+        async with open_router(fakes, picker=PICKER) as router:
+            picker = router.picker.removeprefix("grpc://")
+            hint = f" {endpoint(router, 0)},, {endpoint(router, 2)} ,"
+            async with (
+                open_envoy(Gateway(picker=picker, subset=hint), tmp_path) as proxy,
+                httpx.AsyncClient(base_url=proxy.url, timeout=LIMIT) as client,
+            ):
+                answers = [await client.post(CHAT, json=chat()) for _ in range(6)]
+    assert [answer.status_code for answer in answers] == [200] * 6
+    assert {answer.headers["x-engine"] for answer in answers} == {"e0", "e2"}
+
+
 async def test_refusals_reach_the_client_with_their_reason(tmp_path: Path) -> None:
     fakes = engines(1)
     with trio.fail_after(LIMIT):

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
@@ -36,7 +35,7 @@ import trio
 
 from ..config import KubernetesConfig
 from ..table import EventType, Pod, PodEvent
-from .kubernetes import KubernetesCustomObjectSource, own_namespace
+from .kubernetes import CustomObject, KubernetesCustomObjectSource, own_namespace
 from .loop import (
     FAILING_AFTER_ERRORS,
     DiscoveryStatus,
@@ -123,16 +122,15 @@ def inference_pool_source(
     config: KubernetesConfig, *, api_client_factory: Callable[[], Any] | None = None
 ) -> KubernetesCustomObjectSource[InferencePool]:
     """The real source of the pool `config.inference_pool` in `config.namespace`."""
-    return KubernetesCustomObjectSource(
-        config,
+    pool = CustomObject(
         group=GROUP,
         version=VERSION,
         plural=PLURAL,
         name=config.inference_pool,
         parse=pool_from_dict,
         hints=HINTS,
-        api_client_factory=api_client_factory,
     )
+    return KubernetesCustomObjectSource(config, pool, api_client_factory=api_client_factory)
 
 
 # -- status ---------------------------------------------------------------------------------
@@ -189,22 +187,21 @@ async def run_inference_pool_discovery(
     config: KubernetesConfig,
     *,
     tuning: WatchTuning | None = None,
-    rng: random.Random | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Mirror the engines of the InferencePool `config.inference_pool` into `reconciler`
     (made with `port_in_uid=True`) until cancelled: watch the pool from `pools`, and its pods
     from a source `new_pods(config)` per selector, `config.label_selector` being the pool's.
+    Both watches are paced by `tuning` (see `loop.run_list_watch`).
 
     Ready once the first LIST of the pool has been tried and, if it found a valid pool, the
     first LIST of its pods too. Never raises for Kubernetes errors or bad pools: they are
     logged and reported by `status`. Cancellation stops both watches (their threads are
     told to stop and abandoned)."""
-    rng = rng or random.Random()
     tuning = tuning or WatchTuning()
     async with trio.open_nursery() as nursery:
         follower = _PoolFollower(
-            nursery, partial(_run_pods, new_pods, status, tuning, rng), reconciler, status, config
+            nursery, partial(_run_pods, new_pods, status, tuning), reconciler, status, config
         )
         await nursery.start(
             partial(
@@ -215,7 +212,6 @@ async def run_inference_pool_discovery(
                 config,
                 what=f"InferencePool {status.pool_name}",
                 tuning=tuning,
-                rng=rng,
             )
         )
         await follower.wait_pods_tried()
@@ -256,14 +252,13 @@ async def _run_pods(
     new_pods: Callable[[KubernetesConfig], PodSource],
     status: DiscoveryStatus,
     tuning: WatchTuning,
-    rng: random.Random,
     run: _PodRun,
     config: KubernetesConfig,
 ) -> None:
     """Run pod discovery for `run` (its `config` selecting the pool's pods) until stopped."""
     with run.scope:
         await run_kubernetes_discovery(
-            new_pods(config), run, status, config, tuning=tuning, rng=rng, task_status=run
+            new_pods(config), run, status, config, tuning=tuning, task_status=run
         )
 
 

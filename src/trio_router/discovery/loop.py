@@ -16,7 +16,7 @@ import logging
 import math
 import random
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final, Generic, Protocol, TypeVar
 
 import trio
@@ -153,7 +153,7 @@ class DiscoveryStatus:
     def __init__(
         self, *, stale_after_s: float = 180.0, failing_after_errors: int = FAILING_AFTER_ERRORS
     ) -> None:
-        self.stale_after_s = stale_after_s  # set from the config by run_kubernetes_discovery
+        self.stale_after_s = stale_after_s  # set from the config by run_list_watch
         self.failing_after_errors = failing_after_errors
         self.synced = False  # the first LIST has been applied
         self.last_progress: float | None = None  # last event, bookmark, connect, clean end, LIST
@@ -275,7 +275,9 @@ class StaticDiscoveryStatus(DiscoveryStatus):
 # -- the algorithm --------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WatchTuning:
-    """The algorithm's timing constants (client-go reflector values by default)."""
+    """How the algorithm paces itself: its timing constants (client-go reflector values by
+    default) and `rng`, the source of every random draw (backoff sleeps, watch timeouts,
+    resume pauses, relist jitter); seed it for a run that can be replayed."""
 
     backoff_initial_s: float = 0.8
     backoff_factor: float = 2.0
@@ -286,6 +288,7 @@ class WatchTuning:
     resume_spacing_s: float = 1.0  # watch streams start at most this often (reset loops)
     resume_jitter_s: float = 0.1  # an interrupted stream resumes after up to this much more
     relist_jitter: float = 0.1  # the safety-net relist period varies by ±this fraction
+    rng: random.Random = field(default_factory=random.Random, compare=False, repr=False)
 
 
 class Backoff:
@@ -293,8 +296,8 @@ class Backoff:
     at `backoff_initial_s`, doubles per failure up to `backoff_max_s`, and each sleep is drawn
     from [d, 2d). After `backoff_reset_s` without a failure, d starts over."""
 
-    def __init__(self, tuning: WatchTuning, rng: random.Random) -> None:
-        self._tuning, self._rng = tuning, rng
+    def __init__(self, tuning: WatchTuning) -> None:
+        self._tuning = tuning
         self._base = tuning.backoff_initial_s
         self._last_failure: float | None = None
 
@@ -311,7 +314,7 @@ class Backoff:
         self._last_failure = now
         base = self._base
         self._base = min(base * t.backoff_factor, t.backoff_max_s)
-        return self._rng.uniform(base, 2 * base)
+        return t.rng.uniform(base, 2 * base)
 
 
 async def run_kubernetes_discovery(
@@ -321,7 +324,6 @@ async def run_kubernetes_discovery(
     config: KubernetesConfig,
     *,
     tuning: WatchTuning | None = None,
-    rng: random.Random | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Mirror the pods of `source` into `sink` until cancelled: `run_list_watch` of the pods
@@ -334,7 +336,6 @@ async def run_kubernetes_discovery(
         config,
         what=f"pod(s) in {namespace} matching {config.label_selector!r}",
         tuning=tuning,
-        rng=rng,
         task_status=task_status,
     )
 
@@ -360,10 +361,10 @@ async def run_list_watch(
     *,
     what: str,
     tuning: WatchTuning | None = None,
-    rng: random.Random | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Mirror the objects of `source` into `sink` until cancelled; `what` names them in logs.
+    """Mirror the objects of `source` into `sink` until cancelled; `what` names them in logs,
+    `tuning` paces the algorithm (client-go's timing and a fresh random source if None).
 
     Ready (`task_status.started()`) once the first LIST attempt is over: after a success the
     sink holds every object; after a failure `status.synced` stays False, so `/health` answers
@@ -372,9 +373,7 @@ async def run_list_watch(
     (its thread is told to stop and abandoned; see `kubernetes.KubernetesSource`).
     """
     status.stale_after_s = config.stale_after_s
-    loop = _DiscoveryLoop(
-        source, sink, status, config, tuning or WatchTuning(), rng or random.Random(), what
-    )
+    loop = _DiscoveryLoop(source, sink, status, config, tuning or WatchTuning(), what)
     await loop.run(task_status)
 
 
@@ -388,12 +387,11 @@ class _DiscoveryLoop(Generic[T]):
         status: DiscoveryStatus,
         config: KubernetesConfig,
         tuning: WatchTuning,
-        rng: random.Random,
         what: str,
     ) -> None:
         self._source, self._sink, self._status = source, sink, status
-        self._config, self._tuning, self._rng, self._what = config, tuning, rng, what
-        self._backoff = Backoff(tuning, rng)
+        self._config, self._tuning, self._what = config, tuning, what
+        self._backoff = Backoff(tuning)
         self._rv = ""  # last resourceVersion seen: the list's, then every event's
         self._fresh_list = False  # no watch has run since the last LIST
         self._relist_at = math.inf  # trio time of the next safety-net relist
@@ -429,7 +427,7 @@ class _DiscoveryLoop(Generic[T]):
         self._rv = listing.resource_version
         self._fresh_list = True
         self._relist_at = now + jittered(
-            self._config.relist_interval_s, self._tuning.relist_jitter, self._rng
+            self._config.relist_interval_s, self._tuning.relist_jitter, self._tuning.rng
         )
         logger.log(
             logging.INFO if first else logging.DEBUG,
@@ -450,7 +448,7 @@ class _DiscoveryLoop(Generic[T]):
         pause of up to `resume_jitter_s`, and never sooner than `resume_spacing_s` after the
         previous start, so that streams that die at once cannot spin)."""
         low, high = self._tuning.watch_timeout_s
-        timeout_seconds = max(1, int(self._rng.uniform(low, high)))
+        timeout_seconds = max(1, int(self._tuning.rng.uniform(low, high)))
         if self._watches:
             self._status.reconnects += 1
         self._watches += 1
@@ -511,7 +509,7 @@ class _DiscoveryLoop(Generic[T]):
     async def _resume_pause(self) -> None:
         tuning = self._tuning
         wait = max(0.0, self._last_watch_start + tuning.resume_spacing_s - trio.current_time())
-        await trio.sleep(wait + self._rng.uniform(0.0, tuning.resume_jitter_s))
+        await trio.sleep(wait + tuning.rng.uniform(0.0, tuning.resume_jitter_s))
 
     async def _back_off(self, what: str, exc: DiscoveryError) -> None:
         await trio.sleep(self._failed(what, exc))

@@ -135,63 +135,104 @@ async def run_stats_scraper(
     cleared. Runs until cancelled (the engine's supervisor scope: DELETED stops it);
     cancellation abandons the scrape in progress and closes its connection. Returns at once
     if the interval is 0."""
-    interval, timeout = stats.interval_s, stats.timeout_s
-    if interval <= 0:
+    if stats.interval_s <= 0:
         return
-    stale_after = STALE_INTERVALS * interval
-    failing = False
-    scraped = False  # an engine is scraped once when it becomes routable, in use or not
-    # Whether the last figures read showed work. Failed scrapes leave it as it was, and it
-    # outlives the figures' expiry: work that was seen is scraped until seen to end (an
-    # engine busy generating can answer /metrics late; its load is still not known to be 0).
-    showed_work = False
+    scraper = _Scraper(engine, pool, stats, headers, on_change)
     while True:
         started = trio.current_time()
-        if scraped and not showed_work and not _in_use(engine, started, stale_after):
+        if scraper.idle(started):
             if table.current(engine.uid, generation) is not engine:
                 return
-            # Idle: nothing to scrape for until requests are routed here (each wakes this to
-            # look again); its last figures (which show no work) expire meanwhile.
-            expires = engine.stats.expires if engine.stats is not NO_STATS else math.inf
-            with trio.move_on_at(expires):
-                await engine.wait_routed()
-            if engine.stats is not NO_STATS and trio.current_time() >= engine.stats.expires:
-                engine.stats = NO_STATS
+            await scraper.wait_in_use()
             continue
         if engine.routable:
-            scraped = True
-            body, error = None, f"no complete answer within {timeout:g}s"
-            with trio.move_on_after(timeout):
-                body, error = await _fetch(pool, engine.url, headers())
+            body, error = await scraper.scrape()
             if table.current(engine.uid, generation) is not engine:
                 return
-            now = trio.current_time()
-            gauges = parse_vllm_metrics(body) if body is not None else {}
-            if gauges:
-                engine.stats = EngineStats.scraped(gauges, now=now, stale_after=stale_after)
-                showed_work = bool(engine.stats.running or engine.stats.waiting)
-                if on_change is not None:
-                    on_change(engine)
-                if failing:
-                    logger.info(
-                        "metrics of engine %s at %s are readable again", engine.name, engine.url
-                    )
-                failing = False
-            else:
-                error = error or "no vLLM load gauges in the response"
-                if not failing:
-                    logger.info(
-                        "cannot read the metrics of engine %s at %s: %s",
-                        engine.name,
-                        engine.url,
-                        error,
-                    )
-                failing = True
+            scraper.store(body, error)
         elif table.current(engine.uid, generation) is not engine:
             return
+        scraper.expire()
+        await trio.sleep_until(started + jittered(stats.interval_s, JITTER))
+
+
+class _Scraper:
+    """The steps of `run_stats_scraper` for one engine, and what it remembers between them."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        pool: UpstreamPool,
+        stats: StatsConfig,
+        headers: Callable[[], list[tuple[bytes, bytes]]],
+        on_change: Callable[[Engine], None] | None,
+    ) -> None:
+        self._engine, self._pool, self._timeout = engine, pool, stats.timeout_s
+        self._headers, self._on_change = headers, on_change
+        self._stale_after = STALE_INTERVALS * stats.interval_s
+        self._failing = False  # the last scrape failed (logged once per run of failures)
+        self._scraped = False  # an engine is scraped once when it becomes routable, in use or not
+        # Whether the last figures read showed work. Failed scrapes leave it as it was, and it
+        # outlives the figures' expiry: work that was seen is scraped until seen to end (an
+        # engine busy generating can answer /metrics late; its load is still not known to be 0).
+        self._showed_work = False
+
+    def idle(self, now: float) -> bool:
+        """Nothing to scrape for: scraped before, its figures showed no work, and it is not
+        in use."""
+        return (
+            self._scraped
+            and not self._showed_work
+            and not _in_use(self._engine, now, self._stale_after)
+        )
+
+    async def wait_in_use(self) -> None:
+        """Idle: wait until a request is routed here (each wakes this to look again) while
+        the last figures (which show no work) expire."""
+        engine = self._engine
+        expires = engine.stats.expires if engine.stats is not NO_STATS else math.inf
+        with trio.move_on_at(expires):
+            await engine.wait_routed()
+        if engine.stats is not NO_STATS and trio.current_time() >= engine.stats.expires:
+            engine.stats = NO_STATS
+
+    async def scrape(self) -> tuple[bytes | None, str]:
+        """One scrape within its deadline: the body of /metrics, or None and why not."""
+        self._scraped = True
+        body, error = None, f"no complete answer within {self._timeout:g}s"
+        with trio.move_on_after(self._timeout):
+            body, error = await _fetch(self._pool, self._engine.url, self._headers())
+        return body, error
+
+    def store(self, body: bytes | None, error: str) -> None:
+        """Keep the figures of a scrape's `body` (and tell `on_change`), or log that it
+        failed (`error`, or no gauges in the body); a change between the two is logged once."""
+        engine = self._engine
+        gauges = parse_vllm_metrics(body) if body is not None else {}
+        if not gauges:
+            if not self._failing:
+                logger.info(
+                    "cannot read the metrics of engine %s at %s: %s",
+                    engine.name,
+                    engine.url,
+                    error or "no vLLM load gauges in the response",
+                )
+            self._failing = True
+            return
+        now = trio.current_time()
+        engine.stats = EngineStats.scraped(gauges, now=now, stale_after=self._stale_after)
+        self._showed_work = bool(engine.stats.running or engine.stats.waiting)
+        if self._on_change is not None:
+            self._on_change(engine)
+        if self._failing:
+            logger.info("metrics of engine %s at %s are readable again", engine.name, engine.url)
+        self._failing = False
+
+    def expire(self) -> None:
+        """Drop figures older than their 3 intervals."""
+        engine = self._engine
         if engine.stats is not NO_STATS and not engine.stats.fresh(trio.current_time()):
             engine.stats = NO_STATS
-        await trio.sleep_until(started + jittered(interval, JITTER))
 
 
 def _in_use(engine: Engine, now: float, idle_after: float) -> bool:
@@ -200,7 +241,7 @@ def _in_use(engine: Engine, now: float, idle_after: float) -> bool:
     says nothing of an engine's load that its in-flight count does not: under round robin
     over thousands of engines at a light load, scraping on every visit cost a scrape per
     request. (Figures that show work, other routers' requests or a queue that keeps
-    admission away, keep it scraped too: the scraper's own `showed_work`.)"""
+    admission away, keep it scraped too: what `_Scraper` remembers of the last figures.)"""
     return engine.in_flight > 1 or now - engine.routed_before < idle_after
 
 

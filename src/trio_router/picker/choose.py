@@ -1,6 +1,8 @@
 """The endpoint picker's decision, on the Trio thread: which engine a gateway's request goes
-to, made by the proxy's own steps (`serving.prepared.resolve`, tenants and limits,
-`serving.failover.choose` with admission and the routing policy, fallback models).
+to, made by the proxy's own steps: the one intake of a request as data
+(`serving.intake.Incoming`, built here from the gateway's exchange; `serving.prepared.take_in`
+and `resolve`), tenants and limits, `serving.failover.choose` with admission and the routing
+policy, fallback models.
 
 `Picker.exchange` serves one request of the gateway from its decision to its end: it answers
 `Chosen` (the endpoints, in order, and what to change of the request) or `Refusal` (an
@@ -15,9 +17,9 @@ written once when it ends, with the status the gateway reported.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Final
 
 import trio
 
@@ -27,14 +29,14 @@ from ..routing.route import Route
 from ..serving.attempt import Failed, usage_of
 from ..serving.errors import CLIENT_CLOSED, error_answer, error_body
 from ..serving.failover import choose
-from ..serving.intake import read_head
+from ..serving.intake import Incoming
 from ..serving.prepared import (
     Prepared,
     fell_back,
     for_model,
     next_model,
     resolve,
-    urgency_of,
+    take_in,
     with_tokens,
 )
 from ..serving.record import ExchangeRecord
@@ -133,25 +135,15 @@ class Picker:
         """Serve `ex` from its decision to its end (see the module's docstring). The verdict
         is given exactly once: a Refusal when this is cancelled before it is made."""
         rt = self._runtime()
-        path, _, query = ex.target.partition("?")
-        scope = {
-            "type": "http",
-            "method": ex.method,
-            "path": path,
-            "raw_path": path.encode(),
-            "query_string": query.encode(),
-            "headers": ex.headers,
-            "client": None,
-        }
-        record = ExchangeRecord.begin(rt.recording, scope)
-        record.client = ex.client
+        incoming = Incoming.of_target(ex.method, ex.target, ex.headers, ex.client)
+        record = ExchangeRecord.begin(rt.recording, incoming)
         held = _Held()
         verdict: Verdict | None = None
         try:
             with trio.CancelScope() as ex.deciding:
                 if ex.gone:
                     ex.deciding.cancel(reason="the gateway's stream ended")
-                verdict = await self._decide(ex, scope, record, rt, held)
+                verdict = await self._decide(ex, incoming, record, rt, held)
             ex.deciding = None
             if verdict is None:  # the gateway's stream ended first
                 record.status = CLIENT_CLOSED
@@ -173,30 +165,25 @@ class Picker:
             record.finish()
 
     async def _decide(
-        self, ex: Exchange, scope: dict[str, Any], record: ExchangeRecord, rt: Runtime, held: _Held
+        self, ex: Exchange, incoming: Incoming, record: ExchangeRecord, rt: Runtime, held: _Held
     ) -> Verdict:
-        """The verdict for `ex`: the engine chosen (its slot and the tenant's ticket kept in
-        `held`), or the refusal of a request that cannot be routed."""
+        """The verdict for `ex` (`incoming`: its request as data): the engine chosen (its
+        slot and the tenant's ticket kept in `held`), or the refusal of a request that cannot
+        be routed."""
         try:
             if len(ex.body) > rt.config.server.max_body_bytes:
                 raise BodyTooLargeError(
                     f"request body exceeds server.max_body_bytes "
                     f"({rt.config.server.max_body_bytes})"
                 )
-            head = read_head(ex.headers, rt.services.new_request_id, rt.upstream_authorization)
-            record.request_id = head.request_id
-            if head.invalid is not None:
-                raise head.invalid
-            tenant = rt.services.tenants.authenticate(head.authorization)
-            record.tenant = tenant.name
-            urgency = urgency_of(rt, tenant, head, record)
-            prepared = await resolve(scope, head, tenant, ex.body, rt, record, urgency)
-            held.ticket = await rt.services.limits.admit(tenant)
-            held.priority = urgency.priority
+            intake = take_in(incoming, rt, record)
+            prepared = await resolve(intake, ex.body, rt, record)
+            held.ticket = await rt.services.limits.admit(intake.tenant)
+            held.priority = prepared.urgency.priority
             held.engine, prepared = await self._choose(prepared, ex.subset, record, rt)
         except RequestError as exc:
             return _refusal(exc, record)
-        return self._chosen(held.engine, prepared, ex, head.headers, rt)
+        return self._chosen(held.engine, prepared, ex, rt)
 
     async def _choose(
         self,
@@ -213,9 +200,10 @@ class Picker:
             route = rt.route
             if (pinned := prepared.pinned) is not None:
                 route = Route(rt.policy, lambda roles: (pinned,))
-            chosen = await choose(prepared, record, rt, route, _outside(prepared, subset, rt))
+            chosen = await choose(prepared, rt, route, _outside(prepared, subset, rt))
             if not isinstance(chosen, Failed):
-                return chosen, prepared
+                record.tried(chosen.engine.name)
+                return chosen.engine, prepared
             index = next_model(rt.services.table, prepared, prepared.index)
             assert chosen.error is not None
             if index is None or not chosen.fallback:
@@ -230,14 +218,7 @@ class Picker:
             )
             prepared = await with_tokens(await for_model(prepared, index, rt, record), rt)
 
-    def _chosen(
-        self,
-        engine: Engine,
-        prepared: Prepared,
-        ex: Exchange,
-        headers: Sequence[tuple[bytes, bytes]],
-        rt: Runtime,
-    ) -> Chosen:
+    def _chosen(self, engine: Engine, prepared: Prepared, ex: Exchange, rt: Runtime) -> Chosen:
         """The verdict for `engine`: it first, then (when more are asked for) others of the
         model, as the policy would order them; the request's id and the engines' key set on
         it when the router made them; its body when routing rewrote it."""
@@ -257,7 +238,7 @@ class Picker:
         sent = {name: value for name, value in ex.headers}
         changed = tuple(
             (name, value)
-            for name, value in headers
+            for name, value in prepared.headers
             if name in (b"x-request-id", b"authorization") and sent.get(name) != value
         )
         body = bytes(prepared.body) if prepared.body is not ex.body else None

@@ -21,7 +21,9 @@ messages, were most of the picker's CPU.
 
 One call per HTTP request, in the streaming mode the reference gateways configure (request
 body FULL_DUPLEX_STREAMED): the request's headers, then its body in chunks, are read and
-held; at the body's end (or with headers that end the request) the request is decided; the
+held, with the gateway's subset hint (`x-gateway-destination-endpoint-subset` in the
+`envoy.lb.subset_hint` metadata: a list of endpoints, or one string of them separated by
+commas); at the body's end (or with headers that end the request) the request is decided; the
 verdict goes back as the request-headers response (the destination header,
 `x-gateway-destination-endpoint`, and the same in the `envoy.lb` dynamic metadata, plus
 headers the router sets) followed by the body, passed back whole (or rewritten); a refusal is
@@ -167,8 +169,7 @@ class _Process:
                 headers.append((name, value))
         lb = request.metadata_context.filter_metadata.get(SUBSET_NAMESPACE)
         if lb is not None and SUBSET in lb.fields:
-            listed = lb.fields[SUBSET].list_value.values
-            self._subset = tuple(v.string_value for v in listed)
+            self._subset = _subset_hint(lb.fields[SUBSET])
         if http.end_of_stream:
             self._route(trailers=False)
         else:
@@ -240,6 +241,18 @@ class _Process:
         self._ended = True
         if (exchange := self._exchange) is not None:
             exchange.end(self._tail, gone)
+
+
+def _subset_hint(value: struct_pb2.Value) -> tuple[str, ...]:
+    """The endpoints (host:port each) a subset hint names: a list of strings, or one string of
+    them separated by commas, as Envoy's header-to-metadata filter sets it from a header
+    (entries stripped, empty ones ignored). A hint of any other kind names none."""
+    kind = value.WhichOneof("kind")
+    if kind == "list_value":
+        return tuple(v.string_value for v in value.list_value.values)
+    if kind == "string_value":
+        return tuple(entry for part in value.string_value.split(",") if (entry := part.strip()))
+    return ()
 
 
 def _immediate(refusal: Refusal) -> bytes:

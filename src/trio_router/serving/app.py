@@ -2,8 +2,9 @@
 
 A POST to a proxied path, and a stored response's retrieval or cancellation, is a proxy
 exchange (`exchange.run_exchange`: intake, routing, the engine's answer, everything it leaves
-behind), answered through the writer the server built for the request (`answer.answer_of`),
-or, on a server that builds none, through plain ASGI (`answer.open_asgi_answer`); every other
+behind) of the request as data (`intake.Incoming`, built here from the ASGI scope), answered
+through the writer the server built for the request (`answer.answer_of`), or, on a server
+that builds none, through plain ASGI (`answer.open_asgi_answer`); every other
 request goes to the admin endpoints (and GET /version asks the engines theirs); the lifespan
 is answered; a WebSocket upgrade is refused. The app holds no tasks of its own (each request
 runs in the task its server gives it) and no global state; `runtime` is swapped whole on a
@@ -25,6 +26,7 @@ from .admin import ADMIN_PATHS, PROXIED_PATHS, AdminEndpoints
 from .answer import answer_of, open_asgi_answer
 from .errors import error_body
 from .exchange import run_exchange
+from .intake import Incoming
 from .names import ModelNames
 from .runtime import Runtime
 from .stored import stored_response_id
@@ -62,11 +64,12 @@ class RouterApp:
                 scope["method"] == "POST"
                 and (path in PROXIED_PATHS or (rt.proxy_unknown_paths and path not in ADMIN_PATHS))
             ) or stored_response_id(scope["method"], path) is not None:
+                incoming = Incoming.of_scope(scope)
                 if (answer := answer_of(scope)) is not None:
-                    await run_exchange(scope, receive, answer, rt)
+                    await run_exchange(incoming, receive, answer, rt)
                 else:  # a server that builds no answer writer
                     async with open_asgi_answer(receive, send) as (answer, receive_body):
-                        await run_exchange(scope, receive_body, answer, rt)
+                        await run_exchange(incoming, receive_body, answer, rt)
             else:
                 await self._admin(scope, send)
         elif kind == "lifespan":

@@ -1,19 +1,21 @@
-"""One attempt at one engine: `attempt(engine, prepared, record, rt, take=...) -> Outcome`.
+"""One attempt at one engine: `attempt(choice, prepared, record, rt, take=...) -> Outcome`.
 
-An attempt sends the request to an engine whose admission slot it was given, hands the
-engine's answer to `take` (the client's answer writer, `Deliver`; or read whole, `read_answer`:
-the prefill step), and returns what happened as a value: `Answered`, `Refused` (a 429 or 503
-read whole while a fallback model is left), `Unreachable` (the request never reached the
-engine: another may be tried) or `Failed` (the engine failed after it had the request: before
-any byte reached the client, `error` is the client's answer; after, the client's answer is
-cut). Inside it, however it ends: the attempt's trace span, the engine's figures and outlier
-reports, and the admission slot given back.
+An attempt sends the request to the engine of a `Choice` (chosen, its admission slot held:
+`failover.choose`), hands the engine's answer to `take` (the client's answer writer,
+`Deliver`; or read whole, `ReadAnswer`: the prefill step), and returns what happened as a
+value: `Answered`, `Refused` (a 429 or 503 read whole while a fallback model is left),
+`Unreachable` (the request never reached the engine: another may be tried) or `Failed` (the
+engine failed after it had the request: before any byte reached the client, `error` is the
+client's answer; after, the client's answer is cut). Inside it, however it ends: the
+attempt's trace span, the engine's figures (with the time the take saw the answer's first
+bytes) and outlier reports, and the admission slot given back.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Final, Protocol
 
@@ -50,6 +52,7 @@ from .stored import new_response_id, with_request_id
 __all__ = [
     "MAX_REFUSAL_BYTES",
     "Answered",
+    "Choice",
     "Failed",
     "Outcome",
     "ReadAnswer",
@@ -76,6 +79,21 @@ _USAGE: Final = re.compile(
 )
 
 
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """The engine chosen for an attempt, its admission slot held (`failover.choose`):
+    `number`, which of the request's attempts it is (0: a prefill step, not one of them);
+    `prefilled_by`, the prefill engine whose work the body sent carries ("": none); for a
+    streamed request whose policy timed it (kv_aware), when its first token is expected
+    (`first_token`, Trio time) and who learns how far off that was (`observe_ttft`)."""
+
+    engine: Engine
+    number: int = 0
+    prefilled_by: str = ""
+    first_token: float | None = None
+    observe_ttft: Callable[[float], None] | None = None
+
+
 class Take(Protocol):
     """What an attempt does with the engine's answer: passes it to the client
     (`deliver.Deliver`), or reads it whole (`ReadAnswer`), returning what it kept; and what
@@ -86,7 +104,12 @@ class Take(Protocol):
         """Bytes of the answer reached the client: a failure now cuts the client's answer."""
         ...
 
-    async def __call__(self, response: UpstreamResponse, engine: Engine) -> bytes: ...
+    @property
+    def first_byte(self) -> float | None:
+        """When the answer's first bytes passed on to the client (Trio time; None before)."""
+        ...
+
+    async def __call__(self, response: UpstreamResponse, choice: Choice) -> bytes: ...
 
     def continuation(self) -> Prepared | None:
         """The request that carries a cut answer on at another engine (`resume`), or None."""
@@ -110,11 +133,12 @@ class Answered:
 @dataclass(frozen=True, slots=True)
 class Refused:
     """The engine answered 429 or 503 while a fallback model is left, read whole: the
-    client's answer if no fallback model takes the request."""
+    client's answer if no fallback model takes the request (`head`: its headers as the
+    client gets them, `client_head`)."""
 
     engine: Engine
     status: int
-    headers: list[tuple[bytes, bytes]]
+    head: list[tuple[bytes, bytes]]
     body: bytes
 
 
@@ -146,7 +170,7 @@ Outcome = Answered | Refused | Unreachable | Failed
 
 
 async def attempt(
-    engine: Engine,
+    choice: Choice,
     prepared: Prepared,
     record: ExchangeRecord,
     rt: Runtime,
@@ -155,22 +179,17 @@ async def attempt(
     body: bytes | bytearray | None = None,
     prefill: bool = False,
 ) -> Outcome:
-    """One attempt at `engine` (its admission slot held; given back here): `prepared` sent
-    (with `body` instead of its own, if given), the answer handed to `take` (see the module's
-    docstring). `prefill`: the prefill step of a disaggregated request (its span is attempt
-    0, any answer but 200 or a 4xx fails the engine, a 200 is left for the step to judge, a
-    429 or 503 is never a refusal, and an unreachable engine is not counted as a request's).
+    """One attempt at the chosen engine (its admission slot held; given back here):
+    `prepared` sent (with `body` instead of its own, if given), the answer handed to `take`
+    (see the module's docstring). `prefill`: the prefill step of a disaggregated request (any
+    answer but 200 or a 4xx fails the engine, a 200 is left for the step to judge, a 429 or
+    503 is never a refusal, and an unreachable engine is not counted as a request's).
     Cancellation propagates, the slot given back and the span ended."""
-    services, tracing = rt.services, rt.services.tracing
+    services, tracing, engine = rt.services, rt.services.tracing, choice.engine
     headers, span = prepared.headers, None
     if record.span is not None and tracing is not None:
         span, headers = tracing.start_attempt(
-            record.span,
-            engine.name,
-            engine.url,
-            0 if prefill else record.attempts,
-            prepared.target,
-            headers,
+            record.span, engine.name, engine.url, choice.number, prepared.target, headers
         )
     if body is None:
         body = prepared.body
@@ -185,25 +204,17 @@ async def attempt(
         ) as response:
             status = response.status
             if prepared.refusable and status in (429, 503) and not prefill:
-                what = f"engine {engine.name}'s {status} answer"
-                refused = await read_whole(response, MAX_REFUSAL_BYTES, what)
+                refused = await _refusal(response, choice, prepared, record, rt, generation)
                 failure = None
-                _answered(engine, generation, status, record, rt, prefill=False)
-                logger.info(
-                    "request %s for %s: engine %s answered %d; a fallback model is left",
-                    record.request_id_text,
-                    prepared.model,
-                    engine.name,
-                    status,
-                )
-                return Refused(engine, status, response.headers, refused)
-            kept = await take(response, engine)
+                return refused
+            kept = await take(response, choice)
         failure = None
-        _answered(engine, generation, status, record, rt, prefill=prefill)
-        # The engine's own time to a first byte (not the queue's), for deadlines.
-        first_byte = None if record.ttfb is None else record.started + record.ttfb - sent_at
-        if status == 200 and first_byte is not None and first_byte >= 0 and not prefill:
-            services.admission.first_token(prepared.model, first_byte)
+        first_byte = take.first_byte
+        _answered(engine, generation, status, record, rt, first_byte=first_byte, prefill=prefill)
+        # The engine's own time to a first byte, for deadlines (not the queue's, nor taken
+        # when an engine before this one sent the answer's first bytes).
+        if status == 200 and first_byte is not None and first_byte >= sent_at and not prefill:
+            services.admission.first_token(prepared.model, first_byte - sent_at)
         return Answered(engine, status, response.headers, kept)
     except EngineUnreachableError as exc:
         failure = str(exc)
@@ -215,12 +226,43 @@ async def attempt(
         return Unreachable(engine, exc)
     except TransportError as exc:
         failure = str(exc)
-        committed = take.committed
-        return _broken(engine, generation, exc, record, rt, answered=committed, prefill=prefill)
+        failed = _broken(engine, generation, exc, record, rt, take=take, prefill=prefill)
+        if failed.cut:
+            logger.warning(
+                "request %s for %s on engine %s broke off mid-response: %s",
+                record.request_id_text,
+                prepared.model,
+                engine.name,
+                exc,
+            )
+        return failed
     finally:
         services.admission.release(engine, prepared.urgency.priority)
         if span is not None and tracing is not None:
             tracing.end_attempt(span, status=status, error=failure)
+
+
+async def _refusal(
+    response: UpstreamResponse,
+    choice: Choice,
+    prepared: Prepared,
+    record: ExchangeRecord,
+    rt: Runtime,
+    generation: int,
+) -> Refused:
+    """The engine's 429 or 503 while a fallback model is left, read whole."""
+    engine, status = choice.engine, response.status
+    what = f"engine {engine.name}'s {status} answer"
+    body = await read_whole(response, MAX_REFUSAL_BYTES, what)
+    _answered(engine, generation, status, record, rt, first_byte=None, prefill=False)
+    logger.info(
+        "request %s for %s: engine %s answered %d; a fallback model is left",
+        record.request_id_text,
+        prepared.model,
+        engine.name,
+        status,
+    )
+    return Refused(engine, status, client_head(response.headers, choice, prepared), body)
 
 
 def _answered(
@@ -230,9 +272,11 @@ def _answered(
     record: ExchangeRecord,
     rt: Runtime,
     *,
+    first_byte: float | None,
     prefill: bool,
 ) -> None:
-    """An answer came whole: the engine's figures and health."""
+    """An answer came whole (its first bytes passed on at `first_byte`, if they did): the
+    engine's figures and health."""
     outliers = rt.services.outliers
     if prefill:  # a 200 is judged by the step, once it has read its parameters
         if 400 <= status < 500:  # the request's fault, not the engine's
@@ -240,7 +284,8 @@ def _answered(
         elif status != 200:
             outliers.request_failed(engine, generation, f"prefill: answered {status}")
         return
-    engine.requests.record(record.ttfb, trio.current_time() - record.started, ok=status < 500)
+    ttfb = None if first_byte is None else first_byte - record.started
+    engine.requests.record(ttfb, trio.current_time() - record.started, ok=status < 500)
     if status >= 500 and rt.config.proxy.eject_on_5xx:
         outliers.request_failed(engine, generation, f"answered {status}")
     else:
@@ -254,31 +299,23 @@ def _broken(
     record: ExchangeRecord,
     rt: Runtime,
     *,
-    answered: bool,
+    take: Take,
     prefill: bool,
 ) -> Failed:
     """The attempt failed after the engine had the request (or the router could not open a
-    connection, which is not the engine's fault): before any byte of the answer, the error
-    is the client's answer; after, the answer is cut."""
+    connection, which is not the engine's fault): before any byte of the answer reached the
+    client (`take.committed`), the error is the client's answer; after, the answer is cut."""
     if isinstance(exc, ClientGoneError):  # the relay found the client gone
         return Failed(None)
     if prefill:  # its answer never reaches the client
         rt.services.outliers.request_failed(engine, generation, f"prefill: {exc}")
         return Failed(from_transport(exc))
     if not isinstance(exc, LocalLimitError):  # the router's own limits: not the engine's
-        engine.requests.record(record.ttfb, trio.current_time() - record.started, ok=False)
+        first_byte = take.first_byte
+        ttfb = None if first_byte is None else first_byte - record.started
+        engine.requests.record(ttfb, trio.current_time() - record.started, ok=False)
         rt.services.outliers.request_failed(engine, generation, str(exc))
-    error = from_transport(exc)
-    if not answered:
-        return Failed(error, broke=broke_reason(exc))
-    logger.warning(
-        "request %s for %s on engine %s broke off mid-response: %s",
-        record.request_id_text,
-        record.served_model,
-        engine.name,
-        exc,
-    )
-    return Failed(error, cut=True, broke=broke_reason(exc))
+    return Failed(from_transport(exc), cut=take.committed, broke=broke_reason(exc))
 
 
 def broke_reason(exc: TransportError) -> str:
@@ -299,14 +336,15 @@ def broke_reason(exc: TransportError) -> str:
 
 def client_head(
     headers: list[tuple[bytes, bytes]],
-    engine: Engine,
-    record: ExchangeRecord,
+    choice: Choice,
+    prepared: Prepared,
     *,
     sized: bool = True,
 ) -> list[tuple[bytes, bytes]]:
-    """The client's response headers from an engine's: the router's own replaced, a Date
-    added when the engine sent none, the engines that served it and the model named. Not
-    `sized`: the body is rewritten, its Content-Length left out."""
+    """The client's response headers from those of the engine `choice` names: the router's
+    own replaced, a Date added when the engine sent none, the engines that served it, the
+    model (`prepared`'s) and the request id. Not `sized`: the body is rewritten, its
+    Content-Length left out."""
     out = []
     dated = False
     for header in headers:
@@ -316,11 +354,12 @@ def client_head(
             dated = dated or name == b"date"
     if not dated:
         out.append((b"date", http_date()))
-    out.append((ENGINE_HEADER, engine.name.encode()))
-    out.append((MODEL_HEADER, record.served_model.encode()))
-    if record.prefill_engine and record.prefill_engine != engine.name:
-        out.append((PREFILL_ENGINE_HEADER, record.prefill_engine.encode()))
-    out.append((REQUEST_ID_HEADER, record.request_id))
+    engine, prefill = choice.engine.name, choice.prefilled_by
+    out.append((ENGINE_HEADER, engine.encode()))
+    out.append((MODEL_HEADER, prepared.model.encode()))
+    if prefill and prefill != engine:
+        out.append((PREFILL_ENGINE_HEADER, prefill.encode()))
+    out.append((REQUEST_ID_HEADER, prepared.request_id))
     return out
 
 
@@ -339,12 +378,13 @@ class ReadAnswer:
 
     __slots__ = ("_max_bytes", "_what")
     committed = False
+    first_byte = None
 
     def __init__(self, max_bytes: int, what: str) -> None:
         self._max_bytes, self._what = max_bytes, what
 
-    async def __call__(self, response: UpstreamResponse, engine: Engine) -> bytes:
-        return await read_whole(response, self._max_bytes, f"{self._what} {engine.name}")
+    async def __call__(self, response: UpstreamResponse, choice: Choice) -> bytes:
+        return await read_whole(response, self._max_bytes, f"{self._what} {choice.engine.name}")
 
     def continuation(self) -> Prepared | None:
         return None

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from functools import partial
 from typing import Final
 
 import trio
@@ -28,7 +29,7 @@ from ..errors import RequestError
 from ..http import ClientGoneError, TransportError, UpstreamResponse, read_whole
 from ..table import Engine
 from .answer import Answer, Rewrite
-from .attempt import Failed, client_head, usage_of
+from .attempt import Choice, Failed, client_head, usage_of
 from .errors import error_body, from_transport
 from .names import ModelEcho
 from .prepared import Prepared
@@ -43,58 +44,83 @@ MAX_HELD_ANSWER_BYTES: Final = 16 * 1024 * 1024  # a whole answer held before it
 
 class Deliver:
     """The client's take of an engine's answer (see the module's docstring), for the request
-    `prepared` (as resolved: a continuation is built from it)."""
+    `prepared` (as resolved: a continuation is built from it). Of `record`, which hears what
+    it reports (the answer's status, bytes and first byte), only the model the client asked
+    for is read (for an alias's echo)."""
 
-    __slots__ = ("_answer", "_open", "_prepared", "_record", "_rt", "_track", "committed")
+    __slots__ = (
+        "_answer",
+        "_echo",
+        "_open",
+        "_prepared",
+        "_record",
+        "_rt",
+        "_track",
+        "committed",
+        "first_byte",
+    )
 
     def __init__(
         self, answer: Answer, record: ExchangeRecord, rt: Runtime, prepared: Prepared
     ) -> None:
         self._answer, self._record, self._rt, self._prepared = answer, record, rt, prepared
+        self._echo = rt.names.echo(record.model, prepared.model)  # an alias's, back
         self._track: Track | None = None  # the stream followed for a continuation
         self._open = False  # the answer has begun and not ended
         self.committed = False  # bytes of this attempt's answer reached the client
+        self.first_byte: float | None = None  # when the answer's first bytes passed on
 
-    async def __call__(self, response: UpstreamResponse, engine: Engine) -> bytes:
+    async def __call__(self, response: UpstreamResponse, choice: Choice) -> bytes:
         self.committed = False
-        record = self._record
-        echo = self._rt.names.echo(record.model, record.served_model)
+        echo = self._echo
         if self._open and self._track is not None:  # an answer begun, carried on
-            tail = await self._go_on(response, engine, echo)
+            tail = await self._go_on(response, choice.engine, echo)
         elif self._held(response):
-            tail = await self._whole(response, engine, echo)
+            tail = await self._whole(response, choice, echo)
         else:
-            tail = await self._stream(response, engine, echo)
-        record.sent = self._answer.sent
+            tail = await self._stream(response, choice, echo)
+        self._record.sent = self._answer.sent
         if response.status == 200 and (usage := usage_of(tail)):
-            self._rt.services.metrics.tokens(record.served_model, *usage)
+            self._rt.services.metrics.tokens(self._prepared.model, *usage)
         return b""
 
     async def _whole(
-        self, response: UpstreamResponse, engine: Engine, echo: ModelEcho | None
+        self, response: UpstreamResponse, choice: Choice, echo: ModelEcho | None
     ) -> bytes:
-        head = client_head(response.headers, engine, self._record, sized=echo is None)
-        body = await read_whole(response, MAX_HELD_ANSWER_BYTES, f"engine {engine.name}")
+        head = client_head(response.headers, choice, self._prepared, sized=echo is None)
+        what = f"engine {choice.engine.name}"
+        body = await read_whole(response, MAX_HELD_ANSWER_BYTES, what)
         if echo is not None:
             body = echo.feed(body, final=True)
         self._begin(response.status)
-        if self._record.ttfb is None:
-            self._record.first_byte(trio.current_time())
+        if self.first_byte is None:
+            self._first(choice, trio.current_time())
         self._answer.start(response.status, head)
         await self._answer.end(body)
         self._open = False
         return body[-8192:]
 
     async def _stream(
-        self, response: UpstreamResponse, engine: Engine, echo: ModelEcho | None
+        self, response: UpstreamResponse, choice: Choice, echo: ModelEcho | None
     ) -> bytes:
-        answer, record = self._answer, self._record
-        head = client_head(response.headers, engine, record, sized=echo is None)
+        answer = self._answer
+        head = client_head(response.headers, choice, self._prepared, sized=echo is None)
         track = self._follow(response)
         self._begin(response.status)
         answer.start(response.status, head)
-        on_first = record.first_byte if record.ttfb is None else None
-        return await self._pass(response, engine, _chained(track, echo), on_first)
+        on_first = partial(self._first, choice) if self.first_byte is None else None
+        return await self._pass(response, choice.engine, _chained(track, echo), on_first)
+
+    def _first(self, choice: Choice, now: float) -> None:
+        """The answer's first bytes passed on (`now`): the time to first byte, and how far
+        off the engine's predicted first token was (told to the policy that predicted it)."""
+        self.first_byte = now
+        self._record.first_byte(now, self._prepared.model)
+        if choice.first_token is not None:
+            error = now - choice.first_token
+            self._rt.services.metrics.ttft_prediction(choice.engine.name, error)
+            if choice.observe_ttft is not None:
+                choice.observe_ttft(error)
 
     async def _go_on(
         self, response: UpstreamResponse, engine: Engine, echo: ModelEcho | None
@@ -196,7 +222,7 @@ class Deliver:
         Anthropic's for /v1/messages), not a silent cut a client could take for a finished
         answer."""
         body = error_body(str(error), type=error.type, code=error.code)
-        if self._record.path.startswith("/v1/messages"):
+        if self._prepared.path.startswith("/v1/messages"):
             message = json.dumps({"type": error.type, "message": str(error)})
             event = b'event: error\ndata: {"type":"error","error":%s}\n\n' % message.encode()
         else:

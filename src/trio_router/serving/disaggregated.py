@@ -3,7 +3,8 @@ off (`routing.disaggregation` holds the rules and the bodies): the decode engine
 slot held), the prompt prefilled on a prefill engine under `prefill_timeout_s`, then the
 client's request with the prefill engine's `kv_transfer_params` to the decode engine, whose
 answer is the client's. Otherwise, or when the prefill step fails, one engine serves it
-whole. Both steps are attempts (`attempt.attempt`)."""
+whole. Both steps are attempts (`attempt.attempt`); what the prefill step leaves the decode
+step is a value (`failover.Decode`: the decode engine, the body, the prefill engine's name)."""
 
 from __future__ import annotations
 
@@ -23,8 +24,19 @@ from ..routing.disaggregation import (
 )
 from ..routing.route import Route
 from ..table import Engine
-from .attempt import Answered, Failed, Outcome, ReadAnswer, Refused, Take, Unreachable, attempt
-from .failover import choose, try_engines
+from .attempt import (
+    Answered,
+    Choice,
+    Failed,
+    Outcome,
+    ReadAnswer,
+    Refused,
+    Take,
+    Unreachable,
+    attempt,
+    client_head,
+)
+from .failover import Decode, Trail, choose, try_engines
 from .prepared import Prepared
 from .record import ExchangeRecord
 from .resume import resumable
@@ -33,6 +45,15 @@ from .runtime import Runtime
 __all__ = ["disaggregated"]
 
 logger = logging.getLogger(__name__)
+
+
+def _never_shed(prepared: Prepared, sheddable_below: int) -> Prepared:
+    """The prefill step's request: never shed (with no prefill engine free, the decode
+    engine prefills), its band raised to the lowest that is not."""
+    urgency = prepared.urgency
+    if urgency.priority >= sheddable_below:
+        return prepared
+    return dataclasses.replace(prepared, urgency=urgency._replace(priority=sheddable_below))
 
 
 def _whole(roles: Roles) -> Sequence[Engine]:
@@ -48,19 +69,27 @@ def _prefill(roles: Roles) -> Sequence[Engine]:
 
 
 async def disaggregated(
-    prepared: Prepared, record: ExchangeRecord, rt: Runtime, take: Take, pd: Disaggregation
-) -> Outcome:
-    """The request in two steps, or whole (see the module's docstring); `take` passes the
-    answer to the client. A prefill engine's 4xx is the client's answer (`Refused`)."""
+    prepared: Prepared,
+    record: ExchangeRecord,
+    rt: Runtime,
+    take: Take,
+    pd: Disaggregation,
+    trail: Trail,
+) -> tuple[Outcome, Trail]:
+    """The request in two steps, or whole (see the module's docstring), after the attempts
+    of `trail`: what came of it, and the trail with the engines of its attempts; `take`
+    passes the answer to the client. A prefill engine's 4xx is the client's answer
+    (`Refused`)."""
     metrics = rt.services.metrics
     roles = Roles.of(rt.services.table.routable(prepared.model))
     if (reason := pd.skip_reason(prepared.path, prepared.payload, roles)) is not None:
         metrics.pd_decision("direct", reason)
-        return await try_engines(prepared, record, rt, take, Route(rt.policy, _whole))
+        return await try_engines(prepared, record, rt, take, Route(rt.policy, _whole), trail)
     decode_route = Route(pd.decode_policy, _decode)
-    decode = await choose(prepared, record, rt, decode_route)
-    if isinstance(decode, Failed):
-        return decode
+    chosen = await choose(prepared, rt, decode_route, made=trail.attempts)
+    if isinstance(chosen, Failed):
+        return chosen, trail
+    trail, decode = trail.then(chosen, record), chosen.engine
     try:
         tokens = prepared.info.tokens
         if tokens is not None and pd.holds_most(decode, tokens):
@@ -69,45 +98,43 @@ async def disaggregated(
             reason = "same_engine"
         if reason is not None:
             metrics.pd_decision("direct", reason)
-            body: bytes | bytearray | Refused | Failed = prepared.body
+            step: Decode | Refused | Failed = Decode(chosen, prepared.body)
         else:
             metrics.pd_decision("disaggregated", "")
-            body = await _prefilled(prepared, record, rt, pd, decode)
+            step = await _prefilled(prepared, record, rt, pd, chosen)
     except BaseException:
         rt.services.admission.release(decode, prepared.urgency.priority)
         raise
-    if isinstance(body, (Refused, Failed)):  # a prefill engine's 4xx; the deadline passed
+    if isinstance(step, (Refused, Failed)):  # a prefill engine's 4xx; the deadline passed
         rt.services.admission.release(decode, prepared.urgency.priority)
-        return body
-    return await try_engines(prepared, record, rt, take, decode_route, first=decode, body=body)
+        return step, trail
+    return await try_engines(prepared, record, rt, take, decode_route, trail, decode=step)
 
 
 async def _prefilled(
-    prepared: Prepared, record: ExchangeRecord, rt: Runtime, pd: Disaggregation, decode: Engine
-) -> bytes | bytearray | Refused | Failed:
-    """The prefill step on a prefill engine other than `decode`, under
-    `disaggregation.prefill_timeout_s`. Returns the decode engine's body: the client's with
-    the prefill engine's parameters, or the request's own when the decode engine must prefill
-    itself (no prefill engine free, the step failed, or its answer had no parameters; each
-    counted as a fallback); or the prefill engine's 4xx answer (`Refused`), the client's; or
-    `Failed` when the request's first-token deadline passed while it waited for a prefill
-    engine (no engine is to see it). The step is never shed: with no prefill engine free, the
-    decode engine prefills."""
+    prepared: Prepared, record: ExchangeRecord, rt: Runtime, pd: Disaggregation, chosen: Choice
+) -> Decode | Refused | Failed:
+    """The prefill step on a prefill engine other than the decode engine `chosen` names,
+    under `disaggregation.prefill_timeout_s`. Returns where the decode step starts: the
+    decode engine, with the client's body and the prefill engine's parameters (its name in
+    `prefilled_by`), or the request's own body when the decode engine must prefill itself
+    (no prefill engine free, the step failed, or its answer had no parameters; each counted
+    as a fallback); or the prefill engine's 4xx answer (`Refused`), the client's; or `Failed`
+    when the request's first-token deadline passed while it waited for a prefill engine (no
+    engine is to see it)."""
     metrics, timeout = rt.services.metrics, pd.config.prefill_timeout_s
+    decode, itself = chosen.engine, Decode(chosen, prepared.body)  # itself: it prefills
     body = prefill_body(prepared.payload)  # before a slot is held: nothing here to give back
-    engine: Engine | Failed | None = None
-    urgency = prepared.urgency
-    sheddable_below = rt.config.admission.sheddable_below
-    if urgency.priority < sheddable_below:
-        prepared = dataclasses.replace(prepared, urgency=urgency._replace(priority=sheddable_below))
+    prefill: Choice | Failed | None = None
+    prepared = _never_shed(prepared, rt.config.admission.sheddable_below)
     with trio.move_on_after(timeout):  # the wait for a prefill engine
         route = Route(pd.prefill_policy, _prefill, phase="prefill")
-        engine = await choose(prepared, record, rt, route, [decode.uid])
-    error = engine.error if isinstance(engine, Failed) else None
+        prefill = await choose(prepared, rt, route, [decode.uid])
+    error = prefill.error if isinstance(prefill, Failed) else None
     if error is not None and error.code == "deadline_exceeded":
         return Failed(error)
-    if not isinstance(engine, Engine):
-        why = f"none free within {timeout:g}s" if engine is None else str(engine.error)
+    if not isinstance(prefill, Choice):
+        why = f"none free within {timeout:g}s" if prefill is None else str(prefill.error)
         logger.info(
             "request %s for %s: no prefill engine (%s); engine %s prefills itself",
             record.request_id_text,
@@ -116,14 +143,15 @@ async def _prefilled(
             decode.name,
         )
         metrics.pd_fallback("no_prefill_engine")
-        return prepared.body
+        return itself
+    engine = prefill.engine
     generation, started = engine.generation, trio.current_time()
     outcome: Outcome | None = None
     take = ReadAnswer(MAX_PREFILL_ANSWER_BYTES, "prefill engine")
     try:
         with trio.move_on_after(timeout):  # the step's own: a wait in the queue is not its fault
             outcome = await attempt(
-                engine, prepared, record, rt, take=take, body=body, prefill=True
+                prefill, prepared, record, rt, take=take, body=body, prefill=True
             )
     finally:
         metrics.pd_prefill(trio.current_time() - started)
@@ -132,9 +160,9 @@ async def _prefilled(
         rt.services.outliers.request_failed(engine, generation, f"prefill: {failure}")
     elif isinstance(outcome, Answered):
         if 400 <= outcome.status < 500:  # the request's fault: the client's answer
-            record.engine = engine.name
             metrics.pd_fallback("prefill_refused")
-            return Refused(engine, outcome.status, outcome.headers, outcome.body)
+            head = client_head(outcome.headers, prefill, prepared)
+            return Refused(engine, outcome.status, head, outcome.body)
         if outcome.status != 200:
             failure, reason = f"answered {outcome.status}", "prefill_status"
         elif (params := transfer_params(outcome.body)) is None:
@@ -145,7 +173,8 @@ async def _prefilled(
             payload = prepared.payload
             if rt.resume is not None and resumable(prepared) is not None:
                 payload = {**payload, "return_token_ids": True}  # carried on if it fails
-            return decode_body(payload, params)
+            decoded = dataclasses.replace(chosen, prefilled_by=engine.name)
+            return Decode(decoded, decode_body(payload, params))
     elif isinstance(outcome, Unreachable):
         failure, reason = str(outcome.error), "prefill_unreachable"
     else:
@@ -160,4 +189,4 @@ async def _prefilled(
         decode.name,
     )
     metrics.pd_fallback(reason)
-    return prepared.body
+    return itself

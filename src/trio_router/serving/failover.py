@@ -1,7 +1,10 @@
 """Choosing engines and trying them in turn: `choose` (the policy's choice, through admission:
-an engine with a slot held, or a `Failed`) and `try_engines` (attempts until one answers:
-another engine after each that cannot be reached, up to `proxy.retries` more, and never once
-an engine has answered)."""
+a `Choice`, an engine with its slot held, or a `Failed`) and `try_engines` (attempts until
+one answers: another engine after each that cannot be reached, up to `proxy.retries` more,
+and never once an engine has answered). What the request went through travels as values:
+the `Trail` of engines its attempts went to (every model's: a fallback model's attempts
+count after the first's), taken and returned by `try_engines`; the record only hears of it
+(`ExchangeRecord.tried`, `cut`)."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import dataclasses
 import logging
 import math
 from collections.abc import Collection
+from dataclasses import dataclass
 
 import trio
 
@@ -18,28 +22,62 @@ from ..routing.disaggregation import Roles
 from ..routing.request import Decision
 from ..routing.route import Route
 from ..table import Engine
-from .attempt import Answered, Failed, Outcome, Refused, Take, Unreachable, attempt
+from .attempt import Answered, Choice, Failed, Outcome, Refused, Take, Unreachable, attempt
 from .errors import engine_unreachable
 from .prepared import Prepared
 from .record import ExchangeRecord
 from .runtime import Runtime
 
-__all__ = ["Route", "choose", "try_engines"]
+__all__ = ["Decode", "Route", "Trail", "choose", "try_engines"]
 
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True, slots=True)
+class Trail:
+    """The engines a request's attempts went to so far, in order (a prefill step is not an
+    attempt)."""
+
+    engines: tuple[str, ...] = ()
+
+    @property
+    def attempts(self) -> int:
+        return len(self.engines)
+
+    @property
+    def last(self) -> str:
+        """The engine tried last ("": none yet)."""
+        return self.engines[-1] if self.engines else ""
+
+    def then(self, choice: Choice, record: ExchangeRecord) -> Trail:
+        """The trail with `choice`'s engine after it, as the record reports it."""
+        record.tried(choice.engine.name)
+        return Trail((*self.engines, choice.engine.name))
+
+
+@dataclass(frozen=True, slots=True)
+class Decode:
+    """Where a disaggregated request's decode step starts: its first engine, chosen and its
+    slot held (`first.prefilled_by` names the prefill engine whose work `body` carries, if
+    one did), and the body sent to it and to any engine tried after it."""
+
+    first: Choice
+    body: bytes | bytearray
+
+
 async def choose(
     prepared: Prepared,
-    record: ExchangeRecord,
     rt: Runtime,
     route: Route,
     tried: Collection[str] = (),
     unreachable: EngineUnreachableError | None = None,
-) -> Engine | Failed:
-    """An engine for the next attempt, its admission slot held; `Failed` when there is none:
-    every engine tried (after `unreachable`, the last that could not be reached: a 502), or
-    the queue full or its wait over (a fallback model may take the request)."""
+    *,
+    made: int = 0,
+) -> Choice | Failed:
+    """An engine for the request's next attempt (after `made` of them; a prefill step's
+    engine is not one), its admission slot held; `Failed` when there is none: every engine
+    tried (after `unreachable`, the last that could not be reached: a 502), or the queue full
+    or its wait over (a fallback model may take the request)."""
     services, model, policy = rt.services, prepared.model, route.policy
     if route.among is not None:  # the engines the step may not go to count as tried
         routable = services.table.routable(model)
@@ -65,7 +103,7 @@ async def choose(
             return Failed(exc, fallback=True)
         return Failed(
             engine_unreachable(
-                f"no engine for model {model!r} could be reached after {record.attempts} "
+                f"no engine for model {model!r} could be reached after {made} "
                 f"attempt(s); last: {unreachable}"
             )
         )
@@ -74,7 +112,7 @@ async def choose(
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug(
             "request %s for %s (tenant %r): policy %s chose %s (excluded %s): %s",
-            record.request_id_text,
+            prepared.request_id.decode(errors="replace"),
             model,
             prepared.tenant.name,
             policy.name,
@@ -84,19 +122,15 @@ async def choose(
         )
     if route.phase:
         services.metrics.routed(policy.name, route.phase, engine.name)
-        return engine
-    services.metrics.routed(policy.name, "failover" if record.attempts else "first", engine.name)
-    record.attempts += 1
-    record.engine = engine.name
+        return Choice(engine)
+    services.metrics.routed(policy.name, "failover" if made else "first", engine.name)
     # A streamed answer's first bytes are its first token: only there is a prediction timed
     # (a whole answer's first bytes come after its last token).
     streamed = prepared.payload.get("stream") is True
     if chosen is not None and chosen.predicted_ttft is not None and streamed:
-        record.predicted_first = trio.current_time() + chosen.predicted_ttft
-        record.observe_ttft = chosen.observe_ttft
-    else:
-        record.predicted_first = record.observe_ttft = None
-    return engine
+        first_token = trio.current_time() + chosen.predicted_ttft
+        return Choice(engine, made + 1, first_token=first_token, observe_ttft=chosen.observe_ttft)
+    return Choice(engine, made + 1)
 
 
 def _falls_back(exc: RequestError, prepared: Prepared, rt: Runtime) -> bool:
@@ -116,14 +150,15 @@ async def try_engines(
     rt: Runtime,
     take: Take,
     route: Route,
+    trail: Trail,
     *,
-    first: Engine | None = None,
-    body: bytes | bytearray | None = None,
-) -> Outcome:
+    decode: Decode | None = None,
+) -> tuple[Outcome, Trail]:
     """Attempts until one answers (see the module's docstring), each engine chosen by
-    `route`; `first`, when given, is the first engine to try, its slot already held; `body`
-    is sent instead of the request's own. An engine's refusal (a fallback model is left)
-    moves on to the next engine, and is the answer if every engine refuses. With
+    `route`, after the attempts of `trail`: what came of them, and the trail with their
+    engines. `decode`, when given, is the first engine to try (its slot already held) and
+    the body sent instead of the request's own. An engine's refusal (a fallback model is
+    left) moves on to the next engine, and is the answer if every engine refuses. With
     `proxy.resume` on, up to `proxy.resume_attempts` times: an engine that broke the request
     off before anything reached the client hands it whole to another; one that failed an
     answer already begun hands `take.continuation()` to another, which carries it on."""
@@ -132,21 +167,21 @@ async def try_engines(
     refused: Refused | None = None
     broken: Failed | None = None  # the last engine's failure that another is to make good
     current, retries = prepared, 0
+    first, body = (decode.first, decode.body) if decode is not None else (None, None)
+    prefilled_by = first.prefilled_by if first is not None else ""
     while True:
         if first is not None:
-            engine, first = first, None
+            choice, first = first, None
         else:
-            chosen = await choose(current, record, rt, route, tried, unreachable)
+            chosen = await choose(current, rt, route, tried, unreachable, made=trail.attempts)
             if isinstance(chosen, Failed):
-                if broken is not None:  # no other engine: that failure is the answer
-                    await take.give_up(broken)
-                    rt.services.metrics.resumed(prepared.model, broken.broke, "failed")
-                    return broken
-                if refused is None:
-                    return chosen
-                return Failed(chosen.error, fallback=chosen.fallback, refused=refused)
-            engine = chosen
-        outcome = await attempt(engine, current, record, rt, take=take, body=body)
+                return await _none_left(chosen, refused, broken, take, rt, prepared), trail
+            choice = chosen
+            if prefilled_by:  # the next engines are sent the same decode body
+                choice = dataclasses.replace(chosen, prefilled_by=prefilled_by)
+            trail = trail.then(choice, record)
+        engine = choice.engine
+        outcome = await attempt(choice, current, record, rt, take=take, body=body)
         if isinstance(outcome, Refused):  # a fallback model is left: the next engine, then it
             tried.append(engine.uid)
             refused = outcome
@@ -155,7 +190,7 @@ async def try_engines(
             tried.append(engine.uid)
             unreachable = outcome.error
             if len(tried) > rt.config.proxy.retries:
-                return await _unreachable(outcome, current, take, broken)
+                return await _unreachable(outcome, current, take, broken), trail
             continue
         if not isinstance(outcome, Failed) or not outcome.broke:
             if broken is not None:
@@ -163,10 +198,10 @@ async def try_engines(
                 if not isinstance(outcome, Answered):
                     done = "failed"
                 rt.services.metrics.resumed(prepared.model, broken.broke, done)
-            return outcome
+            return outcome, trail
         following = await _next_request(outcome, current, take, rt, retries)
         if following is None:
-            return outcome
+            return outcome, trail
         if outcome.cut:  # the continuation of the answer begun: its first token is out
             urgency = following.urgency._replace(deadline=math.inf)
             current, body = dataclasses.replace(following, urgency=urgency), None
@@ -182,6 +217,27 @@ async def try_engines(
             outcome.error,
             "carries it on" if outcome.cut else "takes it whole",
         )
+
+
+async def _none_left(
+    failed: Failed,
+    refused: Refused | None,
+    broken: Failed | None,
+    take: Take,
+    rt: Runtime,
+    prepared: Prepared,
+) -> Failed:
+    """No engine is left to try (`failed`, the choice's): the failure another engine was to
+    make good is the answer, its answer begun ended as well as it can be; else the refusal
+    of the engines tried, if they all refused (a fallback model may take the request); else
+    `failed`."""
+    if broken is not None:
+        await take.give_up(broken)
+        rt.services.metrics.resumed(prepared.model, broken.broke, "failed")
+        return broken
+    if refused is None:
+        return failed
+    return Failed(failed.error, fallback=failed.fallback, refused=refused)
 
 
 async def _unreachable(

@@ -1,5 +1,9 @@
 """Request intake: what the serving path reads of a request before it routes it.
 
+- `Incoming`: a request as it came, as data (method, path, target, headers, client): the
+  proxy builds it from its ASGI scope (`Incoming.of_scope`), the endpoint picker from the
+  gateway's exchange (`Incoming.of_target`); the one intake both go through
+  (`prepared.take_in`, then `prepared.resolve`) and the request's record read only this.
 - `read_head`: one pass over the request headers: the headers to forward (the client's
   `Authorization` replaced by the engines' key when one is configured, an `x-request-id`
   added when the client sent none), the client's own priority and first-token deadline
@@ -19,14 +23,14 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
 import msgspec
 import trio
 
-from ..asgi import Receive
+from ..asgi import Receive, Scope
 from ..config import Config
 from ..errors import (
     BadRequestError,
@@ -47,6 +51,7 @@ __all__ = [
     "BodyBudget",
     "BodyParser",
     "Held",
+    "Incoming",
     "Reads",
     "RequestHead",
     "read_body",
@@ -60,7 +65,43 @@ LARGE_BODY_BYTES: Final = 1 << 20  # larger request bodies are parsed in a worke
 LARGE_PARSES: Final = 2  # large bodies parsed at once, at most
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
+class Incoming:
+    """A request as it came (see the module's docstring)."""
+
+    method: str
+    path: str
+    target: bytes  # the path and query as the client sent them
+    headers: Sequence[tuple[bytes, bytes]]  # as they came: lower-case names, no pseudo-headers
+    client: str = ""  # the client's address (host:port for the proxy), or ""
+
+    @classmethod
+    def of_scope(cls, scope: Scope) -> Incoming:
+        """The request an ASGI HTTP scope describes."""
+        target = scope["raw_path"]
+        if query := scope["query_string"]:
+            target += b"?" + query
+        client = scope.get("client")
+        return cls(
+            scope["method"],
+            scope["path"],
+            target,
+            scope["headers"],
+            f"{client[0]}:{client[1]}" if client else "",
+        )
+
+    @classmethod
+    def of_target(
+        cls, method: str, target: str, headers: Sequence[tuple[bytes, bytes]], client: str
+    ) -> Incoming:
+        """The request for `target` (its path and query, as a request line has them), as a
+        gateway hands it over."""
+        path, _, query = target.partition("?")
+        sent = path.encode() + (b"?" + query.encode() if query else b"")
+        return cls(method, path, sent, headers, client)
+
+
+@dataclass(frozen=True, slots=True)
 class RequestHead:
     """What the serving path takes from a request's headers."""
 

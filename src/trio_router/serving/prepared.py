@@ -1,7 +1,11 @@
-"""A request made ready to route: `Prepared`, a frozen value, from one resolving step.
+"""A request made ready to route: `Prepared`, a frozen value, from the one intake the proxy
+and the endpoint picker share.
 
-`resolve` reads what routing needs of a request whose head and body are in (the body's JSON
-object, or a form upload's model field), the models to try in order (the one asked for, or
+The request comes as data (`intake.Incoming`: the proxy's from its ASGI scope, the picker's
+from the gateway's exchange) and grows into frozen values as it is resolved: `take_in` reads
+its head and authenticates its tenant (`Intake`); once its body is in, `resolve` gives it its
+band and first-token deadline (`Urgency`), reads what routing needs of the body (the body's
+JSON object, or a form upload's model field), the models to try in order (the one asked for, or
 what its alias names, then its fallbacks; a stored response's request goes to the engine that
 holds it, with no fallback), and the first of them a routable engine serves. `for_model`
 makes the request for another model of its chain (its body's "model" rewritten): a new value,
@@ -17,7 +21,6 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Final, NamedTuple
 
-from ..asgi import Scope
 from ..errors import BadRequestError, NoEngineError, RequestError, UnknownModelError
 from ..limits.tenants import Tenant
 from ..routing.disaggregation import PD_PATHS
@@ -25,9 +28,9 @@ from ..routing.policy import RequestInfo, request_info
 from ..routing.request import request_reads
 from ..table import Engine, RoutingTable
 from .admin import missing_model
-from .admission import ANYTIME, Urgency
+from .admission import Urgency
 from .forms import FORM_PATHS, FormModel
-from .intake import SERVING_READS, Reads, RequestHead
+from .intake import SERVING_READS, Incoming, Reads, RequestHead, read_head
 from .record import ExchangeRecord
 from .runtime import Runtime
 from .stored import ResponseNotFoundError, holder, stored_response_id
@@ -35,11 +38,12 @@ from .tokens import TOKENIZE_READS
 
 __all__ = [
     "PRIORITY_PATHS",
+    "Intake",
     "Prepared",
     "for_model",
     "next_model",
     "resolve",
-    "urgency_of",
+    "take_in",
     "with_tokens",
 ]
 
@@ -67,16 +71,36 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
+class Intake:
+    """A request taken in: as it came, what its headers say, and its tenant (`take_in`)."""
+
+    incoming: Incoming
+    head: RequestHead
+    tenant: Tenant
+
+
+def take_in(incoming: Incoming, rt: Runtime, record: ExchangeRecord) -> Intake:
+    """The request `incoming` taken in, the proxy's and the picker's alike: its head read
+    (`intake.read_head`: its id, written to its record at once), its tenant authenticated.
+    Raises RequestError: the head is not valid, or the key names no tenant."""
+    head = read_head(incoming.headers, rt.services.new_request_id, rt.upstream_authorization)
+    record.request_id = head.request_id
+    if head.invalid is not None:
+        raise head.invalid
+    tenant = rt.services.tenants.authenticate(head.authorization)
+    record.tenant = tenant.name
+    return Intake(incoming, head, tenant)
+
+
+@dataclass(frozen=True, slots=True)
 class Prepared:
     """A request ready to route to one model of its chain (see the module's docstring)."""
 
-    tenant: Tenant
-    request_id: bytes  # as sent on
+    intake: Intake  # as it came, its head and its tenant
+    urgency: Urgency  # its band and first-token deadline in the router's queue
     method: bytes
-    path: str
-    target: bytes  # the path and query as the client sent them
-    headers: list[tuple[bytes, bytes]]  # to forward to the engine
-    authorization: bytes | None  # the client's, as sent
+    path: str  # as sent on: as it came (a continuation has its own)
+    target: bytes  # the path and query as sent on: as the client sent them (likewise)
     body: bytes | bytearray  # for the model it names now
     payload: dict[str, Any]  # what routing reads of the body
     chain: tuple[str, ...]  # the models to try, in order
@@ -86,18 +110,36 @@ class Prepared:
     pinned: Engine | None = None  # the engine that holds its stored response
     form: FormModel | None = None  # a form upload: where its model field is
     name_responses: bool = False  # /v1/responses: the router names the response
-    urgency: Urgency = ANYTIME  # its band and first-token deadline in the router's queue
 
     @property
     def model(self) -> str:
         return self.chain[self.index]
 
+    @property
+    def tenant(self) -> Tenant:
+        return self.intake.tenant
 
-def urgency_of(rt: Runtime, tenant: Tenant, head: RequestHead, record: ExchangeRecord) -> Urgency:
+    @property
+    def request_id(self) -> bytes:
+        """As sent on: the client's, or one the router made."""
+        return self.intake.head.request_id
+
+    @property
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        """The headers to forward to the engine."""
+        return self.intake.head.headers
+
+    @property
+    def authorization(self) -> bytes | None:
+        """The client's, as sent."""
+        return self.intake.head.authorization
+
+
+def _urgency(rt: Runtime, intake: Intake, record: ExchangeRecord) -> Urgency:
     """The request's band and first-token deadline (its tenant's, as the client lowered or
     set them), written to its record."""
-    admission = rt.services.admission
-    urgency = admission.urgency(tenant, head.priority, head.deadline_s, since=record.started)
+    admission, head = rt.services.admission, intake.head
+    urgency = admission.urgency(intake.tenant, head.priority, head.deadline_s, since=record.started)
     record.priority, record.band = urgency.priority, admission.band_label(urgency.priority)
     return urgency
 
@@ -119,48 +161,35 @@ def _next_index(
 
 
 async def resolve(
-    scope: Scope,
-    head: RequestHead,
-    tenant: Tenant,
-    body: bytes | bytearray,
-    rt: Runtime,
-    record: ExchangeRecord,
-    urgency: Urgency = ANYTIME,
+    intake: Intake, body: bytes | bytearray, rt: Runtime, record: ExchangeRecord
 ) -> Prepared:
-    """The request whose head, tenant and body are given, for the first model of its chain a
-    routable engine serves (see the module's docstring). Raises RequestError: the client's
-    answer (a body that is not valid, no engine for any model of its chain)."""
-    target = scope["raw_path"]
-    if query := scope["query_string"]:
-        target += b"?" + query
-    read = await _read(scope, body, rt, record)
+    """The request taken in, whose body is `body`, with its rank in the queue, for the first
+    model of its chain a routable engine serves (see the module's docstring). Raises
+    RequestError: the client's answer (a body that is not valid, no engine for any model of
+    its chain)."""
+    urgency, incoming = _urgency(rt, intake, record), intake.incoming
+    read = await _read(incoming, body, rt, record)
     index = _next_index(rt.services.table, read.chain, read.pinned, -1)
     if index is None:
         raise _missing(read.chain, read.pinned, rt, record)
     for skipped in read.chain[:index]:  # no routable engine: the next model at once
         fell_back(rt, record, skipped, read.chain[index], "no_engine", "no routable engine")
-    payload, body, form, info = await _for(
-        read.chain[index], read.payload, body, read.form, head.headers, rt, record, urgency
-    )
-    return Prepared(
-        tenant=tenant,
-        request_id=head.request_id,
-        method=scope["method"].encode(),
-        path=scope["path"],
-        target=target,
-        headers=head.headers,
-        authorization=head.authorization,
+    asked = Prepared(
+        intake=intake,
+        urgency=urgency,
+        method=incoming.method.encode(),
+        path=incoming.path,
+        target=incoming.target,
         body=body,
-        payload=payload,
+        payload=read.payload,
         chain=read.chain,
         index=index,
-        info=info,
-        refusable=_next_index(rt.services.table, read.chain, read.pinned, index) is not None,
+        info=RequestInfo(model=read.payload["model"]),  # for_model says what it is
         pinned=read.pinned,
-        form=form,
+        form=read.form,
         name_responses=read.name_responses,
-        urgency=urgency,
     )
+    return await for_model(asked, index, rt, record)
 
 
 class _Read(NamedTuple):
@@ -174,12 +203,12 @@ class _Read(NamedTuple):
 
 
 async def _read(
-    scope: Scope, body: bytes | bytearray, rt: Runtime, record: ExchangeRecord
+    incoming: Incoming, body: bytes | bytearray, rt: Runtime, record: ExchangeRecord
 ) -> _Read:
     """What routing reads of the body and the models to try (the model the client asked for
     recorded)."""
-    services, path = rt.services, scope["path"]
-    if (stored := stored_response_id(scope["method"], path)) is not None:
+    services, path = rt.services, incoming.path
+    if (stored := stored_response_id(incoming.method, path)) is not None:
         pinned = holder(services.table, stored)
         if pinned is None:
             raise ResponseNotFoundError(
@@ -190,7 +219,7 @@ async def _read(
         return _Read({"model": model}, (model,), pinned)
     form = None
     if path in FORM_PATHS:
-        content_type = next((v for k, v in scope["headers"] if k == b"content-type"), None)
+        content_type = next((v for k, v in incoming.headers if k == b"content-type"), None)
         form = await services.parser.form(body, content_type)
         payload: dict[str, Any] = {"model": form.model}
     else:
@@ -257,54 +286,11 @@ async def for_model(
     prepared: Prepared, index: int, rt: Runtime, record: ExchangeRecord
 ) -> Prepared:
     """The request for the model `chain[index]`: its body's "model" rewritten (the JSON
-    member, or the form's field) unless it names it already, and what the policy may know of
-    it."""
-    payload, body, form, info = await _for(
-        prepared.chain[index],
-        prepared.payload,
-        prepared.body,
-        prepared.form,
-        prepared.headers,
-        rt,
-        record,
-        prepared.urgency,
-    )
-    return Prepared(
-        tenant=prepared.tenant,
-        request_id=prepared.request_id,
-        method=prepared.method,
-        path=prepared.path,
-        target=prepared.target,
-        headers=prepared.headers,
-        authorization=prepared.authorization,
-        body=body,
-        payload=payload,
-        chain=prepared.chain,
-        index=index,
-        info=info,
-        refusable=_next_index(rt.services.table, prepared.chain, prepared.pinned, index)
-        is not None,
-        pinned=prepared.pinned,
-        form=form,
-        name_responses=prepared.name_responses,
-        urgency=prepared.urgency,
-    )
-
-
-async def _for(
-    model: str,
-    payload: dict[str, Any],
-    body: bytes | bytearray,
-    form: FormModel | None,
-    headers: list[tuple[bytes, bytes]],
-    rt: Runtime,
-    record: ExchangeRecord,
-    urgency: Urgency,
-) -> tuple[dict[str, Any], bytes | bytearray, FormModel | None, RequestInfo]:
-    """The payload, body and form of a request for `model` (its "model" rewritten unless it
-    names it already, its vLLM priority set when the router passes its band on), and what
-    the policy may know of it."""
+    member, or the form's field) unless it names it already, its vLLM priority set when the
+    router passes its band on, and what the policy may know of it."""
+    model = prepared.chain[index]
     record.served_model = record.model_label = model
+    payload, body, form = prepared.payload, prepared.body, prepared.form
     members: dict[str, Any] = {}
     if payload["model"] != model:
         if form is not None:
@@ -313,18 +299,30 @@ async def _for(
             payload = {"model": model}
         else:
             members["model"] = model
+    band = prepared.urgency.priority
     if (
         rt.config.admission.priority_to_engines
         and form is None
-        and record.path in PRIORITY_PATHS
-        and payload.get("priority", 0) != -urgency.priority
+        and prepared.path in PRIORITY_PATHS
+        and payload.get("priority", 0) != -band
     ):
-        members["priority"] = -urgency.priority
+        members["priority"] = -band
     if members:
         payload, body = await rt.services.parser.with_members(body, payload, members)
     if rt.needs_request_info or rt.disaggregation is not None:
-        return payload, body, form, request_info(payload, headers, rt.config.routing)
-    return payload, body, form, RequestInfo(model=payload["model"])
+        info = request_info(payload, prepared.headers, rt.config.routing)
+    else:
+        info = RequestInfo(model=payload["model"])
+    refusable = _next_index(rt.services.table, prepared.chain, prepared.pinned, index) is not None
+    return dataclasses.replace(
+        prepared,
+        body=body,
+        payload=payload,
+        index=index,
+        info=info,
+        refusable=refusable,
+        form=form,
+    )
 
 
 async def with_tokens(prepared: Prepared, rt: Runtime) -> Prepared:

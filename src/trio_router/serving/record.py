@@ -1,19 +1,30 @@
 """What one proxied request leaves behind: `ExchangeRecord`, filled in as the request goes, and
 written once however it ends (`finish`): the request's metrics, its trace span and its access
-record."""
+record.
+
+The record is where an exchange reports, not how its steps talk to each other. What a step
+decides travels down as the value it returns: the engine chosen for an attempt and when its
+first token is expected (`attempt.Choice`, from `failover.choose`), what came of an attempt
+or of all of them (`attempt.Outcome`), the engines tried so far, whose count numbers the next
+attempt and whose last names the engine on an error answer (`failover.Trail`), what the
+prefill step leaves the decode step (`failover.Decode`), when an answer's first bytes passed
+(the take's `first_byte`). The steps write the record only what it reports, each fact in one
+or two places (`tried`, `cut`, `first_byte`; the status where the answer is settled), and
+read back only the request's identity, set before it is routed and unchanged after: its id,
+span and start, and the model the client asked for (for log lines, the attempts' spans, the
+engines' figures, and an alias's echo)."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final
 
 import trio
 
-from ..asgi import Scope
 from ..metrics import NO_LABEL, Metrics
 from ..tracing import Tracing
+from .intake import Incoming
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
@@ -56,21 +67,17 @@ class ExchangeRecord:
     parts: list[str] = field(default_factory=list)  # engines whose part of an answer was cut
     sent: int = 0  # response body bytes handed on
     ttfb: float | None = None  # the engine's first body bytes, after `started`
-    predicted_first: float | None = None  # kv_aware's time cost: when (Trio time)...
-    observe_ttft: Callable[[float], None] | None = None  # ...and who learns how far off
     priority: int = 0  # its band in the router's queue
     band: str = ""  # the band's metrics label (`Admission.band_label`)
     refusal: str = ""  # why the router refused it (the error's code), if it did
 
     @classmethod
-    def begin(cls, recording: Recording, scope: Scope) -> ExchangeRecord:
-        """The record of the request `scope` describes, its span started (tracing on)."""
-        client = scope.get("client")
-        record = cls(
-            recording, scope["method"], scope["path"], f"{client[0]}:{client[1]}" if client else ""
-        )
+    def begin(cls, recording: Recording, incoming: Incoming) -> ExchangeRecord:
+        """The record of the request `incoming` (the proxy's or the picker's), its span
+        started (tracing on)."""
+        record = cls(recording, incoming.method, incoming.path, incoming.client)
         if (tracing := recording.tracing) is not None:
-            record.span = tracing.start_request(scope["method"], scope["path"], scope["headers"])
+            record.span = tracing.start_request(incoming.method, incoming.path, incoming.headers)
         return record
 
     @property
@@ -88,19 +95,20 @@ class ExchangeRecord:
         """Times another engine carried on an answer cut mid-way."""
         return len(self.parts)
 
+    def tried(self, engine: str) -> None:
+        """One more attempt, at `engine` (the engine the record names until another is)."""
+        self.attempts += 1
+        self.engine = engine
+
     def cut(self, engine: str) -> None:
         """`engine`'s part of the answer was cut off; another engine carries it on."""
         self.parts.append(engine)
 
-    def first_byte(self, now: float) -> None:
-        """The engine's first body bytes came (`now`): the time to first byte."""
+    def first_byte(self, now: float, model: str) -> None:
+        """The first body bytes of the answer (from `model`) passed on at `now`: the time to
+        first byte."""
         self.ttfb = now - self.started
-        self.recording.metrics.observe_ttfb(self.served_model, self.ttfb)
-        if self.predicted_first is not None:  # how far kv_aware's prediction was off
-            error = now - self.predicted_first
-            self.recording.metrics.ttft_prediction(self.engine, error)
-            if self.observe_ttft is not None:
-                self.observe_ttft(error)
+        self.recording.metrics.observe_ttfb(model, self.ttfb)
 
     def finish(self) -> None:
         """However the request ended: it is counted, traced and logged once."""

@@ -61,7 +61,9 @@ class Gateway:
 
     `fail_open`: the recipe of the module's docstring, with `fallback` (host:port each) as
     the route of requests the picker did not place; `subset`: every request carries these
-    endpoints (host:port each) as its subset hint (`envoy.lb.subset_hint`), None for no hint;
+    endpoints (host:port each) as its subset hint (`envoy.lb.subset_hint`): a list, or given
+    as one string, one comma-separated value (as Envoy's header-to-metadata filter sets it
+    from a header); None for no hint;
     `answer_body`: how the answer's body goes to the picker (NONE, STREAMED,
     FULL_DUPLEX_STREAMED); `message_timeout_s`: how long Envoy waits for each of the
     picker's answers."""
@@ -69,7 +71,7 @@ class Gateway:
     picker: str
     fail_open: bool = False
     fallback: tuple[str, ...] = ()
-    subset: tuple[str, ...] | None = None
+    subset: tuple[str, ...] | str | None = None
     answer_body: str = "NONE"
     message_timeout_s: float = 5.0
 
@@ -147,8 +149,10 @@ def _http_filters(gateway: Gateway) -> list[object]:
     return filters
 
 
-def _subset_hint(subset: tuple[str, ...]) -> dict[str, object]:
-    """A filter that sets `subset` as every request's subset hint, as a gateway would."""
+def _subset_hint(subset: tuple[str, ...] | str) -> dict[str, object]:
+    """A filter that sets `subset` as every request's subset hint, as a gateway would (a
+    string as it is, one value)."""
+    hint = subset if isinstance(subset, str) else list(subset)
     return {
         "name": "envoy.filters.http.set_metadata",
         "typed_config": {
@@ -156,7 +160,7 @@ def _subset_hint(subset: tuple[str, ...]) -> dict[str, object]:
             "metadata": [
                 {
                     "metadata_namespace": "envoy.lb.subset_hint",
-                    "value": {"x-gateway-destination-endpoint-subset": list(subset)},
+                    "value": {"x-gateway-destination-endpoint-subset": hint},
                 }
             ],
         },
