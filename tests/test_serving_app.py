@@ -20,6 +20,7 @@ import trio.testing
 from trio_router import server
 from trio_router._version import __version__
 from trio_router.config import (
+    AdmissionConfig,
     Config,
     DisaggregationConfig,
     ProxyConfig,
@@ -317,10 +318,25 @@ async def test_an_unreachable_engine_fails_over_and_one_left_unreachable_is_502(
         assert [a.status for a in answers] == [200, 200]
         down = bench.table.get("uid-0")
         assert down is not None and not down.routable  # ejected by the failed attempt
-    async with open_bench((DOWN,), proxy=ProxyConfig(retries=1)) as bench:
+    room_off = AdmissionConfig(wait_for_engine=False)
+    async with open_bench((DOWN,), proxy=ProxyConfig(retries=1), admission=room_off) as bench:
         answer = await bench.chat()
     assert (answer.status, answer.error()["code"]) == (502, "engine_unreachable")
     assert answer.headers[b"x-trio-router-engine"] == DOWN.encode()
+
+
+async def test_a_request_whose_only_engine_is_unreachable_waits_for_another(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The waiting room: the engine refused the connection and was ejected; the request
+    waits for an engine (none comes here) and ends 503 `no_engine` at the queue's bound."""
+    async with open_bench((DOWN,), proxy=ProxyConfig(retries=1)) as bench:
+        started = trio.current_time()
+        answer = await bench.chat()
+        waited = trio.current_time() - started
+    assert (answer.status, answer.error()["code"]) == (503, "no_engine")
+    assert waited == pytest.approx(AdmissionConfig().queue_timeout_s)
+    assert answer.headers[b"retry-after"] == b"30"
 
 
 async def test_a_silent_engine_is_504_at_the_read_timeout(

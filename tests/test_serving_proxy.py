@@ -17,6 +17,7 @@ from functools import partial
 import httpx
 import pytest
 import trio
+import trio.testing
 
 from trio_router import server
 from trio_router._version import __version__
@@ -358,7 +359,9 @@ async def test_unknown_model_is_404_and_known_model_without_engine_is_503() -> N
     engine = FakeEngine(name="e1")
     with trio.fail_after(LIMIT):
         async with open_router(
-            [engine], probe={"interval_s": 0.2, "failures_to_eject": 1}
+            [engine],
+            probe={"interval_s": 0.2, "failures_to_eject": 1},
+            admission={"wait_for_engine": False},  # no waiting room: refused at once
         ) as router:
             assert_openai_error(
                 await router.client.post(CHAT, json=chat("nope")), 404, "model_not_found"
@@ -371,6 +374,41 @@ async def test_unknown_model_is_404_and_known_model_without_engine_is_503() -> N
             engine.fail_status = None  # and comes back without any discovery event
             await router.wait_routable("fake-model", 1)
             assert (await router.client.post(CHAT, json=chat())).status_code == 200
+
+
+async def test_a_known_model_without_engine_waits_and_is_sent_the_moment_one_is_back() -> None:
+    """The waiting room through the real router: the only engine leaves routing (its probes
+    fail); a request for its model waits (counted in trio_router_model_queued_requests), and
+    is answered by the engine once it is routable again; an unknown model is still 404."""
+    engine = FakeEngine(name="e1")
+    with trio.fail_after(LIMIT):
+        async with open_router(
+            [engine], probe={"interval_s": 0.2, "failures_to_eject": 1}
+        ) as router:
+            engine.fail_status = 500
+            await router.wait_routable("fake-model", 0)
+            assert_openai_error(
+                await router.client.post(CHAT, json=chat("nope")), 404, "model_not_found"
+            )
+            answers: list[httpx.Response] = []
+
+            async def waiting_request() -> None:
+                answers.append(await router.client.post(CHAT, json=chat()))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(waiting_request)
+                while True:  # the request is in the room: the series says so
+                    text = (await router.client.get("/metrics")).text
+                    if sample(
+                        text, "trio_router_model_queued_requests", model="fake-model", priority="0"
+                    ):
+                        break
+                    await trio.testing.wait_all_tasks_blocked()
+                assert answers == [] and not [r for r in engine.requests if r.path == CHAT]
+                engine.fail_status = None  # its next probe brings it back
+            (answer,) = answers
+            assert answer.status_code == 200
+            assert len([r for r in engine.requests if r.path == CHAT]) == 1
 
 
 async def test_body_over_the_limit_is_413() -> None:
@@ -449,7 +487,9 @@ async def test_failover_to_another_engine_before_the_first_byte() -> None:
 async def test_all_engines_unreachable_is_502_after_retries() -> None:
     engines = [FakeEngine(name=f"e{i}") for i in range(4)]
     with trio.fail_after(LIMIT):
-        async with open_router(engines, proxy={"retries": 2}) as router:
+        async with open_router(
+            engines, proxy={"retries": 2}, admission={"wait_for_engine": False}
+        ) as router:
             for i in range(4):
                 router.stop_engine(i)
             response = await router.client.post(CHAT, json=chat())

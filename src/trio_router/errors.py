@@ -12,6 +12,8 @@ extra headers; the serving layer turns them into responses in one place
 
 from __future__ import annotations
 
+import math
+
 
 class RouterError(Exception):
     """Root of trio_router's errors."""
@@ -120,6 +122,20 @@ class QueueTimeoutError(RequestError):
     type = "server_error"
     code = "queue_timeout"
     refusal = True
+
+
+class NoEngineInTimeError(RequestError):
+    """A request for a known model waited `admission.queue_timeout_s` for an engine and no
+    engine serving the model was routable when the wait ended (the waiting room)."""
+
+    status = 503
+    type = "server_error"
+    code = "no_engine"
+    refusal = True
+
+    def __init__(self, message: str, *, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.headers = ((b"retry-after", str(max(1, math.ceil(retry_after_s))).encode()),)
 
 
 class DeadlineError(RequestError):

@@ -294,6 +294,9 @@ class RoutingTable:
         self._engines: dict[str, Engine] = {}
         self._index: dict[str, tuple[Engine, ...]] | None = None
         self._known_models: set[str] = set()
+        self._served: frozenset[str] = frozenset()  # the models of the last index
+        self._unserved_since: dict[str, float] = {}  # a model no routable engine serves: since
+        self._changed_at = 0.0  # the first change since the index was last built
         self._changed = trio.Event()
         self._remove_listeners: list[Callable[[Engine], None]] = []
         self.version = 0  # bumped by every mutation; cheap change detection for caches
@@ -329,6 +332,16 @@ class RoutingTable:
     def is_known_model(self, model: str) -> bool:
         """True if any engine has ever reported `model` (then "no engine" is a 503, not a 404)."""
         return model in self._known_models
+
+    def served_within(self, model: str, seconds: float) -> bool:
+        """True if a routable engine serves `model` now, or did `seconds` ago or later (the
+        waiting room's "known model": one whose engines are being replaced)."""
+        if self._index is None:
+            self._index = self._build_index()
+        if model in self._index:
+            return True
+        since = self._unserved_since.get(model)
+        return since is not None and _now() - since <= seconds
 
     def engines_with_unknown_models(self) -> int:
         """Engines Kubernetes lets through whose models are not known: no probe has ever
@@ -426,6 +439,8 @@ class RoutingTable:
         return True
 
     def _touch(self) -> None:
+        if self._index is not None:  # a model the next index lacks was lost from now on
+            self._changed_at = _now()
         self.version += 1
         self._index = None
         self._changed.set()
@@ -440,4 +455,19 @@ class RoutingTable:
         for engine in by_url.values():
             for model_id in engine.model_ids:
                 index.setdefault(model_id, []).append(engine)
+        served = frozenset(index)
+        for model in self._served - served:
+            self._unserved_since[model] = self._changed_at
+        for model in served - self._served:
+            self._unserved_since.pop(model, None)
+        self._served = served
         return {k: tuple(v) for k, v in index.items()}
+
+
+def _now() -> float:
+    """Trio's clock; outside a Trio run (a table used from synchronous code), no time has
+    passed since anything."""
+    try:
+        return trio.current_time()
+    except RuntimeError:
+        return 0.0

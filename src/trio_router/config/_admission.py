@@ -28,6 +28,12 @@ class AdmissionConfig:
     sheddable_below: int = 0  # bands below this are refused when saturated, never queued
     priority_to_engines: bool = False  # set vLLM's request `priority` (minus the band)
     reserve_per_engine: int = 0  # slots of each engine's cap only the top band may take
+    # The waiting room: a request for a known model with no routable engine waits in the
+    # queue (queue_timeout_s at most; then 503 no_engine) instead of failing at once. Known:
+    # a model some engine served within known_model_s, or one the configuration names
+    # (routing.models, aliases, fallbacks).
+    wait_for_engine: bool = True
+    known_model_s: float = 3600.0
 
     def __post_init__(self) -> None:
         for key in (
@@ -40,6 +46,8 @@ class AdmissionConfig:
             if getattr(self, key) < 0:
                 raise ConfigError(f"admission.{key} must be >= 0, got {getattr(self, key)}")
         positive("admission", queue_timeout_s=self.queue_timeout_s)
+        if self.known_model_s < 0:
+            raise ConfigError(f"admission.known_model_s must be >= 0, got {self.known_model_s}")
         check_choice(self.fairness, FAIRNESS, "admission.fairness")
 
 

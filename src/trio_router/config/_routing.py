@@ -69,6 +69,16 @@ class RoutingConfig:
     # Models to try next, in order, when no engine can take a model: [routing.fallbacks]
     # "big-model" = ["tiny-model"].
     fallbacks: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # Models the router fronts even while no engine serves them (a model scaled to zero):
+    # their requests wait for an engine (admission.wait_for_engine) instead of a 404.
+    models: tuple[str, ...] = ()
+
+    def fronted(self) -> frozenset[str]:
+        """Every model the configuration names: `models`, the aliases' models and the
+        fallbacks' (aliases resolved)."""
+        named = {*self.models, *self.aliases.values(), *self.fallbacks}
+        named.update(self.aliases.get(m, m) for chain in self.fallbacks.values() for m in chain)
+        return frozenset(named)
 
     def __post_init__(self) -> None:
         self._check_names()
@@ -117,6 +127,10 @@ class RoutingConfig:
                     f"routing.aliases.{alias} names {model!r}, which is an alias itself; "
                     "name the model"
                 )
+        if "" in self.models:
+            raise ConfigError("routing.models must name models, got an empty name")
+        if aliased := sorted(m for m in self.models if m in self.aliases):
+            raise ConfigError(f"routing.models names aliases {aliased}; name their models")
         for model, chain in self.fallbacks.items():
             where = f"routing.fallbacks.{model}"
             if model in self.aliases:

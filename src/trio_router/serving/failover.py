@@ -24,7 +24,7 @@ from ..routing.route import Route
 from ..table import Engine
 from .attempt import Answered, Choice, Failed, Outcome, Refused, Take, Unreachable, attempt
 from .errors import engine_unreachable
-from .prepared import Prepared
+from .prepared import Prepared, next_model
 from .record import ExchangeRecord
 from .runtime import Runtime
 
@@ -73,11 +73,14 @@ async def choose(
     unreachable: EngineUnreachableError | None = None,
     *,
     made: int = 0,
+    may_wait: bool = True,
 ) -> Choice | Failed:
     """An engine for the request's next attempt (after `made` of them; a prefill step's
     engine is not one), its admission slot held; `Failed` when there is none: every engine
     tried (after `unreachable`, the last that could not be reached: a 502), or the queue full
-    or its wait over (a fallback model may take the request)."""
+    or its wait over (a fallback model may take the request). With no routable engine left
+    for the model, it waits for one (the waiting room) when `may_wait` and no fallback model
+    has one."""
     services, model, policy = rt.services, prepared.model, route.policy
     if route.among is not None:  # the engines the step may not go to count as tried
         routable = services.table.routable(model)
@@ -96,7 +99,12 @@ async def choose(
 
     try:
         engine = await services.admission.acquire(
-            prepared.tenant, model, pick, tried=tried, urgency=prepared.urgency
+            prepared.tenant,
+            model,
+            pick,
+            tried=tried,
+            urgency=prepared.urgency,
+            may_wait=may_wait and next_model(services.table, prepared, prepared.index) is None,
         )
     except NoEngineError as exc:
         if unreachable is None:
@@ -173,7 +181,9 @@ async def try_engines(
         if first is not None:
             choice, first = first, None
         else:
-            chosen = await choose(current, rt, route, tried, unreachable, made=trail.attempts)
+            chosen = await choose(
+                current, rt, route, tried, unreachable, made=trail.attempts, may_wait=broken is None
+            )
             if isinstance(chosen, Failed):
                 return await _none_left(chosen, refused, broken, take, rt, prepared), trail
             choice = chosen

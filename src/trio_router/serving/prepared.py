@@ -171,6 +171,8 @@ async def resolve(
     read = await _read(incoming, body, rt, record)
     index = _next_index(rt.services.table, read.chain, read.pinned, -1)
     if index is None:
+        index = _waiting_room(read.chain, read.pinned, rt)
+    if index is None:
         raise _missing(read.chain, read.pinned, rt, record)
     for skipped in read.chain[:index]:  # no routable engine: the next model at once
         fell_back(rt, record, skipped, read.chain[index], "no_engine", "no routable engine")
@@ -252,6 +254,15 @@ def _reads(rt: Runtime, path: str) -> Reads | None:
     if rt.needs_tokens:
         members |= TOKENIZE_READS
     return Reads(members, streamed=rt.resume is not None and path in PD_PATHS)
+
+
+def _waiting_room(chain: tuple[str, ...], pinned: Engine | None, rt: Runtime) -> int | None:
+    """With no routable engine for any model of the chain: the index of its first model
+    whose request waits for an engine (`Admission.waits_for`: a known model), or None."""
+    if pinned is not None:  # its engine, and no other, holds what the request continues
+        return None
+    waits = rt.services.admission.waits_for
+    return next((i for i, model in enumerate(chain) if waits(model)), None)
 
 
 def _missing(

@@ -52,7 +52,7 @@ class Admission:
     ) -> None:
         self._table = table
         self._saturation = Saturation(table)
-        self._ordering = Ordering(self._place)
+        self._ordering = Ordering(self._place, engineless=self._engineless)
         # (model, seconds waited) of each request that waited; (reason, tenant) of each
         # request turned away.
         self._ordering.observe(on_wait=on_wait, on_reject=on_reject)
@@ -65,6 +65,9 @@ class Admission:
         limits let go goes."""
         self._ordering.configure(config)
         self._saturation.configure(config, self._ordering.top)
+        self._room = config.admission.wait_for_engine
+        self._known_model_s = config.admission.known_model_s
+        self._fronted = config.routing.fronted()
         self._ordering.dispatch()
 
     def observe(
@@ -85,6 +88,14 @@ class Admission:
         """A request's rank in the queue (`Urgency.of`)."""
         return Urgency.of(tenant, priority, deadline_s, since=since)
 
+    def waits_for(self, model: str) -> bool:
+        """Whether a request for `model` with no routable engine waits for one (the waiting
+        room): on (`admission.wait_for_engine`), and the model is known: an engine served it
+        within `admission.known_model_s`, or the configuration names it."""
+        return self._room and (
+            model in self._fronted or self._table.served_within(model, self._known_model_s)
+        )
+
     # -- per request ---------------------------------------------------------------------
     async def acquire(
         self,
@@ -94,22 +105,28 @@ class Admission:
         *,
         tried: Collection[str] = (),
         urgency: Urgency = ANYTIME,
+        may_wait: bool = True,
     ) -> Engine:
         """An engine for a request, with a slot held on it for the caller (give it back with
         `release`). When every engine for `model` not in `tried` is saturated, wait in the
-        queue. Raises NoEngineError when every routable engine for it has been tried
-        (failover is over), RateLimitedError (429 `queue_full`, or `shed`) when the queue is
-        full or the request's band is sheddable, DeadlineError when its deadline passes
-        first, QueueTimeoutError after `admission.queue_timeout_s`. Cancellation (the client
-        left, a deadline) takes the request out of the queue (and gives back a slot it was
-        just given)."""
+        queue; when no engine for it is routable at all (`tried` or not), with the waiting
+        room on and `may_wait`, wait there for one (the engines tried are gone: any that
+        comes back may take it). Raises NoEngineError when every routable engine for it has
+        been tried (failover is over) and the request may not wait, RateLimitedError (429
+        `queue_full`, or `shed`) when the queue is full or the request's band is sheddable,
+        DeadlineError when its deadline passes first, after `admission.queue_timeout_s`
+        NoEngineInTimeError (503 `no_engine`) when no engine was routable then, else
+        QueueTimeoutError. Cancellation (the client left, a deadline) takes the request out
+        of the queue (and gives back a slot it was just given)."""
         first_token = self._saturation.first_token_floor(model)
         if trio.current_time() >= urgency.deadline - first_token:
             raise self._ordering.late(tenant, model, "before it could be routed", first_token)
         if self._ordering.first_in_line(model, urgency.priority):  # no one to overtake
-            engine = self._take_now(model, pick, tried, urgency.priority)
+            engine = self._take_now(model, pick, tried, urgency.priority, may_wait)
             if engine is not None:
                 return engine
+        if not self._table.routable(model):  # the waiting room: whatever comes may take it
+            tried = ()
         waiter = self._ordering.join(
             tenant, model, pick, tried=tried, urgency=urgency, first_token=first_token
         )
@@ -120,15 +137,19 @@ class Admission:
                 self.release(waiter.engine, waiter.priority)
 
     def _take_now(
-        self, model: str, pick: Pick, tried: Collection[str], priority: int
+        self, model: str, pick: Pick, tried: Collection[str], priority: int, may_wait: bool
     ) -> Engine | None:
         """An engine for `model` that may take a request of band `priority` now, its slot
         taken, or None (all saturated, or only reserved slots left for a lower band): the
-        request waits. NoEngineError when every routable engine for it has been tried."""
+        request waits. NoEngineError when every routable engine for it has been tried, or
+        none is routable and the request may not wait for one."""
         try:
             engine = pick(self._saturation.excluded(tried, priority))
         except NoEngineError:
-            if all(e.uid in tried for e in self._table.routable(model)):
+            routable = self._table.routable(model)
+            if not routable and self._room and may_wait:
+                return None  # the waiting room (`resolve` let only a known model through)
+            if all(e.uid in tried for e in routable):
                 raise
             return None
         self._saturation.take(engine, priority)
@@ -143,6 +164,10 @@ class Admission:
             return None
         self._saturation.take(engine, waiter.priority)
         return engine
+
+    def _engineless(self, model: str) -> bool:
+        """No routable engine serves `model` now (the queue's wait ends `no_engine`)."""
+        return not self._table.routable(model)
 
     def hold(self, engine: Engine, priority: int = 0) -> None:
         """Take a slot on `engine` for a request of band `priority` that is already there

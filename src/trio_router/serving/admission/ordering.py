@@ -42,7 +42,13 @@ from typing import Final, NamedTuple
 import trio
 
 from ...config import AdmissionConfig, Config
-from ...errors import DeadlineError, QueueTimeoutError, RateLimitedError, RequestError
+from ...errors import (
+    DeadlineError,
+    NoEngineInTimeError,
+    QueueTimeoutError,
+    RateLimitedError,
+    RequestError,
+)
 from ...limits.tenants import Tenant
 from ...table import Engine
 from .fairness import Fairness, discard
@@ -216,8 +222,14 @@ class Ordering:
     """The router's queue, every model's (see the module's docstring). `place` hands a
     waiting request an engine with its slot taken, or None when none can take it now."""
 
-    def __init__(self, place: Callable[[Waiter], Engine | None]) -> None:
+    def __init__(
+        self,
+        place: Callable[[Waiter], Engine | None],
+        *,
+        engineless: Callable[[str], bool] = lambda model: False,
+    ) -> None:
         self._place = place
+        self._engineless = engineless  # no routable engine serves the model now
         self._fairness: Fairness[Waiter] = Fairness()
         self._queues: dict[str, ModelQueue] = {}
         self._waiting = 0
@@ -336,11 +348,7 @@ class Ordering:
                 if now >= waiter.late_at:
                     raise self.late(tenant, model, "while it waited for an engine", waiter.floor)
                 if now >= timeout:
-                    self._reject("queue_timeout", tenant)
-                    raise QueueTimeoutError(
-                        f"waited {config.queue_timeout_s:g} s for an engine for model "
-                        f"{model!r}: all were saturated (admission.queue_timeout_s)"
-                    )
+                    raise self._timed_out(waiter)
             queued = False  # dispatched: `dispatch` took it out of the queue
             engine, waiter.engine = waiter.engine, None
             if self._on_wait is not None:
@@ -350,6 +358,24 @@ class Ordering:
             if queued and waiter.engine is None and waiter.evicted is None:
                 self._unqueue(waiter)
             self._fairness.left(waiter)
+
+    def _timed_out(self, waiter: Waiter) -> RequestError:
+        """The refusal of a request that waited `queue_timeout_s`, counted: its model had
+        no routable engine (503 `no_engine`, try again after as long), or all were
+        saturated (503 `queue_timeout`)."""
+        wait, model = self._config.queue_timeout_s, waiter.model
+        if self._engineless(model):
+            self._reject("no_engine", waiter.tenant)
+            return NoEngineInTimeError(
+                f"waited {wait:g} s for an engine for model {model!r}: none was routable "
+                "(admission.queue_timeout_s)",
+                retry_after_s=wait,
+            )
+        self._reject("queue_timeout", waiter.tenant)
+        return QueueTimeoutError(
+            f"waited {wait:g} s for an engine for model {model!r}: all were saturated "
+            "(admission.queue_timeout_s)"
+        )
 
     def late(
         self, tenant: Tenant, model: str, when: str, first_token: float = 0.0
