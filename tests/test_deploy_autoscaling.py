@@ -7,15 +7,21 @@ External metric, with prometheus-adapter's rule beside it). Both render with kus
 base's namespace, with the engine Deployment of engine/; the HPA is valid against the Kubernetes
 schema, the ScaledObject against KEDA's CRD (tests/fixtures/crds/keda/), unknown fields
 rejected. Both scale that Deployment on `max(trio_router_model_saturation{model=...})` of its
-served model, Value target 0.8, with the same bounds and pace. Static checks only: no cluster.
+served model, Value target 0.8, with the same bounds and pace. keda-from-zero/ is keda/ down to
+no engine: a ScaledObject that wakes the model on the requests waiting for it
+(`trio_router_model_queued_requests`) and sizes it from one up as keda/ does, with the keys of
+the routers' router.toml that make them hold those requests (router-fragment.toml). Static
+checks only: no cluster.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 import shutil
 import subprocess
+import tomllib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final
@@ -26,16 +32,18 @@ import pytest
 import yaml
 
 from test_deploy import (
+    DEFAULTS,
     MANIFEST_DIR,
     REPO,
     closed,
     cluster_config,
+    flatten,
     kustomization,
     manifests,
     selector_matches,
     yaml_docs,
 )
-from trio_router.config import Config
+from trio_router.config import Config, config_as_dict, parse_config
 
 EXAMPLE_DIR: Final = MANIFEST_DIR / "examples" / "autoscaling"
 ENGINE_DIR: Final = EXAMPLE_DIR / "engine"
@@ -43,11 +51,19 @@ ADAPTER_VALUES: Final = EXAMPLE_DIR / "hpa" / "prometheus-adapter-values.yaml"
 DISAGGREGATED: Final = MANIFEST_DIR / "examples" / "vllm-disaggregated.yaml"
 KEDA_CRD_DIR: Final = REPO / "tests" / "fixtures" / "crds" / "keda"
 KEDA_CRD: Final = KEDA_CRD_DIR / "keda.sh_scaledobjects.yaml"
+FROM_ZERO_DIR: Final = EXAMPLE_DIR / "keda-from-zero"
+ROUTER_FRAGMENT: Final = FROM_ZERO_DIR / "router-fragment.toml"
 
-METRIC: Final = "trio_router_model_saturation"  # the only metric the examples scale on
+METRIC: Final = "trio_router_model_saturation"  # the metric the examples size engines on
+QUEUED: Final = "trio_router_model_queued_requests"  # the one keda-from-zero wakes a model on
+BUILD_INFO: Final = "trio_router_build_info"  # always 1: "a router reports", for a 0 fallback
 TARGET: Final = 0.8
 # What kind each example adds to the engine Deployment.
-SCALERS: Final = {"keda": "ScaledObject", "hpa": "HorizontalPodAutoscaler"}
+SCALERS: Final = {
+    "keda": "ScaledObject",
+    "hpa": "HorizontalPodAutoscaler",
+    "keda-from-zero": "ScaledObject",
+}
 # A Kubernetes label value (what an HPA's metric selector may hold), as the API machinery checks.
 LABEL_VALUE: Final = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
 QUERY: Final = re.compile(r'max\((?P<metric>[a-z_:]+)\{model="(?P<model>[^"]+)"\}\)')
@@ -92,7 +108,7 @@ def render(directory: Path) -> dict[str, dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def rendered() -> dict[str, dict[str, dict[str, Any]]]:
-    """Each example's rendered objects by kind, by example (keda, hpa)."""
+    """Each example's rendered objects by kind, by example (keda, hpa, keda-from-zero)."""
     return {name: render(EXAMPLE_DIR / name) for name in SCALERS}
 
 
@@ -154,6 +170,21 @@ def keda_trigger(scaled_object: dict[str, Any]) -> dict[str, Any]:
     (trigger,) = scaled_object["spec"]["triggers"]
     assert isinstance(trigger, dict)
     return trigger
+
+
+def merged(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+    """TOML table `base` with the keys of `patch` set in it, at any depth."""
+    out = dict(base)
+    for key, value in patch.items():
+        out[key] = merged(out.get(key, {}), value) if isinstance(value, dict) else value
+    return out
+
+
+def duration_s(text: str) -> float:
+    """A Prometheus duration of one unit ("30s", "1m", "2h") in seconds."""
+    match = re.fullmatch(r"(\d+)([smh])", text)
+    assert match, text
+    return int(match[1]) * {"s": 1, "m": 60, "h": 3600}[match[2]]
 
 
 def hpa_metric(hpa: dict[str, Any]) -> dict[str, Any]:
@@ -323,13 +354,98 @@ def test_the_adapter_rule_serves_the_hpas_metric_with_the_scaled_objects_query(
     assert " by " not in query and " by(" not in query
 
 
-def test_every_metric_the_examples_name_is_the_saturation_gauge() -> None:
-    """No other trio_router_* series is queried or mentioned anywhere in the examples: the
-    routers export trio_router_model_saturation for this, and nothing invented beside it."""
-    names = set()
-    for path in sorted(EXAMPLE_DIR.rglob("*.yaml")):
-        names |= set(re.findall(r"\btrio_router_[a-z_]+", path.read_text(encoding="utf-8")))
-    assert names == {METRIC}
+def test_the_from_zero_scaled_object_wakes_the_model_on_the_requests_waiting_for_it(
+    rendered: dict[str, dict[str, dict[str, Any]]],
+) -> None:
+    """keda-from-zero's ScaledObject passes KEDA's schema strictly and scales keda/'s engines
+    from 0 (KEDA's own step) to keda/'s maximum, with keda/'s pace. Two Prometheus triggers,
+    each active above 0 and an error on no answer: `queued`, the served model's waiting
+    requests summed over the routers (each one's most in the last minute); `saturation`,
+    keda/'s trigger. Each query reads 0 rather than nothing while some router reports
+    (build_info), so a sleeping model is not an error on every poll."""
+    objects, keda = rendered["keda-from-zero"], rendered["keda"]["ScaledObject"]
+    scaled, deployment = objects["ScaledObject"], objects["Deployment"]
+    validate_scaled_object(scaled)
+    spec = scaled["spec"]
+    assert spec["minReplicaCount"] == 0 < spec["maxReplicaCount"] == keda["spec"]["maxReplicaCount"]
+    assert "idleReplicaCount" not in spec
+    assert spec["cooldownPeriod"] >= 600  # idle for a good while, not between two requests
+    assert spec["pollingInterval"] <= keda["spec"]["pollingInterval"]
+    assert spec["advanced"] == keda["spec"]["advanced"]
+    triggers = {t["name"]: t for t in spec["triggers"]}
+    assert list(triggers) == ["queued", "saturation"]
+    saturation, theirs = triggers["saturation"], keda_trigger(keda)
+    fallback = f" or 0 * max({BUILD_INFO})"
+    model = served_model(deployment)
+    queued_query = f'sum(max_over_time({QUEUED}{{model="{model}"}}[1m])){fallback}'
+    assert triggers["queued"]["metadata"]["query"] == queued_query
+    assert saturation["metadata"]["query"] == theirs["metadata"]["query"] + fallback
+    assert saturation["metadata"]["threshold"] == theirs["metadata"]["threshold"]
+    for trigger in triggers.values():
+        assert trigger["type"] == "prometheus" and trigger["metricType"] == "Value"
+        metadata = trigger["metadata"]
+        assert metadata["activationThreshold"] == "0"
+        assert metadata["ignoreNullValues"] == "false"
+        assert metadata["serverAddress"] == theirs["metadata"]["serverAddress"]
+
+
+def test_the_queued_trigger_never_asks_the_hpa_for_more_than_one_engine(config: Config) -> None:
+    """The HPA asks ceil(ready engines x value / threshold) for a Value metric: with every
+    engine ready and every router replica's queue full (admission.queue_size), the queued
+    trigger's count is still one, so the saturation trigger alone sizes the engines from one
+    up (a backlog gathered while the first engine loads would otherwise ask for many)."""
+    (scaled,) = yaml_docs(FROM_ZERO_DIR / "scaledobject.yaml")
+    queued = {t["name"]: t for t in scaled["spec"]["triggers"]}["queued"]
+    routers = manifests()["HorizontalPodAutoscaler"]["spec"]["maxReplicas"]
+    most_waiting = routers * config.admission.queue_size
+    engines = scaled["spec"]["maxReplicaCount"]
+    assert math.ceil(engines * most_waiting / float(queued["metadata"]["threshold"])) == 1
+
+
+def test_the_router_fragment_makes_the_routers_hold_the_models_requests(config: Config) -> None:
+    """router-fragment.toml sets keys the router has (it loads as a Config of its own: see
+    test_deploy); set in the base's router.toml it lists the engines' served model in
+    routing.models with the waiting room on, and changes nothing the fragment does not name."""
+    fragment = tomllib.loads(ROUTER_FRAGMENT.read_text(encoding="utf-8"))
+    keys = flatten(fragment)
+    assert set(keys) <= set(DEFAULTS)
+    base = tomllib.loads(manifests()["ConfigMap"]["data"]["router.toml"])
+    result = parse_config(merged(base, fragment), source=str(ROUTER_FRAGMENT))
+    assert served_model(engine()) in result.routing.models
+    assert result.admission.wait_for_engine
+    before, after = flatten(config_as_dict(config)), flatten(config_as_dict(result))
+    assert {k for k in DEFAULTS if before[k] != after[k]} <= set(keys)
+
+
+def test_a_request_waiting_for_a_sleeping_model_is_seen_before_its_wait_ends() -> None:
+    """A request that waits the fragment's queue_timeout_s is in at least one scrape of the
+    routers (config/monitoring's ServiceMonitor), and that sample is still inside the queued
+    query's max_over_time range when KEDA next polls, whenever that is."""
+    fragment = tomllib.loads(ROUTER_FRAGMENT.read_text(encoding="utf-8"))
+    (monitor,) = yaml_docs(REPO / "config" / "monitoring" / "servicemonitor.yaml")
+    (endpoint,) = monitor["spec"]["endpoints"]
+    scrape_s = duration_s(endpoint["interval"])
+    (scaled,) = yaml_docs(FROM_ZERO_DIR / "scaledobject.yaml")
+    queued = {t["name"]: t for t in scaled["spec"]["triggers"]}["queued"]
+    (window,) = re.findall(r"\[(\w+)\]", queued["metadata"]["query"])
+    assert fragment["admission"]["queue_timeout_s"] >= scrape_s
+    assert duration_s(window) >= scrape_s + scaled["spec"]["pollingInterval"]
+
+
+def test_every_metric_the_examples_name_is_one_the_routers_export() -> None:
+    """keda/, hpa/ and engine/ name no trio_router_* series but the saturation gauge;
+    keda-from-zero/ adds the queued-requests gauge and build_info (its fallback to 0). Each is in
+    the README's metrics reference: nothing invented."""
+    names: dict[str, set[str]] = {}
+    for path in sorted(EXAMPLE_DIR.rglob("*.yaml")) + sorted(EXAMPLE_DIR.rglob("*.toml")):
+        found = set(re.findall(r"\btrio_router_[a-z_]+", path.read_text(encoding="utf-8")))
+        names.setdefault(path.relative_to(EXAMPLE_DIR).parts[0], set()).update(found)
+    assert names.pop("keda-from-zero") == {METRIC, QUEUED, BUILD_INFO}
+    assert set(names) == {"keda", "hpa", "engine"}
+    assert set().union(*names.values()) == {METRIC}
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    for name in (METRIC, QUEUED, BUILD_INFO):
+        assert re.search(rf"^\| `{name}` \| gauge \|", readme, re.MULTILINE), name
 
 
 # --- the vendored CRD ---------------------------------------------------------------------
