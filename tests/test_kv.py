@@ -364,6 +364,10 @@ async def test_a_new_subscription_learns_what_the_engine_published_before_it() -
                 pool = UpstreamPool(connect_timeout=1.0, read_timeout=1.0)
                 nursery.start_soon(events.run_engine, engine, 0, pool)
                 await until(index, lambda: index.blocks("e") > 0)
+                # The blocks are applied before the replay's end comes: the replay is done
+                # once it is counted (re-checked whenever every task waits).
+                while not (counters := events.counters["e"]).replays + counters.replay_failures:
+                    await trio.testing.wait_all_tasks_blocked(cushion=0.01)
                 nursery.cancel_scope.cancel()
     events.close()
     keys = block_keys(tokens, B)

@@ -205,9 +205,11 @@ class KvEvents:
                         await _receive(monitor, _fd(monitor))
                     await self._catch_up(engine, stream, replay)
             finally:
-                monitor.close(linger=0)
+                # Stopped before its peer is closed: stopping sends a last event to the peer,
+                # a send on a PAIR socket that blocks for good once the peer is gone.
                 with contextlib.suppress(zmq.ZMQError):
                     sock.disable_monitor()
+                monitor.close(linger=0)
             reader = _Reader(sock)
             while True:
                 await self._handle(engine, stream, await reader.next(), replay)
