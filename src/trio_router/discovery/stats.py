@@ -13,6 +13,7 @@ import logging
 import math
 import re
 from collections.abc import Callable
+from functools import partial
 from typing import Final
 
 import trio
@@ -145,16 +146,18 @@ async def run_stats_scraper(
     # outlives the figures' expiry: work that was seen is scraped until seen to end (an
     # engine busy generating can answer /metrics late; its load is still not known to be 0).
     showed_work = False
+    wanted = partial(_in_use, idle_after=stale_after)  # the requests that put it in use
     while True:
         started = trio.current_time()
-        if scraped and not showed_work and not _in_use(engine, started, stale_after):
+        if scraped and not showed_work and not _in_use(engine, started, idle_after=stale_after):
             if table.current(engine.uid, generation) is not engine:
                 return
-            # Idle: nothing to scrape for until requests are routed here (each wakes this to
-            # look again); its last figures (which show no work) expire meanwhile.
+            # Idle: nothing to scrape for until a request routed here puts it in use (it
+            # wakes this then; a lone request does not); its last figures (which show no
+            # work) expire meanwhile.
             expires = engine.stats.expires if engine.stats is not NO_STATS else math.inf
             with trio.move_on_at(expires):
-                await engine.wait_routed()
+                await engine.wait_routed(wanted)
             if engine.stats is not NO_STATS and trio.current_time() >= engine.stats.expires:
                 engine.stats = NO_STATS
             continue
@@ -194,7 +197,7 @@ async def run_stats_scraper(
         await trio.sleep_until(started + jittered(interval, JITTER))
 
 
-def _in_use(engine: Engine, now: float, idle_after: float) -> bool:
+def _in_use(engine: Engine, now: float, *, idle_after: float) -> bool:
     """Whether this router's traffic makes `engine`'s load worth scraping: two requests went
     to it within `idle_after` seconds (or are there at once). A lone request now and then
     says nothing of an engine's load that its in-flight count does not: under round robin
