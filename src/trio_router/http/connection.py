@@ -104,8 +104,7 @@ async def open_tcp_socket(host: str, port: int) -> socket.socket:
         addresses = await trio.socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     error: OSError | None = None
     for family, kind, proto, _, address in addresses:
-        raw = socket.socket(family, kind, proto)
-        sock = trio.socket.from_stdlib_socket(raw)  # makes it non-blocking
+        raw = socket.socket(family, kind | socket.SOCK_NONBLOCK, proto)
         connected = False
         try:
             await _connect(raw, address)
@@ -114,8 +113,9 @@ async def open_tcp_socket(host: str, port: int) -> socket.socket:
         except OSError as exc:
             error = exc
         finally:
-            if not connected:
-                sock.close()
+            if not connected:  # as a Trio socket closes: no task waits on it any more
+                trio.lowlevel.notify_closing(raw)
+                raw.close()
         if connected:
             return raw
     raise error or OSError(f"no address for {host}")
