@@ -223,7 +223,10 @@ async def _run_app(
     app: App, scope: Scope, receive: Receive, send: Callable[[Message | None], Awaitable[None]]
 ) -> None:
     """One request's app, as Hypercorn runs it: an error is logged, and the protocol is told
-    the app is done however it ended (a 500 if it had not answered)."""
+    the app is done however it ended (a 500 if it had not answered). Its answer writer then
+    leaves the scope: the writer holds the protocol's stream (its `send`), which holds the
+    scope, and that cycle would leave the request's objects to the garbage collector where
+    reference counting frees them as soon as the request ends."""
     try:
         await app(scope, receive, send)
     except trio.Cancelled:
@@ -238,7 +241,11 @@ async def _run_app(
     except Exception:
         logger.exception("error in the ASGI app")
     finally:
-        await send(None)
+        try:
+            await send(None)
+        finally:
+            if (extensions := scope.get("extensions")) is not None:
+                extensions.pop(ANSWER_EXTENSION, None)
 
 
 def _lifespan_app(app: App) -> Callable[..., Awaitable[None]]:
