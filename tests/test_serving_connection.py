@@ -9,6 +9,7 @@ clock only jumps while every side waits): a 5 s keep-alive takes milliseconds.
 
 from __future__ import annotations
 
+import gc
 import logging
 import socket
 import struct
@@ -695,6 +696,28 @@ async def test_nothing_stays_held_past_the_end_of_a_response(
         assert (await paused_at(stream, "/held/none")).startswith(b"HTTP/1.1 200 OK\r\n")
         HELD_GO[0].set()
         assert await stream.receive_some() == b"body"
+
+
+async def test_a_request_leaves_no_reference_cycle_behind() -> None:
+    """Its answer writer, stream and scope are freed by reference counting as it ends: none
+    is left in a cycle (the writer holds the protocol stream's `send`, the stream holds the
+    scope, the scope the writer) for the garbage collector to find."""
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)  # what the collector finds is kept in gc.garbage
+    try:
+        with trio.fail_after(LIMIT):
+            async with serve() as served:
+                client = await served.connect()
+                for _ in range(3):
+                    await request(client, "/client")
+                    assert (await read_response(client))[1] == b"ConnectionAnswer"
+                await trio.testing.wait_all_tasks_blocked()  # the last request has ended
+                gc.collect()
+                left = [o for o in gc.garbage if isinstance(o, connection.ConnectionAnswer)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    assert left == []
 
 
 async def test_what_the_lifespan_stores_in_its_state_every_request_sees() -> None:

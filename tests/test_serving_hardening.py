@@ -115,6 +115,29 @@ async def test_a_stalled_body_is_408_at_the_body_timeout(
     assert budget.used == 0
 
 
+async def test_the_body_timeout_is_a_budget_of_silence(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Parts 40 s apart under a 60 s budget are read to the end, 120 s after the first: the
+    budget runs from each part, not from the first."""
+    send, receive = trio.open_memory_channel[dict[str, Any]](10)
+    held = Held(BodyBudget(1000))
+
+    async def trickle() -> None:
+        for part in (b"{", b'"a"', b":1"):
+            await send.send({"type": "http.request", "body": part, "more_body": True})
+            await trio.sleep(40)
+        await send.send({"type": "http.request", "body": b"}", "more_body": False})
+
+    start = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(trickle)
+        body = await read_body(receive.receive, None, 1000, stall_s=60.0, held=held)
+    assert body == b'{"a":1}'
+    assert trio.current_time() - start == pytest.approx(120.0)
+    held.release()
+
+
 async def test_a_stalled_body_gets_408_and_the_connection_closes() -> None:
     with trio.fail_after(LIMIT):
         async with open_router([FakeEngine()], server={"request_body_timeout_s": 0.5}) as router:

@@ -248,24 +248,30 @@ class Engine:
     routed_at: float = -math.inf  # Trio time a request last took a slot on it
     routed_before: float = -math.inf  # ... and the time the request before that did
     answered_at: float = -math.inf  # Trio time a request to it last succeeded (it is alive)
-    route_waiter: trio.Event | None = None  # set by the next request routed to it
+    route_waiter: trio.Event | None = None  # set by the next request routed to it...
+    route_wanted: Callable[[Engine, float], bool] | None = None  # ...that this wants (or any)
 
     @property
     def routable(self) -> bool:
         return self.state is EngineState.ROUTABLE
 
     def routed(self, now: float) -> None:
-        """A request takes a slot on this engine (the second within a few scrape intervals
-        has its load scraped again)."""
+        """A request takes a slot on this engine (its in-flight count already counts it):
+        the second within a few scrape intervals has its load scraped again."""
         self.routed_before, self.routed_at = self.routed_at, now
-        if (waiter := self.route_waiter) is not None:
-            self.route_waiter = None
+        if (waiter := self.route_waiter) is not None and (
+            (wanted := self.route_wanted) is None or wanted(self, now)
+        ):
+            self.route_waiter = self.route_wanted = None
             waiter.set()
 
-    async def wait_routed(self) -> None:
-        """Until the next request is routed to this engine."""
+    async def wait_routed(self, wanted: Callable[[Engine, float], bool] | None = None) -> None:
+        """Until the next request is routed to this engine; with `wanted`, the next for which
+        `wanted(engine, now)` is true, asked synchronously as it is routed (so a request the
+        waiter would only look at and let pass costs it no wake-up). One waiter at a time."""
         if self.route_waiter is None:
             self.route_waiter = trio.Event()
+        self.route_wanted = wanted
         await self.route_waiter.wait()
 
     def describe(self) -> dict[str, Any]:

@@ -13,6 +13,7 @@ import logging
 import math
 import re
 from collections.abc import Callable
+from functools import partial
 from typing import Final
 
 import trio
@@ -183,7 +184,7 @@ class _Scraper:
         return (
             self._scraped
             and not self._showed_work
-            and not _in_use(self._engine, now, self._stale_after)
+            and not _in_use(self._engine, now, idle_after=self._stale_after)
         )
 
     async def wait_in_use(self) -> None:
@@ -192,7 +193,7 @@ class _Scraper:
         engine = self._engine
         expires = engine.stats.expires if engine.stats is not NO_STATS else math.inf
         with trio.move_on_at(expires):
-            await engine.wait_routed()
+            await engine.wait_routed(partial(_in_use, idle_after=self._stale_after))
         if engine.stats is not NO_STATS and trio.current_time() >= engine.stats.expires:
             engine.stats = NO_STATS
 
@@ -235,7 +236,7 @@ class _Scraper:
             engine.stats = NO_STATS
 
 
-def _in_use(engine: Engine, now: float, idle_after: float) -> bool:
+def _in_use(engine: Engine, now: float, *, idle_after: float) -> bool:
     """Whether this router's traffic makes `engine`'s load worth scraping: two requests went
     to it within `idle_after` seconds (or are there at once). A lone request now and then
     says nothing of an engine's load that its in-flight count does not: under round robin

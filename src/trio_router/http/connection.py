@@ -4,16 +4,18 @@ socket is ready: the connection layer under the pool and the relay (`http.pool`,
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
-from typing import Final
+from typing import Any, Final
 
 import trio
 
 __all__ = ["READ_SIZE", "Connection", "Connector", "open_tcp_socket"]
 
 READ_SIZE: Final = 65536  # bytes asked of the socket per receive
+_NUMERIC: Final = socket.AI_NUMERICHOST | socket.AI_NUMERICSERV  # getaddrinfo: no lookup
 
 # Opens a connected stream socket to (host, port); raises OSError.
 Connector = Callable[[str, int], Awaitable[socket.socket]]
@@ -91,22 +93,48 @@ class Connection:
 async def open_tcp_socket(host: str, port: int) -> socket.socket:
     """A TCP connection to `host`:`port` (each resolved address tried in turn), as a
     non-blocking socket with TCP_NODELAY. Raises OSError (socket.gaierror if `host` does not
-    resolve). Cancellation closes the socket being connected."""
-    addresses = await trio.socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    resolve). Cancellation closes the socket being connected.
+
+    Neither step passes through the scheduler when it need not wait: an IP address (a
+    pod's) is not looked up, and a connection already made when `connect` returns (the
+    handshake with a local engine completes within the call) is not waited for."""
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=_NUMERIC)
+    except socket.gaierror:  # a name: looked up in a worker thread
+        addresses = await trio.socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     error: OSError | None = None
     for family, kind, proto, _, address in addresses:
-        raw = socket.socket(family, kind, proto)
-        sock = trio.socket.from_stdlib_socket(raw)  # makes it non-blocking
+        raw = socket.socket(family, kind | socket.SOCK_NONBLOCK, proto)
         connected = False
         try:
-            await sock.connect(address)
+            await _connect(raw, address)
             raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             connected = True
         except OSError as exc:
             error = exc
         finally:
-            if not connected:
-                sock.close()
+            if not connected:  # as a Trio socket closes: no task waits on it any more
+                trio.lowlevel.notify_closing(raw)
+                raw.close()
         if connected:
             return raw
     raise error or OSError(f"no address for {host}")
+
+
+async def _connect(raw: socket.socket, address: Any) -> None:
+    """Connect the non-blocking `raw` to `address` as Trio's `connect` does (the same errors),
+    waiting for the socket only while the connection is still being made."""
+    await trio.lowlevel.checkpoint_if_cancelled()
+    try:
+        raw.connect(address)
+        return
+    except BlockingIOError:  # in progress
+        pass
+    try:
+        raw.getpeername()  # made already (ENOTCONN while in progress, or if it failed)
+        return
+    except OSError:
+        pass
+    await trio.lowlevel.wait_writable(raw)
+    if err := raw.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+        raise OSError(err, f"Error connecting to {address!r}: {os.strerror(err)}")

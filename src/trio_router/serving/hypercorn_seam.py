@@ -186,12 +186,15 @@ class RequestTasks:
                 send, hook, scope["http_version"]
             )
         put, get = trio.open_memory_channel[Message](config.max_app_queue_size)
-        self._nursery.start_soon(_run_app, app, scope, get.receive, send)
+        self._nursery.start_soon(_run_app, app, scope, partial(_receive, get), send)
 
         async def put_and_watch(message: Message) -> None:
             if message["type"] == "http.disconnect":
                 hook.fire()
-            await put.send(message)
+            try:  # room in the queue: no trip through the scheduler (see `_receive`)
+                put.send_nowait(message)
+            except trio.WouldBlock:
+                await put.send(message)
 
         return put_and_watch
 
@@ -205,11 +208,25 @@ class RequestTasks:
         return None
 
 
+async def _receive(get: trio.MemoryReceiveChannel[Message]) -> Message:
+    """The app's next message: at once when the protocol has queued it (a request's body
+    and its end come with its head, queued in the same step as the head), else when it
+    comes. Neither side of the queue passes through the scheduler when it need not wait:
+    each pass is a turn of the event loop on every request's way."""
+    try:
+        return get.receive_nowait()
+    except trio.WouldBlock:
+        return await get.receive()
+
+
 async def _run_app(
     app: App, scope: Scope, receive: Receive, send: Callable[[Message | None], Awaitable[None]]
 ) -> None:
     """One request's app, as Hypercorn runs it: an error is logged, and the protocol is told
-    the app is done however it ended (a 500 if it had not answered)."""
+    the app is done however it ended (a 500 if it had not answered). Its answer writer then
+    leaves the scope: the writer holds the protocol's stream (its `send`), which holds the
+    scope, and that cycle would leave the request's objects to the garbage collector where
+    reference counting frees them as soon as the request ends."""
     try:
         await app(scope, receive, send)
     except trio.Cancelled:
@@ -224,7 +241,11 @@ async def _run_app(
     except Exception:
         logger.exception("error in the ASGI app")
     finally:
-        await send(None)
+        try:
+            await send(None)
+        finally:
+            if (extensions := scope.get("extensions")) is not None:
+                extensions.pop(ANSWER_EXTENSION, None)
 
 
 def _lifespan_app(app: App) -> Callable[..., Awaitable[None]]:

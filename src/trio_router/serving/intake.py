@@ -256,16 +256,6 @@ def _declared_length(content_length: bytes | None, limit: int) -> int | None:
     return declared
 
 
-async def _next_part(receive: Receive, stall_s: float) -> dict[str, Any]:
-    with trio.move_on_after(stall_s) as waited:
-        message = await receive()
-    if waited.cancelled_caught:
-        raise RequestTimeoutError(
-            f"the request body stopped arriving for {stall_s:g} s (server.request_body_timeout_s)"
-        )
-    return message
-
-
 async def read_body(
     receive: Receive, content_length: bytes | None, limit: int, *, stall_s: float, held: Held
 ) -> bytes | bytearray | None:
@@ -277,8 +267,26 @@ async def read_body(
     declared = _declared_length(content_length, limit)
     if declared is not None:
         held.grow(declared)
+    # One deadline for the whole body, moved on by every part: a budget of silence.
+    with trio.move_on_after(stall_s) as waited:
+        return await _read_parts(receive, limit, declared, held, waited, stall_s)
+    raise RequestTimeoutError(
+        f"the request body stopped arriving for {stall_s:g} s (server.request_body_timeout_s)"
+    )
+
+
+async def _read_parts(
+    receive: Receive,
+    limit: int,
+    declared: int | None,
+    held: Held,
+    waited: trio.CancelScope,
+    stall_s: float,
+) -> bytes | bytearray | None:
+    """The body's parts as they come (see `read_body`), `waited`'s deadline `stall_s` after
+    each."""
     too_large = f"request body exceeds the limit of {limit} bytes (server.max_body_bytes)"
-    message = await _next_part(receive, stall_s)
+    message = await receive()
     if message["type"] != "http.request":
         return None
     first: bytes = message.get("body", b"")
@@ -290,7 +298,8 @@ async def read_body(
         return first  # the common case: one message, no copy
     body = bytearray(first)
     while True:
-        message = await _next_part(receive, stall_s)
+        waited.deadline = trio.current_time() + stall_s
+        message = await receive()
         if message["type"] != "http.request":
             return None
         chunk = message.get("body", b"")
