@@ -20,6 +20,7 @@ import httpx
 import openai
 import pytest
 import trio
+import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -405,4 +406,70 @@ async def test_an_api_outage_leaves_the_router_serving(
                 while routable() != {"pod-a", "pod-c"} or "uid-pod-b" in table:
                     await table.wait_changed()
                 assert (await client.get("/health")).json()["status"] == "ok"  # fresh again
+            nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("how", ["rollout", "crash"])
+async def test_a_request_waits_while_the_only_pod_is_replaced(
+    apiserver: FakeApiServer, kubeconfig: Path, how: str
+) -> None:
+    """The waiting room in Kubernetes mode: the model's one pod is deleted (a rollout), or
+    its engine dies while the pod is still Ready and then goes NotReady (a crash); a request
+    sent meanwhile waits, and is answered by the replacement pod once it is Ready."""
+    old, new = FakeEngine(name="old"), FakeEngine(name="new")
+    with trio.fail_after(LIMIT):
+        async with trio.open_nursery() as nursery:
+            old_scope = trio.CancelScope()
+
+            async def serve_old(task_status: trio.TaskStatus[str]) -> None:
+                with old_scope:
+                    await serve_fake_engine(old, "127.0.1.1", 0, task_status=task_status)
+
+            port = int((await nursery.start(serve_old)).rsplit(":", 1)[1])
+            await nursery.start(serve_fake_engine, new, "127.0.1.2", port)
+            apiserver.add_pod("old", ip="127.0.1.1")
+            config = Config(
+                server=ServerConfig(bind="127.0.0.1:0"),
+                discovery=DiscoveryConfig(
+                    mode="kubernetes",
+                    kubernetes=KubernetesConfig(
+                        namespace=apiserver.namespace, port=port, kubeconfig=str(kubeconfig)
+                    ),
+                ),
+                probe=ProbeConfig(interval_s=60.0),
+                stats=StatsConfig(interval_s=0.0),
+            )
+            table = RoutingTable()
+            async with trio.open_nursery() as router_nursery:
+                (url,) = await router_nursery.start(
+                    partial(server.run, config, table=table, handle_signals=False)
+                )
+                while not table.routable("fake-model"):
+                    await table.wait_changed()
+                answers: list[httpx.Response] = []
+                async with httpx.AsyncClient(base_url=url, timeout=LIMIT) as client:
+
+                    async def request() -> None:
+                        answers.append(await client.post(CHAT, json=chat()))
+
+                    if how == "rollout":
+                        apiserver.delete_pod("old")
+                        while table.routable("fake-model"):
+                            await table.wait_changed()
+                    else:
+                        old_scope.cancel()  # connections refused; the pod is still Ready
+                    async with trio.open_nursery() as clients:
+                        clients.start_soon(request)
+                        while table.routable("fake-model"):  # a crash: ejected when refused
+                            await table.wait_changed()
+                        if how == "crash":
+                            apiserver.modify_pod("old", ready=False)
+                        await trio.testing.wait_all_tasks_blocked(cushion=0.05)
+                        assert answers == []  # it waits
+                        apiserver.add_pod("new", ip="127.0.1.2")
+                (answer,) = answers
+                assert answer.status_code == 200, answer.text
+                assert [r.path for r in new.requests if r.path == CHAT] == [CHAT]
+                assert not [r for r in old.requests if r.path == CHAT]
+                router_nursery.cancel_scope.cancel()
             nursery.cancel_scope.cancel()
