@@ -37,7 +37,7 @@ from trio_router.discovery.kubernetes import LIST_THREAD_NAME, WATCH_THREAD_NAME
 from trio_router.table import RoutingTable
 from trio_router.testing import FakeEngine, serve_fake_engine
 from trio_router.testing.fake_apiserver import FakeApiServer
-from trio_router.testing.harness import CHAT, LIMIT, chat, open_router
+from trio_router.testing.harness import CHAT, LIMIT, chat, kubernetes_config, open_router
 
 
 # -- the openai SDK ---------------------------------------------------------------------------
@@ -428,17 +428,7 @@ async def test_a_request_waits_while_the_only_pod_is_replaced(
             port = int((await nursery.start(serve_old)).rsplit(":", 1)[1])
             await nursery.start(serve_fake_engine, new, "127.0.1.2", port)
             apiserver.add_pod("old", ip="127.0.1.1")
-            config = Config(
-                server=ServerConfig(bind="127.0.0.1:0"),
-                discovery=DiscoveryConfig(
-                    mode="kubernetes",
-                    kubernetes=KubernetesConfig(
-                        namespace=apiserver.namespace, port=port, kubeconfig=str(kubeconfig)
-                    ),
-                ),
-                probe=ProbeConfig(interval_s=60.0),
-                stats=StatsConfig(interval_s=0.0),
-            )
+            config = kubernetes_config(apiserver.namespace, str(kubeconfig), port)
             table = RoutingTable()
             async with trio.open_nursery() as router_nursery:
                 (url,) = await router_nursery.start(
