@@ -506,9 +506,10 @@ async def test_all_engines_unreachable_is_502_after_retries() -> None:
             )
 
 
-async def test_no_failover_after_the_first_byte() -> None:
-    """A stream that broke off after its first event is not sent again: it ends with an
-    error event (no [DONE]), and the engine is not ejected for it."""
+async def test_a_stream_every_engine_breaks_off_ends_with_an_error_event() -> None:
+    """A stream that broke off after its first event (the role: nothing generated yet) goes
+    to the other engine as it is, its first event not written twice; when that one breaks off
+    too, the stream ends with an error event (no [DONE]), and no engine is ejected for it."""
     engines = [FakeEngine(name=f"e{i}", abort_after_first_event=True) for i in range(2)]
     with trio.fail_after(LIMIT):
         async with open_router(engines) as router:
@@ -521,7 +522,7 @@ async def test_no_failover_after_the_first_byte() -> None:
                 "bad_engine_response"
             )
             assert all(e.routable for e in router.table)  # a broken stream ejects nothing
-    assert sum(len(e.requests_to(CHAT)) for e in engines) == 1  # never resent
+    assert [len(e.requests_to(CHAT)) for e in engines] == [1, 1]  # each engine once
 
 
 # -- cancellation -----------------------------------------------------------------------------

@@ -19,7 +19,7 @@ it), then the end; the usage summary at its end is counted. With `proxy.resume` 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Final
 
@@ -35,6 +35,7 @@ from .names import ModelEcho
 from .prepared import Prepared
 from .record import ExchangeRecord
 from .resume import StreamAbortedError, Track, continuation, resumable, token_limit
+from .resume.parsed import carry_on_parsed
 from .runtime import Runtime
 
 __all__ = ["MAX_HELD_ANSWER_BYTES", "Deliver"]
@@ -127,14 +128,26 @@ class Deliver:
     ) -> bytes:
         """A continuation's answer (or, when no event had passed, the whole request's),
         written into the answer it carries on."""
+        track = self._track
+        assert track is not None and self._rt.resume is not None
+        if track.mode == "parsed":  # the render's answer: the engine's parsers carry it on
+            self.committed = True
+            write = self._answer.body
+            if echo is not None:
+                feed = echo.feed
+
+                async def write(data: bytes) -> None:
+                    await self._answer.body(feed(data, final=False))
+
+            parsed = carry_on_parsed(response, engine, write, self._rt, self._prepared, track)
+            return await self._through(engine, response, parsed)
         if response.status != 200 or not _is_event_stream(response):
             raise StreamAbortedError(
                 f"engine {engine.name} answered the continuation with {response.status}"
             )
-        assert self._track is not None and self._rt.resume is not None
         response.stall_s = self._rt.resume.stall_s
         self.committed = True
-        return await self._pass(response, engine, _chained(self._track, echo), None)
+        return await self._pass(response, engine, _chained(track, echo), None)
 
     async def _pass(
         self,
@@ -143,12 +156,20 @@ class Deliver:
         rewrite: Rewrite | None,
         on_first: Callable[[float], None] | None,
     ) -> bytes:
-        """The body relayed into the answer, and the answer ended; a failure raised with
-        the answer left open when it can be carried on, else ended as well as it can be."""
+        """The body relayed into the answer, and the answer ended (see `_through`)."""
+        relay = self._answer.relay(response, rewrite=rewrite, on_first=on_first)
+        return await self._through(engine, response, relay)
+
+    async def _through(
+        self, engine: Engine, response: UpstreamResponse, passing: Awaitable[bytes | None]
+    ) -> bytes:
+        """The answer's body `passing` (which returns the end of what it read, where a usage
+        summary is), and the answer ended; a failure raised with the answer left open when
+        it can be carried on, else ended as well as it can be."""
         track = self._track
         tail = b""  # what the relay read last: a usage summary is there (none when it broke)
         try:
-            tail = await self._answer.relay(response, rewrite=rewrite, on_first=on_first)
+            tail = await passing or b""
             if (
                 track is not None
                 and not track.inert
@@ -164,7 +185,7 @@ class Deliver:
                 pass
             elif track is not None and (track.finish is not None or self._spent()):
                 await self._answer.body(track.ending())  # only the end was lost
-            elif _is_event_stream(response):
+            elif _is_event_stream(response) or (track is not None and track.mode == "parsed"):
                 await self._end_with_error(from_transport(exc))
                 raise
             else:

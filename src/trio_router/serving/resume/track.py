@@ -1,106 +1,21 @@
-"""Streams continued on another engine when theirs fails mid-answer (`proxy.resume`).
-
-A streamed chat or text completion whose request a continuation can carry on (`resumable`:
-one choice, no log probabilities, no tools or structured output) is sent to its engine with
-`"return_token_ids": true`. Its events pass through a `Track` on their way to the client (in
-the relay, one read at a time): complete events only (a partial one waits for its end), each
-one's token ids noted and, unless the client asked for them, replaced by `null` (what vLLM
-writes when they are not asked for). When the engine fails before the end of the answer (the
-connection reset or closed, silent for `proxy.stall_timeout_s`, or the engine ending the
-stream itself with `finish_reason: "abort"` or an error event, as vLLM does on SIGTERM), the
-request goes on at another engine as a `/v1/completions` request whose prompt is the original
-prompt's token ids and the tokens already sent (`continuation_body`), its token limits
-reduced by what was generated; the continuation's events are written in the original's shape
-(its `id`, `created`, `model`, a chat's deltas), with one `[DONE]` and, when the client asked
-for usage, one usage object counting the original prompt and every completion token.
+"""A followed stream's events as they pass: `Track` (see the package's docstring).
 
 What is kept per stream: the prompt's token ids and the generated ones, as the bytes of their
-JSON lists (about 6 bytes a token: at most 6 x the model's context length), and at most one
-partial event (`MAX_EVENT_BYTES`; a longer one is a malformed answer).
+JSON lists (about 6 bytes a token: at most 6 x the model's context length), the ids of the
+tool calls passed, and at most one partial event (`MAX_EVENT_BYTES`; a longer one is a
+malformed answer).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import re
 from typing import Any, Final
 
 import msgspec
 
-from ..http import EngineBrokeOffError, MalformedResponseError
-from .intake import set_members
-from .prepared import Prepared
+from ...http import EngineBrokeOffError, MalformedResponseError
 
-__all__ = [
-    "RESUMABLE_PATHS",
-    "RESUME_READS",
-    "StreamAbortedError",
-    "Track",
-    "continuation",
-    "resumable",
-    "token_limit",
-    "with_token_ids",
-]
+__all__ = ["MAX_EVENT_BYTES", "StreamAbortedError", "Track", "decoded_ids"]
 
-RESUMABLE_PATHS: Final = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
-# Request members a continuation cannot carry on: several choices, log probabilities, tool
-# calls and structured output (their state lives in the engine), an echoed prompt.
-_NOT_RESUMABLE: Final = (
-    "tools",
-    "functions",
-    "response_format",
-    "structured_outputs",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "logprobs",
-    "top_logprobs",
-    "prompt_logprobs",
-    "echo",
-    "best_of",
-    "return_tokens_as_token_ids",
-    "continue_final_message",
-)
-# Sampling parameters passed on to a continuation as the client gave them.
-_SAMPLING: Final = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "seed",
-    "stop",
-    "stop_token_ids",
-    "ignore_eos",
-    "skip_special_tokens",
-    "spaces_between_special_tokens",
-    "include_stop_str_in_output",
-    "bad_words",
-    "logit_bias",
-    "allowed_token_ids",
-    "priority",
-    "user",
-)
-# What `resumable`, `with_token_ids`, `continuation` and the deliverer read of a streamed
-# request (of a large body, only these are decoded: `intake.BodyParser`).
-RESUME_READS: Final = frozenset(
-    {
-        "stream",
-        "n",
-        "messages",
-        "prompt",
-        "return_token_ids",
-        "stream_options",
-        "max_tokens",
-        "max_completion_tokens",
-        "min_tokens",
-        *_NOT_RESUMABLE,
-        *_SAMPLING,
-    }
-)
 _TOKEN_IDS: Final = b'"token_ids":['
 _PROMPT_IDS: Final = b'"prompt_token_ids":['
 # A token of content, no reasoning or tool call: a chat's delta, a completion's text, after
@@ -108,14 +23,13 @@ _PROMPT_IDS: Final = b'"prompt_token_ids":['
 # `"finish_reason":null,"token_ids":[ID]}]}` (`null` in place of [ID] when not asked for).
 _CHOICES: Final = b'"choices":[{"index":0,'
 _CONTENT: Final = {"chat": b'"delta":{"content"', "completion": b'"text":'}
+_REASONING: Final = b'"delta":{"reasoning"'  # a chat's reasoning token, the same way
 _PLAIN_IDS: Final = b'"finish_reason":null,"token_ids":['
 _PLAIN_END: Final = b"]}]}\n\n"
 _PLAIN_END_FRAMED: Final = _PLAIN_END + b"\r\n"  # as it ends an HTTP chunk
 _NULLED_EVENT_END: Final = b'"finish_reason":null,"token_ids":null}]}\n\n'
 _NEVER: Final = b"\x00"  # a prefix no event begins with
 _encode = msgspec.json.encode
-_ASKED: Final = b'{"return_token_ids":true'  # what `with_token_ids` puts first
-_OPENING: Final = re.compile(rb"[ \t\r\n]*\{[ \t\r\n]*")  # a JSON object's, to its first member
 MAX_EVENT_BYTES: Final = 1 << 20  # one event of a followed stream, held until its end
 
 
@@ -124,38 +38,8 @@ class StreamAbortedError(EngineBrokeOffError):
     "abort"`, or an error event): what vLLM does to its running requests on SIGTERM."""
 
 
-def resumable(prepared: Prepared) -> str | None:
-    """ "chat" or "completion" when a continuation can carry the request on, else None."""
-    kind = RESUMABLE_PATHS.get(prepared.path)
-    payload = prepared.payload
-    if kind is None or payload.get("stream") is not True or payload.get("n", 1) != 1:
-        return None
-    if any(payload.get(key) not in (None, False, [], {}) for key in _NOT_RESUMABLE):
-        return None
-    if kind == "chat":
-        return kind if isinstance(payload.get("messages"), list) else None
-    prompt = payload.get("prompt")
-    if isinstance(prompt, str) or (
-        isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt)
-    ):
-        return kind
-    return None
-
-
-def with_token_ids(prepared: Prepared) -> bytes | bytearray:
-    """The request's body asking the engine for the token ids of its answer: the member
-    put first (one copy of the body), or set in place when the client sent one."""
-    payload, body = prepared.payload, prepared.body
-    if payload.get("return_token_ids") is True or body[: len(_ASKED)] == _ASKED:
-        return body  # asked by the client, or here for a model before (`for_model` kept it)
-    if "return_token_ids" not in payload and (opening := _OPENING.match(body)):
-        end = opening.end()
-        joint = b"" if body[end : end + 1] == b"}" else b","
-        return b"".join((_ASKED, joint, memoryview(body)[end:]))
-    return set_members(body, {"return_token_ids": True})
-
-
-def _ids(raw: bytes) -> list[int]:
+def decoded_ids(raw: bytes) -> list[int]:
+    """Token ids from the bytes of their JSON list (without its brackets)."""
     return list(msgspec.json.decode(b"[" + raw + b"]", type=list[int])) if raw else []
 
 
@@ -166,9 +50,11 @@ class Track:
     object."""
 
     __slots__ = (
+        "_again_head",
         "_partial",
         "_plain",
         "_show_ids",
+        "_thinking",
         "aborted",
         "continuing",
         "counted",
@@ -178,8 +64,11 @@ class Track:
         "head",
         "inert",
         "kind",
+        "mode",
         "prompt",
+        "reasoned",
         "resumable",
+        "tool_ids",
         "usage",
     )
 
@@ -187,6 +76,8 @@ class Track:
         self.kind, self._show_ids, self.usage = kind, show_ids, usage
         self._partial = b""
         self._plain = _NEVER  # what an original's plain token event begins with, once known
+        self._thinking = _NEVER  # ... and its reasoning token event, once one has passed
+        self._again_head = b""  # a whole request's again: what its events begin with, to go
         self.head: dict[str, Any] | None = None  # id, created, model of the first event
         self.prompt = b""  # the prompt's token ids, as their JSON list's bytes
         self.generated: list[bytes] = []  # each event's token ids, the same way
@@ -195,7 +86,13 @@ class Track:
         self.done = False  # [DONE] passed
         self.counted = False  # the usage object passed
         self.resumable = True  # nothing seen that a continuation could not carry on
-        self.continuing = False  # the events are a continuation's (/v1/completions)
+        self.continuing = False  # the events are a continuation's (see `mode`)
+        # How the answer is carried on: "" (not yet), "completion" (a text completion of the
+        # prompt's and the answer's token ids), "again" (the request itself again, nothing
+        # generated yet), "parsed" (the engine's parsers: `parsed.Derendering`).
+        self.mode = ""
+        self.reasoned = False  # a reasoning delta passed
+        self.tool_ids: list[str] = []  # the ids of the tool calls passed, by their index
         self.inert = False  # the engine sends no token ids: passed on untouched, not followed
 
     def restart(self) -> None:
@@ -203,11 +100,46 @@ class Track:
         begin with an event of their own)."""
         self._partial = b""
 
-    def carry_on(self) -> None:
-        """A continuation's events come next (a new part: see `restart`)."""
-        self.continuing, self.aborted = True, False
+    def carry_on(self, mode: str) -> None:
+        """A continuation's events come next (a new part: see `restart`), carried on as
+        `mode` says (see `mode`)."""
+        self.continuing, self.aborted, self.mode = True, False, mode
         self.restart()
         self._stop_plain()
+
+    def prompt_ids(self) -> list[int]:
+        """The prompt's token ids."""
+        return decoded_ids(self.prompt)
+
+    def generated_parts(self) -> list[list[int]]:
+        """The answer's token ids so far, as the events that carried them had them."""
+        return [decoded_ids(part) for part in self.generated]
+
+    def generated_ids(self) -> list[int]:
+        """The answer's token ids so far."""
+        return [token for part in self.generated for token in decoded_ids(part)]
+
+    def parsed_chunk(self, chunk: dict[str, Any], ids: list[int], reason: str | None) -> bytes:
+        """The event of a derendered chunk of `ids` (see `parsed`), in the original's shape
+        (b"" when it has nothing for the client); `reason`: the answer's finish, when the
+        chunk is its last."""
+        if ids:
+            self.generated.append(_encode(ids)[1:-1])
+        self._note_calls(chunk)
+        choices = chunk.get("choices") or [{}]
+        choice = choices[0] if isinstance(choices[0], dict) else {}
+        finish = choice.get("finish_reason") or reason
+        delta = _pruned(choice.get("delta") or {})
+        if reason is not None:
+            self.finish = finish
+        elif not delta:
+            return b""
+        out: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None}
+        out["finish_reason"] = finish if reason is not None else None
+        if reason is not None:
+            out["stop_reason"] = choice.get("stop_reason")
+        out["token_ids"] = ids if self._show_ids else None
+        return b"data: " + _encode({**(self.head or {}), "choices": [out]}) + b"\n\n"
 
     @property
     def generated_count(self) -> int:
@@ -217,7 +149,12 @@ class Track:
         if data[-6:] == _PLAIN_END and not self._partial:
             # The common read: one event with one token of content, as vLLM writes it.
             head, found, tail = data.rpartition(_PLAIN_IDS)
-            if found and head[: len(self._plain)] == self._plain and b"\n\n" not in head:
+            plain, thinking = self._plain, self._thinking
+            if (
+                found
+                and (head[: len(plain)] == plain or head[: len(thinking)] == thinking)
+                and b"\n\n" not in head
+            ):
                 self.generated.append(tail[:-6])
                 return data if self._show_ids else head + _NULLED_EVENT_END
         if self._partial:
@@ -230,8 +167,7 @@ class Track:
         parts = []
         generated, show = self.generated, self._show_ids
         for event in events:
-            plain = self._plain  # known once the first event has passed
-            if event[: len(plain)] == plain:  # a token of content, most likely
+            if self._common(event):  # a token of content or reasoning, most likely
                 head, found, tail = event.rpartition(_PLAIN_IDS)
                 if found and tail[-4:] == b"]}]}":
                     generated.append(tail[:-4])
@@ -252,9 +188,10 @@ class Track:
             return None
         _, _, data = chunk.partition(b"\r\n")  # the chunk's size line
         head, found, tail = data.rpartition(_PLAIN_IDS)
+        plain, thinking = self._plain, self._thinking
         if (
             not found
-            or head[: len(self._plain)] != self._plain
+            or (head[: len(plain)] != plain and head[: len(thinking)] != thinking)
             or b"\n\n" in head  # more than one event
             or b"\r\n" in head  # more than one chunk
         ):
@@ -265,9 +202,18 @@ class Track:
         out = head + _NULLED_EVENT_END
         return b"%x\r\n%s\r\n" % (len(out), out)
 
+    def _common(self, head: bytes) -> bool:
+        """`head` begins as this stream's token events do (of content, or of reasoning once
+        one has passed)."""
+        plain = self._plain
+        if head[: len(plain)] == plain:
+            return True
+        thinking = self._thinking
+        return head[: len(thinking)] == thinking
+
     def _stop_plain(self) -> None:
         """Events are no longer an original's plain tokens (aborted, or a continuation's)."""
-        self._plain = _NEVER
+        self._plain = self._thinking = _NEVER
 
     def _event(self, event: bytes) -> bytes | None:
         if self.aborted or not event.startswith(b"data: "):
@@ -275,23 +221,20 @@ class Track:
         if event == b"data: [DONE]":
             self.done = True
             return event
-        if self.continuing:
+        if self.continuing and self.mode != "again":
             return self._continued(event)
         if event.startswith(b'data: {"error"'):
             self.aborted = True
             self._stop_plain()
             return None
-        if self.head is None:
-            decoded = _decoded(event)
-            self.head = {k: decoded.get(k) for k in ("id", "object", "created", "model")}
-            event = self._noted(event, _PROMPT_IDS, first=True)
-            if not self.prompt:  # an engine without token ids: nothing to carry on with
-                self.inert, self.resumable = True, False
-                self._stop_plain()
+        if self.mode == "again":  # the request itself again: its events as the original's
+            if (again := self._as_original(event)) is None:
+                return None
+            event = again
+        elif self.head is None:
+            event = self._first(event)
+            if self.inert:
                 return event
-            choices = event.find(_CHOICES)
-            if choices > 0:  # what every event of this stream begins with, to its content
-                self._plain = event[: choices + len(_CHOICES)] + _CONTENT[self.kind]
         if b'"finish_reason":"' in event:
             reason = event.split(b'"finish_reason":"', 1)[1].split(b'"', 1)[0].decode()
             if reason == "abort":
@@ -301,9 +244,48 @@ class Track:
             self.finish = reason
         if b'"choices":[]' in event:
             self.counted = True  # the usage object
-        if b'"reasoning' in event or b'"tool_calls"' in event:
-            self.resumable = False  # the engine's parsers hold state a continuation lacks
+        if b'"tool_calls"' in event:
+            self._note_calls(_decoded(event))
+        if not self.reasoned and b'"reasoning' in event:
+            self.reasoned = True
+            if self._plain is not _NEVER:  # its reasoning tokens take the common read too
+                self._thinking = self._again_head + _REASONING
         return self._noted(event, _TOKEN_IDS)
+
+    def _first(self, event: bytes) -> bytes:
+        """The stream's first event: its head and the prompt's token ids noted (an engine
+        that sends none leaves the stream inert), what its token events begin with known."""
+        decoded = _decoded(event)
+        self.head = {k: decoded.get(k) for k in ("id", "object", "created", "model")}
+        event = self._noted(event, _PROMPT_IDS, first=True)
+        if not self.prompt:  # an engine without token ids: nothing to carry on with
+            self.inert, self.resumable = True, False
+            self._stop_plain()
+            return event
+        choices = event.find(_CHOICES)
+        if choices > 0:  # what every event of this stream begins with, to its content
+            self._again_head = event[: choices + len(_CHOICES)]
+            self._plain = self._again_head + _CONTENT[self.kind]
+        return event
+
+    def _as_original(self, event: bytes) -> bytes | None:
+        """An event of the request sent again, as the original's (its id, created and
+        model); None for its first (the role, already passed)."""
+        choices = event.find(_CHOICES)
+        if choices < 0 or b'"role"' in event[choices : choices + 80]:
+            return None if choices >= 0 else event
+        return self._again_head + event[choices + len(_CHOICES) :]
+
+    def _note_calls(self, decoded: dict[str, Any]) -> None:
+        """The ids of the tool calls an event begins (`tool_ids`: what a continuation
+        keeps)."""
+        for choice in decoded.get("choices") or ():
+            delta = choice.get("delta") if isinstance(choice, dict) else None
+            for call in (delta.get("tool_calls") if isinstance(delta, dict) else None) or ():
+                index, ident = call.get("index"), call.get("id")
+                if type(index) is int and 0 <= index < 1024 and isinstance(ident, str):
+                    self.tool_ids += [""] * (index + 1 - len(self.tool_ids))
+                    self.tool_ids[index] = ident
 
     def _noted(self, event: bytes, key: bytes, *, first: bool = False) -> bytes:
         """`event` with its `key` list noted (and replaced by null unless shown)."""
@@ -352,7 +334,8 @@ class Track:
                 out["stop_reason"] = choice.get("stop_reason")
             out["token_ids"] = shown
         else:
-            out = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+            out = {"index": 0, "text": text, "logprobs": choice.get("logprobs")}
+            out["finish_reason"] = reason
             out |= {"stop_reason": choice.get("stop_reason"), "prompt_token_ids": None}
             out["token_ids"] = shown
         return b"data: " + _encode({**head, "choices": [out]})
@@ -387,6 +370,7 @@ class Track:
             out = b"data: " + _encode({**(self.head or {}), "choices": [choice]}) + b"\n\n"
         if self.usage and not self.counted:
             out += self._usage() + b"\n\n"
+        self.done = True
         return out + b"data: [DONE]\n\n"
 
     def _usage(self) -> bytes:
@@ -399,6 +383,16 @@ class Track:
         return b"data: " + _encode({**(self.head or {}), "choices": [], "usage": usage})
 
 
+def _pruned(value: Any) -> Any:
+    """`value` without its members that are null or empty lists, at every depth (what vLLM
+    leaves out of a streamed delta)."""
+    if isinstance(value, dict):
+        return {k: _pruned(v) for k, v in value.items() if v is not None and v != []}
+    if isinstance(value, list):
+        return [_pruned(v) for v in value]
+    return value
+
+
 def _decoded(event: bytes) -> dict[str, Any]:
     """An event's JSON object; MalformedResponseError when it is not one."""
     try:
@@ -408,45 +402,3 @@ def _decoded(event: bytes) -> dict[str, Any]:
     if not isinstance(decoded, dict):
         raise MalformedResponseError(f"an event that is not a JSON object: {event[:80]!r}")
     return decoded
-
-
-def token_limit(payload: dict[str, Any]) -> int | None:
-    """The most completion tokens a request allows, when it says."""
-    limit = payload.get("max_completion_tokens", payload.get("max_tokens"))
-    return limit if type(limit) is int else None
-
-
-def continuation(prepared: Prepared, track: Track) -> Prepared | None:
-    """The request that goes on where `track`'s engine stopped (see `Track.carriable`), or
-    None: the request itself when no event had passed (its engine failed during its time to
-    first token: nothing of the body reached the client, another engine answers it all)."""
-    payload = prepared.payload
-    limit = token_limit(payload)
-    if not track.carriable(limit):
-        return None
-    if track.head is None:
-        track.restart()
-        return prepared
-    generated = [token for part in track.generated for token in _ids(part)]
-    body: dict[str, Any] = {"model": prepared.model}
-    body["prompt"] = _ids(track.prompt) + generated
-    body |= {"stream": True, "return_token_ids": True}
-    body |= {key: payload[key] for key in _SAMPLING if key in payload}
-    if limit is not None:  # more than generated: the track is not spent
-        body["max_tokens"] = limit - len(generated)
-    if isinstance(least := payload.get("min_tokens"), int):
-        body["min_tokens"] = max(0, least - len(generated))
-    body["stream_options"] = {"include_usage": track.usage}
-    info = prepared.info
-    if info.tokens is not None:
-        info = dataclasses.replace(info, tokens=tuple(body["prompt"]))
-    track.carry_on()
-    return dataclasses.replace(
-        prepared,
-        path="/v1/completions",
-        target=b"/v1/completions",
-        body=_encode(body),
-        payload=body,
-        info=info,
-        refusable=False,
-    )
