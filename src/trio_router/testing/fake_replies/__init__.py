@@ -8,7 +8,10 @@ answers which POST path (`POST_HANDLERS`). The ASGI side, timing and observation
   stored responses; `openai_audio`: transcriptions and translations.
 - `pooling`: embeddings, pooling, rerank and score.
 - `anthropic_messages`: the Anthropic Messages API.
-- `vllm_extras`: /tokenize, /detokenize, /invocations and the render endpoints.
+- `vllm_extras`: /tokenize, /detokenize, /invocations and the scale-out endpoints (render,
+  generate, derender: refused unless the engine is `scale_out`).
+- `parsing`: the fake reasoning and tool parsers, and what render, generate and derender
+  answer with them.
 """
 
 from __future__ import annotations
@@ -21,7 +24,15 @@ from .openai_audio import transcription
 from .openai_generation import chat, completions
 from .openai_responses import responses, stored_response
 from .pooling import embeddings, pooling, rerank, score
-from .vllm_extras import detokenize, invocations, render, tokenize
+from .vllm_extras import (
+    chat_render,
+    derender,
+    detokenize,
+    generate,
+    invocations,
+    render,
+    tokenize,
+)
 
 __all__ = [
     "POST_HANDLERS",
@@ -53,7 +64,9 @@ POST_HANDLERS: Final[dict[str, Handler]] = {
     "/pooling": pooling,
     "/classify": pooling,
     "/v2/rerank": rerank,
-    "/v1/chat/completions/render": render,
+    "/v1/chat/completions/render": chat_render,
+    "/v1/chat/completions/derender": derender,
+    "/inference/v1/generate": generate,
     "/v1/completions/render": render,
     "/v1/messages/render": render,
 }

@@ -19,6 +19,8 @@ from .common import (
     sse,
     usage,
 )
+from .parsing import call_ids, delta, layout, parses
+from .parsing import finish as parsed_finish
 
 if TYPE_CHECKING:
     from ..fake_engine import FakeEngine
@@ -60,17 +62,36 @@ def _generation(
     stream = _Stream(ident, created, model, chat=chat, token_ids=token_ids)
     events = [stream.first(tokens)]
     abort_at = engine.abort_streams_after
-    for i, (word, token) in enumerate(zip(words, ids, strict=True)):
+    deltas: list[Any] = [{"content": word} if chat else word for word in words]
+    if chat and parses(engine):  # the parsers' answer: reasoning, tool calls
+        deltas, ids, n, finish = _parsed(engine, request, rid, done)
+    for i, (piece, token) in enumerate(zip(deltas, ids, strict=True)):
         if abort_at is not None and i >= abort_at:  # vLLM shutting down: its requests abort
             n, finish = i, "abort"
             break
-        events.append(stream.chunk({"content": word} if chat else word, None, [token]))
+        events.append(stream.chunk(piece, None, [token]))
     events.append(stream.chunk({} if chat else "", finish, []))
     options = request.get("stream_options")
     if isinstance(options, dict) and options.get("include_usage"):
         events.append(stream.usage(prompt_count, n))
     events.append(SSE_DONE)
     return Reply(200, events=events)
+
+
+def _parsed(
+    engine: FakeEngine, request: dict[str, Any], rid: str, done: int
+) -> tuple[list[Any], list[int], int, str]:
+    """A streamed chat's deltas and token ids through the engine's parsers, after the `done`
+    tokens its prompt ends with; how many, and the finish."""
+    pieces = layout(engine, request)
+    limit = request.get("max_completion_tokens", request.get("max_tokens"))
+    end = len(pieces)
+    if isinstance(limit, int) and 0 < limit < end - done:
+        end = done + limit
+    calls = call_ids(engine, rid, pieces)
+    deltas = [delta([piece], calls) for piece in pieces[done:end]]
+    ids = [REPLY_TOKEN + i for i in range(done, end)]
+    return deltas, ids, end - done, parsed_finish(pieces, end, end < len(pieces))
 
 
 def _whole(

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .common import Reply, error_body, prompt_tokens
+from .common import Handler, Reply, error_body, prompt_tokens
 from .openai_generation import chat, completions
+from .parsing import derender as parsed_derender
+from .parsing import generate as parsed_generate
+from .parsing import render as parsed_render
 from .pooling import embeddings
 
 if TYPE_CHECKING:
     from ..fake_engine import FakeEngine
 
-__all__ = ["detokenize", "invocations", "render", "tokenize"]
+__all__ = ["chat_render", "derender", "detokenize", "generate", "invocations", "render", "tokenize"]
 
 
 def tokenize(engine: FakeEngine, request: dict[str, Any], model: str, rid: str) -> Reply:
@@ -65,3 +68,19 @@ def render(engine: FakeEngine, request: dict[str, Any], model: str, rid: str) ->
             }
         },
     )
+
+
+def _scaled_out(handler: Handler) -> Handler:
+    """`handler` at an engine with --enable-scale-out, else vLLM's refusal."""
+
+    def serve(engine: FakeEngine, request: dict[str, Any], model: str, rid: str) -> Reply:
+        if engine.scale_out:
+            return handler(engine, request, model, rid)
+        return render(engine, request, model, rid)
+
+    return serve
+
+
+chat_render = _scaled_out(parsed_render)
+generate = _scaled_out(parsed_generate)
+derender = _scaled_out(parsed_derender)
