@@ -22,9 +22,13 @@ from trio_router.testing.harness import CHAT, chat, open_raw, open_router, send_
 LIMIT: Final = 10.0
 
 
-async def resumes(router: object, reason: str, outcome: str) -> float:
+async def resumes(router: object, reason: str, outcome: str, kind: str = "content") -> float:
     value: float = await router.metric(  # type: ignore[attr-defined]
-        "trio_router_stream_resumes_total", model="fake-model", reason=reason, outcome=outcome
+        "trio_router_stream_resumes_total",
+        model="fake-model",
+        kind=kind,
+        reason=reason,
+        outcome=outcome,
     )
     return value
 
@@ -36,7 +40,7 @@ async def test_a_whole_answer_broken_off_is_answered_by_another_engine() -> None
     with trio.fail_after(LIMIT):
         async with open_router([breaking, healthy], proxy={"eject_after_failures": 0}) as router:
             answers = [await router.client.post(CHAT, json=chat()) for _ in range(4)]
-            retried = await resumes(router, "closed", "retried")
+            retried = await resumes(router, "closed", "retried", "whole")
             engine_of_breaking = router.engine_urls[0].removeprefix("http://")
     assert [a.status_code for a in answers] == [200] * 4
     assert all(a.json()["object"] == "chat.completion" for a in answers)  # whole JSON
@@ -68,7 +72,7 @@ async def test_retries_stop_after_resume_attempts() -> None:
     with trio.fail_after(LIMIT):
         async with open_router(engines, proxy=proxy) as router:
             answer = await router.client.post(CHAT, json=chat())
-            failed = await resumes(router, "closed", "failed")
+            failed = await resumes(router, "closed", "failed", "whole")
     assert answer.status_code == 502 and answer.json()["error"]["code"] == "bad_engine_response"
     assert sum(len(e.requests_to(CHAT)) for e in engines) == 3
     assert failed == 1
@@ -80,7 +84,7 @@ async def test_the_last_engine_breaking_leaves_its_failure_as_the_answer() -> No
     with trio.fail_after(LIMIT):
         async with open_router(engines) as router:
             answer = await router.client.post(CHAT, json=chat())
-            failed = await resumes(router, "closed", "failed")
+            failed = await resumes(router, "closed", "failed", "whole")
     assert answer.status_code == 502 and answer.json()["error"]["code"] == "bad_engine_response"
     assert failed == 1
 

@@ -85,9 +85,13 @@ def once(stream: list[Any]) -> None:
     assert len(heads) == 1, heads
 
 
-async def resumes(router: object, reason: str, outcome: str) -> float:
+async def resumes(router: object, reason: str, outcome: str, kind: str = "content") -> float:
     value: float = await router.metric(  # type: ignore[attr-defined]
-        "trio_router_stream_resumes_total", model="fake-model", reason=reason, outcome=outcome
+        "trio_router_stream_resumes_total",
+        model="fake-model",
+        kind=kind,
+        reason=reason,
+        outcome=outcome,
     )
     return value
 
@@ -112,7 +116,7 @@ async def test_a_reasoning_stream_is_carried_on_by_the_engines_parsers(cut_after
         whole = await uninterrupted(body)
         async with open_router([first, other]) as router:
             answer = await router.client.post(CHAT, json=body)
-            resumed = await resumes(router, "closed", "resumed")
+            resumed = await resumes(router, "closed", "resumed", "reasoning")
     stream = events(answer.content)
     assert answer.status_code == 200
     once(stream)

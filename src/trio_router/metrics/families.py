@@ -107,9 +107,10 @@ class RequestFamilies:
             ),
             resumes=Counter(
                 "trio_router_stream_resumes",
-                "Answers whose engine failed before their end, by model, why and what became "
-                "of them (resumed, retried, failed, not_resumable).",
-                ["model", "reason", "outcome"],
+                "Answers whose engine failed before their end, by model, kind (content, "
+                "reasoning, tool_call: a stream's; whole: an answer read whole), why and what "
+                "became of them (resumed, retried, failed, not_resumable).",
+                ["model", "kind", "reason", "outcome"],
                 registry=registry,
             ),
             reloads=Counter(

@@ -190,9 +190,9 @@ class Metrics:
     def engine_unreachable(self, engine: str) -> None:
         self._request.unreachable.labels(self._engine(engine)).inc()
 
-    def resumed(self, model: str, reason: str, outcome: str) -> None:
+    def resumed(self, model: str, kind: str, reason: str, outcome: str) -> None:
         """An answer whose engine failed before its end (see `trio_router_stream_resumes`)."""
-        self._request.resumes.labels(model, reason, outcome).inc()
+        self._request.resumes.labels(model, kind, reason, outcome).inc()
 
     def queue_wait(self, model: str, seconds: float) -> None:
         self._routing.queue_wait.labels(model).observe(seconds)

@@ -115,6 +115,12 @@ class Take(Protocol):
         """The request that carries a cut answer on at another engine (`resume`), or None."""
         ...
 
+    @property
+    def kind(self) -> str:
+        """What the answer is, as resumes are counted: "whole" (read whole), or a stream's
+        "content", "reasoning" or "tool_call" (what had passed of it)."""
+        ...
+
     async def give_up(self, failed: Failed) -> None:
         """No engine carries the cut answer on: end it as well as it can be."""
         ...
@@ -379,6 +385,7 @@ class ReadAnswer:
     __slots__ = ("_max_bytes", "_what")
     committed = False
     first_byte = None
+    kind = "whole"
 
     def __init__(self, max_bytes: int, what: str) -> None:
         self._max_bytes, self._what = max_bytes, what

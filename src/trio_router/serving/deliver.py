@@ -240,6 +240,13 @@ class Deliver:
         track = self._track
         return track is not None and track.spent(token_limit(self._prepared.payload))
 
+    @property
+    def kind(self) -> str:
+        track = self._track
+        if track is not None:
+            return "tool_call" if track.tool_ids else "reasoning" if track.reasoned else "content"
+        return "content" if self._prepared.payload.get("stream") is True else "whole"
+
     def continuation(self) -> Prepared | None:
         if not self._open or self._track is None:
             return None

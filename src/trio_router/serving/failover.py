@@ -207,7 +207,7 @@ async def try_engines(
                 done = "resumed" if broken.cut else "retried"
                 if not isinstance(outcome, Answered):
                     done = "failed"
-                rt.services.metrics.resumed(prepared.model, broken.broke, done)
+                rt.services.metrics.resumed(prepared.model, take.kind, broken.broke, done)
             return outcome, trail
         following = await _next_request(outcome, current, take, rt, retries)
         if following is None:
@@ -243,7 +243,7 @@ async def _none_left(
     `failed`."""
     if broken is not None:
         await take.give_up(broken)
-        rt.services.metrics.resumed(prepared.model, broken.broke, "failed")
+        rt.services.metrics.resumed(prepared.model, take.kind, broken.broke, "failed")
         return broken
     if refused is None:
         return failed
@@ -283,10 +283,11 @@ async def _next_request(
             return None
         if left:
             return current
-        metrics.resumed(current.model, failed.broke, "failed")
+        metrics.resumed(current.model, take.kind, failed.broke, "failed")
         return None
     following = take.continuation() if left else None
     if following is None:
-        metrics.resumed(current.model, failed.broke, "failed" if not left else "not_resumable")
+        outcome = "failed" if not left else "not_resumable"
+        metrics.resumed(current.model, take.kind, failed.broke, outcome)
         await take.give_up(failed)
     return following
