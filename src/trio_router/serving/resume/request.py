@@ -11,7 +11,7 @@ import msgspec
 
 from ..intake import set_members
 from ..prepared import Prepared
-from .track import Track, decoded_ids
+from .track import Track
 
 __all__ = [
     "RENDER_PATH",
@@ -203,14 +203,18 @@ def continuation(prepared: Prepared, track: Track) -> Prepared | None:
     if track.kind == "chat" and not track.generated:
         track.carry_on("again")
         return dataclasses.replace(prepared, refusable=False)
+    generated = track.generated_ids()
+    info = prepared.info
+    if info.tokens is not None:  # what a cache-aware policy routes the continuation on
+        info = dataclasses.replace(info, tokens=(*track.prompt_ids(), *generated))
     if track.kind == "chat" and needs_parsers(payload, track):
         track.carry_on("parsed")
+        target = RENDER_PATH.encode()
         return dataclasses.replace(
-            prepared, path=RENDER_PATH, target=RENDER_PATH.encode(), refusable=False
+            prepared, path=RENDER_PATH, target=target, info=info, refusable=False
         )
-    generated = track.generated_ids()
     body: dict[str, Any] = {"model": prepared.model}
-    body["prompt"] = decoded_ids(track.prompt) + generated
+    body["prompt"] = track.prompt_ids() + generated
     body |= {"stream": True, "return_token_ids": True}
     body |= {key: payload[key] for key in _SAMPLING if key in payload}
     if track.kind == "completion" and type(payload.get("logprobs")) is int:
@@ -220,9 +224,6 @@ def continuation(prepared: Prepared, track: Track) -> Prepared | None:
     if isinstance(least := payload.get("min_tokens"), int):
         body["min_tokens"] = max(0, least - len(generated))
     body["stream_options"] = {"include_usage": track.usage}
-    info = prepared.info
-    if info.tokens is not None:
-        info = dataclasses.replace(info, tokens=tuple(body["prompt"]))
     track.carry_on("completion")
     return dataclasses.replace(
         prepared,
