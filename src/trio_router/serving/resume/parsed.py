@@ -34,8 +34,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
 import msgspec
+import trio
 
 from ...http import (
+    EngineStalledError,
     EngineUnreachableError,
     MalformedResponseError,
     UpstreamResponse,
@@ -119,15 +121,19 @@ class _Derender:
         generate = {"request_id": "continuation", "choices": [choice]}
         request = {**self._base, "generate_chunk": generate, "stream_state": self._state}
         engine = self._engine
-        status, body = await fetch(
-            self._rt.pool,
-            engine.url,
-            _DERENDER,
-            _JSON,
-            max_bytes=MAX_PARSED_BYTES,
-            method=b"POST",
-            body=_encode(request),
-        )
+        assert self._rt.resume is not None
+        with trio.move_on_after(self._rt.resume.stall_s) as waited:
+            status, body = await fetch(
+                self._rt.pool,
+                engine.url,
+                _DERENDER,
+                _JSON,
+                max_bytes=MAX_PARSED_BYTES,
+                method=b"POST",
+                body=_encode(request),
+            )
+        if waited.cancelled_caught:
+            raise EngineStalledError(f"engine {engine.name} did not answer its derender")
         if status != 200:
             raise StreamAbortedError(
                 f"engine {engine.name} answered its derender with {status}: {body[:200]!r}"
@@ -147,9 +153,10 @@ async def carry_on_parsed(
     rt: Runtime,
     prepared: Prepared,
     track: Track,
-) -> None:
+) -> bytes:
     """The continuation at `engine`, whose answer to the render request is `response`,
-    written into the client's answer by `write` (left open: `Deliver` ends it). Raises
+    written into the client's answer by `write` (left open: `Deliver` ends it); returns the
+    last bytes written (the usage object is there when asked for). Raises
     `StreamAbortedError` (or another TransportError) when the engine fails it."""
     what = f"engine {engine.name}'s render"
     rendered = _read(await read_whole(response, MAX_PARSED_BYTES, what), what)
@@ -168,14 +175,14 @@ async def carry_on_parsed(
                 )
             assert rt.resume is not None
             generated.stall_s = rt.resume.stall_s
-            await _pump(generated, derender, write, track)
+            return await _pump(generated, derender, write, track)
     except EngineUnreachableError as exc:  # the engine has gone since the render
         raise StreamAbortedError(str(exc)) from exc
 
 
 async def _pump(
     generated: UpstreamResponse, derender: _Derender, write: Write, track: Track
-) -> None:
+) -> bytes:
     """Each read of the generate events: its tokens derendered as one chunk and written."""
     partial = b""
     async for data in generated:
@@ -188,8 +195,9 @@ async def _pump(
             if event := track.parsed_chunk(chunk, ids, reason):
                 await write(event)
         if reason is not None:
-            await write(track.ending())
-            return
+            ending = track.ending()
+            await write(ending)
+            return ending
     raise StreamAbortedError("the engine ended the continuation before its answer was complete")
 
 
