@@ -123,7 +123,7 @@ async def test_a_reasoning_stream_is_carried_on_by_the_engines_parsers(cut_after
     assert texts(stream) == texts(whole)
     assert texts(stream) == ("".join(REPLY_WORDS[:8]), "".join(REPLY_WORDS[9:15]))
     usage = stream[-2]["usage"]
-    assert usage == whole[-2]["usage"] and usage["completion_tokens"] == 8 + 1 + 6
+    assert usage == whole[-2]["usage"] and usage["completion_tokens"] == 8 + 1 + 6 + 1  # and eos
     assert all(e["choices"][0].get("token_ids") is None for e in stream[:-2])
     assert resumed == 1
     sent = cut_after - 1  # the first event carries no token

@@ -191,7 +191,10 @@ async def _pump(
             raise MalformedResponseError("a generate event longer than the router reads")
         ids, reason, stop = _tokens(events, track)
         if ids or reason is not None:
-            chunk = await derender.chunk(ids, reason, stop)
+            shown = ids
+            if reason == "stop" and ids and (stop is None or type(stop) is int):
+                shown = ids[:-1]  # the end-of-answer token: counted, never shown as text
+            chunk = await derender.chunk(shown, reason, stop)
             if event := track.parsed_chunk(chunk, ids, reason):
                 await write(event)
         if reason is not None:

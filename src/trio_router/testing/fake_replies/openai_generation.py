@@ -19,7 +19,7 @@ from .common import (
     sse,
     usage,
 )
-from .parsing import call_ids, delta, layout, parses
+from .parsing import EOS_TOKEN, call_ids, delta, layout, parses
 from .parsing import finish as parsed_finish
 
 if TYPE_CHECKING:
@@ -70,7 +70,10 @@ def _generation(
             n, finish = i, "abort"
             break
         events.append(stream.chunk(piece, None, [token]))
-    events.append(stream.chunk({} if chat else "", finish, []))
+    last: list[int] = []
+    if chat and parses(engine) and finish in ("stop", "tool_calls"):
+        last, n = [EOS_TOKEN], n + 1  # the end-of-answer token, counted as vLLM counts it
+    events.append(stream.chunk({} if chat else "", finish, last))
     options = request.get("stream_options")
     if isinstance(options, dict) and options.get("include_usage"):
         events.append(stream.usage(prompt_count, n))

@@ -41,9 +41,11 @@ from .common import (
 if TYPE_CHECKING:
     from ..fake_engine import FakeEngine
 
-__all__ = ["Piece", "delta", "derender", "generate", "layout", "render"]
+__all__ = ["EOS_TOKEN", "Piece", "delta", "derender", "generate", "layout", "render"]
 
 ARGUMENT_CHARS: Final = 6  # characters of a call's arguments per token
+EOS_TOKEN: Final = 2  # the end of an answer (its text, to a detokenizer that shows it)
+EOS_TEXT: Final = "<|im_end|>"
 _fresh = itertools.count(1)
 
 
@@ -56,6 +58,9 @@ class Piece:
     kind: str
     text: str = ""
     call: int = 0
+
+
+_EOS_PIECE: Final = Piece("content", EOS_TEXT)
 
 
 def parses(engine: FakeEngine) -> bool:
@@ -156,7 +161,9 @@ def generate(engine: FakeEngine, request: dict[str, Any], model: str, rid: str) 
 
 
 def _ended(reason: str) -> dict[str, Any]:
-    return {"index": 0, "token_ids": [], "finish_reason": reason, "stop_reason": None}
+    """The finish event: a stop's carries the end-of-answer token, as vLLM's does."""
+    ids = [EOS_TOKEN] if reason == "stop" else []
+    return {"index": 0, "token_ids": ids, "finish_reason": reason, "stop_reason": None}
 
 
 def derender(engine: FakeEngine, request: dict[str, Any], model: str, rid: str) -> Reply:
@@ -171,7 +178,14 @@ def derender(engine: FakeEngine, request: dict[str, Any], model: str, rid: str) 
     choice = (chunk.get("choices") or [{}])[0]
     ids, before = list(choice.get("token_ids") or ()), list(state.get("output_token_ids") or ())
     pieces = layout(engine, chat)
-    new = [pieces[t - REPLY_TOKEN] for t in ids if 0 <= t - REPLY_TOKEN < len(pieces)]
+    # A token not of the answer's pieces (the end-of-answer token) is decoded as its text,
+    # as vLLM's derender does: a router leaves it out.
+    new = [
+        pieces[t - REPLY_TOKEN]
+        if 0 <= t - REPLY_TOKEN < len(pieces)
+        else Piece("content", EOS_TEXT)
+        for t in ids
+    ]
     pinned = list(state.get("last_tool_call_ids") or ())
     for piece in new:
         if piece.kind == "name" and piece.call >= len(pinned):
