@@ -1,0 +1,7 @@
+"""An emulated vLLM engine and fleet: vLLM V1's scheduler and prefix cache, a GPU's timing
+from a profile, deterministic tokens, and vLLM's HTTP surface, on Trio's clock (scaled, or
+Trio's MockClock in tests). A module each:
+
+- `request`: a request inside the engine; `kv_cache`: the block pool and prefix cache;
+  `scheduler`: the engine core's scheduler, one step at a time (pure, no clock).
+"""
