@@ -199,6 +199,10 @@ class EmulatedEngine:
             generation.push(None, FinishReason.ABORT)
             self._notify()
 
+    async def wait_changed(self) -> None:
+        """Wait until a request arrives or is aborted."""
+        await self._work.wait()
+
     def _sample(self, request: Request) -> int:
         allow_eos = request.eos_token_id is not None and (
             request.num_output_tokens >= request.min_tokens
