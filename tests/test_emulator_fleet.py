@@ -6,13 +6,20 @@ from __future__ import annotations
 
 import re
 import signal
+from functools import partial
 
 import httpx
 import pytest
 import trio
 
-from trio_router.emulator.fleet import fleet_addresses
+from trio_router import server
+from trio_router.discovery.stats import parse_vllm_metrics
+from trio_router.emulator.engine import EngineConfig
+from trio_router.emulator.fleet import fleet_addresses, serve_fleet
+from trio_router.emulator.profiles import load_profile
 from trio_router.errors import ConfigError
+from trio_router.table import RoutingTable
+from trio_router.testing.harness import router_config
 from trio_router.testing.processes import open_process
 
 LIMIT = 30.0  # bounds a hang; the subprocess imports the package first
@@ -47,6 +54,32 @@ async def test_four_engines_print_four_urls_then_answer() -> None:
             code = await process.wait()
     assert code == 0, stderr.text
     assert "Traceback" not in stderr.text
+
+
+async def test_the_router_serves_from_an_emulated_fleet() -> None:
+    config = EngineConfig.from_profile(load_profile("h100"), time_scale=50.0)
+    model = config.served_model_name
+    addresses = fleet_addresses("127.0.1.1", 0, 3, consecutive_ports=False)
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    with trio.fail_after(LIMIT):
+        async with trio.open_nursery() as nursery:
+            urls = await nursery.start(serve_fleet, [config] * 3, addresses)
+            table = RoutingTable()
+            bound = await nursery.start(
+                partial(server.run, router_config(urls), table=table, handle_signals=False)
+            )
+            while len(table.routable(model)) < 3:
+                await table.wait_changed()
+            async with httpx.AsyncClient(base_url=bound[0]) as client:
+                for _ in range(6):
+                    reply = await client.post("/v1/chat/completions", json={**body, "stream": True})
+                    assert reply.status_code == 200 and reply.text.endswith("data: [DONE]\n\n")
+                served = [
+                    parse_vllm_metrics((await client.get(f"{url}/metrics")).text)["ttft_count"]
+                    for url in urls
+                ]
+            nursery.cancel_scope.cancel()
+    assert sum(served) == 6
 
 
 async def test_a_bad_profile_exits_2_with_the_reason() -> None:
