@@ -36,6 +36,7 @@ TIERS: Final = {
     "server": 3,
     "__main__": 4,
     "testing": 4,
+    "emulator": 4,
 }
 
 

@@ -1,4 +1,5 @@
-"""The `trio-router` command (also `python -m trio_router`): serve, check-config, demo.
+"""The `trio-router` command (also `python -m trio_router`): serve, check-config, demo,
+emulate.
 
 Flags and the TOML file become one `Config` (precedence: defaults < file < flags given);
 logging is configured here and nowhere else; then `trio.run(server.run, ...)`.
@@ -35,6 +36,7 @@ from .config import (
     dump_toml,
     load_config,
 )
+from .emulator.fleet import add_emulate_parser, emulate
 from .errors import ConfigError, RouterError
 from .table import RoutingTable
 
@@ -53,7 +55,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="trio-router",
         description="OpenAI-compatible router for vLLM engines, built on Trio.",
         epilog="Commands: 'trio-router --config FILE' serves; 'trio-router check-config FILE' "
-        "validates a config; 'trio-router demo' runs fake engines behind the router.",
+        "validates a config; 'trio-router demo' runs fake engines behind the router; "
+        "'trio-router emulate' serves emulated vLLM engines.",
     )
     parser.add_argument("--version", action="version", version=f"trio-router {__version__}")
     parser.add_argument("--config", metavar="FILE", help="TOML config file to serve with")
@@ -85,6 +88,7 @@ def _parser() -> argparse.ArgumentParser:
         dest="demo_log_level",
         help="log level (default: warning)",
     )
+    add_emulate_parser(commands)
     return parser
 
 
@@ -153,6 +157,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error("--port must be 0..65535")
         _configure_logging(args.demo_log_level)
         return _run_reporting_errors(partial(_demo, engines=args.engines, port=args.port))
+    if args.command == "emulate":
+        _configure_logging(args.emulate_log_level)
+        return _run_reporting_errors(partial(emulate, args))
     if args.config is None:
         parser.error("--config FILE is required to serve (or use check-config / demo)")
     _configure_logging(args.log_level)

@@ -1,0 +1,16 @@
+"""An emulated vLLM engine and fleet: vLLM V1's scheduler and prefix cache, a GPU's timing
+from a profile, deterministic tokens, and vLLM's HTTP surface, on Trio's clock (scaled, or
+Trio's MockClock in tests). A module each:
+
+- `request`: a request inside the engine; `kv_cache`: the block pool and prefix cache;
+  `scheduler`: the engine core's scheduler, one step at a time (pure, no clock).
+- `profiles`: a step's duration on some hardware (TOML files, shipped in `profiles/`).
+- `tokens`: the deterministic tokenizer, chat template and next-token function.
+- `engine`: one engine on Trio's clock (`EmulatedEngine.run` steps it); `metrics`: its
+  counters and GET /metrics in vLLM's format.
+- `openai_api`: vLLM's request and answer shapes (no I/O); `app`: the ASGI app of one
+  engine and `serve_engine` (Hypercorn).
+- `fleet`: `serve_fleet` (many engines in one process) and the `trio-router emulate` command.
+
+docs/emulator.md says what each reproduces of vLLM, where it departs, and what is not yet done.
+"""

@@ -1,0 +1,288 @@
+"""The HTTP surface of an emulated engine, as vLLM 0.32's OpenAI server shows it to routers
+and dashboards: an ASGI app (`EngineApp`) and serving it with Hypercorn (`serve_engine`).
+
+GET /health (200, empty), /v1/models, /version, /metrics; POST /v1/chat/completions and
+/v1/completions (a JSON body, or server-sent events, one per HTTP chunk, ending with
+`data: [DONE]`), /tokenize (`prompt` or `messages`) and /detokenize. Errors are vLLM's JSON
+bodies, also for a request that asked for a stream. A client that goes away aborts its
+request at once (its blocks are freed, and no success is counted).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from contextlib import suppress
+from functools import partial
+from typing import Any, Final
+
+import hypercorn.config
+import hypercorn.trio
+import trio
+
+from ..asgi import Message, Receive, Scope, Send, answer_lifespan
+from .engine import EmulatedEngine, Generation
+from .openai_api import (
+    Answer,
+    Refusal,
+    check_model,
+    error_body,
+    prepare_generation,
+    prompt_of,
+)
+
+__all__ = ["EngineApp", "serve_engine"]
+
+VLLM_VERSION: Final = "0.32.0"
+_SSE_HEADERS: Final = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+]
+_JSON: Final = b"application/json"
+_GENERATION: Final = {"/v1/chat/completions": True, "/v1/completions": False}
+_POSTS: Final = frozenset({*_GENERATION, "/tokenize", "/detokenize"})
+_GETS: Final = frozenset({"/health", "/v1/models", "/version", "/metrics"})
+
+
+async def _send_bytes(send: Send, status: int, body: bytes, content_type: bytes | None) -> None:
+    headers = [(b"content-length", b"%d" % len(body))]
+    if content_type is not None:
+        headers.append((b"content-type", content_type))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def _send_json(send: Send, status: int, payload: Any) -> None:
+    await _send_bytes(send, status, json.dumps(payload, separators=(",", ":")).encode(), _JSON)
+
+
+class EngineApp:
+    """The ASGI app of one `EmulatedEngine` (lifespan and HTTP)."""
+
+    def __init__(self, engine: EmulatedEngine) -> None:
+        self.engine = engine
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await answer_lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body += message.get("body", b"")
+            if not message.get("more_body", False):
+                break
+        method, path = scope["method"], scope["path"]
+        send = _finishing_quietly(send)
+        if method == "GET" and path in _GETS:
+            await self._get(path, send)
+        elif path in _GETS or path in _POSTS:
+            if method != "POST" or path in _GETS:
+                await _send_json(send, 405, {"detail": "Method Not Allowed"})
+            else:
+                await self._post(path, bytes(body), receive, send)
+        else:
+            await _send_json(send, 404, {"detail": "Not Found"})
+
+    async def _get(self, path: str, send: Send) -> None:
+        engine = self.engine
+        if path == "/health":
+            await _send_bytes(send, 200, b"", None)
+        elif path == "/version":
+            await _send_json(send, 200, {"version": VLLM_VERSION})
+        elif path == "/metrics":
+            text = engine.metrics_text().encode()
+            await _send_bytes(send, 200, text, b"text/plain; version=0.0.4; charset=utf-8")
+        else:
+            await _send_json(send, 200, self._models())
+
+    def _models(self) -> dict[str, Any]:
+        config, created = self.engine.config, int(time.time())
+        name = config.served_model_name
+        card = {
+            "id": name,
+            "object": "model",
+            "created": created,
+            "owned_by": "vllm",
+            "root": name,
+            "parent": None,
+            "max_model_len": config.max_model_len,
+            "permission": [
+                {
+                    "id": f"modelperm-{name}",
+                    "object": "model_permission",
+                    "created": created,
+                    "allow_create_engine": False,
+                    "allow_sampling": True,
+                    "allow_logprobs": True,
+                    "allow_search_indices": False,
+                    "allow_view": True,
+                    "allow_fine_tuning": False,
+                    "organization": "*",
+                    "group": None,
+                    "is_blocking": False,
+                }
+            ],
+        }
+        return {"object": "list", "data": [card]}
+
+    async def _post(self, path: str, raw: bytes, receive: Receive, send: Send) -> None:
+        try:
+            body = json.loads(raw)
+            if not isinstance(body, dict):
+                raise ValueError("the body must be a JSON object")
+        except ValueError as exc:
+            await _send_json(send, 400, error_body(400, f"invalid JSON body: {exc}"))
+            return
+        if path == "/tokenize":
+            await self._tokenize(body, send)
+        elif path == "/detokenize":
+            await self._detokenize(body, send)
+        else:
+            await self._generate(body, receive, send, chat=_GENERATION[path])
+
+    async def _tokenize(self, body: dict[str, Any], send: Send) -> None:
+        engine = self.engine
+        if (refused := check_model(body, engine.config)) is not None:
+            await _send_json(send, refused.status, refused.body)
+            return
+        ids = prompt_of(body, engine.vocab, chat="messages" in body)
+        if isinstance(ids, Refusal):
+            await _send_json(send, ids.status, ids.body)
+            return
+        strs = [engine.vocab.token_str(t) for t in ids] if body.get("return_token_strs") else None
+        answer = {
+            "count": len(ids),
+            "max_model_len": engine.config.max_model_len,
+            "tokens": ids,
+            "token_strs": strs,
+        }
+        await _send_json(send, 200, answer)
+
+    async def _detokenize(self, body: dict[str, Any], send: Send) -> None:
+        engine = self.engine
+        if (refused := check_model(body, engine.config)) is not None:
+            await _send_json(send, refused.status, refused.body)
+            return
+        tokens = body.get("tokens")
+        size = engine.vocab.vocab_size
+        if not isinstance(tokens, list) or not all(
+            type(t) is int and 0 <= t < size for t in tokens
+        ):
+            message = f"`tokens` must be a list of token ids in 0..{size - 1}"
+            await _send_json(send, 400, error_body(400, message, param="tokens"))
+            return
+        await _send_json(send, 200, {"prompt": engine.vocab.decode(tokens)})
+
+    async def _generate(
+        self, body: dict[str, Any], receive: Receive, send: Send, *, chat: bool
+    ) -> None:
+        """Run a generation request; its client going away aborts it."""
+        engine = self.engine
+        prepared = prepare_generation(body, engine.config, engine.vocab, chat=chat)
+        if isinstance(prepared, Refusal):
+            await _send_json(send, prepared.status, prepared.body)
+            return
+        generation = engine.submit(prepared.prompt, prepared.params)
+        answer = Answer(prepared, engine.vocab)
+        reply = self._stream if prepared.stream else self._whole
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope)
+                await reply(generation, answer, send)
+                nursery.cancel_scope.cancel(reason="answered")
+        finally:
+            engine.abort(generation)  # nothing if it finished; else its client went away
+
+    @staticmethod
+    async def _whole(generation: Generation, answer: Answer, send: Send) -> None:
+        tokens: list[int] = []
+        while True:
+            new, finish = await generation.wait()
+            tokens += new
+            if finish is not None:
+                await _send_json(send, 200, answer.whole(tokens, finish.value))
+                return
+
+    @staticmethod
+    async def _stream(generation: Generation, answer: Answer, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+        chunk = partial(send_chunk, send)
+        if (first := answer.first_event()) is not None:
+            await chunk(first)
+        while True:
+            new, finish = await generation.wait()
+            reason = None if finish is None else finish.value
+            await chunk(answer.chunk(new, reason))
+            if finish is not None:
+                break
+        if answer.prepared.include_usage:
+            await chunk(answer.usage_event())
+        await chunk(b"data: [DONE]\n\n")
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _finishing_quietly(send: Send) -> Send:
+    """`send`, where the last (empty or whole) body message may meet a connection its
+    client has just closed: Hypercorn's trio worker then closes it outside its send lock, and
+    the write fails with BusyResourceError. The client has its answer: not an error."""
+
+    async def finishing(message: Message) -> None:
+        if message["type"] == "http.response.body" and not message.get("more_body"):
+            with suppress(trio.BusyResourceError):
+                await send(message)
+            return
+        await send(message)
+
+    return finishing
+
+
+async def send_chunk(send: Send, data: bytes) -> None:
+    """One HTTP chunk of a stream."""
+    await send({"type": "http.response.body", "body": data, "more_body": True})
+
+
+async def _watch_disconnect(receive: Receive, scope: trio.CancelScope) -> None:
+    """Cancel `scope` when the client goes away."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    scope.cancel(reason="client disconnected")
+
+
+def hypercorn_config(host: str, port: int) -> hypercorn.config.Config:
+    """Hypercorn's settings for an engine on `host:port` (like vLLM's uvicorn: a deep
+    backlog, no per-connection request cap, no access log)."""
+    config = hypercorn.config.Config()
+    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    config.accesslog = None
+    config.errorlog = logging.getLogger(f"{__name__}.hypercorn")
+    config.graceful_timeout = 0.5
+    config.backlog = 2048
+    config.keep_alive_max_requests = 1 << 30
+    return config
+
+
+async def serve_engine(
+    engine: EmulatedEngine,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run `engine` and serve it over HTTP/1.1 until cancelled. Reports the bound URL
+    ("http://127.0.1.3:8000") once it accepts connections; cancellation stops the engine,
+    closes the listener and every connection."""
+    app: Any = EngineApp(engine)  # plain-dict ASGI typing, not hypercorn's TypedDicts
+    async with trio.open_nursery() as nursery:
+        await nursery.start(engine.run)
+        serve: Callable[..., Awaitable[None]] = hypercorn.trio.serve
+        urls: list[str] = await nursery.start(
+            partial(serve, app, hypercorn_config(host, port), shutdown_trigger=trio.sleep_forever)
+        )
+        task_status.started(urls[0])

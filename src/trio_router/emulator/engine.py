@@ -1,0 +1,282 @@
+"""One emulated engine on Trio's clock: requests go into vLLM's scheduler, and a loop runs
+its steps, each sleeping the duration the profile gives it, then hands each request its new
+tokens.
+
+Time: `time_scale` emulated seconds pass per second of Trio's clock, so a step of `d`
+emulated seconds sleeps `d / time_scale`; on Trio's MockClock (autojump) a test runs hours of
+emulated traffic in moments. Metrics and latencies are emulated seconds.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+from ..errors import ConfigError
+from .kv_cache import KVCache
+from .metrics import EngineStats, Gauges, render_metrics
+from .profiles import Profile, StepShape
+from .request import FinishReason, Request
+from .scheduler import Policy, Scheduler, SchedulerConfig, Step, StepOutput
+from .tokens import EOS, Vocabulary
+
+__all__ = ["EmulatedEngine", "EngineConfig", "Generation", "SamplingParams", "step_shape"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineConfig:
+    """One engine's settings: the profile's defaults with `vllm serve`'s flags applied."""
+
+    profile: Profile
+    served_model_name: str
+    max_model_len: int
+    block_size: int
+    num_gpu_blocks: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    enable_prefix_caching: bool = True
+    policy: Policy = Policy.FCFS
+    time_scale: float = 1.0  # emulated seconds per second of Trio's clock
+
+    def __post_init__(self) -> None:
+        if not self.time_scale > 0:
+            raise ConfigError(f"--time-scale must be above 0: {self.time_scale}")
+        for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be positive")
+        if (self.num_gpu_blocks - 1) * self.block_size < self.max_model_len:
+            raise ConfigError(
+                f"{self.num_gpu_blocks} blocks of {self.block_size} tokens (one is the null "
+                f"block) cannot hold one request of max_model_len={self.max_model_len}: "
+                "raise --num-gpu-blocks-override or lower --max-model-len"
+            )
+
+    @classmethod
+    def from_profile(cls, profile: Profile, **flags: Any) -> EngineConfig:
+        """The profile's engine defaults, with each flag that is not None instead."""
+        defaults = profile.engine
+        values: dict[str, Any] = {
+            "served_model_name": defaults.served_model_name,
+            "max_model_len": defaults.max_model_len,
+            "block_size": defaults.block_size,
+            "num_gpu_blocks": defaults.num_gpu_blocks,
+            "max_num_seqs": defaults.max_num_seqs,
+            "max_num_batched_tokens": defaults.max_num_batched_tokens,
+        }
+        values |= {k: v for k, v in flags.items() if v is not None}
+        return cls(profile=profile, **values)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SamplingParams:
+    """What a request asks of generation."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    seed: int | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: frozenset[int] = frozenset()
+    priority: int = 0
+
+
+class Generation:
+    """One request's output as its reader sees it: tokens not yet read, and the finish
+    reason once finished. `wait()` returns what is new (several tokens if the reader fell
+    behind, as vLLM coalesces), blocking until there is something."""
+
+    def __init__(self, request: Request) -> None:
+        self.request = request
+        self.finish_reason: FinishReason | None = None
+        self._unread: list[int] = []
+        self._changed = trio.Event()
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.scheduled = False
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.request.token_ids[: self.request.num_prompt_tokens]
+
+    def push(self, token: int | None, finish: FinishReason | None) -> None:
+        """Hand the reader a new token and/or the finish reason (the engine's side)."""
+        if token is not None:
+            self._unread.append(token)
+        if finish is not None:
+            self.finish_reason = finish
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def wait(self) -> tuple[list[int], FinishReason | None]:
+        """The tokens generated since the last call and the finish reason (None while
+        running); waits while there is neither. Cancellation leaves the tokens unread."""
+        while not self._unread and self.finish_reason is None:
+            await self._changed.wait()
+        unread, self._unread = self._unread, []
+        return unread, self.finish_reason
+
+
+def step_shape(step: Step) -> StepShape:
+    """What the profile needs of a step."""
+    return StepShape(
+        sequences=len(step.scheduled),
+        tokens=sum(s.num_new_tokens for s in step.scheduled),
+        context_tokens=sum(s.num_computed + s.num_new_tokens for s in step.scheduled),
+        attention_pairs=sum(
+            s.num_new_tokens * s.num_computed + s.num_new_tokens * (s.num_new_tokens + 1) // 2
+            for s in step.scheduled
+        ),
+    )
+
+
+class EmulatedEngine:
+    """An engine: its tokens, KV cache, scheduler and statistics, and `run()`, the loop that
+    steps it (see the module). `submit` and `abort` are synchronous."""
+
+    def __init__(self, config: EngineConfig, *, rng: random.Random | None = None) -> None:
+        self.config = config
+        self.vocab = Vocabulary(config.profile.engine.vocab_size)
+        self.cache = KVCache(
+            config.num_gpu_blocks,
+            config.block_size,
+            max_model_len=config.max_model_len,
+            enable_caching=config.enable_prefix_caching,
+        )
+        limits = SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=config.max_model_len,
+            policy=config.policy,
+        )
+        self.scheduler = Scheduler(limits, self.cache, self._sample)
+        self.stats = EngineStats()
+        self.steps = 0
+        self._rng = rng or random.Random()
+        self._generations: dict[str, Generation] = {}
+        self._ids = itertools.count()
+        self._work = trio.Event()
+
+    def now(self) -> float:
+        """Emulated seconds (since the epoch of Trio's clock, scaled)."""
+        return trio.current_time() * self.config.time_scale
+
+    # -- requests --------------------------------------------------------------------------
+    def submit(self, prompt: Sequence[int], params: SamplingParams) -> Generation:
+        """Queue a request; its generation is read with `Generation.wait`."""
+        rng = None
+        if params.temperature > 0:
+            seed = params.seed if params.seed is not None else self._rng.getrandbits(64)
+            rng = random.Random(seed)
+        request = Request(
+            request_id=f"{next(self._ids):x}",
+            token_ids=list(prompt),
+            max_tokens=params.max_tokens,
+            arrival_time=self.now(),
+            priority=params.priority,
+            eos_token_id=None if params.ignore_eos else EOS,
+            stop_token_ids=params.stop_token_ids,
+            min_tokens=params.min_tokens,
+            rng=rng,
+        )
+        generation = self._generations[request.request_id] = Generation(request)
+        self.scheduler.add_request(request)
+        self._notify()
+        return generation
+
+    def abort(self, generation: Generation) -> None:
+        """Stop a request whose client went away (nothing if it has finished)."""
+        if self.scheduler.abort(generation.request_id) is not None:
+            self._generations.pop(generation.request_id, None)
+            generation.push(None, FinishReason.ABORT)
+            self._notify()
+
+    async def wait_changed(self) -> None:
+        """Wait until a request arrives or is aborted."""
+        await self._work.wait()
+
+    def _sample(self, request: Request) -> int:
+        allow_eos = request.eos_token_id is not None and (
+            request.num_output_tokens >= request.min_tokens
+        )
+        return self.vocab.next_token(request.token_ids, request.rng, allow_eos=allow_eos)
+
+    def _notify(self) -> None:
+        self._work.set()
+        self._work = trio.Event()
+
+    # -- the loop --------------------------------------------------------------------------
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Step the engine until cancelled: schedule, sleep the step's duration on Trio's
+        clock, hand out the tokens. Idle, it waits for a request."""
+        task_status.started()
+        step_cost = self.config.profile.step
+        while True:
+            step = self.scheduler.schedule() if self.scheduler.has_work() else Step()
+            if not step.scheduled:
+                if step.preempted:  # a step of preemptions only: schedule again at once
+                    await trio.lowlevel.checkpoint()
+                else:
+                    await self._work.wait()
+                continue
+            self._record_scheduled(step)
+            await trio.sleep(step_cost.seconds(step_shape(step)) / self.config.time_scale)
+            self.steps += 1
+            self._deliver(self.scheduler.update(step))
+
+    def _record_scheduled(self, step: Step) -> None:
+        now = self.now()
+        for request in step.admitted:
+            generation = self._generations.get(request.request_id)
+            if generation is not None and not generation.scheduled:
+                generation.scheduled = True
+                self.stats.queue.observe(now - request.arrival_time)
+
+    def _deliver(self, outputs: list[StepOutput]) -> None:
+        now, stats = self.now(), self.stats
+        for output in outputs:
+            request = output.request
+            generation = self._generations.get(request.request_id)
+            if generation is None:
+                continue
+            if generation.first_token_time is None:
+                generation.first_token_time = now
+                stats.ttft.observe(now - request.arrival_time)
+                stats.prompt_tokens += request.num_prompt_tokens
+            elif generation.last_token_time is not None:
+                stats.inter_token.observe(now - generation.last_token_time)
+            generation.last_token_time = now
+            stats.generation_tokens += 1
+            if output.finish_reason is not None:
+                del self._generations[request.request_id]
+                stats.e2e.observe(now - request.arrival_time)
+                stats.successes[output.finish_reason] += 1
+            generation.push(output.token_id, output.finish_reason)
+
+    # -- what it reports -------------------------------------------------------------------
+    def metrics_text(self) -> str:
+        """GET /metrics (see `metrics`)."""
+        config, cache = self.config, self.cache
+        return render_metrics(
+            self.stats,
+            Gauges(
+                model_name=config.served_model_name,
+                running=len(self.scheduler.running),
+                waiting=len(self.scheduler.waiting),
+                kv_cache_usage=cache.usage,
+                prefix_cache_queries=cache.queries,
+                prefix_cache_hits=cache.hits,
+                preemptions=self.scheduler.num_preemptions,
+                block_size=config.block_size,
+                num_gpu_blocks=config.num_gpu_blocks,
+                enable_prefix_caching=config.enable_prefix_caching,
+            ),
+        )

@@ -1,0 +1,191 @@
+"""Timing profiles: how long one engine step takes on some hardware for some model, and the
+engine's defaults there, read from TOML (`profiles/*.toml` are shipped; a user's own file
+works the same way).
+
+A step's duration, in emulated seconds, is a roofline with fixed costs:
+
+    overhead_s + per_sequence_s * sequences
+        + max((weight_bytes + kv_bytes_per_token * context_tokens) / memory_bytes_per_s,
+              (flops_per_token * tokens + attention_flops_per_pair * attention_pairs)
+                  / compute_flops_per_s)
+
+where `sequences` are the requests in the step, `tokens` the tokens it computes,
+`context_tokens` the tokens whose KV it reads (each request's computed tokens and its new
+ones), and `attention_pairs` the (query, key) pairs its attention computes (a chunk of `n`
+tokens after `c` computed ones: `n*c + n*(n+1)/2`). Decode steps are bound by reading the
+weights and the KV cache, prefill steps by computing. A profile file is:
+
+    description = "..."
+    status = "derived"          # placeholder | derived | fitted
+    [engine]                    # vllm serve's defaults on that hardware (flags override)
+    served_model_name = "..."
+    max_model_len = 131072
+    block_size = 16
+    num_gpu_blocks = 27000      # with the null block, as vLLM counts them
+    max_num_seqs = 1024
+    max_num_batched_tokens = 8192
+    vocab_size = 128256
+    [step]                      # the terms above
+    overhead_s = 0.001
+    ...
+
+Unknown keys are errors, so a misspelt coefficient cannot silently fall back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any, Final
+
+from ..errors import ConfigError
+
+__all__ = [
+    "EngineDefaults",
+    "Profile",
+    "StepCost",
+    "StepShape",
+    "load_profile",
+    "shipped_profiles",
+]
+
+STATUSES: Final = ("placeholder", "derived", "fitted")
+_PACKAGE: Final = "trio_router.emulator"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepShape:
+    """What one step computes, as the timing needs it."""
+
+    sequences: int
+    tokens: int
+    context_tokens: int
+    attention_pairs: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepCost:
+    """The coefficients of a step's duration (see the module); all non-negative."""
+
+    overhead_s: float
+    per_sequence_s: float
+    weight_bytes: float
+    kv_bytes_per_token: float
+    memory_bytes_per_s: float
+    flops_per_token: float
+    attention_flops_per_pair: float
+    compute_flops_per_s: float
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, int | float) or value < 0:
+                raise ConfigError(f"step.{f.name} must be a non-negative number: {value!r}")
+        if self.memory_bytes_per_s <= 0 or self.compute_flops_per_s <= 0:
+            raise ConfigError("step.memory_bytes_per_s and step.compute_flops_per_s must be > 0")
+
+    def seconds(self, shape: StepShape) -> float:
+        """The emulated duration of a step of `shape`."""
+        memory = (
+            self.weight_bytes + self.kv_bytes_per_token * shape.context_tokens
+        ) / self.memory_bytes_per_s
+        compute = (
+            self.flops_per_token * shape.tokens
+            + self.attention_flops_per_pair * shape.attention_pairs
+        ) / self.compute_flops_per_s
+        return self.overhead_s + self.per_sequence_s * shape.sequences + max(memory, compute)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineDefaults:
+    """What `vllm serve` would choose on the profile's hardware for its model."""
+
+    served_model_name: str
+    max_model_len: int
+    block_size: int
+    num_gpu_blocks: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    vocab_size: int
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name != "served_model_name" and (not isinstance(value, int) or value < 1):
+                raise ConfigError(f"engine.{f.name} must be a positive integer: {value!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Profile:
+    """A named profile: the engine's defaults and the step's cost."""
+
+    name: str
+    description: str
+    status: str
+    engine: EngineDefaults
+    step: StepCost
+
+    def __post_init__(self) -> None:
+        if self.status not in STATUSES:
+            raise ConfigError(f"status must be one of {', '.join(STATUSES)}: {self.status!r}")
+
+
+def _section(cls: type[Any], raw: Any, where: str) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"[{where}]: expected a table")
+    hints = typing.get_type_hints(cls)
+    if unknown := raw.keys() - hints.keys():
+        raise ConfigError(f"[{where}]: unknown key(s) {sorted(unknown)}; expected {sorted(hints)}")
+    if missing := hints.keys() - raw.keys():
+        raise ConfigError(f"[{where}]: missing key(s) {sorted(missing)}")
+    return cls(**raw)
+
+
+def parse_profile(name: str, text: str) -> Profile:
+    """A profile from its TOML text. Raises ConfigError naming what is wrong."""
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"profile {name}: {exc}") from None
+    if unknown := raw.keys() - {"description", "status", "engine", "step"}:
+        raise ConfigError(f"profile {name}: unknown key(s) {sorted(unknown)}")
+    try:
+        return Profile(
+            name=name,
+            description=str(raw.get("description", "")),
+            status=str(raw.get("status", "")),
+            engine=_section(EngineDefaults, raw.get("engine"), "engine"),
+            step=_section(StepCost, raw.get("step"), "step"),
+        )
+    except ConfigError as exc:
+        raise ConfigError(f"profile {name}: {exc}") from None
+
+
+def shipped_profiles() -> list[str]:
+    """The names of the profiles shipped in the package."""
+    folder = resources.files(_PACKAGE).joinpath("profiles")
+    return sorted(
+        p.name.removesuffix(".toml") for p in folder.iterdir() if p.name.endswith(".toml")
+    )
+
+
+def load_profile(name_or_path: str) -> Profile:
+    """A shipped profile by name, or a profile file (a path ending in .toml or naming an
+    existing file). Raises ConfigError for an unknown name or a bad file."""
+    if name_or_path in shipped_profiles():
+        text = resources.files(_PACKAGE).joinpath("profiles", f"{name_or_path}.toml")
+        return parse_profile(name_or_path, text.read_text())
+    path = Path(name_or_path)
+    if path.suffix == ".toml" or path.exists():
+        try:
+            return parse_profile(path.stem, path.read_text())
+        except OSError as exc:
+            raise ConfigError(f"cannot read profile {path}: {exc}") from None
+    raise ConfigError(
+        f"unknown profile {name_or_path!r}: a shipped one ({', '.join(shipped_profiles())})"
+        " or a TOML file"
+    )

@@ -1,0 +1,179 @@
+"""One emulated engine on the autojump clock: each step sleeps the profile's duration (scaled
+by the time scale), tokens arrive step by step, requests share steps (continuous batching),
+the prefix cache hits, blocks running out preempt, aborts free, and /metrics says so in
+vLLM's names (read back with the router's own parser)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import pytest
+import trio
+import trio.testing
+
+from trio_router.discovery.stats import parse_vllm_metrics
+from trio_router.emulator.engine import (
+    EmulatedEngine,
+    EngineConfig,
+    Generation,
+    SamplingParams,
+)
+from trio_router.emulator.profiles import StepShape, load_profile
+from trio_router.emulator.request import FinishReason
+from trio_router.errors import ConfigError
+
+GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+
+
+@asynccontextmanager
+async def running(config: EngineConfig) -> AsyncIterator[EmulatedEngine]:
+    engine = EmulatedEngine(config)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(engine.run)
+        yield engine
+        nursery.cancel_scope.cancel()
+
+
+async def read_all(generation: Generation) -> tuple[list[int], FinishReason, list[float]]:
+    """Every token, the finish reason, and the Trio time each batch of tokens arrived."""
+    tokens: list[int] = []
+    times: list[float] = []
+    while True:
+        new, reason = await generation.wait()
+        tokens += new
+        times += [trio.current_time()] * len(new)
+        if reason is not None:
+            return tokens, reason, times
+
+
+@pytest.mark.parametrize("time_scale", [1.0, 0.25])
+async def test_each_step_takes_the_profiles_time(
+    autojump_clock: trio.testing.MockClock, time_scale: float
+) -> None:
+    profile = load_profile("h100")
+    config = EngineConfig.from_profile(profile, time_scale=time_scale)
+    cost = profile.step
+    async with running(config) as engine:
+        start = trio.current_time()
+        tokens, reason, times = await read_all(engine.submit(list(range(16, 1016)), GREEDY))
+    assert (len(tokens), reason) == (5, FinishReason.LENGTH)
+    prefill = cost.seconds(
+        StepShape(sequences=1, tokens=1000, context_tokens=1000, attention_pairs=500_500)
+    )
+    expected, t = [], prefill
+    expected.append(t)
+    for computed in range(1000, 1004):  # each decode reads the whole context
+        c = computed + 1
+        t += cost.seconds(StepShape(sequences=1, tokens=1, context_tokens=c, attention_pairs=c))
+        expected.append(t)
+    # Trio's clock runs 1 / time_scale times slower than emulated time.
+    assert [x - start for x in times] == pytest.approx([e / time_scale for e in expected])
+    # The metrics speak emulated time, whatever the scale.
+    assert engine.stats.ttft.sum == pytest.approx(prefill)
+    assert engine.stats.e2e.sum == pytest.approx(expected[-1])
+    assert engine.stats.inter_token.count == 4 and engine.steps == 5
+
+
+async def test_requests_share_steps(autojump_clock: trio.testing.MockClock) -> None:
+    config = EngineConfig.from_profile(load_profile("h100"))
+    async with running(config) as engine, trio.open_nursery() as nursery:
+        results: list[list[int]] = []
+
+        async def one(i: int) -> None:
+            tokens, _, _ = await read_all(engine.submit([16 + i] * 100, GREEDY))
+            results.append(tokens)
+
+        for i in range(8):
+            nursery.start_soon(one, i)
+    assert len(results) == 8 and all(len(r) == 5 for r in results)
+    assert engine.steps == 5  # 8 requests, 5 tokens each: 5 steps, not 40
+    assert engine.stats.generation_tokens == 40 and engine.stats.prompt_tokens == 800
+
+
+async def test_greedy_output_is_the_same_on_every_engine(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    config = EngineConfig.from_profile(load_profile("cpu-tiny"))
+    prompt = list(range(16, 66))
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    async with running(config) as one, running(config) as other:
+        first, _, _ = await read_all(one.submit(prompt, params))
+        second, _, _ = await read_all(other.submit(prompt, params))
+        # A stream resumed with 10 tokens generated goes on as it would have.
+        resumed, _, _ = await read_all(
+            other.submit(prompt + first[:10], SamplingParams(max_tokens=20, temperature=0.0))
+        )
+        seeded = [
+            (await read_all(one.submit(prompt, SamplingParams(max_tokens=30, seed=5))))[0]
+            for _ in range(2)
+        ]
+    assert first == second and resumed == first[10:]
+    assert seeded[0] == seeded[1] != first
+
+
+async def test_a_repeated_prompt_hits_the_prefix_cache(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    config = EngineConfig.from_profile(load_profile("cpu-tiny"))  # blocks of 128 tokens
+    prompt = list(range(16, 316))  # 300 tokens: 2 full blocks
+    async with running(config) as engine:
+        await read_all(engine.submit(prompt, GREEDY))
+        before = engine.stats.ttft.sum
+        await read_all(engine.submit(prompt, GREEDY))
+        text = engine.metrics_text()
+    assert engine.stats.ttft.sum - before < before  # the second prefill computed 44 tokens
+    seen = parse_vllm_metrics(text)
+    assert seen["prefix_cache_queries"] == 600 and seen["prefix_cache_hits"] == 256
+    assert seen["prompt_tokens"] == 600 and seen["ttft_count"] == 2
+    assert seen["running"] == 0 and seen["kv_cache_usage"] == 0.0
+    assert 'vllm:request_success_total{engine="0",model_name="tiny-model",' in text
+    assert re.search(r'finished_reason="length"\} 2\.0', text)
+    assert 'block_size="128"' in text and 'num_gpu_blocks="256"' in text
+
+
+async def test_running_out_of_blocks_preempts_and_everything_still_finishes(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # 16 usable blocks of 128 tokens; 4 requests growing to 9 blocks each.
+    config = EngineConfig.from_profile(load_profile("cpu-tiny"), num_gpu_blocks=17)
+    params = SamplingParams(max_tokens=600, temperature=0.0, ignore_eos=True)
+    async with running(config) as engine, trio.open_nursery() as nursery:
+        finished: list[tuple[int, FinishReason]] = []
+
+        async def one(i: int) -> None:
+            tokens, reason, _ = await read_all(engine.submit([16 + i] * 500, params))
+            finished.append((len(tokens), reason))
+
+        for i in range(4):
+            nursery.start_soon(one, i)
+    assert finished == [(600, FinishReason.LENGTH)] * 4
+    assert engine.scheduler.num_preemptions > 0
+    assert parse_vllm_metrics(engine.metrics_text())["kv_cache_usage"] == 0.0
+    preempted = float(engine.scheduler.num_preemptions)
+    sample = f'vllm:num_preemptions_total{{engine="0",model_name="tiny-model"}} {preempted!r}'
+    assert sample in engine.metrics_text().splitlines()
+
+
+async def test_abort_stops_a_request_and_frees_its_blocks(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    config = EngineConfig.from_profile(load_profile("cpu-tiny"))
+    params = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
+    async with running(config) as engine:
+        generation = engine.submit([20] * 300, params)
+        tokens, reason = await generation.wait()
+        assert tokens and reason is None and engine.cache.usage > 0
+        engine.abort(generation)
+        assert await generation.wait() == ([], FinishReason.ABORT)
+        assert engine.cache.usage == 0.0 and not engine.scheduler.has_work()
+        engine.abort(generation)  # twice: nothing
+    assert engine.stats.successes[FinishReason.ABORT] == 0  # a client's abort is not counted
+
+
+def test_a_cache_too_small_for_one_request_is_refused() -> None:
+    with pytest.raises(ConfigError, match="cannot hold one request"):
+        EngineConfig.from_profile(load_profile("cpu-tiny"), num_gpu_blocks=16)
+    with pytest.raises(ConfigError, match="time-scale"):
+        EngineConfig.from_profile(load_profile("cpu-tiny"), time_scale=0)
