@@ -3,6 +3,7 @@ continuation (`proxy.resume`) costs a resumed stream.
 
     python bench/bench_chaos.py fakes [--routers trio,production-stack,vllm-router-rs]
                                       [--streams 64] [--engines 4] [--duration 60]
+                                      [--mix plain,reasoning,tools] [--reasoning-tokens 24]
     python bench/bench_chaos.py real  [--streams 16] [--engines 4] [--tokens 96]
     python bench/bench_chaos.py exactness [--kills 20] [--tokens 200] [--kill-after 50]
 
@@ -12,6 +13,17 @@ each its own process on 127.0.1.51, .52, ...) that stream `--tokens` tokens, the
 tokens goes on from there), so a continued answer can be checked word for word. `real`: real
 vLLM engines (the CPU build and tiny model of `trio_router.testing.vllm_engines`, the first run
 installs it), a greedy chat (`temperature` 0, `ignore_eos`) of `--tokens` tokens.
+
+`--mix` (fakes; default `plain`): the kinds of chat each client sends in turn (each client
+begins with another): `plain` (the chat above), `reasoning` (answered with
+`--reasoning-tokens` reasoning tokens, the end of the reasoning, then `--tokens` of content),
+`tools` (offering two tools, auto tool choice: answered with the reasoning, then two tool
+calls whose arguments span many tokens, finish "tool_calls"). Those two go to engines with a
+reasoning and a tool parser serving vLLM's scale-out endpoints (render, generate, derender:
+what trio_router carries such a stream on with), of another model; with plain chats in the
+mix, every other engine is one (a fake reasoning parser answers every chat with reasoning).
+A fake chat's `max_tokens` is `SLACK` above its answer, so the answer ends by itself. The
+peers run plain chats only.
 
 Each router in turn (`--routers`; the peers when their environment names them, as
 `../shared/bench`'s README sets them up, never committed: production-stack `PEER_PS_PYTHON` +
@@ -24,14 +36,17 @@ kill waits until every engine serves again). After
 `--duration` no new request starts; the ones running finish (bounded by `--limit`).
 `--log-dir` keeps each router's log there.
 
-Each request is one of: `ok` (200, one `[DONE]`, the whole answer: the same text as the same
-request answered without a failure), `diverged` (well-formed and complete, another text: engine
-numerics of a continuation), `cut` (200, then broken off: no `[DONE]`, an error event, the
-connection closed or a shorter text), `lost` (no 200: an error status or no answer). A stream
+Each request is one of: `ok` (200, one `[DONE]`, the whole answer: what the client puts
+together — reasoning, content, each tool call's name and arguments and its one id, the finish —
+is that of the same request answered without a failure), `diverged` (well-formed and complete,
+another answer: engine numerics of a continuation), `cut` (200, then broken off: no `[DONE]`,
+an error event, the connection closed or an answer that stops short of the whole one), `lost`
+(no 200: an error status or no answer); counted for all requests and by kind. A stream
 "hit" is one running on an engine when it was killed (trio_router names the engine in
 `x-trio-router-engine`); the latency a resumed stream pays is its duration less the median of
-the streams no kill touched (p50, p99). For trio_router the report also has the router's own
-count of resumes (`trio_router_stream_resumes_total`).
+the streams of its kind no kill touched (p50, p99). For trio_router the report also has the
+router's own count of resumes (`trio_router_stream_resumes_total`), by its `kind` label
+(content, reasoning, tool_call, whole).
 
 `exactness`: `--engines` (3) real engines behind trio_router; greedy streamed chats of
 `--tokens` tokens, each one's engine stopped (SIGKILL and SIGTERM in turn) once the client has
@@ -47,8 +62,10 @@ Loopback only; every load stops by itself (`--duration`, `--limit`).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
+import re
 import signal
 import statistics
 import sys
@@ -73,6 +90,31 @@ FAKE_MODEL: Final = "fake-model"
 FIRST_HOST: Final = 51  # engines on 127.0.1.51, .52, ...
 START_S: Final = 90.0  # a fake engine must be up within this
 LOST_PAUSE_S: Final = 0.5  # a client whose request was refused waits this before its next
+THINKER_MODEL: Final = "fake-thinker"  # fake engines with a reasoning and a tool parser
+KINDS: Final = ("plain", "reasoning", "tools")  # the requests of --mix
+OUTCOMES: Final = ("ok", "diverged", "cut", "lost")
+# The tool calls a thinker engine answers a chat offering tools with: arguments of many tokens
+# (the fake's tool parser gives a call's arguments six characters a token).
+CALLS: Final = (
+    (
+        "search_flights",
+        '{"from": "Paris CDG", "to": "Tokyo Haneda", "date": "2027-03-14", '
+        '"passengers": 2, "cabin": "economy"}',
+    ),
+    (
+        "book_hotel",
+        '{"city": "Tokyo", "nights": 5, "near": "Shinjuku station", '
+        '"max_price_eur": 180, "breakfast": true}',
+    ),
+)
+TOOLS: Final = [
+    {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
+    for name, _ in CALLS
+]
+# A fake chat's max_tokens is this much above its answer, so the answer ends by itself
+# ("stop", "tool_calls") and a stream whose engine died after its last token is carried on
+# to that end rather than ended by the router for its token limit ("length").
+SLACK: Final = 16
 
 
 # -- engines -------------------------------------------------------------------------------------
@@ -88,6 +130,10 @@ async def serve_one_fake(args: argparse.Namespace) -> None:
         inter_token_s=args.itl_ms / 1000,
         keep_requests=16,
     )
+    if args.thinker:  # vLLM with --reasoning-parser, --enable-auto-tool-choice, scale-out
+        engine.models = [THINKER_MODEL]
+        engine.reasoning_tokens, engine.tool_calls = args.reasoning_tokens, list(CALLS)
+        engine.scale_out = True
     async with trio.open_nursery() as nursery:
         await nursery.start(serve_fake_engine, engine, args.host, args.port)
         print("ready", flush=True)
@@ -96,8 +142,8 @@ async def serve_one_fake(args: argparse.Namespace) -> None:
 class Slot:
     """One engine's place (host:port) and whatever process serves it now."""
 
-    def __init__(self, url: str) -> None:
-        self.url = url
+    def __init__(self, url: str, model: str) -> None:
+        self.url, self.model = url, model
         self.up = trio.Event()  # set while an engine serves here
 
     async def kill(self, how: signal.Signals) -> None:
@@ -110,12 +156,14 @@ class Slot:
 
 
 class FakeSlot(Slot):
-    def __init__(self, url: str, args: argparse.Namespace) -> None:
-        super().__init__(url)
+    def __init__(self, url: str, args: argparse.Namespace, *, thinker: bool) -> None:
+        super().__init__(url, THINKER_MODEL if thinker else FAKE_MODEL)
         host, port = url.removeprefix("http://").split(":")
         self._command = [sys.executable, __file__, "engine", "--host", host, "--port", port]
         self._command += ["--tokens", str(args.tokens), "--ttft-ms", str(args.ttft_ms)]
         self._command += ["--itl-ms", str(args.itl_ms)]
+        if thinker:
+            self._command += ["--thinker", "--reasoning-tokens", str(args.reasoning_tokens)]
         self._pid = 0
         self._exited, self._again = trio.Event(), trio.Event()
 
@@ -147,7 +195,7 @@ class FakeSlot(Slot):
 
 class RealSlot(Slot):
     def __init__(self, engine: EngineProcess, env: EngineEnvironment, log_dir: Path) -> None:
-        super().__init__(engine.url)
+        super().__init__(engine.url, MODEL_NAME)
         self.engine, self._env, self._log_dir = engine, env, log_dir
         self.up.set()
 
@@ -166,38 +214,110 @@ class RealSlot(Slot):
 
 
 # -- the client ----------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """What a client puts together from a chat stream: the reasoning, the content, each tool
+    call's name, arguments and how many ids it was given, and the finish."""
+
+    reasoning: str = ""
+    content: str = ""
+    calls: tuple[tuple[str, str, int], ...] = ()
+    finish: str | None = None
+
+    def short_of(self, whole: Answer) -> bool:
+        """Another answer that is `whole` broken off: its texts, in order (reasoning, content,
+        each call's name and arguments), the same up to one that `whole`'s begins with, and
+        nothing after that one."""
+        got = [self.reasoning, self.content, *(t for c in self.calls for t in c[:2])]
+        want = [whole.reasoning, whole.content, *(t for c in whole.calls for t in c[:2])]
+        if self == whole or len(got) > len(want):
+            return False
+        got += [""] * (len(want) - len(got))
+        at = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
+        return at is not None and want[at].startswith(got[at]) and not any(got[at + 1 :])
+
+
+class Reassembly:
+    """A chat stream's choices, put together as a client does (see `Answer`)."""
+
+    def __init__(self) -> None:
+        self.reasoning: list[str] = []
+        self.content: list[str] = []
+        self.calls: dict[int, list[Any]] = {}  # index -> [name, arguments, ids]
+        self.finish: str | None = None
+
+    def add(self, choice: dict[str, Any]) -> None:
+        delta = choice.get("delta") or {}
+        self.reasoning.append(delta.get("reasoning") or "")
+        self.content.append(delta.get("content") or "")
+        for call in delta.get("tool_calls") or ():
+            made = self.calls.setdefault(call.get("index", 0), ["", "", 0])
+            function = call.get("function") or {}
+            made[0] += function.get("name") or ""
+            made[1] += function.get("arguments") or ""
+            made[2] += bool(call.get("id"))
+        self.finish = choice.get("finish_reason") or self.finish
+
+    def answer(self) -> Answer:
+        calls = tuple((str(c[0]), str(c[1]), int(c[2])) for _, c in sorted(self.calls.items()))
+        return Answer("".join(self.reasoning), "".join(self.content), calls, self.finish)
+
+
 @dataclass
 class Outcome:
     kind: str  # ok | diverged | cut | lost
     started: float
     ended: float
     engine: str = ""  # as the router named it (trio_router)
-    detail: str = ""
+    detail: str = ""  # why it was not ok
+    answer: Answer | None = None  # when it ended well-formed
+    asked: str = "plain"  # the request's kind (KINDS)
+    rid: str = ""  # its x-request-id
 
     @property
     def duration(self) -> float:
         return self.ended - self.started
 
 
-def request_body(args: argparse.Namespace) -> dict[str, Any]:
+def request_body(args: argparse.Namespace, kind: str = "plain") -> dict[str, Any]:
+    """A streamed chat of `kind` (KINDS): plain, of `args.model`; at the fakes, a reasoning
+    chat, or one offering TOOLS (auto tool choice), of the thinker engines' model."""
     body: dict[str, Any] = {"model": args.model, "stream": True, "max_tokens": args.tokens}
     body["messages"] = [{"role": "user", "content": "tell a long story"}]
     if args.mode != "fakes":
-        body |= {"temperature": 0, "ignore_eos": True}
+        return body | {"temperature": 0, "ignore_eos": True}
+    body["max_tokens"] = args.tokens + SLACK
+    if kind != "plain":
+        body["model"] = THINKER_MODEL
+        calls = sum(3 + (len(arguments) + 5) // 6 for _, arguments in CALLS)
+        body["max_tokens"] = args.reasoning_tokens + 1 + max(args.tokens, calls) + SLACK
+    if kind == "reasoning":
+        body["messages"] = [{"role": "user", "content": "think, then tell a long story"}]
+    if kind == "tools":
+        body["messages"] = [{"role": "user", "content": "book a week in Tokyo"}]
+        body |= {"tools": TOOLS, "tool_choice": "auto"}
     return body
 
 
-async def one_stream(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> Outcome:
-    """One streamed chat: its outcome, and its text in `detail` when it ended well-formed."""
+async def one_stream(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], asked: str = "plain", rid: str = ""
+) -> Outcome:
+    """One streamed chat of kind `asked` (its `x-request-id` `rid` when given, which
+    trio_router's log lines name): its outcome, with what the client put together when it
+    ended well-formed."""
     started = trio.current_time()
-    engine, text, done = "", [], 0
+    engine, done, parts = "", 0, Reassembly()
+    headers = {"x-request-id": rid} if rid else {}
+
+    def ended(kind: str, detail: str) -> Outcome:
+        return Outcome(kind, started, trio.current_time(), engine, detail, None, asked, rid)
+
     try:
-        async with client.stream("POST", f"{url}{CHAT}", json=body) as answer:
+        async with client.stream("POST", f"{url}{CHAT}", json=body, headers=headers) as answer:
             engine = answer.headers.get("x-trio-router-engine", "")
             if answer.status_code != 200:
                 await answer.aread()
-                detail = f"{answer.status_code} {answer.text[:120]}"
-                return Outcome("lost", started, trio.current_time(), engine, detail)
+                return ended("lost", f"{answer.status_code} {answer.text[:120]}")
             async for line in answer.aiter_lines():
                 if not line.startswith("data: "):
                     continue
@@ -206,17 +326,17 @@ async def one_stream(client: httpx.AsyncClient, url: str, body: dict[str, Any]) 
                     continue
                 event = json.loads(line[6:])
                 if "error" in event:
-                    detail = f"error event: {str(event['error'])[:120]}"
-                    return Outcome("cut", started, trio.current_time(), engine, detail)
+                    return ended("cut", f"error event: {str(event['error'])[:120]}")
                 for choice in event.get("choices") or []:
-                    text.append((choice.get("delta") or {}).get("content") or "")
+                    parts.add(choice)
     except (httpx.HTTPError, ValueError) as exc:
-        kind = "cut" if text or engine else "lost"
-        return Outcome(kind, started, trio.current_time(), engine, f"{type(exc).__name__}: {exc}")
-    ended = trio.current_time()
+        kind = "cut" if parts.content or engine else "lost"
+        return ended(kind, f"{type(exc).__name__}: {exc}")
     if done != 1:
-        return Outcome("cut", started, ended, engine, f"{done} [DONE]")
-    return Outcome("ok", started, ended, engine, "".join(text))
+        return ended("cut", f"{done} [DONE]")
+    outcome = ended("ok", "")
+    outcome.answer = parts.answer()
+    return outcome
 
 
 @dataclass
@@ -228,10 +348,19 @@ class Run:
 
 
 async def load(
-    client: httpx.AsyncClient, url: str, body: dict[str, Any], run: Run, until: float
+    client: httpx.AsyncClient,
+    url: str,
+    asks: Sequence[tuple[str, dict[str, Any]]],
+    run: Run,
+    until: float,
+    name: str,
 ) -> None:
-    while trio.current_time() < until:
-        outcome = await one_stream(client, url, body)
+    """Client `name`: one request after another (x-request-id `name-N`), of each (kind,
+    body) of `asks` in turn."""
+    for n, (asked, body) in enumerate(itertools.cycle(asks)):
+        if trio.current_time() >= until:
+            return
+        outcome = await one_stream(client, url, body, asked, f"{name}-{n}")
         run.outcomes.append(outcome)
         if outcome.kind == "lost":
             await trio.sleep(LOST_PAUSE_S)
@@ -268,74 +397,132 @@ def percentile(values: Sequence[float], p: float) -> float:
     return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))] if ordered else 0.0
 
 
-def summary(run: Run, expected: str) -> dict[str, Any]:
-    for outcome in run.outcomes:
-        if outcome.kind == "ok" and outcome.detail != expected:
-            short = len(outcome.detail) < len(expected) and expected.startswith(outcome.detail)
-            outcome.kind = "cut" if short else "diverged"
-    counts = {kind: 0 for kind in ("ok", "diverged", "cut", "lost")}
-    for outcome in run.outcomes:
-        counts[outcome.kind] += 1
+def judged(outcome: Outcome, expected: Answer) -> None:
+    """An `ok` outcome whose answer is not `expected` becomes `cut` (the answer broken off
+    but ended as if whole) or `diverged` (another answer), with what differs in `detail`."""
+    got = outcome.answer
+    if outcome.kind != "ok" or got is None or got == expected:
+        return
+    outcome.kind = "cut" if got.short_of(expected) else "diverged"
+    fields = ("reasoning", "content", "calls", "finish")
+    differs = [f for f in fields if getattr(got, f) != getattr(expected, f)]
+    outcome.detail = f"the answer of a {outcome.asked} chat differs in {', '.join(differs)}"
 
-    def hit(outcome: Outcome) -> bool:
-        return any(
-            outcome.started < at < outcome.ended and url.endswith(outcome.engine or "?")
-            for at, _, url in run.kills
-        )
 
-    whole = [o for o in run.outcomes if o.kind == "ok"]
-    calm = [
-        o.duration for o in whole if not any(o.started < at < o.ended for at, _, _ in run.kills)
-    ]
-    base = statistics.median(calm) if calm else 0.0
-    resumed = [o.duration - base for o in whole if o.engine and hit(o)]
-    failures: dict[str, int] = {}
-    for outcome in run.outcomes:
-        if outcome.kind in ("cut", "lost"):
-            key = outcome.detail.split(":")[0][:60]
-            failures[key] = failures.get(key, 0) + 1
+def hit(outcome: Outcome, kills: Sequence[tuple[float, float, str]]) -> bool:
+    """The outcome's stream ran on an engine when it was killed (trio_router names it)."""
+    return any(
+        outcome.started < at < outcome.ended and url.endswith(outcome.engine or "?")
+        for at, _, url in kills
+    )
+
+
+def figures(
+    outcomes: Sequence[Outcome], kills: Sequence[tuple[float, float, str]]
+) -> dict[str, Any]:
+    """Counts by outcome; of the whole streams, the p50 duration and those a kill hit, with
+    what that added to them: the duration less the median of the streams of their kind that
+    no kill touched."""
+    whole = [o for o in outcomes if o.kind == "ok"]
+    calm: dict[str, list[float]] = {}
+    for o in whole:
+        if not any(o.started < at < o.ended for at, _, _ in kills):
+            calm.setdefault(o.asked, []).append(o.duration)
+    bases = {kind: statistics.median(durations) for kind, durations in calm.items()}
+    resumed = [o.duration - bases.get(o.asked, 0.0) for o in whole if o.engine and hit(o, kills)]
     return {
-        "router": run.router,
-        "requests": len(run.outcomes),
-        **counts,
-        "kills": len(run.kills),
+        "requests": len(outcomes),
+        **{kind: sum(o.kind == kind for o in outcomes) for kind in OUTCOMES},
         "stream_p50_s": round(percentile([o.duration for o in whole], 50), 3),
-        "calm_p50_s": round(base, 3),
+        "calm_p50_s": {kind: round(base, 3) for kind, base in bases.items()},
         "resumed": len(resumed),
         "resumed_added_p50_s": round(percentile(resumed, 50), 3) if resumed else None,
         "resumed_added_p99_s": round(percentile(resumed, 99), 3) if resumed else None,
-        "failures": failures,
-        "router_counted": run.counted,
     }
 
 
+def summary(run: Run, expected: dict[str, Answer]) -> dict[str, Any]:
+    for outcome in run.outcomes:
+        judged(outcome, expected[outcome.asked])
+    failures: dict[str, list[str]] = {}  # why -> the requests' kinds and ids
+    for outcome in run.outcomes:
+        if outcome.kind in ("cut", "lost", "diverged"):
+            key = f"{outcome.kind}: {outcome.detail.split(':')[0][:80]}"
+            failures.setdefault(key, []).append(f"{outcome.asked} {outcome.rid}")
+    asked = [kind for kind in KINDS if kind in expected]
+    return {
+        "router": run.router,
+        **figures(run.outcomes, run.kills),
+        "kills": len(run.kills),
+        "by_kind": {
+            k: figures([o for o in run.outcomes if o.asked == k], run.kills) for k in asked
+        },
+        "failures": failures,
+        "router_counted": run.counted,
+        "router_resumes": resumes_by_kind(run.counted),
+    }
+
+
+def resumes_by_kind(counted: dict[str, float]) -> dict[str, dict[str, int]]:
+    """trio_router's resume counter (its labels' text -> value) by its `kind`, then
+    `outcome` label."""
+    out: dict[str, dict[str, int]] = {}
+    for labels, value in counted.items():
+        named = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+        by_outcome = out.setdefault(named.get("kind", "?"), {})
+        outcome = named.get("outcome", "?")
+        by_outcome[outcome] = by_outcome.get(outcome, 0) + int(value)
+    return out
+
+
 def table(rows: Sequence[dict[str, Any]]) -> str:
+    """Per router, a row per kind of request (when more than one) and one for all; below,
+    trio_router's own count of resumes by kind."""
     head = "| router | requests | ok | lost | cut | diverged | kills | stream p50 s | resumed |"
     head += " added p50 / p99 s |"
     lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    counted = []
     for r in rows:
-        added = f"{r['resumed_added_p50_s']} / {r['resumed_added_p99_s']}" if r["resumed"] else "-"
-        lines.append(
-            f"| {r['router']} | {r['requests']} | {r['ok']} | {r['lost']} | {r['cut']} | "
-            f"{r['diverged']} | {r['kills']} | {r['stream_p50_s']} | {r['resumed']} | {added} |"
-        )
-    return "\n".join(lines)
+        parts = [(f"{r['router']} {k}", f) for k, f in r["by_kind"].items()]
+        parts = [*parts, (r["router"], r)] if len(parts) > 1 else [(r["router"], r)]
+        for name, f in parts:
+            added = (
+                f"{f['resumed_added_p50_s']} / {f['resumed_added_p99_s']}" if f["resumed"] else "-"
+            )
+            kills = r["kills"] if f is r else ""
+            lines.append(
+                f"| {name} | {f['requests']} | {f['ok']} | {f['lost']} | {f['cut']} | "
+                f"{f['diverged']} | {kills} | {f['stream_p50_s']} | {f['resumed']} | {added} |"
+            )
+        if r["router_resumes"]:
+            kinds = ", ".join(
+                f"{kind} {' '.join(f'{o} {n}' for o, n in sorted(by.items()))}"
+                for kind, by in sorted(r["router_resumes"].items())
+            )
+            counted.append(f"{r['router']} counted resumes by kind: {kinds}")
+    return "\n".join([*lines, "", *counted] if counted else lines)
 
 
 # -- the runs ------------------------------------------------------------------------------------
-async def expected_text(url: str, body: dict[str, Any]) -> str:
-    """The answer of the request run straight at one engine, without a failure."""
+async def expected_answers(slots: Sequence[Slot], args: argparse.Namespace) -> dict[str, Answer]:
+    """Each kind of request of `--mix` run straight at an engine of its model, without a
+    failure: what its client put together."""
+    out = {}
     async with httpx.AsyncClient(timeout=120.0) as client:
-        outcome = await one_stream(client, url, body)
-    if outcome.kind != "ok":
-        raise RuntimeError(f"the reference request at {url} failed: {outcome.detail}")
-    return outcome.detail
+        for kind in args.mix:
+            body = request_body(args, kind)
+            slot = next(s for s in slots if s.model == body["model"])
+            outcome = await one_stream(client, slot.url, body, kind)
+            if outcome.answer is None:
+                raise RuntimeError(f"the reference request at {slot.url} failed: {outcome.detail}")
+            out[kind] = outcome.answer
+    return out
 
 
 async def run_router(
     name: str, slots: Sequence[Slot], args: argparse.Namespace, workdir: Path
 ) -> Run:
-    body, run = request_body(args), Run(name)
+    asks, run = [(kind, request_body(args, kind)) for kind in args.mix], Run(name)
     for slot in slots:
         await slot.up.wait()
     limits = httpx.Limits(max_connections=args.streams + 8, max_keepalive_connections=args.streams)
@@ -349,13 +536,29 @@ async def run_router(
         with trio.fail_after(args.duration + args.limit + 60 * len(slots)):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(chaos, slots, args, run, t0)
-                for _ in range(args.streams):
-                    nursery.start_soon(load, client, url, body, run, t0 + args.duration)
+                for index in range(args.streams):  # each client begins with another kind
+                    turn = index % len(asks)
+                    mine = [*asks[turn:], *asks[:turn]]
+                    until, who = t0 + args.duration, f"chaos-{index}"
+                    nursery.start_soon(load, client, url, mine, run, until, who)
         if name == "trio":  # what the router itself counted
-            run.counted = await resume_counts(client, url)
+            metrics = (await client.get(f"{url}/metrics")).text
+            (workdir / f"{name}-metrics.txt").write_text(metrics)
+            run.counted = resume_counts_of(metrics)
     for slot in slots:  # every engine back before the next router
         await slot.up.wait()
     return run
+
+
+def thinkers(args: argparse.Namespace) -> list[bool]:
+    """Which fake engines have the parsers (and serve the thinker model): all of them when
+    the mix asks only reasoning or tool calls, none for plain chats only, else every other
+    one (a fake engine's reasoning parser answers every chat with reasoning, so plain chats
+    are served by engines without one, as a model without reasoning would be)."""
+    parsed = any(kind != "plain" for kind in args.mix)
+    if "plain" not in args.mix or not parsed:
+        return [parsed] * args.engines
+    return [index % 2 == 1 for index in range(args.engines)]
 
 
 @asynccontextmanager
@@ -364,7 +567,10 @@ async def open_slots(args: argparse.Namespace) -> AsyncIterator[list[Slot]]:
     if args.mode == "fakes":
         port = vllm_engines.free_port(hosts)
         async with trio.open_nursery() as nursery:
-            slots = [FakeSlot(f"http://{host}:{port}", args) for host in hosts]
+            slots = [
+                FakeSlot(f"http://{host}:{port}", args, thinker=thinker)
+                for host, thinker in zip(hosts, thinkers(args), strict=True)
+            ]
             for fake in slots:
                 await nursery.start(fake.run)
             yield list(slots)
@@ -390,10 +596,23 @@ async def main_load(args: argparse.Namespace) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="chaos-") as tmp:
         workdir = args.log_dir or Path(tmp)
         async with open_slots(args) as slots:
-            expected = await expected_text(slots[0].url, request_body(args))
+            expected = await expected_answers(slots, args)
+            for kind, answer in expected.items():
+                calls = ", ".join(
+                    f"{name} ({len(arguments)} chars)" for name, arguments, _ in answer.calls
+                )
+                print(
+                    f"{kind}: {len(answer.reasoning)} chars of reasoning, "
+                    f"{len(answer.content)} of content, calls: {calls or '-'}, "
+                    f"finish {answer.finish}",
+                    file=sys.stderr,
+                )
             for name in args.routers:
                 if (why := ROUTERS[name].available()) is not None:
                     print(f"{name}: skipped ({why})", file=sys.stderr)
+                    continue
+                if name != "trio" and args.mix != ["plain"]:
+                    print(f"{name}: skipped (the peers run plain chats only)", file=sys.stderr)
                     continue
                 run = await run_router(name, slots, args, workdir)
                 rows.append(summary(run, expected))
@@ -461,7 +680,12 @@ async def routable(client: httpx.AsyncClient, url: str, slots: Sequence[Slot]) -
 
 async def resume_counts(client: httpx.AsyncClient, url: str) -> dict[str, float]:
     """trio_router's `trio_router_stream_resumes_total`, by its labels' text."""
-    text = (await client.get(f"{url}/metrics")).text
+    return resume_counts_of((await client.get(f"{url}/metrics")).text)
+
+
+def resume_counts_of(text: str) -> dict[str, float]:
+    """`trio_router_stream_resumes_total` in trio_router's /metrics `text`, by its labels'
+    text."""
     return {
         line.split("{", 1)[1].rsplit("}", 1)[0]: float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
@@ -537,6 +761,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--limit", type=float, default=120.0, help="bounds one request (s)")
     parser.add_argument("--kills", type=int, default=20)
     parser.add_argument("--kill-after", type=int, default=50)
+    parser.add_argument("--mix", default="plain", help=f"kinds of chat, of {','.join(KINDS)}")
+    parser.add_argument("--reasoning-tokens", type=int, default=24)
+    parser.add_argument("--thinker", action="store_true", help=argparse.SUPPRESS)  # `engine`
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--json-out", type=Path)
@@ -547,7 +774,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.streams = args.streams or streams
     args.engines = args.engines or engines
     args.tokens = args.tokens or tokens
-    args.model = FAKE_MODEL if args.mode == "fakes" else MODEL_NAME
+    args.mix = [kind for kind in args.mix.split(",") if kind]
+    if not args.mix or (unknown := [k for k in args.mix if k not in KINDS]):
+        parser.error(f"--mix: unknown {args.mix} (known: {', '.join(KINDS)})")
+    if args.mix != ["plain"] and args.mode != "fakes":
+        parser.error("--mix: reasoning and tool calls at the fake engines only (fakes)")
+    if "plain" in args.mix and len(args.mix) > 1 and args.engines < 4:
+        parser.error("--mix: plain and parsed chats need --engines 4 or more (two of each)")
+    parsed_only = args.mode == "fakes" and "plain" not in args.mix
+    args.model = (
+        MODEL_NAME if args.mode != "fakes" else THINKER_MODEL if parsed_only else FAKE_MODEL
+    )
     args.routers = [r for r in args.routers.split(",") if r]
     if unknown := [r for r in args.routers if r not in ROUTERS]:
         parser.error(f"--routers: unknown {unknown} (known: {', '.join(ROUTERS)})")
