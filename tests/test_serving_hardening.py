@@ -421,3 +421,35 @@ async def test_idle_engine_connections_closed_by_the_engine_are_swept() -> None:
         await trio.testing.wait_all_tasks_blocked()
         assert pool.sweep() == 1 and pool.idle_count() == 0
     pool.close()
+
+
+async def test_an_ejected_engine_that_was_down_is_readmitted_when_it_is_back() -> None:
+    """Its answers broke off (it was dying: another engine answered them), so it is ejected
+    for `proxy.ejection_s`, and probed at once: that probe fails (it is down); once a probe
+    passes (restarted) it is routable again, not after its hold. Ejected the same way but
+    never down (its probe passes), it stays out for its hold."""
+    dying, other = FakeEngine(name="dying", break_whole_replies=True), FakeEngine(name="ok")
+    proxy = {"eject_after_failures": 2, "ejection_s": 600.0, "max_ejected_percent": 100}
+    probe = {"backoff_max_s": 0.2, "timeout_s": 0.3}
+    with trio.fail_after(LIMIT):
+        async with open_router([dying, other], proxy=proxy, probe=probe) as router:
+            name = router.engine_urls[0].removeprefix("http://")
+
+            def state() -> str:
+                return next(e.state.value for e in router.table if e.name == name)
+
+            dying.hang_models = True  # down from now on: its probes get no answer
+            while state() == "routable":  # its answers break off until it is ejected
+                await router.client.post(CHAT, json=chat())
+            await trio.sleep(0.5)  # its probe at the ejection has failed
+            dying.hang_models, dying.break_whole_replies = False, False  # back
+            while state() != "routable":
+                await trio.sleep(0.05)
+            answer = await router.client.post(CHAT, json=chat())
+            assert answer.status_code == 200
+
+            dying.break_whole_replies = True  # ejected again, but its probes pass
+            while state() == "routable":
+                await router.client.post(CHAT, json=chat())
+            await trio.sleep(1.0)
+            assert state() == "unhealthy"

@@ -5,7 +5,10 @@ probes but fails requests (timeouts, broken or malformed answers, 5xx with
 `proxy.eject_on_5xx`) is ejected after `proxy.eject_after_failures` in a row and held out for
 `proxy.ejection_s` times its consecutive ejections, whatever its probes say. Requests never
 eject more than `proxy.max_ejected_percent` of the engines (a connection refused outright
-excepted: that engine is surely down). Probes readmit an engine once its hold is over.
+excepted: that engine is surely down). Probes readmit an engine once its hold is over, or
+as soon as one passes after one failed during the hold: the engine was down (killed,
+restarted: what made its requests fail was its death) and is back, as Envoy's passing active
+health check unejects a host.
 """
 
 from __future__ import annotations
@@ -34,24 +37,36 @@ class Outliers:
         self._ejected: set[str] = set()  # ejected by requests, until a probe readmits them
         self._held: dict[str, float] = {}  # not readmitted before this trio time
         self._ejections: dict[str, int] = {}  # consecutive outlier ejections: the hold factor
+        self._down: set[str] = set()  # held, and a probe failed since: readmitted when back
 
     def configure(self, config: Config) -> None:
         """Apply the outlier-detection settings of a reloaded config (its [proxy])."""
         self._ejection = config.proxy
 
     def hold_left(self, uid: str, now: float) -> float:
-        """Seconds before a probe may readmit `uid` (<= 0: it may now)."""
+        """Seconds before a probe may readmit `uid` (<= 0: it may now; at once when a probe
+        failed during its hold: it was down, and is back)."""
+        if uid in self._down:
+            return -math.inf
         return self._held.get(uid, -math.inf) - now
+
+    def probe_failed(self, uid: str) -> None:
+        """A probe of `uid` failed: if requests hold it out, it was down, not misbehaving, and
+        the next probe that passes readmits it."""
+        if uid in self._held:
+            self._down.add(uid)
 
     def readmitted(self, uid: str) -> None:
         """A probe found `uid` healthy after its hold: it is no longer ejected."""
         self._held.pop(uid, None)
         self._ejected.discard(uid)
+        self._down.discard(uid)
 
     def forget(self, uid: str) -> None:
         """`uid` is no longer supervised."""
         self._held.pop(uid, None)
         self._ejected.discard(uid)
+        self._down.discard(uid)
 
     def report_unreachable(
         self, engine: Engine, generation: int, reason: str, *, refused: bool = True

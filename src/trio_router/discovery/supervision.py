@@ -249,6 +249,7 @@ class Supervisors:
                 delay = config.interval_s
             else:
                 failures += 1
+                self.outliers.probe_failed(engine.uid)
                 eject = (
                     failures >= config.failures_to_eject or error.refused or not current.routable
                 )
