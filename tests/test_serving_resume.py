@@ -361,3 +361,36 @@ def test_an_event_that_is_not_json_is_a_malformed_answer() -> None:
     track = Track("chat", show_ids=False, usage=False)
     with pytest.raises(MalformedResponseError, match="not a JSON object"):
         track(b"data: {not json\n\n", False)
+
+
+async def test_a_continuation_waits_for_an_engine_it_has_not_tried() -> None:
+    """The answer's engine breaks it off while the model's other engine is out of routing:
+    the one routable engine has been tried, so the continuation waits (the waiting room)
+    for another, and carries the answer on there once it is back: the stream is whole, not
+    ended with an error event."""
+    first = FakeEngine(name="first", tokens=12, break_after_events=5, inter_token_s=0.02)
+    other = FakeEngine(name="other", tokens=12)
+    probe = {"interval_s": 0.2, "failures_to_eject": 1, "backoff_max_s": 0.2}
+    with trio.fail_after(LIMIT):
+        async with open_router([first, other], probe=probe) as router:
+            other_name = router.engine_urls[1].removeprefix("http://")
+            other.fail_status = 503  # out of routing: its probes fail
+            while any(e.name == other_name and e.routable for e in router.table):
+                await router.table.wait_changed()
+            answers: list[httpx.Response] = []
+
+            async def ask() -> None:
+                answers.append(await router.client.post(CHAT, json=chat(stream=True)))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(ask)
+                queued = "trio_router_model_queued_requests"
+                # The continuation is waiting: the queue's gauge, read over HTTP, polled.
+                while not await router.metric(queued, model="fake-model", priority="0"):  # noqa: ASYNC110
+                    await trio.sleep(0.05)
+                other.fail_status = None  # back
+            resumed = await resumes(router, "closed", "resumed")
+    (answer,) = answers
+    stream = events(answer.content)
+    assert text_of(stream) == WHOLE and stream[-1] == "[DONE]"
+    assert len(other.requests_to("/v1/completions")) == 1 and resumed == 1

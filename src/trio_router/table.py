@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -348,6 +348,14 @@ class RoutingTable:
             return True
         since = self._unserved_since.get(model)
         return since is not None and _now() - since <= seconds
+
+    def may_come_back(self, model: str, tried: Collection[str]) -> bool:
+        """An engine out of routing now, not among `tried`, that served `model` when last
+        probed or has not been probed yet: one that may soon take a request for it."""
+        return any(
+            not e.routable and e.uid not in tried and (not e.model_ids or model in e.model_ids)
+            for e in self._engines.values()
+        )
 
     def engines_with_unknown_models(self) -> int:
         """Engines Kubernetes lets through whose models are not known: no probe has ever

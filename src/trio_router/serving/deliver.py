@@ -289,7 +289,7 @@ class Deliver:
             return not_resumable(prepared.payload, kind) or "not a stream"
         if track.inert:
             return "the engine sends no token ids"
-        return "no engine carried it on within proxy.resume_attempts"
+        return "no other engine carried it on (none left to try, or proxy.resume_attempts spent)"
 
     def _held(self, response: UpstreamResponse) -> bool:
         """The answer is read whole before it is passed on: `proxy.resume` is on and its

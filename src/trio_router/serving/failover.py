@@ -73,14 +73,16 @@ async def choose(
     unreachable: EngineUnreachableError | None = None,
     *,
     made: int = 0,
-    may_wait: bool = True,
+    waits: str = "room",
 ) -> Choice | Failed:
     """An engine for the request's next attempt (after `made` of them; a prefill step's
     engine is not one), its admission slot held; `Failed` when there is none: every engine
     tried (after `unreachable`, the last that could not be reached: a 502), or the queue full
     or its wait over (a fallback model may take the request). With no routable engine left
-    for the model, it waits for one (the waiting room) when `may_wait` and no fallback model
-    has one."""
+    for the model, it waits for one (the waiting room) when `waits` ("room"; "untried": an
+    answer begun, also while every routable engine has been tried and another may come
+    back; "": never) and no fallback
+    model has one."""
     services, model, policy = rt.services, prepared.model, route.policy
     if route.among is not None:  # the engines the step may not go to count as tried
         routable = services.table.routable(model)
@@ -104,7 +106,8 @@ async def choose(
             pick,
             tried=tried,
             urgency=prepared.urgency,
-            may_wait=may_wait and next_model(services.table, prepared, prepared.index) is None,
+            may_wait=bool(waits) and next_model(services.table, prepared, prepared.index) is None,
+            carrying_on=waits == "untried",
         )
     except NoEngineError as exc:
         if unreachable is None:
@@ -181,8 +184,9 @@ async def try_engines(
         if first is not None:
             choice, first = first, None
         else:
+            waits = "room" if broken is None else "untried" if broken.cut else ""
             chosen = await choose(
-                current, rt, route, tried, unreachable, made=trail.attempts, may_wait=broken is None
+                current, rt, route, tried, unreachable, made=trail.attempts, waits=waits
             )
             if isinstance(chosen, Failed):
                 return await _none_left(chosen, refused, broken, take, rt, prepared), trail

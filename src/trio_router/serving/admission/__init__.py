@@ -106,12 +106,16 @@ class Admission:
         tried: Collection[str] = (),
         urgency: Urgency = ANYTIME,
         may_wait: bool = True,
+        carrying_on: bool = False,
     ) -> Engine:
         """An engine for a request, with a slot held on it for the caller (give it back with
         `release`). When every engine for `model` not in `tried` is saturated, wait in the
         queue; when no engine for it is routable at all (`tried` or not), with the waiting
         room on and `may_wait`, wait there for one (the engines tried are gone: any that
-        comes back may take it). Raises NoEngineError when every routable engine for it has
+        comes back may take it); `carrying_on` (an answer begun, to be carried on), wait
+        there too while every routable engine has been tried and one that has not is out of
+        routing for now (ejected, failing its probes, not probed yet). Raises
+        NoEngineError when every routable engine for it has
         been tried (failover is over) and the request may not wait, RateLimitedError (429
         `queue_full`, or `shed`) when the queue is full or the request's band is sheddable,
         DeadlineError when its deadline passes first, after `admission.queue_timeout_s`
@@ -122,7 +126,8 @@ class Admission:
         if trio.current_time() >= urgency.deadline - first_token:
             raise self._ordering.late(tenant, model, "before it could be routed", first_token)
         if self._ordering.first_in_line(model, urgency.priority):  # no one to overtake
-            engine = self._take_now(model, pick, tried, urgency.priority, may_wait)
+            waits = "untried" if carrying_on and may_wait else "room" if may_wait else ""
+            engine = self._take_now(model, pick, tried, urgency.priority, waits)
             if engine is not None:
                 return engine
         if not self._table.routable(model):  # the waiting room: whatever comes may take it
@@ -137,19 +142,22 @@ class Admission:
                 self.release(waiter.engine, waiter.priority)
 
     def _take_now(
-        self, model: str, pick: Pick, tried: Collection[str], priority: int, may_wait: bool
+        self, model: str, pick: Pick, tried: Collection[str], priority: int, waits: str
     ) -> Engine | None:
         """An engine for `model` that may take a request of band `priority` now, its slot
         taken, or None (all saturated, or only reserved slots left for a lower band): the
         request waits. NoEngineError when every routable engine for it has been tried, or
-        none is routable and the request may not wait for one."""
+        none is routable and the request may not wait for one (`waits`: "" never, "room"
+        when none is routable, "untried" also while every routable one has been tried)."""
         try:
             engine = pick(self._saturation.excluded(tried, priority))
         except NoEngineError:
             routable = self._table.routable(model)
-            if not routable and self._room and may_wait:
+            if not routable and self._room and waits:
                 return None  # the waiting room (`resolve` let only a known model through)
             if all(e.uid in tried for e in routable):
+                if self._room and waits == "untried" and self._table.may_come_back(model, tried):
+                    return None  # for an engine not tried yet, out of routing for now
                 raise
             return None
         self._saturation.take(engine, priority)
