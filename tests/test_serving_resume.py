@@ -394,3 +394,20 @@ async def test_a_continuation_waits_for_an_engine_it_has_not_tried() -> None:
     stream = events(answer.content)
     assert text_of(stream) == WHOLE and stream[-1] == "[DONE]"
     assert len(other.requests_to("/v1/completions")) == 1 and resumed == 1
+
+
+async def test_an_engine_answering_that_it_shuts_down_leaves_the_request_to_another() -> None:
+    """vLLM draining on SIGTERM (`--shutdown-timeout`) answers a new request 500 "cannot
+    schedule new futures after shutdown": another engine answers it (a 500 of the request's
+    own making still passes as it is)."""
+    going = FakeEngine(name="going", inference_fail_status=500)
+    other = FakeEngine(name="other")
+    with trio.fail_after(LIMIT):
+        async with open_router([going, other], routing={"policy": "round_robin"}) as router:
+            plain = [await router.client.post(CHAT, json=chat()) for _ in range(2)]
+            going.fail_message = "cannot schedule new futures after shutdown"
+            answers = [await router.client.post(CHAT, json=chat()) for _ in range(2)]
+            retried = await resumes(router, "error_500", "retried", "whole")
+    assert sorted(a.status_code for a in plain) == [200, 500]
+    assert [a.status_code for a in answers] == [200, 200]
+    assert retried == len(going.requests_to(CHAT)) - 1 >= 1  # all but its first

@@ -45,7 +45,7 @@ from .errors import (
 )
 from .prepared import Prepared
 from .record import ExchangeRecord
-from .resume import StreamAbortedError
+from .resume import EngineErrorAnswerError, StreamAbortedError
 from .runtime import Runtime
 from .stored import new_response_id, with_request_id
 
@@ -329,6 +329,8 @@ def broke_reason(exc: TransportError) -> str:
     a failure that is not the engine's: the router's own limits, a request it cannot send)."""
     if isinstance(exc, StreamAbortedError):
         return "abort"
+    if isinstance(exc, EngineErrorAnswerError):
+        return "error_500"
     if isinstance(exc, EngineStalledError):
         return "stall"
     if isinstance(exc, EngineTimeoutError):

@@ -7,7 +7,9 @@ it), then the end; the usage summary at its end is counted. With `proxy.resume` 
 
 - an answer of a known length (a whole answer, not a stream) up to MAX_HELD_ANSWER_BYTES is
   read whole before its head goes out, so an engine failing in its middle leaves nothing at
-  the client and another engine may answer instead (`failover.try_engines`);
+  the client and another engine may answer instead (`failover.try_engines`); so may one
+  when the engine answered 500 as vLLM does while it shuts down or once its engine core has
+  died (`_GOING`);
 - a stream a continuation can carry on (`resume.resumable`) is followed event by event
   (`resume.Track`); when its engine fails before its end, the answer stays open and
   `continuation()` gives the request that carries it on at another engine, whose events this
@@ -37,6 +39,7 @@ from .prepared import Prepared
 from .record import ExchangeRecord
 from .resume import (
     RESUMABLE_PATHS,
+    EngineErrorAnswerError,
     StreamAbortedError,
     Track,
     continuation,
@@ -52,6 +55,13 @@ __all__ = ["MAX_HELD_ANSWER_BYTES", "Deliver"]
 logger = logging.getLogger(__name__)
 
 MAX_HELD_ANSWER_BYTES: Final = 16 * 1024 * 1024  # a whole answer held before it is passed on
+# What vLLM's 500 answer says when the engine, not the request, is at fault: its API server
+# shutting down (a new request during --shutdown-timeout's drain), or its engine core dead.
+_GOING: Final = (
+    b"cannot schedule new futures after shutdown",
+    b"EngineCore encountered an issue",
+    b"EngineDeadError",
+)
 
 
 class Deliver:
@@ -102,6 +112,10 @@ class Deliver:
         head = client_head(response.headers, choice, self._prepared, sized=echo is None)
         what = f"engine {choice.engine.name}"
         body = await read_whole(response, MAX_HELD_ANSWER_BYTES, what)
+        if response.status == 500 and any(sign in body for sign in _GOING):
+            # The engine is shutting down or its core died, and nothing reached the client:
+            # another engine may answer.
+            raise EngineErrorAnswerError(f"{what} answered 500: {body[:300]!r}")
         if echo is not None:
             body = echo.feed(body, final=True)
         self._begin(response.status)

@@ -71,6 +71,7 @@ class FakeEngine:
     tokens: int = 8  # tokens per completion, capped by the request's max_tokens
     fail_status: int | None = None  # answer every request (probes too) with this status
     inference_fail_status: int | None = None  # answer only the POST endpoints with this status
+    fail_message: str = ""  # ... with this error message ("": "<name> refuses")
     hang_models: bool = False  # GET /v1/models never answers
     abort_after_first_event: bool = False  # streams break off (connection closed) after 1 event
     break_after_events: int | None = None  # streams break off (connection closed) after N events

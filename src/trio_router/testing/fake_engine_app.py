@@ -183,7 +183,7 @@ class FakeEngineApp:
                 reply = stored_response(engine, stored.group(1), cancel=cancel)
         elif path in _AUDIO and method == "POST":
             if (status := engine.inference_fail_status) is not None:
-                reply = Reply(status, error_body(status, f"{engine.name} refuses"))
+                reply = Reply(status, error_body(status, _refusal_message(engine)))
             else:
                 reply = self._audio(scope, body, translate=_AUDIO[path])
         else:
@@ -306,7 +306,7 @@ class FakeEngineApp:
         if method != "POST":
             return Reply(405, {"detail": "Method Not Allowed"})
         if (status := engine.inference_fail_status) is not None:
-            return Reply(status, error_body(status, f"{engine.name} refuses"))
+            return Reply(status, error_body(status, _refusal_message(engine)))
         try:
             request = json.loads(body)
             if not isinstance(request, dict):
@@ -467,3 +467,8 @@ async def open_fake_engines(
         ]
         yield urls
         nursery.cancel_scope.cancel(reason="fake engines closed")
+
+
+def _refusal_message(engine: FakeEngine) -> str:
+    """What an engine told to fail its inference requests says."""
+    return engine.fail_message or f"{engine.name} refuses"

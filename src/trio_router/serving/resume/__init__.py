@@ -40,13 +40,14 @@ from .request import (
     token_limit,
     with_token_ids,
 )
-from .track import MAX_EVENT_BYTES, StreamAbortedError, Track
+from .track import MAX_EVENT_BYTES, EngineErrorAnswerError, StreamAbortedError, Track
 
 __all__ = [
     "MAX_EVENT_BYTES",
     "RENDER_PATH",
     "RESUMABLE_PATHS",
     "RESUME_READS",
+    "EngineErrorAnswerError",
     "StreamAbortedError",
     "Track",
     "continuation",

@@ -14,7 +14,13 @@ import msgspec
 
 from ...http import EngineBrokeOffError, MalformedResponseError
 
-__all__ = ["MAX_EVENT_BYTES", "StreamAbortedError", "Track", "decoded_ids"]
+__all__ = [
+    "MAX_EVENT_BYTES",
+    "EngineErrorAnswerError",
+    "StreamAbortedError",
+    "Track",
+    "decoded_ids",
+]
 
 _TOKEN_IDS: Final = b'"token_ids":['
 _PROMPT_IDS: Final = b'"prompt_token_ids":['
@@ -36,6 +42,11 @@ MAX_EVENT_BYTES: Final = 1 << 20  # one event of a followed stream, held until i
 class StreamAbortedError(EngineBrokeOffError):
     """The engine ended a stream itself before its answer was complete (`finish_reason:
     "abort"`, or an error event): what vLLM does to its running requests on SIGTERM."""
+
+
+class EngineErrorAnswerError(EngineBrokeOffError):
+    """The engine answered 500 (a whole answer, held: nothing reached the client): what vLLM
+    answers while it shuts down or when its engine core has died."""
 
 
 def decoded_ids(raw: bytes) -> list[int]:
