@@ -444,7 +444,7 @@ async def test_an_ejected_engine_that_was_down_is_readmitted_when_it_is_back() -
             await trio.sleep(0.5)  # its probe at the ejection has failed
             dying.hang_models, dying.break_whole_replies = False, False  # back
             while state() != "routable":
-                await trio.sleep(0.05)
+                await router.table.wait_changed()
             answer = await router.client.post(CHAT, json=chat())
             assert answer.status_code == 200
 
