@@ -11,7 +11,8 @@ it), then the end; the usage summary at its end is counted. With `proxy.resume` 
 - a stream a continuation can carry on (`resume.resumable`) is followed event by event
   (`resume.Track`); when its engine fails before its end, the answer stays open and
   `continuation()` gives the request that carries it on at another engine, whose events this
-  take then writes into the same answer;
+  take then writes into the same answer; an engine going away hands such a stream over at
+  once, and the client's pause is timed (`handover.Handover`);
 - a stream that cannot be carried on ends with an error event in its API's shape and a clean
   end (`give_up`), never a silent cut a client could take for a finished answer.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from contextlib import nullcontext
 from functools import partial
 from typing import Final
 
@@ -31,6 +33,7 @@ from ..table import Engine
 from .answer import Answer, Rewrite
 from .attempt import Choice, Failed, client_head, usage_of
 from .errors import error_body, from_transport
+from .handover import Handover
 from .names import ModelEcho
 from .prepared import Prepared
 from .record import ExchangeRecord
@@ -40,6 +43,7 @@ from .runtime import Runtime
 __all__ = ["MAX_HELD_ANSWER_BYTES", "Deliver"]
 
 MAX_HELD_ANSWER_BYTES: Final = 16 * 1024 * 1024  # a whole answer held before it is passed on
+_NOT_FOLLOWED: Final = nullcontext()  # the handover of a stream that is not followed
 
 
 class Deliver:
@@ -51,6 +55,7 @@ class Deliver:
     __slots__ = (
         "_answer",
         "_echo",
+        "_handover",
         "_open",
         "_prepared",
         "_record",
@@ -66,6 +71,7 @@ class Deliver:
         self._answer, self._record, self._rt, self._prepared = answer, record, rt, prepared
         self._echo = rt.names.echo(record.model, prepared.model)  # an alias's, back
         self._track: Track | None = None  # the stream followed for a continuation
+        self._handover: Handover | None = None  # ... and its handover to another engine
         self._open = False  # the answer has begun and not ended
         self.committed = False  # bytes of this attempt's answer reached the client
         self.first_byte: float | None = None  # when the answer's first bytes passed on
@@ -132,9 +138,11 @@ class Deliver:
                 f"engine {engine.name} answered the continuation with {response.status}"
             )
         assert self._track is not None and self._rt.resume is not None
-        response.stall_s = self._rt.resume.stall_s
+        assert self._handover is not None
+        response.stall = self._rt.resume.stall
         self.committed = True
-        return await self._pass(response, engine, _chained(self._track, echo), None)
+        on_first = self._handover.carrying_on()
+        return await self._pass(response, engine, _chained(self._track, echo), on_first)
 
     async def _pass(
         self,
@@ -145,10 +153,11 @@ class Deliver:
     ) -> bytes:
         """The body relayed into the answer, and the answer ended; a failure raised with
         the answer left open when it can be carried on, else ended as well as it can be."""
-        track = self._track
+        track, handover = self._track, self._handover
         tail = b""  # what the relay read last: a usage summary is there (none when it broke)
         try:
-            tail = await self._answer.relay(response, rewrite=rewrite, on_first=on_first)
+            with _NOT_FOLLOWED if handover is None else handover.passing(engine, response):
+                tail = await self._answer.relay(response, rewrite=rewrite, on_first=on_first)
             if (
                 track is not None
                 and not track.inert
@@ -191,7 +200,8 @@ class Deliver:
         usage = isinstance(options, dict) and options.get("include_usage") is True
         show = prepared.payload.get("return_token_ids") is True
         self._track = Track(kind, show_ids=show, usage=usage)
-        response.stall_s = resume.stall_s
+        self._handover = Handover(self._rt, prepared.model, self.continuation_possible)
+        response.stall = resume.stall
         return self._track
 
     def continuation_possible(self) -> bool:

@@ -77,6 +77,7 @@ class FakeEngine:
     break_inside_event: int | None = None  # streams break off halfway through event N
     token_ids: bool = True  # honours "return_token_ids" (False: an engine that ignores it)
     stall_after_events: int | None = None  # streams fall silent after N events (open)
+    pauses: dict[int, float] = field(default_factory=dict)  # event N of a stream: S s later
     # Streams end after N events as vLLM ends its running requests on SIGTERM: a chunk with
     # finish_reason "abort", the usage if asked for, and [DONE].
     abort_streams_after: int | None = None
