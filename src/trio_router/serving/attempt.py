@@ -25,6 +25,7 @@ from ..errors import RequestError
 from ..http import (
     ClientGoneError,
     EngineBrokeOffError,
+    EngineLeavingError,
     EngineStalledError,
     EngineTimeoutError,
     EngineUnreachableError,
@@ -329,6 +330,8 @@ def broke_reason(exc: TransportError) -> str:
     a failure that is not the engine's: the router's own limits, a request it cannot send)."""
     if isinstance(exc, StreamAbortedError):
         return "abort"
+    if isinstance(exc, EngineLeavingError):
+        return "leaving"
     if isinstance(exc, EngineStalledError):
         return "stall"
     if isinstance(exc, EngineTimeoutError):
