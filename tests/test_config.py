@@ -121,6 +121,8 @@ def test_int_accepted_for_float_durations(tmp_path: Path) -> None:
         ("[discovery.static]\nurls = ['http://10.0.0.1:99999']\n", "bad port"),
         ("[discovery.kubernetes]\nport = 0\n", "discovery.kubernetes.port must be 1..65535"),
         ("[probe\n", "invalid TOML"),
+        ("[proxy]\nstall_floor_s = 0\n", "proxy.stall_floor_s must be > 0, got 0"),
+        ("[proxy]\nstall_factor = 0.5\n", "proxy.stall_factor must be >= 1"),
     ],
 )
 def test_bad_config_names_key_and_file(tmp_path: Path, text: str, message: str) -> None:

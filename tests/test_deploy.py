@@ -509,6 +509,43 @@ def test_grace_period_covers_prestop_and_drain(objs: dict[str, dict[str, Any]]) 
     assert spec["terminationGracePeriodSeconds"] >= drain + pause + EXIT_MARGIN_S
 
 
+ENGINE_EXIT_MARGIN_S = 10.0  # a vLLM engine's own exit after its drain (freeing the GPU)
+
+
+def engine_deployments() -> list[tuple[str, dict[str, Any]]]:
+    """Every vLLM engine Deployment of the examples, with the file it is in."""
+    found = []
+    for path in sorted((MANIFEST_DIR / "examples").rglob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text(encoding="utf-8")):
+            if not doc or doc.get("kind") != "Deployment":
+                continue
+            containers = doc["spec"]["template"]["spec"]["containers"]
+            if any("vllm" in c["image"] for c in containers):
+                found.append((f"{path.relative_to(MANIFEST_DIR)}:{doc['metadata']['name']}", doc))
+    return found
+
+
+def test_engine_pods_stop_after_their_streams_are_handed_over_and_drained() -> None:
+    """Every engine Deployment of the examples stops cleanly (docs/operations.md, "Engine
+    rollouts and graceful termination"): a preStop sleep, so the routers see the pod
+    terminating and hand its streams over before vLLM hears of it; vLLM's
+    --shutdown-timeout, so what cannot be handed over finishes; and a grace period longer
+    than both together, with room for the engine's own exit."""
+    engines = engine_deployments()
+    assert len(engines) >= 3  # autoscaling/engine, the disaggregated prefill and decode
+    for where, doc in engines:
+        spec = doc["spec"]["template"]["spec"]
+        (container,) = [c for c in spec["containers"] if "vllm" in c["image"]]
+        pause = prestop_sleep_s(container)
+        timeouts = [a for a in container["args"] if a.startswith("--shutdown-timeout=")]
+        assert len(timeouts) == 1, f"{where}: no --shutdown-timeout=N"
+        drain = float(timeouts[0].partition("=")[2])
+        assert pause > 0 and drain > 0, where
+        grace = spec["terminationGracePeriodSeconds"]
+        assert grace > pause + drain, where
+        assert grace >= pause + drain + ENGINE_EXIT_MARGIN_S, where
+
+
 def test_labels_and_selectors_agree(objs: dict[str, dict[str, Any]]) -> None:
     deployment = objs["Deployment"]
     pod_labels = deployment["spec"]["template"]["metadata"]["labels"]

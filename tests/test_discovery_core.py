@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import threading
+from dataclasses import dataclass, field
 
 import pytest
 import trio
@@ -102,6 +103,58 @@ async def test_terminating_means_gone_for_routing(autojump_clock: trio.testing.M
         probes = core.engines.probes["127.0.1.1"]
         await trio.sleep(60)
         assert core.engines.probes["127.0.1.1"] == probes  # no probing a terminating pod
+
+
+@dataclass(eq=False)
+class Heard:
+    """A stream registered at an engine (`Engine.streams`): what it was told, and whether
+    its engine was out of routing by then."""
+
+    table: RoutingTable
+    told: list[tuple[str, str, bool]] = field(default_factory=list)
+
+    def engine_leaving(self, engine: Engine, why: str) -> None:
+        self.told.append((engine.name, why, engine not in self.table.routable("m")))
+
+
+async def test_streams_hear_at_once_that_their_engine_is_going_away(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The streams in flight at an engine are told in the same step that takes it out of
+    routing, when its pod is going away: terminating, deleted, missing from a LIST, its
+    containers ended. Not Ready, phase Unknown, a port no longer served or the pods' source
+    gone take the engine out of routing but tell its streams nothing."""
+    async with open_core() as core:
+        for n in range(1, 6):
+            core.reconciler.apply(added(make_pod(n)))
+        await core.wait_until("routable", *(f"uid-{n}" for n in range(1, 6)))
+        heard = Heard(core.table)
+        for engine in core.table:
+            engine.streams.add(heard)
+        core.reconciler.apply(modified(make_pod(1, ready=False)))
+        core.reconciler.apply(modified(make_pod(2, phase="Unknown")))
+        assert heard.told == []
+        core.reconciler.apply(modified(make_pod(1, ready=False, terminating=True)))
+        core.reconciler.apply(deleted(make_pod(1)))  # told again: a stream may go now
+        core.reconciler.apply(deleted(make_pod(3)))
+        core.reconciler.apply(modified(make_pod(4, phase="Failed")))
+        assert heard.told == [
+            ("engine-1", "terminating", True),
+            ("engine-1", "deleted", True),
+            ("engine-3", "deleted", True),
+            ("engine-4", "phase Failed", True),
+        ]
+        heard.told.clear()
+        core.reconciler.replace([make_pod(2), make_pod(4, phase="Failed")])  # 5 is gone
+        assert heard.told == [
+            ("engine-5", "missing from LIST", True),
+            ("engine-4", "phase Failed", True),  # each event about it tells again
+        ]
+        heard.told.clear()
+        core.reconciler.apply(added(make_pod(6)))
+        core.reconciler.clear("the InferencePool is gone")
+        core.reconciler.set_ports([9000])
+        assert heard.told == []
 
 
 @pytest.mark.parametrize(

@@ -24,7 +24,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trio_router import server
-from trio_router.http import ClientGoneError, EngineTimeoutError, UpstreamPool, open_relay
+from trio_router.http import (
+    ClientGoneError,
+    EngineLeavingError,
+    EngineStalledError,
+    EngineTimeoutError,
+    Stall,
+    UpstreamPool,
+    open_relay,
+)
 from trio_router.http.codec import ResponseParser
 from trio_router.http.relay import CHECK_S, PAUSE_S
 from trio_router.table import RoutingTable
@@ -156,20 +164,31 @@ def test_framed_relay_rejects_broken_framing() -> None:
 # -- the Relay on virtual time ------------------------------------------------------------------
 class EngineScript:
     """A fake engine answering every POST with a chunked stream: `chunks` (one per write,
-    `gap` seconds apart), then the last chunk unless `hang`."""
+    the first `first_after` seconds after the head, then `gap` seconds apart, or `gaps[i]`
+    after chunk i), then the last chunk unless `hang`."""
 
-    def __init__(self, chunks: Sequence[bytes], *, gap: float = 0.0, hang: bool = False) -> None:
-        self.chunks, self.gap, self.hang = list(chunks), gap, hang
+    def __init__(
+        self,
+        chunks: Sequence[bytes],
+        *,
+        gap: float = 0.0,
+        hang: bool = False,
+        gaps: Sequence[float] = (),
+        first_after: float = 0.0,
+    ) -> None:
+        self.chunks, self.gap, self.hang, self.gaps = list(chunks), gap, hang, list(gaps)
+        self.first_after = first_after
         self.sent = 0  # chunks the engine has written
 
     async def __call__(self, request: FakeRequest) -> FakeReply:
         return FakeReply(200, self._body(), [("content-type", "text/event-stream")])
 
     async def _body(self) -> AsyncIterator[bytes]:
-        for chunk in self.chunks:
+        await trio.sleep(self.first_after)
+        for i, chunk in enumerate(self.chunks):
             yield chunk
             self.sent += 1
-            await trio.sleep(self.gap)
+            await trio.sleep(self.gaps[i] if i < len(self.gaps) else self.gap)
         if self.hang:
             await trio.sleep_forever()
 
@@ -213,7 +232,7 @@ class Client:
 
 @asynccontextmanager
 async def relayed_exchange(
-    script: EngineScript, *, read_timeout: float = 600.0
+    script: EngineScript, *, read_timeout: float = 600.0, stall: Stall | None = None
 ) -> AsyncIterator[tuple[Any, Any, FakeNetwork]]:
     network = FakeNetwork(script)
     async with network.open(), open_relay() as relay:
@@ -222,6 +241,7 @@ async def relayed_exchange(
             "http://10.0.0.1:8000", b"POST", b"/v1/completions", [], b"{}"
         ) as response:
             assert response.relayable
+            response.stall = stall
             yield relay, response, network
         pool.close()
 
@@ -391,6 +411,126 @@ async def test_relay_stops_when_the_client_resets(autojump_clock: trio.testing.M
         with pytest.raises(ClientGoneError):
             await relay.relay(response, client)
     client.ours.close()
+
+
+# -- stalls at the stream's own pace, and streams broken off -----------------------------------
+STALL: Final = Stall(ceiling_s=30.0, floor_s=2.0, factor=4.0)
+
+
+async def read_stream(how: str, response: Any, relay: Any, client: Client) -> None:
+    """The rest of `response`'s body, through the relay or by iterating it (the pool's own
+    path)."""
+    if how == "relay":
+        await relay.relay(response, client)
+    else:
+        async for _ in response:
+            pass
+
+
+@pytest.mark.parametrize("how", ["relay", "iterate"])
+async def test_a_silent_engine_is_left_at_the_stream_pace_not_the_stall_timeout(
+    autojump_clock: trio.testing.MockClock, how: str
+) -> None:
+    """A stream whose events came 0.1 s apart, its engine silent from then on: stalled at
+    the floor (2 s), not at the ceiling (30 s, the fixed bound of old). Its first event came
+    after 5 s: the time to first token is not judged by the stall bound."""
+    events = [b"data: %d\n\n" % i for i in range(10)]
+    client = Client.make()
+    script = EngineScript(events, gap=0.1, hang=True, first_after=5.0)
+    async with relayed_exchange(script, stall=STALL) as (relay, response, _):
+        start = trio.current_time()
+        with pytest.raises(EngineStalledError, match=r"silent for 2 s .* largest gap so far"):
+            await read_stream(how, response, relay, client)
+        silent_since = start + 5.0 + 0.1 * 9
+        assert 2.0 - 1e-6 <= trio.current_time() - silent_since <= 2.0 + CHECK_S + 0.01
+        assert response.received_at == pytest.approx(silent_since)
+    client.close()
+
+
+@pytest.mark.parametrize("how", ["relay", "iterate"])
+async def test_a_stream_that_paused_long_before_may_pause_as_long_again(
+    autojump_clock: trio.testing.MockClock, how: str
+) -> None:
+    """Gaps of 0.1 s, one of 1.5 s (under the floor), then one of 5 s (past the floor, under
+    4 x 1.5 s): the stream goes on. Silent after that, it is left at 4 x 5 s = 20 s."""
+    events = [b"data: %d\n\n" % i for i in range(12)]
+    gaps = [0.1, 0.1, 0.1, 1.5, 0.1, 0.1, 5.0, 0.1, 0.1, 0.1, 0.1]
+    client = Client.make()
+    script = EngineScript(events, gaps=gaps, hang=True)
+    async with relayed_exchange(script, stall=STALL) as (relay, response, _):
+        start = trio.current_time()
+        with pytest.raises(EngineStalledError, match="silent for 20 s"):
+            await read_stream(how, response, relay, client)
+        assert script.sent == len(events)  # every event was read before the stall
+        silent_since = start + sum(gaps)
+        assert 20.0 - 1e-6 <= trio.current_time() - silent_since <= 20.0 + CHECK_S + 0.01
+    client.close()
+
+
+@pytest.mark.parametrize("how", ["relay", "iterate"])
+async def test_a_stream_broken_off_ends_at_once_with_the_error_given(
+    autojump_clock: trio.testing.MockClock, how: str
+) -> None:
+    """The engine is going away: `break_off` ends the stream's reading at once (its engine
+    still streaming, or silent), with the error given, the client's bytes at a clean point."""
+    events = [b"data: %d\n\n" % i for i in range(1000)]
+    client = Client.make()
+    script = EngineScript(events, gap=0.1)
+    async with (
+        relayed_exchange(script, stall=STALL) as (relay, response, _),
+        trio.open_nursery() as nursery,
+    ):
+        error = EngineLeavingError("engine 10.0.0.1 is going away")
+
+        async def leave() -> None:
+            await trio.sleep(1.05)
+            response.break_off(error)
+            response.break_off(EngineLeavingError("again"))  # the first error holds
+
+        nursery.start_soon(leave)
+        with pytest.raises(EngineLeavingError) as caught:
+            await read_stream(how, response, relay, client)
+        assert caught.value is error and trio.current_time() == pytest.approx(1.05)
+        assert len(relay) == 0
+    assert script.sent < 20
+    if how == "relay":
+        body = decode_chunked(client.drain() + b"0\r\n\r\n")
+        assert body == b"".join(events[: body.count(b"\n\n")])
+    client.close()
+
+
+async def test_a_stream_broken_off_while_its_client_is_slow_ends_once_the_write_is_taken(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The client's socket has not taken a write when the stream is broken off: the error
+    comes once it has, so the client's bytes end at a clean point (whole chunks), and
+    nothing more is read from the engine meanwhile."""
+    events = [bytes([65 + i % 26]) * 16384 for i in range(2000)]
+    script = EngineScript(events)
+    client = Client.make()
+    async with relayed_exchange(script) as (relay, response, _), trio.open_nursery() as nursery:
+        failed: list[BaseException] = []
+
+        async def run() -> None:
+            try:
+                await relay.relay(response, client)
+            except EngineLeavingError as exc:
+                failed.append(exc)
+
+        nursery.start_soon(run)
+        await trio.sleep(10)
+        (stream,) = relay._streams
+        assert stream._pending  # a write waits for the client
+        sent = script.sent
+        response.break_off(EngineLeavingError("going away"))
+        await trio.sleep(10)
+        assert failed == [] and script.sent == sent  # the write still waits; the engine too
+        while not failed:
+            await trio.lowlevel.wait_readable(client.theirs)
+            client.receive()
+    body = decode_chunked(client.drain() + b"0\r\n\r\n")
+    assert 0 < len(body) < len(b"".join(events)) and body == b"".join(events)[: len(body)]
+    client.close()
 
 
 # -- many streams at once, on the real clock ----------------------------------------------------

@@ -51,6 +51,9 @@ CHAT: Final = "/v1/chat/completions"
 # Tokens of an answer long enough to be still running seconds later: near the context (2,048),
 # since the tiny model writes 250-600 tokens a second.
 LONG: Final = 1900
+# On 2 shared cores a streaming engine can be starved for seconds (gaps of 1.5-3.9 s seen): a
+# stall floor above that, so that only a failed engine's stream is carried on elsewhere.
+TIER_PROXY: Final = {"stall_floor_s": 10.0}
 
 
 def messages(text: str = "say a few words") -> list[dict[str, str]]:
@@ -82,6 +85,7 @@ async def open_router(config: Config, engines: int) -> AsyncIterator[tuple[str, 
 
 
 def static(engines: Sequence[EngineProcess], **sections: Any) -> Config:
+    sections["proxy"] = {**TIER_PROXY, **sections.get("proxy", {})}
     return router_config([e.url for e in engines], **sections)
 
 
@@ -186,7 +190,7 @@ async def test_kubernetes_discovery_probes_real_engines_and_lists_their_cards(
     port = real_engines[0].spec.port
     for i, engine in enumerate(real_engines):
         apiserver.add_pod(f"vllm-{i}", ip=engine.spec.host)
-    config = kubernetes_config(apiserver.namespace, str(kubeconfig), port)
+    config = kubernetes_config(apiserver.namespace, str(kubeconfig), port, proxy=TIER_PROXY)
     with trio.fail_after(LIMIT):
         async with (
             open_router(config, len(real_engines)) as (url, _),
@@ -671,7 +675,7 @@ async def test_a_pod_deleted_during_a_stream_finishes_it_while_new_requests_go_e
     names = {f"vllm-{i}": engine for i, engine in enumerate(real_engines)}
     for name, engine in names.items():
         apiserver.add_pod(name, ip=engine.spec.host)
-    config = kubernetes_config(apiserver.namespace, str(kubeconfig), port)
+    config = kubernetes_config(apiserver.namespace, str(kubeconfig), port, proxy=TIER_PROXY)
     body = long_stream(stream_options={"include_usage": True})
     with trio.fail_after(LIMIT):
         async with (
@@ -859,6 +863,7 @@ async def test_a_deleted_pod_leaves_the_kv_index(
         port,
         routing=RoutingConfig(policy="kv_aware", kv_block_size=32),
         kv_events=KvEventsConfig(**sections["kv_events"]),
+        proxy=TIER_PROXY,
     )
     table = RoutingTable()
     with trio.fail_after(LIMIT):

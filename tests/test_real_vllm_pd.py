@@ -22,6 +22,7 @@ from trio_router.config import (
     DisaggregationConfig,
     DiscoveryConfig,
     ProbeConfig,
+    ProxyConfig,
     RoutingConfig,
     ServerConfig,
     StaticConfig,
@@ -116,6 +117,7 @@ async def test_a_streamed_request_is_prefilled_on_one_engine_and_decoded_from_it
         stats=StatsConfig(interval_s=0.0),
         routing=RoutingConfig(policy="round_robin"),
         disaggregation=DisaggregationConfig(enabled=True),
+        proxy=ProxyConfig(stall_floor_s=10.0),  # 2 shared cores: seconds-long gaps
     )
     table = RoutingTable()
     with trio.fail_after(LIMIT):

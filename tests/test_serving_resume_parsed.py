@@ -117,8 +117,11 @@ async def test_a_reasoning_stream_is_carried_on_by_the_engines_parsers(cut_after
         async with open_router([first, other]) as router:
             answer = await router.client.post(CHAT, json=body)
             resumed = await resumes(router, "closed", "resumed", "reasoning")
+            paused = await router.metric(
+                "trio_router_stream_handover_seconds_count", model="fake-model", reason="closed"
+            )
     stream = events(answer.content)
-    assert answer.status_code == 200
+    assert answer.status_code == 200 and paused == 1  # the client's pause, timed
     once(stream)
     assert texts(stream) == texts(whole)
     assert texts(stream) == ("".join(REPLY_WORDS[:8]), "".join(REPLY_WORDS[9:15]))

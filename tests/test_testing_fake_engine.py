@@ -423,6 +423,17 @@ async def test_stream_timing_follows_ttft_and_inter_token(
     assert engine.requests[0].client == ("1.2.3.4", 5)
 
 
+async def test_a_pause_comes_before_its_event(autojump_clock: trio.testing.MockClock) -> None:
+    """`pauses`: event N of a stream comes that many seconds later than it would."""
+    engine = FakeEngine(inter_token_s=0.1, tokens=3, pauses={2: 3.0})
+    start = trio.current_time()
+    sent = await call_app(
+        engine, "/v1/chat/completions", {"model": "fake-model", "stream": True, "messages": []}
+    )
+    times = [round(t - start, 6) for t, m in sent if m["type"] == "http.response.body"]
+    assert times[:4] == [0.0, 0.1, 3.2, 3.3]
+
+
 async def test_whole_reply_waits_for_all_tokens(autojump_clock: trio.testing.MockClock) -> None:
     engine = FakeEngine(ttft_s=0.5, inter_token_s=0.1, tokens=3)
     start = trio.current_time()

@@ -11,11 +11,12 @@ import enum
 import math
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import trio
 
 NOT_ROUTABLE_PHASES: Final = frozenset({"Failed", "Succeeded", "Unknown"})
+ENDED_PHASES: Final = frozenset({"Failed", "Succeeded"})  # every container has stopped
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +50,13 @@ class Pod:
         if not self.ready:
             return "not Ready"
         return None
+
+    @property
+    def going_away(self) -> bool:
+        """Its engine is stopping for good: the pod is terminating (deleted, evicted, scaled
+        down, rolled out), or all its containers have ended. Not Ready, or phase Unknown (a
+        node out of touch), is not: a busy engine can fail a probe and recover."""
+        return self.terminating or self.phase in ENDED_PHASES
 
 
 class EventType(enum.StrEnum):
@@ -224,6 +232,13 @@ class EngineStats:
 NO_STATS: Final = EngineStats()  # an engine whose load is not known (not scraped, or stale)
 
 
+class Leaving(Protocol):
+    """A stream in flight at an engine, registered in `Engine.streams` to hear at once that
+    the engine is going away (and hand itself over to another engine, when it can)."""
+
+    def engine_leaving(self, engine: Engine, why: str) -> None: ...
+
+
 @dataclass(slots=True, eq=False)
 class Engine:
     """One engine (a pod, or a static URL). Identity is `uid`; `generation` changes whenever
@@ -250,6 +265,8 @@ class Engine:
     answered_at: float = -math.inf  # Trio time a request to it last succeeded (it is alive)
     route_waiter: trio.Event | None = None  # set by the next request routed to it...
     route_wanted: Callable[[Engine, float], bool] | None = None  # ...that this wants (or any)
+    # Streams in flight here that another engine could carry on, told when it goes away.
+    streams: set[Leaving] = field(default_factory=set)
 
     @property
     def routable(self) -> bool:
@@ -273,6 +290,15 @@ class Engine:
             self.route_waiter = trio.Event()
         self.route_wanted = wanted
         await self.route_waiter.wait()
+
+    def leaving(self, why: str) -> int:
+        """The engine is going away (`why`: its pod terminating or deleted): every stream in
+        `streams` is told now, synchronously, and may hand itself over to another engine
+        (those that cannot are left to finish here). Returns how many were told."""
+        streams = tuple(self.streams)  # a stream may leave the set as it is told
+        for stream in streams:
+            stream.engine_leaving(self, why)
+        return len(streams)
 
     def describe(self) -> dict[str, Any]:
         """The engine as shown by GET /engines."""
@@ -350,10 +376,14 @@ class RoutingTable:
         return since is not None and _now() - since <= seconds
 
     def may_come_back(self, model: str, tried: Collection[str]) -> bool:
-        """An engine out of routing now, not among `tried`, that served `model` when last
-        probed or has not been probed yet: one that may soon take a request for it."""
+        """An engine out of routing now, not among `tried` nor going away (its pod
+        terminating), that served `model` when last probed or has not been probed yet: one
+        that may soon take a request for it."""
         return any(
-            not e.routable and e.uid not in tried and (not e.model_ids or model in e.model_ids)
+            not e.routable
+            and e.uid not in tried
+            and (e.pod is None or not e.pod.going_away)
+            and (not e.model_ids or model in e.model_ids)
             for e in self._engines.values()
         )
 

@@ -84,7 +84,11 @@ class ProxyConfig:
     # request again to another engine, and continues a stream there; "off" cuts it.
     resume: Resume = "on"
     resume_attempts: int = 2  # continuations (or retries of a whole answer) per request
-    stall_timeout_s: float = 30.0  # a stream silent this long between two events has failed
+    # A stream that has begun has failed when its engine is silent longer than stall_factor x
+    # its own longest gap so far, at least stall_floor_s, at most stall_timeout_s.
+    stall_timeout_s: float = 30.0  # the most silence a stream is ever allowed
+    stall_floor_s: float = 2.0  # the least (a steady stream whose engine died is left then)
+    stall_factor: float = 4.0  # times the stream's longest gap so far
 
     def __post_init__(self) -> None:
         check_choice(self.unknown_paths, UNKNOWN_PATHS, "proxy.unknown_paths")
@@ -98,7 +102,13 @@ class ProxyConfig:
             max_connections_per_engine=self.max_connections_per_engine,
             ejection_s=self.ejection_s,
             stall_timeout_s=self.stall_timeout_s,
+            stall_floor_s=self.stall_floor_s,
         )
+        if not self.stall_factor >= 1:
+            raise ConfigError(
+                f"proxy.stall_factor must be >= 1 (a stream may pause as long as it has "
+                f"before), got {self.stall_factor!r}"
+            )
         if self.retries < 0:
             raise ConfigError(f"proxy.retries must be >= 0, got {self.retries}")
         if self.eject_after_failures < 0:

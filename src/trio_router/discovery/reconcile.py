@@ -2,7 +2,12 @@
 
 The Reconciler is what discovery feeds: `apply()` for watch events, `replace()` for a LIST.
 Both run on the Trio thread without awaiting, so when they return the table already reflects
-the event: a DELETED or terminating pod can receive no new request afterwards.
+the event: a DELETED or terminating pod can receive no new request afterwards. In the same
+step, the streams in flight at an engine whose pod is going away (terminating, deleted,
+missing from a LIST, or with every container ended: `Pod.going_away`) are told
+(`Engine.leaving`), so that those another engine can carry on go there at once rather than
+when the engine closes or falls silent. An engine that leaves routing for another reason (not
+Ready, the port or the InferencePool no longer served) keeps its streams.
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ class Reconciler:
     def apply(self, event: PodEvent) -> None:
         """Apply one watch event (ADDED/MODIFIED upsert, DELETED remove)."""
         if event.type is EventType.DELETED:
-            self._delete(event.pod.uid, "deleted")
+            self._delete(event.pod.uid, "deleted", gone=True)
         else:
             self._upsert(event.pod)
 
@@ -62,14 +67,14 @@ class Reconciler:
         probed), changed ones updated; unchanged ones stay routable with no new probe."""
         listed = {pod.uid: pod for pod in pods}
         for uid in [uid for uid in self._pods if uid not in listed]:
-            self._delete(uid, "missing from LIST")
+            self._delete(uid, "missing from LIST", gone=True)
         for pod in listed.values():
             self._upsert(pod)
 
     def clear(self, why: str) -> None:
         """Remove every pod (their source is gone), in this synchronous step."""
         for uid in list(self._pods):
-            self._delete(uid, why)
+            self._delete(uid, why, gone=False)
 
     def set_ports(self, ports: Sequence[int]) -> None:
         """Serve every pod on `ports` from now on: the engines of ports no longer listed leave
@@ -80,7 +85,7 @@ class Reconciler:
         for port in old:
             if port not in ports:
                 for uid in list(self._pods):
-                    self._remove(self._uid(uid, port), f"port {port} no longer served")
+                    self._remove(self._uid(uid, port), f"port {port} no longer served", gone=False)
         for port in ports:
             if port not in old:
                 for pod in self._pods.values():
@@ -95,15 +100,18 @@ class Reconciler:
     def _uid(self, pod_uid: str, port: int) -> str:
         return f"{pod_uid}:{port}" if self._port_in_uid else pod_uid
 
-    def _delete(self, uid: str, why: str) -> None:
+    def _delete(self, uid: str, why: str, *, gone: bool) -> None:
+        """Forget pod `uid`'s engines; `gone`: the pod itself is (its streams are told)."""
         self._pods.pop(uid, None)
         for port in self._ports:
-            self._remove(self._uid(uid, port), why)
+            self._remove(self._uid(uid, port), why, gone=gone)
 
-    def _remove(self, uid: str, why: str) -> None:
+    def _remove(self, uid: str, why: str, *, gone: bool) -> None:
         self._supervisors.stop(uid)
         if (engine := self._table.remove(uid)) is not None:
             logger.info("engine %s (%s) removed: %s", engine.name, uid, why)
+            if gone:
+                _hand_over(engine, why)
 
     def _upsert(self, pod: Pod) -> None:
         old = self._pods.get(pod.uid)
@@ -140,6 +148,8 @@ class Reconciler:
                 self._table.set_pending(uid, reason)
                 if was_routable:
                     logger.info("engine %s out of routing: %s", engine.name, reason)
+                if pod.going_away:
+                    _hand_over(engine, reason)
             return
         if engine is None:
             engine = Engine(
@@ -168,6 +178,18 @@ class Reconciler:
 
     def _name(self, pod: Pod, port: int) -> str:
         return f"{pod.name}:{port}" if self._port_in_uid else pod.name
+
+
+def _hand_over(engine: Engine, why: str) -> None:
+    """`engine`, out of routing already, is going away: its streams are told (see the
+    module's docstring)."""
+    if told := engine.leaving(why):
+        logger.info(
+            "engine %s is going away (%s): %d stream(s) in flight there told to go on elsewhere",
+            engine.name,
+            why,
+            told,
+        )
 
 
 def engine_url(ip: str, port: int) -> str:

@@ -5,12 +5,15 @@
 - `pool`: keep-alive connections per engine and one exchange on them (`UpstreamPool`,
   `UpstreamResponse`); `whole`: whole answers on it (`fetch`, `read_whole`).
 - `relay`: the bodies of chunked answers moved to their clients from one task (`Relay`).
+- `stall`: when a stream whose engine fell silent has stalled, at the stream's own pace
+  (`Stall`).
 - `errors`: what can go wrong, as transport facts without HTTP statuses (`TransportError`).
 """
 
 from .errors import (
     ClientGoneError,
     EngineBrokeOffError,
+    EngineLeavingError,
     EngineStalledError,
     EngineTimeoutError,
     EngineUnreachableError,
@@ -21,11 +24,13 @@ from .errors import (
 )
 from .pool import UpstreamPool, UpstreamResponse
 from .relay import Relay, RelayTarget, open_relay
+from .stall import Stall
 from .whole import fetch, read_whole
 
 __all__ = [
     "ClientGoneError",
     "EngineBrokeOffError",
+    "EngineLeavingError",
     "EngineStalledError",
     "EngineTimeoutError",
     "EngineUnreachableError",
@@ -34,6 +39,7 @@ __all__ = [
     "MalformedResponseError",
     "Relay",
     "RelayTarget",
+    "Stall",
     "TransportError",
     "UpstreamPool",
     "UpstreamResponse",

@@ -1,6 +1,7 @@
 """One TCP connection to an engine, driven without a trip through Trio's scheduler when the
-socket is ready: the connection layer under the pool and the relay (`http.pool`,
-`http.relay`), above the codec (`http.codec`)."""
+socket is ready, and an engine's address with its idle connections (`Origin`): the connection
+layer under the pool and the relay (`http.pool`, `http.relay`), above the codec
+(`http.codec`)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,14 @@ import socket
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
 from typing import Any, Final
+from urllib.parse import urlsplit
 
 import trio
 
-__all__ = ["READ_SIZE", "Connection", "Connector", "open_tcp_socket"]
+from .codec import TARGET_CHARS
+from .errors import EngineUnreachableError
+
+__all__ = ["READ_SIZE", "Connection", "Connector", "Origin", "open_tcp_socket"]
 
 READ_SIZE: Final = 65536  # bytes asked of the socket per receive
 _NUMERIC: Final = socket.AI_NUMERICHOST | socket.AI_NUMERICSERV  # getaddrinfo: no lookup
@@ -88,6 +93,33 @@ class Connection:
         with nothing to shield or bound; the engine sees the connection end (FIN, or RST if
         unread data was pending)."""
         self.sock.close()
+
+
+class Origin:
+    """One engine address: how to reach it and its idle connections (newest last)."""
+
+    __slots__ = ("host", "host_header", "idle", "port", "url")
+
+    def __init__(self, url: str) -> None:
+        parts = urlsplit(url)
+        host = parts.hostname
+        try:
+            if parts.scheme != "http" or not host:
+                raise ValueError("expected http://host:port")
+            port = parts.port  # ValueError if out of range or not a number
+            authority = f"[{host}]" if ":" in host else host
+            if port is not None:
+                authority += f":{port}"
+            host_header = authority.encode("ascii")
+            if host_header.translate(None, TARGET_CHARS):
+                raise ValueError("bad characters in the host")
+        except ValueError as exc:  # UnicodeEncodeError is one too
+            raise EngineUnreachableError(f"engine URL {url!r} is not usable: {exc}") from exc
+        self.url = url
+        self.host = host
+        self.port = port or 80
+        self.host_header = host_header
+        self.idle: list[Connection] = []
 
 
 async def open_tcp_socket(host: str, port: int) -> socket.socket:

@@ -11,6 +11,8 @@ from __future__ import annotations
 __all__ = [
     "ClientGoneError",
     "EngineBrokeOffError",
+    "EngineLeavingError",
+    "EngineStalledError",
     "EngineTimeoutError",
     "EngineUnreachableError",
     "InvalidRequestError",
@@ -42,12 +44,18 @@ class EngineTimeoutError(TransportError):
 
 class EngineStalledError(EngineTimeoutError):
     """The engine was silent between two pieces of a streamed body for longer than the stall
-    bound its caller set (`UpstreamResponse.stall_s`)."""
+    bound its caller set (`UpstreamResponse.stall`: see `http.stall`)."""
 
 
 class EngineBrokeOffError(TransportError):
     """The engine had the request and then broke the exchange off: a reset, or a close before
     the end of its answer."""
+
+
+class EngineLeavingError(EngineBrokeOffError):
+    """The router broke the exchange off itself because the engine is going away (its pod
+    terminating or deleted: `UpstreamResponse.break_off`), so that another engine carries the
+    answer on without waiting for this one to close or fall silent."""
 
 
 class MalformedResponseError(TransportError):

@@ -15,7 +15,7 @@ of `http.errors`:
   connection is retried once on a fresh connection before this is raised. The one error after
   which the request may be sent to another engine.
 - `EngineTimeoutError`: the engine was silent for longer than `read_timeout` while the request
-  was being sent, while the head was awaited, or between two body chunks.
+  was being sent, while the head was awaited, or between two body chunks (a stream: `stall`).
 - `EngineBrokeOffError`, `MalformedResponseError`: after the request was delivered, a reset or
   early close, or an answer that is not HTTP/1.1.
 - `LocalLimitError`: the router could not open a socket (file descriptors, memory).
@@ -31,27 +31,28 @@ from __future__ import annotations
 
 import errno
 import socket
+from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Final
-from urllib.parse import urlsplit
 
 import trio
 
-from .codec import TARGET_CHARS, ProtocolError, ResponseParser, encode_request_head
-from .connection import Connection, Connector, open_tcp_socket
+from .codec import ProtocolError, ResponseParser, encode_request_head
+from .connection import Connection, Connector, Origin, open_tcp_socket
 from .errors import (
     EngineBrokeOffError,
-    EngineStalledError,
     EngineTimeoutError,
     EngineUnreachableError,
     InvalidRequestError,
     LocalLimitError,
     MalformedResponseError,
+    TransportError,
 )
+from .stall import Stall, stalled
 
-__all__ = ["Origin", "RelaySource", "UpstreamPool", "UpstreamResponse"]
+__all__ = ["RelaySource", "UpstreamPool", "UpstreamResponse"]
 
 CHECKPOINT_EVERY: Final = 16  # body chunks returned at once, at most, between two checkpoints
 INLINE_BODY_BYTES: Final = 64 * 1024  # smaller bodies go out in the same write as the head
@@ -63,33 +64,6 @@ _LOCAL_LIMITS: Final = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, err
 
 class _StaleConnectionError(Exception):
     """A connection closed or reset before any response byte: retried once, then unreachable."""
-
-
-class Origin:
-    """One engine address: how to reach it and its idle connections (newest last)."""
-
-    __slots__ = ("host", "host_header", "idle", "port", "url")
-
-    def __init__(self, url: str) -> None:
-        parts = urlsplit(url)
-        host = parts.hostname
-        try:
-            if parts.scheme != "http" or not host:
-                raise ValueError("expected http://host:port")
-            port = parts.port  # ValueError if out of range or not a number
-            authority = f"[{host}]" if ":" in host else host
-            if port is not None:
-                authority += f":{port}"
-            host_header = authority.encode("ascii")
-            if host_header.translate(None, TARGET_CHARS):
-                raise ValueError("bad characters in the host")
-        except ValueError as exc:  # UnicodeEncodeError is one too
-            raise EngineUnreachableError(f"engine URL {url!r} is not usable: {exc}") from exc
-        self.url = url
-        self.host = host
-        self.port = port or 80
-        self.host_header = host_header
-        self.idle: list[Connection] = []
 
 
 class UpstreamPool:
@@ -288,7 +262,7 @@ class RelaySource:
     parser: ResponseParser
     url: str
     read_timeout: float
-    stall_s: float | None = None  # the silence budget once body bytes came (None: read_timeout)
+    stall: Stall | None = None  # the silence allowed once body bytes came (None: read_timeout)
     started: bool = False  # body bytes were handed out before the relay took over
 
 
@@ -297,9 +271,11 @@ class UpstreamResponse:
     Content-Length kept), and the body as an async iterator of non-empty byte chunks, each
     holding what had arrived from the socket when it was asked for.
 
-    Iterating raises `UpstreamTimeoutError` after `read_timeout` of silence and `UpstreamError`
-    if the connection breaks before the body is complete. A chunk that is already in the
-    socket buffer is returned without a trip through the scheduler (no checkpoint); waiting
+    Iterating raises `EngineTimeoutError` after `read_timeout` of silence (once the body has
+    begun, `EngineStalledError` past the `stall` bound, when one is set),
+    `EngineBrokeOffError` if the connection breaks before the body is complete, and the
+    error given to `break_off` once the router has given up on the engine. A chunk already in
+    the socket buffer is returned without a trip through the scheduler (no checkpoint); waiting
     for one is a checkpoint, and so is every CHECKPOINT_EVERY-th chunk returned without one, so
     that a body that is always there at once (a fast engine, a fast client) neither starves
     other tasks nor delays a cancellation. Cancelling the iterating task makes the enclosing
@@ -309,8 +285,11 @@ class UpstreamResponse:
     __slots__ = (
         "_base_url",
         "_body",
+        "_breaker",
+        "_broken",
         "_conn",
         "_done",
+        "_gap",
         "_method",
         "_origin",
         "_parser",
@@ -320,8 +299,10 @@ class UpstreamResponse:
         "_started",
         "_target",
         "_unchecked",
+        "_waiting",
         "headers",
-        "stall_s",
+        "received_at",
+        "stall",
         "status",
     )
 
@@ -346,9 +327,14 @@ class UpstreamResponse:
         self._done = False
         self._unchecked = 0  # chunks returned since the last checkpoint
         self._started = False  # body bytes have been handed out
-        # The silence budget between two pieces of the body once it has begun (None: the
+        # The silence allowed between two pieces of the body once it has begun (None: the
         # pool's read_timeout): a stream's stall bound, set by the caller after the head.
-        self.stall_s: float | None = None
+        self.stall: Stall | None = None
+        self._gap = 0.0  # the longest wait for the engine since the body began, seconds
+        self.received_at = 0.0  # when the engine's last bytes were received (Trio time)
+        self._broken: TransportError | None = None  # given to break_off
+        self._breaker: Callable[[TransportError], None] | None = None  # a relay's, meanwhile
+        self._waiting: trio.CancelScope | None = None  # a wait for the engine's next bytes
         self._peeked: bytes | ProtocolError = b""  # what at_hand() read: the next chunk
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
@@ -430,8 +416,10 @@ class UpstreamResponse:
                 )
             received = False
             while True:
+                data = None
                 try:
-                    data = await self._recv(conn, read_timeout)
+                    with trio.move_on_after(read_timeout):
+                        data = await conn.recv()
                 except OSError as exc:
                     if not received:
                         raise _StaleConnectionError from exc
@@ -455,6 +443,7 @@ class UpstreamResponse:
                     break
             self.status = parser.status
             self.headers = parser.headers
+            self.received_at = trio.current_time()
             self._parser = parser
             self._conn = conn
             ok = True
@@ -463,14 +452,6 @@ class UpstreamResponse:
         finally:
             if not ok:
                 conn.close_now()
-
-    @staticmethod
-    async def _recv(conn: Connection, silence_s: float) -> bytes | None:
-        """Wait for `conn`'s next bytes (b"" at EOF) through at most `silence_s` of silence;
-        None if none came."""
-        with trio.move_on_after(silence_s):
-            return await conn.recv()
-        return None
 
     # -- the body ----------------------------------------------------------------------------
     @property
@@ -487,8 +468,7 @@ class UpstreamResponse:
     def relay_source(self) -> RelaySource:
         """What a relay needs to move the rest of the body: the connection (still owned by
         this exchange, which closes or pools it when its block ends), the parser positioned
-        in the body, and the engine's URL and silence budget. ValueError unless
-        `relayable`."""
+        in the body, and the engine's URL and silence budget. ValueError unless `relayable`."""
         if self._conn is None or self._parser is None or not self._parser.chunked:
             raise ValueError("only the rest of a chunked body that is not over can be relayed")
         return RelaySource(
@@ -496,9 +476,28 @@ class UpstreamResponse:
             self._parser,
             self._base_url,
             self._pool.read_timeout,
-            self.stall_s,
+            self.stall,
             self._started,
         )
+
+    def break_off(self, error: TransportError) -> None:
+        """The router gives up on the rest of the body (its engine is going away): its reader
+        gets `error` at its next clean point instead of waiting for the engine (a relay's: see
+        `relayed_by`). Synchronous; the first error holds; nothing once the body is over."""
+        if self._broken is not None or self._parser is None or self._parser.done:
+            return
+        self._broken = error
+        if (breaker := self._breaker) is not None:
+            breaker(error)
+        elif (waiting := self._waiting) is not None:
+            waiting.cancel()
+
+    def relayed_by(self, breaker: Callable[[TransportError], None] | None) -> None:
+        """A relay moves the body from now on, `breaker` taking `break_off`'s error (at once
+        if it was given already); None: the relay is done."""
+        self._breaker = breaker
+        if breaker is not None and self._broken is not None:
+            breaker(self._broken)
 
     def at_hand(self) -> bool:
         """The body's next chunk, or its end, is here already: the next step of the iteration
@@ -555,30 +554,47 @@ class UpstreamResponse:
         waited (a checkpoint)."""
         assert self._conn is not None
         conn = self._conn
+        if self._broken is not None:
+            raise self._broken
         waited = False
         try:
             data = conn.recv_nowait()
             if data is None:  # nothing there yet: wait, within the silence budget
                 waited = True
-                stall = self.stall_s if self._started else None
-                silence = stall if stall is not None else self._pool.read_timeout
-                data = await self._recv(conn, silence)
-                if data is None and stall is not None:
-                    raise EngineStalledError(
-                        f"engine {self._base_url} was silent for {stall:g} s between two "
-                        "pieces of a stream (proxy.stall_timeout_s)"
-                    )
-                if data is None:
-                    raise EngineTimeoutError(
-                        f"engine {self._base_url} was silent for {silence:g} s "
-                        "mid-response (proxy.read_timeout_s)"
-                    )
+                data = await self._wait(conn)
         except OSError as exc:
             raise EngineBrokeOffError(
                 f"engine {self._base_url} reset the connection mid-response: {exc}"
             ) from exc
+        self.received_at = trio.current_time()
         if data:
             parser.feed(data)
         else:
             parser.eof()
         return waited
+
+    async def _wait(self, conn: Connection) -> bytes:
+        """`conn`'s next bytes (b"" at EOF) within the silence allowed now: the read timeout
+        until the body has begun, then `stall`'s bound for the longest wait so far; else
+        EngineStalledError or EngineTimeoutError (`break_off`'s error when it ends the wait)."""
+        stall = self.stall if self._started else None
+        silence = stall.allowed(self._gap) if stall is not None else self._pool.read_timeout
+        began = trio.current_time()
+        with trio.move_on_after(silence) as waiting:
+            self._waiting = waiting
+            try:
+                data = await conn.recv()
+            finally:
+                self._waiting = None
+        if self._broken is not None:
+            raise self._broken
+        if waiting.cancelled_caught:
+            if stall is not None:
+                raise stalled(self._base_url, silence, self._gap)
+            raise EngineTimeoutError(
+                f"engine {self._base_url} was silent for {silence:g} s mid-response "
+                "(proxy.read_timeout_s)"
+            )
+        if stall is not None:
+            self._gap = max(self._gap, trio.current_time() - began)
+        return data

@@ -16,14 +16,9 @@ import trio
 
 from .codec import ProtocolError
 from .connection import READ_SIZE
-from .errors import (
-    ClientGoneError,
-    EngineBrokeOffError,
-    EngineStalledError,
-    EngineTimeoutError,
-    TransportError,
-)
+from .errors import ClientGoneError, EngineBrokeOffError, EngineTimeoutError, TransportError
 from .pool import RelaySource, UpstreamResponse
+from .stall import stalled
 
 __all__ = ["CHECK_S", "PAUSE_AT", "PAUSE_S", "Relay", "RelayTarget", "Rewrite", "open_relay"]
 
@@ -77,9 +72,11 @@ class Relay:
       writability meanwhile): at most one read of an engine's bytes is held per stream. A
       client that takes nothing for `write_timeout` ends its stream with ClientGoneError.
     - Every CHECK_S the relayed streams' deadlines are checked: an engine silent for
-      `read_timeout` with EngineTimeoutError. A write that fails (reset, closed) is a gone
-      client; an engine that resets, closes early or breaks the framing ends its stream with
-      EngineBrokeOffError.
+      `read_timeout` with EngineTimeoutError, or once the body has begun past its stall bound
+      (`http.stall`: the stream's own pace) with EngineStalledError. A write that fails
+      (reset, closed) is a gone client; an engine that resets, closes early or breaks the
+      framing ends its stream with EngineBrokeOffError; `response.break_off(error)` ends it
+      with `error` at once (or once a write the client has not taken yet is done).
     - The task that called `relay()` owns its stream: cancelling it takes the stream out of
       the set at once (and the exchange then closes the engine's connection).
 
@@ -120,8 +117,10 @@ class Relay:
         final)`, `final` at the end of the body) and what it returns is framed anew as one
         chunk per read (a read of one chunk goes through `transform.framed` first, when it
         has one): the relay's path, with a rewriting of the body between. Raises
-        ClientGoneError, EngineTimeoutError or EngineBrokeOffError (then the client's response
-        cannot be ended cleanly). Cancellation takes the stream out of the relay at once."""
+        ClientGoneError, EngineTimeoutError, EngineBrokeOffError or the error the response was
+        broken off with (then the client's response is left at a clean point, not ended). The
+        time of the engine's last bytes goes back to `response.received_at`. Cancellation
+        takes the stream out of the relay at once."""
         stream = _Relayed(
             self._shared,
             response.relay_source(),
@@ -134,11 +133,15 @@ class Relay:
         self._streams.add(stream)
         self.relayed += 1
         self._wake_ticker()
+        stream.received_at = response.received_at
         try:
             stream.start(trio.current_time())
+            response.relayed_by(stream.break_off)
             await stream.finished.wait()
         finally:
             stream.detach()
+            response.relayed_by(None)
+            response.received_at = stream.received_at
         if stream.error is not None:
             raise stream.error
         return stream.before_last[-4096:] + stream.last[-4096:], stream.sent, stream.held
@@ -223,6 +226,8 @@ class _Relayed:
     the bytes read but not yet written."""
 
     __slots__ = (
+        "_allowed",
+        "_broken",
         "_by_fd",
         "_client",
         "_client_fd",
@@ -230,11 +235,13 @@ class _Relayed:
         "_engine_fd",
         "_epoll",
         "_framed",
+        "_gap",
         "_hold_last",
         "_on_first",
         "_parser",
         "_pending",
         "_read_timeout",
+        "_silent_since",
         "_stall",
         "_started",
         "_streams",
@@ -247,6 +254,7 @@ class _Relayed:
         "finished",
         "held",
         "last",
+        "received_at",
         "sent",
         "write_deadline",
     )
@@ -273,8 +281,14 @@ class _Relayed:
         self._conn, self._parser = source.conn, source.parser
         self._url = source.url
         self._read_timeout = source.read_timeout
-        self._stall = source.stall_s  # once the body has begun, if set
-        self._started = source.started
+        self._stall = source.stall  # once the body has begun, if set
+        self._started = False
+        self._allowed = self._read_timeout  # the silence allowed now (see `_begun`)
+        self._gap = math.inf  # the stream's longest silence so far (once begun, with a stall)
+        self._silent_since = self.received_at = 0.0  # the engine's last bytes (or a resume)
+        if source.started:
+            self._begun()
+        self._broken: TransportError | None = None  # break_off's, while a write waits
         self._client = client
         self._engine_fd = -1
         self._client_fd = -1  # registered for writability while a write waits
@@ -289,7 +303,8 @@ class _Relayed:
 
     def start(self, now: float) -> None:
         """Watch the engine's socket, and relay what was already received."""
-        self.deadline = now + self._silence()
+        self._silent_since = now
+        self.deadline = now + self._allowed
         self._engine_fd = self._conn.raw.fileno()
         self._epoll.register(self._engine_fd, select.EPOLLIN)
         self._by_fd[self._engine_fd] = self
@@ -310,8 +325,12 @@ class _Relayed:
             return
         if data:
             self._parser.feed(data)
-            self._started = True
-            self.deadline = now + self._silence()
+            if not self._started:
+                self._begun()
+            elif now - self._silent_since > self._gap:
+                self._widen(now - self._silent_since)
+            self._silent_since = self.received_at = now
+            self.deadline = now + self._allowed
             self._forward(now)
         else:
             self._finish(
@@ -330,18 +349,26 @@ class _Relayed:
             )
             self._finish(ClientGoneError())
         elif now >= self.deadline:
-            stall = self._stall if self._started else None
             self._finish(
-                EngineStalledError(
-                    f"engine {self._url} was silent for {stall:g} s between two pieces of a "
-                    "stream (proxy.stall_timeout_s)"
-                )
-                if stall is not None
+                stalled(self._url, self._allowed, self._gap)
+                if self._started and self._stall is not None
                 else EngineTimeoutError(
                     f"engine {self._url} was silent for {self._read_timeout:g} s mid-response "
                     "(proxy.read_timeout_s)"
                 )
             )
+
+    def break_off(self, error: TransportError) -> None:
+        """End the stream with `error` (`UpstreamResponse.break_off`): at once, or once the
+        client's socket has taken the write it is given (its answer stays at a clean
+        point). The engine's socket is not read meanwhile."""
+        if self.finished.is_set():
+            return
+        if self._pending:
+            self._broken = error
+            self.deadline = math.inf
+        else:
+            self._finish(error)
 
     def _forward(self, now: float) -> None:
         try:
@@ -366,11 +393,19 @@ class _Relayed:
         elif self._parser.done:
             self._finish(None)
 
-    def _silence(self) -> float:
-        """How long the engine may be silent now: the stall bound once the body has begun
-        (when one is set), else the read timeout."""
-        stall = self._stall
-        return stall if stall is not None and self._started else self._read_timeout
+    def _begun(self) -> None:
+        """The body's first bytes came: from now on, the silence allowed is the stall bound
+        (`http.stall`), when one is set, for the longest gap so far (none yet)."""
+        self._started = True
+        if (stall := self._stall) is not None:
+            self._gap = 0.0
+            self._allowed = stall.allowed(0.0)
+
+    def _widen(self, gap: float) -> None:
+        """A gap longer than any before: the silence allowed follows."""
+        assert self._stall is not None  # else the longest gap stays infinite
+        self._gap = gap
+        self._allowed = self._stall.allowed(gap)
 
     def _rewrite(self) -> bytes:
         """What the transform makes of the body bytes read now, framed as one chunk. A read
@@ -418,14 +453,19 @@ class _Relayed:
             return
         self._pending = b""
         self.write_deadline = math.inf
+        if self._parser.done:
+            self._finish(None)
+            return
+        if self._broken is not None:
+            self._finish(self._broken)
+            return
         if self._client_fd >= 0:
             self._unregister(self._client_fd)
             self._client_fd = -1
             if self._engine_fd >= 0:
                 epoll.modify(self._engine_fd, select.EPOLLIN)
-            self.deadline = now + self._silence()
-        if self._parser.done:
-            self._finish(None)
+            self._silent_since = now  # the wait for the client was not the engine's silence
+            self.deadline = now + self._allowed
 
     def _finish(self, error: TransportError | None) -> None:
         if self.finished.is_set():

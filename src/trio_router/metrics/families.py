@@ -55,6 +55,21 @@ TTFB_BUCKETS: Final = (
     30.0,
     float("inf"),
 )
+# Seconds a stream's client waits when its engine fails: the aim is at most 2 s.
+HANDOVER_BUCKETS: Final = (
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    5.0,
+    10.0,
+    30.0,
+    float("inf"),
+)
 STORE_BUCKETS: Final = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 NO_LABEL: Final = ""  # label value when a request never got as far as a model or an engine
@@ -63,13 +78,15 @@ NO_LABEL: Final = ""  # label value when a request never got as far as a model o
 @dataclass(frozen=True, slots=True)
 class RequestFamilies:
     """Each proxied request as it ends (count, duration, time to first byte), engines that
-    could not be reached, answers whose engine failed, and config reloads."""
+    could not be reached, answers whose engine failed (and how long their streams paused),
+    and config reloads."""
 
     requests: Counter
     latency: Histogram
     ttfb: Histogram
     unreachable: Counter
     resumes: Counter
+    handovers: Histogram
     reloads: Counter
 
     @classmethod
@@ -111,6 +128,16 @@ class RequestFamilies:
                 "reasoning, tool_call: a stream's; whole: an answer read whole), why and what "
                 "became of them (resumed, retried, failed, not_resumable).",
                 ["model", "kind", "reason", "outcome"],
+                registry=registry,
+            ),
+            handovers=Histogram(
+                "trio_router_stream_handover_seconds",
+                "Streams carried on at another engine: time from the last bytes the failed "
+                "(or leaving) engine sent to the first bytes of the continuation passed on to "
+                "the client, by model and why the engine was left (as in "
+                "trio_router_stream_resumes_total).",
+                ["model", "reason"],
+                buckets=HANDOVER_BUCKETS,
                 registry=registry,
             ),
             reloads=Counter(

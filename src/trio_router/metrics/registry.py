@@ -194,6 +194,11 @@ class Metrics:
         """An answer whose engine failed before its end (see `trio_router_stream_resumes`)."""
         self._request.resumes.labels(model, kind, reason, outcome).inc()
 
+    def handed_over(self, model: str, reason: str, seconds: float) -> None:
+        """A stream carried on at another engine paused `seconds` for its client (see
+        `trio_router_stream_handover_seconds`)."""
+        self._request.handovers.labels(model, reason).observe(seconds)
+
     def queue_wait(self, model: str, seconds: float) -> None:
         self._routing.queue_wait.labels(model).observe(seconds)
 

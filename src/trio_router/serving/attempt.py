@@ -25,6 +25,7 @@ from ..errors import RequestError
 from ..http import (
     ClientGoneError,
     EngineBrokeOffError,
+    EngineLeavingError,
     EngineStalledError,
     EngineTimeoutError,
     EngineUnreachableError,
@@ -331,6 +332,8 @@ def broke_reason(exc: TransportError) -> str:
         return "abort"
     if isinstance(exc, EngineErrorAnswerError):
         return "error_500"
+    if isinstance(exc, EngineLeavingError):
+        return "leaving"
     if isinstance(exc, EngineStalledError):
         return "stall"
     if isinstance(exc, EngineTimeoutError):

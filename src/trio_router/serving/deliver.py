@@ -13,7 +13,8 @@ it), then the end; the usage summary at its end is counted. With `proxy.resume` 
 - a stream a continuation can carry on (`resume.resumable`) is followed event by event
   (`resume.Track`); when its engine fails before its end, the answer stays open and
   `continuation()` gives the request that carries it on at another engine, whose events this
-  take then writes into the same answer;
+  take then writes into the same answer; an engine going away hands such a stream over at
+  once, and the client's pause is timed (`handover.Handover`);
 - a stream that cannot be carried on ends with an error event in its API's shape and a clean
   end (`give_up`), never a silent cut a client could take for a finished answer.
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Awaitable, Callable
+from contextlib import nullcontext
 from functools import partial
 from typing import Final
 
@@ -34,6 +36,7 @@ from ..table import Engine
 from .answer import Answer, Rewrite
 from .attempt import Choice, Failed, client_head, usage_of
 from .errors import error_body, from_transport
+from .handover import Handover
 from .names import ModelEcho
 from .prepared import Prepared
 from .record import ExchangeRecord
@@ -62,6 +65,7 @@ _GOING: Final = (
     b"EngineCore encountered an issue",
     b"EngineDeadError",
 )
+_NOT_FOLLOWED: Final = nullcontext()  # the handover of a stream that is not followed
 
 
 class Deliver:
@@ -73,6 +77,7 @@ class Deliver:
     __slots__ = (
         "_answer",
         "_echo",
+        "_handover",
         "_open",
         "_prepared",
         "_record",
@@ -88,6 +93,7 @@ class Deliver:
         self._answer, self._record, self._rt, self._prepared = answer, record, rt, prepared
         self._echo = rt.names.echo(record.model, prepared.model)  # an alias's, back
         self._track: Track | None = None  # the stream followed for a continuation
+        self._handover: Handover | None = None  # ... and its handover to another engine
         self._open = False  # the answer has begun and not ended
         self.committed = False  # bytes of this attempt's answer reached the client
         self.first_byte: float | None = None  # when the answer's first bytes passed on
@@ -153,26 +159,29 @@ class Deliver:
     ) -> bytes:
         """A continuation's answer (or, when no event had passed, the whole request's),
         written into the answer it carries on."""
-        track = self._track
-        assert track is not None and self._rt.resume is not None
+        track, handover = self._track, self._handover
+        assert track is not None and handover is not None and self._rt.resume is not None
+        on_first = handover.carrying_on()
         if track.mode == "parsed":  # the render's answer: the engine's parsers carry it on
             self.committed = True
-            write = self._answer.body
+            write: Callable[[bytes], Awaitable[None]] = self._answer.body
             if echo is not None:
                 feed = echo.feed
 
                 async def write(data: bytes) -> None:
                     await self._answer.body(feed(data, final=False))
 
+            if on_first is not None:
+                write = _timed(write, on_first)
             parsed = carry_on_parsed(response, engine, write, self._rt, self._prepared, track)
             return await self._through(engine, response, parsed)
         if response.status != 200 or not _is_event_stream(response):
             raise StreamAbortedError(
                 f"engine {engine.name} answered the continuation with {response.status}"
             )
-        response.stall_s = self._rt.resume.stall_s
+        response.stall = self._rt.resume.stall
         self.committed = True
-        return await self._pass(response, engine, _chained(track, echo), None)
+        return await self._pass(response, engine, _chained(track, echo), on_first)
 
     async def _pass(
         self,
@@ -191,10 +200,11 @@ class Deliver:
         """The answer's body `passing` (which returns the end of what it read, where a usage
         summary is), and the answer ended; a failure raised with the answer left open when
         it can be carried on, else ended as well as it can be."""
-        track = self._track
+        track, handover = self._track, self._handover
         tail = b""  # what the relay read last: a usage summary is there (none when it broke)
         try:
-            tail = await passing or b""
+            with _NOT_FOLLOWED if handover is None else handover.passing(engine, response):
+                tail = await passing or b""
             if (
                 track is not None
                 and not track.inert
@@ -237,7 +247,8 @@ class Deliver:
         usage = isinstance(options, dict) and options.get("include_usage") is True
         show = prepared.payload.get("return_token_ids") is True
         self._track = Track(kind, show_ids=show, usage=usage)
-        response.stall_s = resume.stall_s
+        self._handover = Handover(self._rt, prepared.model, self.continuation_possible)
+        response.stall = resume.stall
         return self._track
 
     def continuation_possible(self) -> bool:
@@ -319,6 +330,20 @@ def _is_event_stream(response: UpstreamResponse) -> bool:
         name == b"content-type" and value.startswith(b"text/event-stream")
         for name, value in response.headers
     )
+
+
+def _timed(
+    write: Callable[[bytes], Awaitable[None]], on_first: Callable[[float], None]
+) -> Callable[[bytes], Awaitable[None]]:
+    """`write`, with `on_first(now)` called once, when its first bytes have gone."""
+    first: list[Callable[[float], None]] = [on_first]
+
+    async def timed(data: bytes) -> None:
+        await write(data)
+        if first and data:
+            first.pop()(trio.current_time())
+
+    return timed
 
 
 def _chained(track: Track | None, echo: ModelEcho | None) -> Rewrite | None:

@@ -177,6 +177,7 @@ async def try_engines(
     unreachable: EngineUnreachableError | None = None
     refused: Refused | None = None
     broken: Failed | None = None  # the last engine's failure that another is to make good
+    broken_by = ""  # ... that engine's name
     current, retries = prepared, 0
     first, body = (decode.first, decode.body) if decode is not None else (None, None)
     prefilled_by = first.prefilled_by if first is not None else ""
@@ -212,6 +213,7 @@ async def try_engines(
                 if not isinstance(outcome, Answered):
                     done = "failed"
                 rt.services.metrics.resumed(prepared.model, take.kind, broken.broke, done)
+                _log_resumed(record, prepared, (broken_by, engine.name), broken.broke, done)
             return outcome, trail
         following = await _next_request(outcome, current, take, rt, retries)
         if following is None:
@@ -222,7 +224,7 @@ async def try_engines(
             record.cut(engine.name)
         retries += 1
         tried.append(engine.uid)
-        broken = outcome
+        broken, broken_by = outcome, engine.name
         logger.warning(
             "request %s for %s: engine %s failed it (%s); another engine %s",
             record.request_id_text,
@@ -231,6 +233,23 @@ async def try_engines(
             outcome.error,
             "carries it on" if outcome.cut else "takes it whole",
         )
+
+
+def _log_resumed(
+    record: ExchangeRecord, prepared: Prepared, engines: tuple[str, str], why: str, done: str
+) -> None:
+    """One line per answer another engine took after one failed it: both engines (the
+    failed one, the one that took it on), why, and what came of it (`done`, as the resume
+    counter's outcome)."""
+    logger.info(
+        "request %s for %s: engine %s failed it (%s), engine %s took it on: %s",
+        record.request_id_text,
+        prepared.model,
+        engines[0],
+        why,
+        engines[1],
+        done,
+    )
 
 
 async def _none_left(

@@ -21,7 +21,7 @@ from typing import Any
 
 from ..config import Config, ProxyConfig, env_key
 from ..discovery.outliers import Outliers
-from ..http import UpstreamPool
+from ..http import Stall, UpstreamPool
 from ..http.connection import Connector, open_tcp_socket
 from ..kv.index import BlockIndex
 from ..kv.local_tokenizer import LocalTokenizer
@@ -71,13 +71,14 @@ class Resumption:
     (`resume`)."""
 
     attempts: int  # proxy.resume_attempts: other engines tried per request
-    stall_s: float  # proxy.stall_timeout_s: a followed stream silent this long has failed
+    stall: Stall  # proxy.stall_*: when a followed stream's silent engine has failed it
 
     @classmethod
     def of(cls, proxy: ProxyConfig) -> Resumption | None:
         if proxy.resume != "on":
             return None
-        return cls(attempts=proxy.resume_attempts, stall_s=proxy.stall_timeout_s)
+        stall = Stall(proxy.stall_timeout_s, proxy.stall_floor_s, proxy.stall_factor)
+        return cls(attempts=proxy.resume_attempts, stall=stall)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

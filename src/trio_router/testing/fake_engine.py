@@ -84,6 +84,7 @@ class FakeEngine:
     tool_calls: list[tuple[str, str]] = field(default_factory=list)
     scale_out: bool = False  # serves render, generate and derender (vLLM's --enable-scale-out)
     stall_after_events: int | None = None  # streams fall silent after N events (open)
+    pauses: dict[int, float] = field(default_factory=dict)  # event N of a stream: S s later
     # Streams end after N events as vLLM ends its running requests on SIGTERM: a chunk with
     # finish_reason "abort", the usage if asked for, and [DONE].
     abort_streams_after: int | None = None

@@ -371,6 +371,8 @@ class FakeEngineApp:
                     await engine.gate.wait()
             if i > 0 and engine.inter_token_s > 0 and event is not SSE_DONE:
                 await trio.sleep(engine.inter_token_s)
+            if pause := engine.pauses.get(i):
+                await trio.sleep(pause)
             await send({"type": "http.response.body", "body": event, "more_body": True})
         if engine.break_after_events == len(events):  # the body's last chunk lost
             return True

@@ -122,7 +122,7 @@ class _Derender:
         request = {**self._base, "generate_chunk": generate, "stream_state": self._state}
         engine = self._engine
         assert self._rt.resume is not None
-        with trio.move_on_after(self._rt.resume.stall_s) as waited:
+        with trio.move_on_after(self._rt.resume.stall.ceiling_s) as waited:
             status, body = await fetch(
                 self._rt.pool,
                 engine.url,
@@ -174,7 +174,7 @@ async def carry_on_parsed(
                     f"engine {engine.name} answered the continuation with {generated.status}"
                 )
             assert rt.resume is not None
-            generated.stall_s = rt.resume.stall_s
+            generated.stall = rt.resume.stall
             return await _pump(generated, derender, write, track)
     except EngineUnreachableError as exc:  # the engine has gone since the render
         raise StreamAbortedError(str(exc)) from exc
