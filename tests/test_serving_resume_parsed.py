@@ -12,8 +12,10 @@ from typing import Any, Final
 
 import pytest
 import trio
+import trio.testing
 
 from trio_router.serving.resume import not_resumable
+from trio_router.table import EngineState
 from trio_router.testing import FakeEngine
 from trio_router.testing.fake_replies import REPLY_TOKEN, REPLY_WORDS
 from trio_router.testing.harness import CHAT, chat, open_router
@@ -96,9 +98,9 @@ async def resumes(router: object, reason: str, outcome: str, kind: str = "conten
     return value
 
 
-async def uninterrupted(body: dict[str, Any]) -> list[Any]:
+async def uninterrupted(body: dict[str, Any], **knobs: Any) -> list[Any]:
     """The stream of `body` from one engine that does not fail."""
-    async with open_router([thinking("whole")]) as router:
+    async with open_router([thinking("whole", **knobs)]) as router:
         answer = await router.client.post(CHAT, json=body)
     return events(answer.content)
 
@@ -253,3 +255,38 @@ async def test_a_grammar_stream_ends_with_an_error_event_and_a_log_line(
     stream = events(answer.content)
     assert "[DONE]" not in stream and stream[-1]["error"]["code"] == "bad_engine_response"
     assert any("structured output" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_parsed_continuation_whose_engine_leaves_is_handed_over(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A reasoning stream carried on through the parsers at a second engine, whose pod then
+    goes away mid-continuation: its generate stream is broken off at once and a third engine
+    carries the answer on, whole."""
+    first = thinking("first", break_after_events=4, reasoning_tokens=30)
+    second = thinking("second", reasoning_tokens=30, inter_token_s=0.1)
+    third = thinking("third", reasoning_tokens=30)
+    body = chat(stream=True)
+    with trio.fail_after(120):
+        whole = texts(await uninterrupted(body, reasoning_tokens=30))
+        async with open_router([first, second, third], routing={"policy": "round_robin"}) as router:
+            by_name = {e.name: e for e in router.table}
+            engines = [by_name[u.removeprefix("http://")] for u in router.engine_urls]
+            router.table.set_pending(engines[2].uid, "not Ready")  # not the first continuation's
+            answers: list[Any] = []
+
+            async def ask() -> None:
+                answers.append(await router.client.post(CHAT, json=body))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(ask)
+                await second.wait_until(lambda: second.derenders >= 3)
+                engines[2].state = EngineState.ROUTABLE  # back, as a probe would have it
+                router.table.put(engines[2])
+                router.table.set_pending(engines[1].uid, "terminating")
+                assert engines[1].leaving("terminating") == 1
+    (answer,) = answers
+    stream = events(answer.content)
+    once(stream)
+    assert texts(stream) == whole
+    assert len(third.requests_to(GENERATE)) == 1 and third.derenders >= 1

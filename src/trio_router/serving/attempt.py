@@ -235,7 +235,8 @@ async def attempt(
         failure = str(exc)
         failed = _broken(engine, generation, exc, record, rt, take=take, prefill=prefill)
         if failed.cut:
-            logger.warning(
+            logger.log(
+                logging.INFO if failed.broke == "leaving" else logging.WARNING,  # planned
                 "request %s for %s on engine %s broke off mid-response: %s",
                 record.request_id_text,
                 prepared.model,

@@ -173,7 +173,9 @@ class Deliver:
 
             if on_first is not None:
                 write = _timed(write, on_first)
-            parsed = carry_on_parsed(response, engine, write, self._rt, self._prepared, track)
+            parsed = carry_on_parsed(
+                response, engine, write, self._rt, self._prepared, track, handover.now_from
+            )
             return await self._through(engine, response, parsed)
         if response.status != 200 or not _is_event_stream(response):
             raise StreamAbortedError(

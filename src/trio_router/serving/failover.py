@@ -225,7 +225,8 @@ async def try_engines(
         retries += 1
         tried.append(engine.uid)
         broken, broken_by = outcome, engine.name
-        logger.warning(
+        logger.log(
+            logging.INFO if outcome.broke == "leaving" else logging.WARNING,  # planned
             "request %s for %s: engine %s failed it (%s); another engine %s",
             record.request_id_text,
             prepared.model,

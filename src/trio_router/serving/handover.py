@@ -65,6 +65,12 @@ class Handover:
         self._engine, self._response = engine, response
         return self
 
+    def now_from(self, response: UpstreamResponse) -> None:
+        """The stream's bytes come from `response` from now on, at the same engine (a parsed
+        continuation's generate stream, after its render's answer)."""
+        if self._response is not None:
+            self._response = response
+
     def __enter__(self) -> None:
         assert self._engine is not None
         self._engine.streams.add(self)

@@ -153,10 +153,12 @@ async def carry_on_parsed(
     rt: Runtime,
     prepared: Prepared,
     track: Track,
+    streaming: Callable[[UpstreamResponse], None] | None = None,
 ) -> bytes:
     """The continuation at `engine`, whose answer to the render request is `response`,
     written into the client's answer by `write` (left open: `Deliver` ends it); returns the
-    last bytes written (the usage object is there when asked for). Raises
+    last bytes written (the usage object is there when asked for). `streaming` hears of the
+    generate stream once it has begun (a handover breaks that one off). Raises
     `StreamAbortedError` (or another TransportError) when the engine fails it."""
     what = f"engine {engine.name}'s render"
     rendered = _read(await read_whole(response, MAX_PARSED_BYTES, what), what)
@@ -175,6 +177,8 @@ async def carry_on_parsed(
                 )
             assert rt.resume is not None
             generated.stall = rt.resume.stall
+            if streaming is not None:
+                streaming(generated)
             return await _pump(generated, derender, write, track)
     except EngineUnreachableError as exc:  # the engine has gone since the render
         raise StreamAbortedError(str(exc)) from exc
