@@ -28,7 +28,8 @@ _PROMPT_IDS: Final = b'"prompt_token_ids":['
 # the event's `"choices":[{"index":0,`; vLLM writes such an event's end as
 # `"finish_reason":null,"token_ids":[ID]}]}` (`null` in place of [ID] when not asked for).
 _CHOICES: Final = b'"choices":[{"index":0,'
-_CONTENT: Final = {"chat": b'"delta":{"content"', "completion": b'"text":'}
+# (A chat's content string: vLLM writes a tool call's delta `{"content":null,"tool_calls":`.)
+_CONTENT: Final = {"chat": b'"delta":{"content":"', "completion": b'"text":'}
 _REASONING: Final = b'"delta":{"reasoning"'  # a chat's reasoning token, the same way
 _PLAIN_IDS: Final = b'"finish_reason":null,"token_ids":['
 _PLAIN_END: Final = b"]}]}\n\n"

@@ -102,8 +102,8 @@ def delta(pieces: list[Piece], ids: dict[int, str]) -> dict[str, Any]:
             call = calls.setdefault(piece.call, {"index": piece.call, "function": {}})
             arguments = call["function"].get("arguments", "") + piece.text
             call["function"]["arguments"] = arguments
-    if calls:
-        out["tool_calls"] = list(calls.values())
+    if calls:  # as vLLM writes a tool call's delta: a null content first
+        out = {"content": out.get("content"), **out, "tool_calls": list(calls.values())}
     return out
 
 
