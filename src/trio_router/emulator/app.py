@@ -3,9 +3,11 @@ and dashboards: an ASGI app (`EngineApp`) and serving it with Hypercorn (`serve_
 
 GET /health (200, empty), /v1/models, /version, /metrics; POST /v1/chat/completions and
 /v1/completions (a JSON body, or server-sent events, one per HTTP chunk, ending with
-`data: [DONE]`), /tokenize (`prompt` or `messages`) and /detokenize. Errors are vLLM's JSON
-bodies, also for a request that asked for a stream. A client that goes away aborts its
-request at once (its blocks are freed, and no success is counted).
+`data: [DONE]`), /tokenize (`prompt` or `messages`), /detokenize and /reset_prefix_cache
+(vLLM serves it in its development mode). Errors are vLLM's JSON bodies, also for a request
+that asked for a stream. A client that goes away aborts its request at once (its blocks are
+freed, and no success is counted). With KV-cache events configured, `serve_engine` publishes
+them (`kv_publisher`) for as long as the engine runs.
 """
 
 from __future__ import annotations
@@ -14,16 +16,19 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from contextlib import suppress
+from contextlib import AsyncExitStack, suppress
 from functools import partial
 from typing import Any, Final
 
 import hypercorn.config
 import hypercorn.trio
 import trio
+import zmq
 
 from ..asgi import Message, Receive, Scope, Send, answer_lifespan
 from .engine import EmulatedEngine, Generation
+from .kv_events import KvEndpoints
+from .kv_publisher import open_kv_publisher
 from .openai_api import (
     Answer,
     Refusal,
@@ -42,7 +47,7 @@ _SSE_HEADERS: Final = [
 ]
 _JSON: Final = b"application/json"
 _GENERATION: Final = {"/v1/chat/completions": True, "/v1/completions": False}
-_POSTS: Final = frozenset({*_GENERATION, "/tokenize", "/detokenize"})
+_POSTS: Final = frozenset({*_GENERATION, "/tokenize", "/detokenize", "/reset_prefix_cache"})
 _GETS: Final = frozenset({"/health", "/v1/models", "/version", "/metrics"})
 
 
@@ -133,6 +138,9 @@ class EngineApp:
         return {"object": "list", "data": [card]}
 
     async def _post(self, path: str, raw: bytes, receive: Receive, send: Send) -> None:
+        if path == "/reset_prefix_cache":  # no body: vLLM's takes query parameters only
+            await _send_json(send, 200, {"success": self.engine.reset_prefix_cache()})
+            return
         try:
             body = json.loads(raw)
             if not isinstance(body, dict):
@@ -273,16 +281,31 @@ async def serve_engine(
     host: str = "127.0.0.1",
     port: int = 0,
     *,
+    kv_endpoints: KvEndpoints | None = None,
+    zmq_context: zmq.Context[zmq.Socket[bytes]] | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run `engine` and serve it over HTTP/1.1 until cancelled. Reports the bound URL
     ("http://127.0.1.3:8000") once it accepts connections; cancellation stops the engine,
-    closes the listener and every connection."""
+    closes the listener and every connection. With KV-cache events in its config, they are
+    published at `kv_endpoints` (by default the config's endpoints as given) on sockets of
+    `zmq_context` (a fleet shares one; by default one of its own, closed with it); an
+    endpoint that cannot be bound raises OSError."""
     app: Any = EngineApp(engine)  # plain-dict ASGI typing, not hypercorn's TypedDicts
-    async with trio.open_nursery() as nursery:
-        await nursery.start(engine.run)
-        serve: Callable[..., Awaitable[None]] = hypercorn.trio.serve
-        urls: list[str] = await nursery.start(
-            partial(serve, app, hypercorn_config(host, port), shutdown_trigger=trio.sleep_forever)
-        )
-        task_status.started(urls[0])
+    async with AsyncExitStack() as stack:
+        publish = None
+        if (kv_config := engine.config.kv_events).enabled:
+            if zmq_context is None:
+                zmq_context = zmq.Context()
+                stack.callback(zmq_context.destroy, linger=0)
+            where = kv_endpoints or kv_config.endpoints()
+            kv = await stack.enter_async_context(open_kv_publisher(kv_config, where, zmq_context))
+            publish = kv.publish
+        async with trio.open_nursery() as nursery:
+            await nursery.start(partial(engine.run, publish=publish))
+            serve: Callable[..., Awaitable[None]] = hypercorn.trio.serve
+            config = hypercorn_config(host, port)
+            urls: list[str] = await nursery.start(
+                partial(serve, app, config, shutdown_trigger=trio.sleep_forever)
+            )
+            task_status.started(urls[0])

@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import trio
 
 from ..errors import ConfigError
 from .kv_cache import KVCache
+from .kv_events import KVCacheEvent, KvEventsConfig
 from .metrics import EngineStats, Gauges, render_metrics
 from .profiles import Profile, StepShape
 from .request import FinishReason, Request
@@ -26,6 +27,8 @@ from .scheduler import Policy, Scheduler, SchedulerConfig, Step, StepOutput
 from .tokens import EOS, Vocabulary
 
 __all__ = ["EmulatedEngine", "EngineConfig", "Generation", "SamplingParams", "step_shape"]
+
+NO_KV_EVENTS: Final = KvEventsConfig()  # vLLM's default: none published
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -42,6 +45,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     policy: Policy = Policy.FCFS
     time_scale: float = 1.0  # emulated seconds per second of Trio's clock
+    kv_events: KvEventsConfig = NO_KV_EVENTS
 
     def __post_init__(self) -> None:
         if not self.time_scale > 0:
@@ -150,6 +154,7 @@ class EmulatedEngine:
             config.block_size,
             max_model_len=config.max_model_len,
             enable_caching=config.enable_prefix_caching,
+            enable_kv_cache_events=config.kv_events.enabled,
         )
         limits = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
@@ -214,9 +219,20 @@ class EmulatedEngine:
         self._work = trio.Event()
 
     # -- the loop --------------------------------------------------------------------------
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache (False while requests hold blocks); `AllBlocksCleared` goes
+        out with the next step's events, as from vLLM."""
+        return self.cache.reset_prefix_cache()
+
+    async def run(
+        self,
+        *,
+        publish: Callable[[list[KVCacheEvent]], None] | None = None,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
         """Step the engine until cancelled: schedule, sleep the step's duration on Trio's
-        clock, hand out the tokens. Idle, it waits for a request."""
+        clock, hand out the tokens, and hand `publish` the step's KV-cache events (if any).
+        Idle, it waits for a request."""
         task_status.started()
         step_cost = self.config.profile.step
         while True:
@@ -231,6 +247,8 @@ class EmulatedEngine:
             await trio.sleep(step_cost.seconds(step_shape(step)) / self.config.time_scale)
             self.steps += 1
             self._deliver(self.scheduler.update(step))
+            if (events := self.cache.take_events()) and publish is not None:
+                publish(events)
 
     def _record_scheduled(self, step: Step) -> None:
         now = self.now()

@@ -5,7 +5,9 @@ addresses: 127.0.1.1, 127.0.1.2, ... like pods) on one `--port`, or with
 `--consecutive-ports` all on `--host` at ports P, P+1, ...; each engine's base URL is printed
 on its own line once all of them serve, so scripts and the router's static discovery can
 use them. The engine flags are named as `vllm serve`'s and apply to every engine; the
-profile gives the defaults of those not given. SIGINT or SIGTERM stops the fleet.
+profile gives the defaults of those not given. `--kv-events-config` is placed for each engine
+(`KvEventsConfig.endpoints`: a wildcard endpoint binds each engine's own address). SIGINT or
+SIGTERM stops the fleet.
 """
 
 from __future__ import annotations
@@ -17,13 +19,17 @@ import random
 import signal
 import sys
 from collections.abc import Sequence
+from contextlib import ExitStack
+from functools import partial
 from typing import Any
 
 import trio
+import zmq
 
 from ..errors import ConfigError
 from .app import serve_engine
-from .engine import EmulatedEngine, EngineConfig
+from .engine import NO_KV_EVENTS, EmulatedEngine, EngineConfig
+from .kv_events import KvEventsConfig
 from .profiles import load_profile, shipped_profiles
 from .scheduler import Policy
 
@@ -87,6 +93,12 @@ def add_emulate_parser(commands: Any) -> None:
         help="default: on",
     )
     vllm.add_argument("--scheduling-policy", choices=[p.value for p in Policy], default="fcfs")
+    vllm.add_argument(
+        "--kv-events-config",
+        metavar="JSON",
+        help='as vllm serve\'s, e.g. \'{"enable_kv_cache_events": true, "endpoint": '
+        '"tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\' (default: none)',
+    )
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -102,6 +114,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         policy=Policy(args.scheduling_policy),
         time_scale=args.time_scale,
+        kv_events=KvEventsConfig.parse(args.kv_events_config)
+        if args.kv_events_config
+        else NO_KV_EVENTS,
     )
 
 
@@ -131,17 +146,28 @@ async def serve_fleet(
     configs: Sequence[EngineConfig],
     addresses: Sequence[tuple[str, int]],
     *,
+    consecutive_ports: bool = False,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve one engine per config at the address beside it until cancelled; reports their
-    URLs, in order, once all serve. Cancellation stops every engine."""
-    async with trio.open_nursery() as nursery:
-        urls: list[str] = []
-        for config, (host, port) in zip(configs, addresses, strict=True):
-            engine = EmulatedEngine(config, rng=random.Random())
-            urls.append(await nursery.start(serve_engine, engine, host, port))
-            logger.info("engine %d (%s) serves at %s", len(urls), config.profile.name, urls[-1])
-        task_status.started(urls)
+    URLs, in order, once all serve. Cancellation stops every engine. Engines that publish
+    KV-cache events share one ZMQ context, ended with the fleet; each one's endpoints are
+    placed for its address (`KvEventsConfig.endpoints`; `consecutive_ports`: the fleet's
+    engines share one address, so each binds the next port)."""
+    with ExitStack() as stack:
+        context: zmq.Context[zmq.Socket[bytes]] | None = None
+        if any(config.kv_events.enabled for config in configs):
+            context = zmq.Context()
+            stack.callback(context.destroy, linger=0)
+        async with trio.open_nursery() as nursery:
+            urls: list[str] = []
+            for i, (config, (host, port)) in enumerate(zip(configs, addresses, strict=True)):
+                engine = EmulatedEngine(config, rng=random.Random())
+                where = config.kv_events.endpoints(i, host, consecutive=consecutive_ports)
+                serve = partial(serve_engine, kv_endpoints=where, zmq_context=context)
+                urls.append(await nursery.start(serve, engine, host, port))
+                logger.info("engine %d (%s) at %s", len(urls), config.profile.name, urls[-1])
+            task_status.started(urls)
 
 
 async def emulate(args: argparse.Namespace) -> None:
@@ -153,7 +179,11 @@ async def emulate(args: argparse.Namespace) -> None:
     )
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
-            urls = await nursery.start(serve_fleet, [config] * len(addresses), addresses)
+            urls = await nursery.start(
+                partial(serve_fleet, consecutive_ports=args.consecutive_ports),
+                [config] * len(addresses),
+                addresses,
+            )
             print("\n".join(urls), flush=True)
             async for signum in signals:
                 logger.info("stopping on %s", signal.Signals(signum).name)
