@@ -36,7 +36,7 @@ from .config import (
     dump_toml,
     load_config,
 )
-from .emulator.fleet import add_emulate_parser, emulate
+from .emulator.command import add_emulate_parser, emulate
 from .errors import ConfigError, RouterError
 from .table import RoutingTable
 

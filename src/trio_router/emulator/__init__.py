@@ -12,7 +12,10 @@ Trio's MockClock in tests). A module each:
   engine's events over ZMQ (PUB, and the replay ROUTER socket).
 - `openai_api`: vLLM's request and answer shapes (no I/O); `app`: the ASGI app of one
   engine and `serve_engine` (Hypercorn).
-- `fleet`: `serve_fleet` (many engines in one process) and the `trio-router emulate` command.
+- `faults`: one engine's injected fault (hang, slow, 5xx).
+- `fleet`: many engines in one process, each in its own cancel scope (`open_fleet`; kill and
+  restart); `control`: the fault-injection API over a fleet; `command`: the
+  `trio-router emulate` command.
 
 docs/emulator.md says what each reproduces of vLLM, where it departs, and what is not yet done.
 """

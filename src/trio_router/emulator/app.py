@@ -7,7 +7,8 @@ GET /health (200, empty), /v1/models, /version, /metrics; POST /v1/chat/completi
 (vLLM serves it in its development mode). Errors are vLLM's JSON bodies, also for a request
 that asked for a stream. A client that goes away aborts its request at once (its blocks are
 freed, and no success is counted). With KV-cache events configured, `serve_engine` publishes
-them (`kv_publisher`) for as long as the engine runs.
+them (`kv_publisher`) for as long as the engine runs. An injected fault (`faults`) holds every
+request unanswered (hang) or answers it with 500 or 503.
 """
 
 from __future__ import annotations
@@ -85,6 +86,13 @@ class EngineApp:
                 break
         method, path = scope["method"], scope["path"]
         send = _finishing_quietly(send)
+        faults = self.engine.faults
+        await faults.wait_answering()  # hung: the request is read, and left unanswered
+        if faults.error_status:
+            status = faults.error_status
+            reason = f"the engine is failing (injected fault: {status})"
+            await _send_json(send, status, error_body(status, reason))
+            return
         if method == "GET" and path in _GETS:
             await self._get(path, send)
         elif path in _GETS or path in _POSTS:

@@ -18,6 +18,7 @@ from typing import Any, Final
 import trio
 
 from ..errors import ConfigError
+from .faults import Faults
 from .kv_cache import KVCache
 from .kv_events import KVCacheEvent, KvEventsConfig
 from .metrics import EngineStats, Gauges, render_metrics
@@ -164,6 +165,7 @@ class EmulatedEngine:
         )
         self.scheduler = Scheduler(limits, self.cache, self._sample)
         self.stats = EngineStats()
+        self.faults = Faults()
         self.steps = 0
         self._rng = rng or random.Random()
         self._generations: dict[str, Generation] = {}
@@ -232,10 +234,14 @@ class EmulatedEngine:
     ) -> None:
         """Step the engine until cancelled: schedule, sleep the step's duration on Trio's
         clock, hand out the tokens, and hand `publish` the step's KV-cache events (if any).
-        Idle, it waits for a request."""
+        Idle, it waits for a request; hung (`faults`), for the hang to be lifted; slowed,
+        each step sleeps that many times longer."""
         task_status.started()
-        step_cost = self.config.profile.step
+        step_cost, faults = self.config.profile.step, self.faults
         while True:
+            if faults.hung:  # no step until the hang is lifted
+                await faults.wait_answering()
+                continue
             step = self.scheduler.schedule() if self.scheduler.has_work() else Step()
             if not step.scheduled:
                 if step.preempted:  # a step of preemptions only: schedule again at once
@@ -244,7 +250,8 @@ class EmulatedEngine:
                     await self._work.wait()
                 continue
             self._record_scheduled(step)
-            await trio.sleep(step_cost.seconds(step_shape(step)) / self.config.time_scale)
+            seconds = step_cost.seconds(step_shape(step)) * faults.slow_factor
+            await trio.sleep(seconds / self.config.time_scale)
             self.steps += 1
             self._deliver(self.scheduler.update(step))
             if (events := self.cache.take_events()) and publish is not None:
