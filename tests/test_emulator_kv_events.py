@@ -26,7 +26,7 @@ from trio_router import server
 from trio_router.discovery.stats import parse_vllm_metrics
 from trio_router.emulator.app import serve_engine
 from trio_router.emulator.engine import EmulatedEngine, EngineConfig
-from trio_router.emulator.fleet import fleet_addresses, serve_fleet
+from trio_router.emulator.fleet import fleet_addresses, open_fleet, serve_fleet
 from trio_router.emulator.kv_cache import hash_block
 from trio_router.emulator.kv_events import KvEndpoints, KvEventsConfig
 from trio_router.emulator.profiles import load_profile
@@ -323,3 +323,27 @@ async def test_a_late_subscription_learns_the_cache_from_the_replay_socket() -> 
             await nursery.start(run)
             await until(index, lambda: held(table, index, tokens).get(url, 0) == len(tokens) // 16)
             nursery.cancel_scope.cancel()
+
+
+async def test_a_killed_engine_served_again_publishes_from_sequence_0() -> None:
+    """Kill and recover (a restarted pod): the fresh engine binds the same endpoints again
+    (once ZMQ has released them) and numbers its batches from 0, with an empty buffer."""
+    port, replay_port = free_ports(HOSTS[:1], 2)
+    config = EngineConfig.from_profile(
+        load_profile("h100"), time_scale=100.0, kv_events=events_config(port, replay_port)
+    )
+    addresses = fleet_addresses(HOSTS[0], 0, 1, consecutive_ports=False)
+    endpoint = f"tcp://{HOSTS[0]}:{replay_port}"
+    body = {"prompt": words("w", 40), "max_tokens": 1}
+    with trio.fail_after(LIMIT):
+        async with open_fleet([config], addresses) as fleet, httpx.AsyncClient() as client:
+            for _ in range(2):
+                reply = await client.post(f"{fleet.urls[0]}/v1/completions", json=body)
+                assert reply.status_code == 200
+            assert len(await replay(endpoint, 0)) == 2  # one batch (the hit adds none), the end
+            fleet.kill(0)
+            await fleet.restart(0)
+            reply = await client.post(f"{fleet.urls[0]}/v1/completions", json=body)
+            assert reply.status_code == 200
+            answers = await replay(endpoint, 0)
+    assert [frames[2] for frames in answers] == [_SEQ.pack(0), _SEQ.pack(-1)]

@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 _SEQ: Final = struct.Struct(">q")
 _END: Final = _SEQ.pack(-1)
+BIND_RETRY_S: Final = 2.0  # how long an endpoint in use is tried again (see _bind)
 
 
 class KvPublisher:
@@ -87,13 +88,13 @@ async def open_kv_publisher(
     try:
         try:
             if where.bind:
-                publisher.bind(where.publish)
+                await _bind(publisher, where.publish)
             else:
                 publisher.connect(where.publish)
             if where.replay is not None:
                 replay = context.socket(zmq.ROUTER)
                 replay.setsockopt(zmq.LINGER, 0)
-                replay.bind(where.replay)
+                await _bind(replay, where.replay)
         except zmq.ZMQError as exc:
             raise OSError(
                 f"cannot open the KV-event sockets at {where.publish} (replay {where.replay}): "
@@ -110,6 +111,22 @@ async def open_kv_publisher(
         publisher.close(linger=0)
         if replay is not None:
             replay.close(linger=0)
+
+
+async def _bind(sock: zmq.Socket[bytes], endpoint: str) -> None:
+    """Bind `endpoint`, trying again for up to BIND_RETRY_S while it is in use: the sockets of
+    an engine this one replaces (a restart after a kill) are released by ZMQ's I/O thread
+    some time after their close returns, and nothing signals when."""
+    with trio.move_on_after(BIND_RETRY_S):
+        while True:
+            try:
+                sock.bind(endpoint)
+                return
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EADDRINUSE:
+                    raise
+            await trio.sleep(BIND_RETRY_S / 100)
+    sock.bind(endpoint)  # the last try: its error is the caller's
 
 
 async def _answer_replays(kv: KvPublisher, replay: zmq.Socket[bytes]) -> None:
