@@ -6,8 +6,9 @@ addresses: 127.0.1.1, 127.0.1.2, ... like pods) on one `--port`, or with
 `--consecutive-ports` all on `--host` at ports P, P+1, ...; each engine's base URL is printed
 on its own line once all of them serve, so scripts and the router's static discovery can
 use them. The engine flags apply to every engine; the profile gives the defaults of those not
-given. `--control-port` serves the fault-injection API (`control`). SIGINT or SIGTERM stops
-the fleet.
+given. `--control-port` serves the fault-injection API (`control`); `--kubernetes` a fake
+Kubernetes API server with a pod per engine (`kubernetes`). SIGINT or SIGTERM stops the
+fleet.
 """
 
 from __future__ import annotations
@@ -16,13 +17,17 @@ import argparse
 import logging
 import signal
 import sys
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 import trio
 
+from ..errors import ConfigError
 from .control import serve_control
 from .engine import NO_KV_EVENTS, EngineConfig
 from .fleet import fleet_addresses, open_fleet
+from .kubernetes import serve_pods
 from .kv_events import KvEventsConfig
 from .profiles import load_profile, shipped_profiles
 from .scheduler import Policy
@@ -73,6 +78,20 @@ def add_emulate_parser(commands: Any) -> None:
         "--control-host",
         default="127.0.0.1",
         help="the fault-injection API's address (default: 127.0.0.1)",
+    )
+    kubernetes = emulate.add_argument_group("kubernetes")
+    kubernetes.add_argument(
+        "--kubernetes",
+        action="store_true",
+        help="also serve a fake Kubernetes API server with a Ready pod per engine; its "
+        "kubeconfig's path is logged on stderr",
+    )
+    kubernetes.add_argument("--namespace", default="default", help="the pods' (default: default)")
+    kubernetes.add_argument(
+        "--kubeconfig",
+        type=Path,
+        metavar="FILE",
+        help="write the kubeconfig here (default: a temporary file, removed on exit)",
     )
     fleet.add_argument(
         "--log-level",
@@ -133,6 +152,8 @@ async def emulate(args: argparse.Namespace) -> None:
     addresses = fleet_addresses(
         args.host, args.port, args.engines, consecutive_ports=args.consecutive_ports
     )
+    if args.kubernetes and args.consecutive_ports:
+        raise ConfigError("--kubernetes needs one address per engine (not --consecutive-ports)")
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         fleet_of = open_fleet(
             [config] * len(addresses), addresses, consecutive_ports=args.consecutive_ports
@@ -143,6 +164,12 @@ async def emulate(args: argparse.Namespace) -> None:
                     serve_control, fleet, args.control_host, args.control_port
                 )
                 print(f"fault control at {control}/emulator/fault", file=sys.stderr, flush=True)
+            if args.kubernetes:
+                serve = partial(
+                    serve_pods, fleet.urls, namespace=args.namespace, kubeconfig=args.kubeconfig
+                )
+                pods = await nursery.start(serve)
+                print(pods.describe(), file=sys.stderr, flush=True)
             print("\n".join(fleet.urls), flush=True)
             async for signum in signals:
                 logger.info("stopping on %s", signal.Signals(signum).name)

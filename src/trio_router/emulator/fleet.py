@@ -142,18 +142,23 @@ async def open_fleet(
     consecutive_ports: bool = False,
 ) -> AsyncIterator[Fleet]:
     """Serve one engine per config at the address beside it; yields once all serve, and
-    stops every engine when the block ends. `consecutive_ports`: the engines share one
-    address, so each binds the next KV-event port. Raises OSError if an address is taken."""
+    stops every engine when the block ends. Engines on addresses of their own at port 0 all
+    take the port the first one got (one port, as pods). `consecutive_ports`: the engines
+    share one address, so each binds the next KV-event port. Raises OSError if an address
+    is taken."""
     with ExitStack() as stack:
         context: zmq.Context[zmq.Socket[bytes]] | None = None
         if any(config.kv_events.enabled for config in configs):
             context = zmq.Context()
             stack.callback(context.destroy, linger=0)
         async with trio.open_nursery() as nursery:
-            fleet = Fleet(nursery, context)
+            fleet, shared = Fleet(nursery, context), 0
             for i, (config, (host, port)) in enumerate(zip(configs, addresses, strict=True)):
                 where = config.kv_events.endpoints(i, host, consecutive=consecutive_ports)
+                if not consecutive_ports and port == 0:
+                    port = shared  # one port on every address, as pods: the first one's
                 url = await fleet.add(config, host, port, where)
+                shared = shared or (urlsplit(url).port or 0)
                 logger.info("engine %d (%s) at %s", i, config.profile.name, url)
             yield fleet
             nursery.cancel_scope.cancel(reason="fleet closed")
