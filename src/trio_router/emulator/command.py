@@ -44,7 +44,27 @@ def add_emulate_parser(commands: Any) -> None:
         help="serve emulated vLLM engines (vLLM's scheduler and prefix cache, a GPU's timing)",
         description="Serve N emulated vLLM engines in one process; print each base URL.",
     )
-    fleet = emulate.add_argument_group("fleet")
+    _add_fleet_flags(emulate.add_argument_group("fleet"))
+    _add_engine_flags(
+        emulate.add_argument_group("engine (as vllm serve's flags; default: the profile's)")
+    )
+    kubernetes = emulate.add_argument_group("kubernetes")
+    kubernetes.add_argument(
+        "--kubernetes",
+        action="store_true",
+        help="also serve a fake Kubernetes API server with a Ready pod per engine; its "
+        "kubeconfig's path is logged on stderr",
+    )
+    kubernetes.add_argument("--namespace", default="default", help="the pods' (default: default)")
+    kubernetes.add_argument(
+        "--kubeconfig",
+        type=Path,
+        metavar="FILE",
+        help="write the kubeconfig here (default: a temporary file, removed on exit)",
+    )
+
+
+def _add_fleet_flags(fleet: Any) -> None:
     fleet.add_argument("--engines", type=int, default=1, metavar="N", help="default: 1")
     fleet.add_argument(
         "--host", default="127.0.1.1", help="the first engine's address (default: 127.0.1.1)"
@@ -79,20 +99,6 @@ def add_emulate_parser(commands: Any) -> None:
         default="127.0.0.1",
         help="the fault-injection API's address (default: 127.0.0.1)",
     )
-    kubernetes = emulate.add_argument_group("kubernetes")
-    kubernetes.add_argument(
-        "--kubernetes",
-        action="store_true",
-        help="also serve a fake Kubernetes API server with a Ready pod per engine; its "
-        "kubeconfig's path is logged on stderr",
-    )
-    kubernetes.add_argument("--namespace", default="default", help="the pods' (default: default)")
-    kubernetes.add_argument(
-        "--kubeconfig",
-        type=Path,
-        metavar="FILE",
-        help="write the kubeconfig here (default: a temporary file, removed on exit)",
-    )
     fleet.add_argument(
         "--log-level",
         choices=("debug", "info", "warning", "error"),
@@ -100,7 +106,9 @@ def add_emulate_parser(commands: Any) -> None:
         dest="emulate_log_level",
         help="default: warning",
     )
-    vllm = emulate.add_argument_group("engine (as vllm serve's flags; default: the profile's)")
+
+
+def _add_engine_flags(vllm: Any) -> None:
     vllm.add_argument("--served-model-name", metavar="NAME")
     for flag in (
         "--block-size",
