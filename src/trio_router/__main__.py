@@ -186,6 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run_reporting_errors(partial(_demo, engines=engines, port=args.port))
     if args.command == "emulate":
         _configure_logging(args.emulate_log_level)
+        raise_open_files_limit()  # a fleet holds a connection per stream it serves
         return _run_reporting_errors(partial(emulate, args))
     if args.config is None:
         parser.error("--config FILE is required to serve (or use check-config / demo)")

@@ -232,15 +232,23 @@ class EmulatedEngine:
         publish: Callable[[list[KVCacheEvent]], None] | None = None,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Step the engine until cancelled: schedule, sleep the step's duration on Trio's
+        """Step the engine until cancelled: schedule, sleep until the step's end on Trio's
         clock, hand out the tokens, and hand `publish` the step's KV-cache events (if any).
         Idle, it waits for a request; hung (`faults`), for the hang to be lifted; slowed,
-        each step sleeps that many times longer."""
+        each step lasts that many times longer.
+
+        Steps follow one another on the engine's own timeline: a busy engine's next step
+        starts when its last one ended, not when this task got to run again, so that a wake-up
+        delayed by the other engines of the process (by less than a step) does not lengthen
+        the emulated time. A longer delay is not made up: the step starts late, and the
+        latencies show it. A step never starts before the requests it admits arrived."""
         task_status.started()
         step_cost, faults = self.config.profile.step, self.faults
+        timeline = trio.current_time()  # when the last step ended (Trio's clock)
         while True:
             if faults.hung:  # no step until the hang is lifted
                 await faults.wait_answering()
+                timeline = trio.current_time()
                 continue
             step = self.scheduler.schedule() if self.scheduler.has_work() else Step()
             if not step.scheduled:
@@ -248,25 +256,38 @@ class EmulatedEngine:
                     await trio.lowlevel.checkpoint()
                 else:
                     await self._work.wait()
+                    timeline = trio.current_time()  # idle until now
                 continue
-            self._record_scheduled(step)
-            seconds = step_cost.seconds(step_shape(step)) * faults.slow_factor
-            await trio.sleep(seconds / self.config.time_scale)
+            duration = step_cost.seconds(step_shape(step)) * faults.slow_factor
+            start = self._start_of(step, timeline, duration / self.config.time_scale)
+            self._record_scheduled(step, start * self.config.time_scale)
+            timeline = start + duration / self.config.time_scale
+            await trio.sleep_until(timeline)
             self.steps += 1
-            self._deliver(self.scheduler.update(step))
+            self._deliver(self.scheduler.update(step), timeline * self.config.time_scale)
             if (events := self.cache.take_events()) and publish is not None:
                 publish(events)
 
-    def _record_scheduled(self, step: Step) -> None:
-        now = self.now()
+    def _start_of(self, step: Step, timeline: float, duration: float) -> float:
+        """When `step` starts on Trio's clock (see `run`): at `timeline` unless this task
+        woke more than `duration` later, and never before an admitted request arrived."""
+        now = trio.current_time()
+        start = timeline if now - timeline < duration else now
+        if step.admitted:
+            newest = max(request.arrival_time for request in step.admitted)
+            start = max(start, newest / self.config.time_scale)
+        return start
+
+    def _record_scheduled(self, step: Step, now: float) -> None:
         for request in step.admitted:
             generation = self._generations.get(request.request_id)
             if generation is not None and not generation.scheduled:
                 generation.scheduled = True
                 self.stats.queue.observe(now - request.arrival_time)
 
-    def _deliver(self, outputs: list[StepOutput]) -> None:
-        now, stats = self.now(), self.stats
+    def _deliver(self, outputs: list[StepOutput], now: float) -> None:
+        """Hand each request its token at `now` (emulated seconds: the step's end)."""
+        stats = self.stats
         for output in outputs:
             request = output.request
             generation = self._generations.get(request.request_id)
