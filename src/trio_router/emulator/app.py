@@ -1,5 +1,6 @@
 """The HTTP surface of an emulated engine, as vLLM 0.32's OpenAI server shows it to routers
-and dashboards: an ASGI app (`EngineApp`) and serving it with Hypercorn (`serve_engine`).
+and dashboards: an ASGI app (`EngineApp`) and serving it (`serve_engine`, over the lean HTTP/1.1
+server of `http_server`).
 
 GET /health (200, empty), /v1/models, /version, /metrics; POST /v1/chat/completions and
 /v1/completions (a JSON body, or server-sent events, one per HTTP chunk, ending with
@@ -14,20 +15,17 @@ request unanswered (hang) or answers it with 500 or 503.
 from __future__ import annotations
 
 import json
-import logging
 import time
-from collections.abc import Awaitable, Callable
-from contextlib import AsyncExitStack, suppress
+from contextlib import AsyncExitStack
 from functools import partial
 from typing import Any, Final
 
-import hypercorn.config
-import hypercorn.trio
 import trio
 import zmq
 
-from ..asgi import Message, Receive, Scope, Send, answer_lifespan
+from ..asgi import Receive, Scope, Send, answer_lifespan
 from .engine import EmulatedEngine, Generation
+from .http_server import serve_asgi
 from .kv_events import KvEndpoints
 from .kv_publisher import open_kv_publisher
 from .openai_api import (
@@ -85,7 +83,6 @@ class EngineApp:
             if not message.get("more_body", False):
                 break
         method, path = scope["method"], scope["path"]
-        send = _finishing_quietly(send)
         faults = self.engine.faults
         await faults.wait_answering()  # hung: the request is read, and left unanswered
         if faults.error_status:
@@ -244,21 +241,6 @@ class EngineApp:
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-def _finishing_quietly(send: Send) -> Send:
-    """`send`, where the last (empty or whole) body message may meet a connection its
-    client has just closed: Hypercorn's trio worker then closes it outside its send lock, and
-    the write fails with BusyResourceError. The client has its answer: not an error."""
-
-    async def finishing(message: Message) -> None:
-        if message["type"] == "http.response.body" and not message.get("more_body"):
-            with suppress(trio.BusyResourceError):
-                await send(message)
-            return
-        await send(message)
-
-    return finishing
-
-
 async def send_chunk(send: Send, data: bytes) -> None:
     """One HTTP chunk of a stream."""
     await send({"type": "http.response.body", "body": data, "more_body": True})
@@ -271,19 +253,6 @@ async def _watch_disconnect(receive: Receive, scope: trio.CancelScope) -> None:
     scope.cancel(reason="client disconnected")
 
 
-def hypercorn_config(host: str, port: int) -> hypercorn.config.Config:
-    """Hypercorn's settings for an engine on `host:port` (like vLLM's uvicorn: a deep
-    backlog, no per-connection request cap, no access log)."""
-    config = hypercorn.config.Config()
-    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
-    config.accesslog = None
-    config.errorlog = logging.getLogger(f"{__name__}.hypercorn")
-    config.graceful_timeout = 0.5
-    config.backlog = 2048
-    config.keep_alive_max_requests = 1 << 30
-    return config
-
-
 async def serve_engine(
     engine: EmulatedEngine,
     host: str = "127.0.0.1",
@@ -293,8 +262,8 @@ async def serve_engine(
     zmq_context: zmq.Context[zmq.Socket[bytes]] | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Run `engine` and serve it over HTTP/1.1 until cancelled. Reports the bound URL
-    ("http://127.0.1.3:8000") once it accepts connections; cancellation stops the engine,
+    """Run `engine` and serve it over HTTP/1.1 (`http_server`) until cancelled. Reports the
+    bound URL ("http://127.0.1.3:8000") once it accepts connections; cancellation stops the engine,
     closes the listener and every connection. With KV-cache events in its config, they are
     published at `kv_endpoints` (by default the config's endpoints as given) on sockets of
     `zmq_context` (a fleet shares one; by default one of its own, closed with it); an
@@ -311,9 +280,5 @@ async def serve_engine(
             publish = kv.publish
         async with trio.open_nursery() as nursery:
             await nursery.start(partial(engine.run, publish=publish))
-            serve: Callable[..., Awaitable[None]] = hypercorn.trio.serve
-            config = hypercorn_config(host, port)
-            urls: list[str] = await nursery.start(
-                partial(serve, app, config, shutdown_trigger=trio.sleep_forever)
-            )
-            task_status.started(urls[0])
+            url = await nursery.start(serve_asgi, app, host, port)
+            task_status.started(url)

@@ -19,17 +19,14 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Awaitable, Callable
-from functools import partial
 from typing import Any, Final
 
-import hypercorn.trio
 import trio
 
 from ..asgi import Receive, Scope, Send, answer_lifespan
-from .app import hypercorn_config
 from .faults import ERROR_STATUSES, Fault, Faults
 from .fleet import Fleet
+from .http_server import serve_asgi
 
 __all__ = ["ControlApp", "serve_control"]
 
@@ -149,10 +146,4 @@ async def serve_control(
 ) -> None:
     """Serve the fault-injection API over `fleet` until cancelled; reports its URL once it
     accepts connections."""
-    app: Any = ControlApp(fleet)  # plain-dict ASGI typing, not hypercorn's TypedDicts
-    serve: Callable[..., Awaitable[None]] = hypercorn.trio.serve
-    async with trio.open_nursery() as nursery:
-        urls: list[str] = await nursery.start(
-            partial(serve, app, hypercorn_config(host, port), shutdown_trigger=trio.sleep_forever)
-        )
-        task_status.started(urls[0])
+    await serve_asgi(ControlApp(fleet), host, port, task_status=task_status)
