@@ -10,11 +10,17 @@ from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any, Final
 
+import h11
 import trio
 
-from trio_router.emulator.http_server import serve_asgi
+from trio_router.emulator.http_server import DIRECT_WRITE, serve_asgi
 
 LIMIT: Final = 10.0
+FLOOD: Final = 200  # chunks of 64 KiB: more than the socket buffers take
+
+
+def chunk(i: int) -> bytes:
+    return b"%08d" % i * 8192
 
 
 class App:
@@ -23,11 +29,29 @@ class App:
 
     def __init__(self) -> None:
         self.left = trio.Event()
+        self.direct = 0  # chunks written with write_now
+
+    async def flood(self, direct: Any, send: Any) -> None:
+        """Chunks 0..FLOOD-1 written at once while the connection takes them (the client is
+        not reading yet, so it soon cannot), the rest sent; then the end."""
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": chunk(0), "more_body": True})
+        n = 1
+        while n < FLOOD and direct.ready_now():
+            direct.write_now(chunk(n))
+            n += 1
+        self.direct = n - 1
+        for i in range(n, FLOOD):
+            await send({"type": "http.response.body", "body": chunk(i), "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         body = (await receive())["body"]
         if scope["path"] == "/fail":
             raise RuntimeError("the app failed")
+        if scope["path"] == "/flood":
+            await self.flood(scope["extensions"][DIRECT_WRITE], send)
+            return
         if scope["path"] == "/stream":
             await send({"type": "http.response.start", "status": 200, "headers": []})
             await send({"type": "http.response.body", "body": b"first", "more_body": True})
@@ -116,3 +140,22 @@ async def test_a_failing_app_and_a_bad_client_end_only_their_connection() -> Non
         async with await connect(port) as fine:
             await fine.send_all(post("/echo", b"still here"))
             assert (await read_until(fine, b"still here")).startswith(b"HTTP/1.1 200")
+
+
+async def test_chunks_written_at_once_keep_their_order_when_the_socket_is_full() -> None:
+    """Written straight to the socket until it takes no more (the rest kept and written
+    before the next `send`), then sent: the client reads every chunk, in order, as one
+    well-formed chunked body."""
+    async with serving() as (app, port), await connect(port) as stream:
+        await stream.send_all(post("/flood", b""))
+        connection = h11.Connection(h11.CLIENT)
+        connection.send(h11.Request(method="POST", target="/flood", headers=[("host", "x")]))
+        connection.send(h11.EndOfMessage())
+        body = bytearray()
+        while not isinstance(event := connection.next_event(), h11.EndOfMessage):
+            if event is h11.NEED_DATA:
+                connection.receive_data(await stream.receive_some())
+            elif isinstance(event, h11.Data):
+                body += event.data
+    assert bytes(body) == b"".join(chunk(i) for i in range(FLOOD))
+    assert 0 < app.direct < FLOOD - 1  # some written at once, then the socket was full

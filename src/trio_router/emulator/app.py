@@ -25,7 +25,7 @@ import zmq
 
 from ..asgi import Receive, Scope, Send, answer_lifespan
 from .engine import EmulatedEngine, Generation
-from .http_server import serve_asgi
+from .http_server import DIRECT_WRITE, serve_asgi
 from .kv_events import KvEndpoints
 from .kv_publisher import open_kv_publisher
 from .openai_api import (
@@ -96,7 +96,8 @@ class EngineApp:
             if method != "POST" or path in _GETS:
                 await _send_json(send, 405, {"detail": "Method Not Allowed"})
             else:
-                await self._post(path, bytes(body), receive, send)
+                extensions = scope.get("extensions") or {}
+                await self._post(path, bytes(body), receive, send, extensions)
         else:
             await _send_json(send, 404, {"detail": "Not Found"})
 
@@ -142,7 +143,9 @@ class EngineApp:
         }
         return {"object": "list", "data": [card]}
 
-    async def _post(self, path: str, raw: bytes, receive: Receive, send: Send) -> None:
+    async def _post(
+        self, path: str, raw: bytes, receive: Receive, send: Send, extensions: dict[str, Any]
+    ) -> None:
         if path == "/reset_prefix_cache":  # no body: vLLM's takes query parameters only
             await _send_json(send, 200, {"success": self.engine.reset_prefix_cache()})
             return
@@ -158,7 +161,8 @@ class EngineApp:
         elif path == "/detokenize":
             await self._detokenize(body, send)
         else:
-            await self._generate(body, receive, send, chat=_GENERATION[path])
+            chat = _GENERATION[path]
+            await self._generate(body, receive, send, chat=chat, extensions=extensions)
 
     async def _tokenize(self, body: dict[str, Any], send: Send) -> None:
         engine = self.engine
@@ -194,9 +198,17 @@ class EngineApp:
         await _send_json(send, 200, {"prompt": engine.vocab.decode(tokens)})
 
     async def _generate(
-        self, body: dict[str, Any], receive: Receive, send: Send, *, chat: bool
+        self,
+        body: dict[str, Any],
+        receive: Receive,
+        send: Send,
+        *,
+        chat: bool,
+        extensions: dict[str, Any],
     ) -> None:
-        """Run a generation request; its client going away aborts it."""
+        """Run a generation request; its client going away aborts it. A stream's tokens go
+        straight to its connection as the engine hands them out, when its server offers
+        that (`http_server.DIRECT_WRITE`) and the connection takes them."""
         engine = self.engine
         prepared = prepare_generation(body, engine.config, engine.vocab, chat=chat)
         if isinstance(prepared, Refusal):
@@ -205,6 +217,8 @@ class EngineApp:
         generation = engine.submit(prepared.prompt, prepared.params)
         answer = Answer(prepared, engine.vocab)
         reply = self._stream if prepared.stream else self._whole
+        if prepared.stream and (direct := extensions.get(DIRECT_WRITE)) is not None:
+            generation.take_now = partial(_write_now, direct, answer)
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope)
@@ -239,6 +253,15 @@ class EngineApp:
             await chunk(answer.usage_event())
         await chunk(b"data: [DONE]\n\n")
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _write_now(direct: Any, answer: Answer, tokens: list[int]) -> bool:
+    """A stream's fast path (`Generation.take_now`): its event written at once, if its
+    connection can take it."""
+    if not direct.ready_now():
+        return False
+    direct.write_now(answer.chunk(tokens, None))
+    return True
 
 
 async def send_chunk(send: Send, data: bytes) -> None:

@@ -93,13 +93,18 @@ class SamplingParams:
 class Generation:
     """One request's output as its reader sees it: tokens not yet read, and the finish
     reason once finished. `wait()` returns what is new (several tokens if the reader fell
-    behind, as vLLM coalesces), blocking until there is something."""
+    behind, as vLLM coalesces), blocking until there is something. A reader with a fast path
+    (`take_now`) is handed each token as it comes, and woken only when that path declines
+    (its connection is busy) and at the end."""
 
     def __init__(self, request: Request) -> None:
         self.request = request
         self.finish_reason: FinishReason | None = None
         self._unread: list[int] = []
         self._changed = trio.Event()
+        # The reader's fast path, if it has one: takes new tokens at once (True), so that
+        # its task need not wake for each; False leaves them to `wait`.
+        self.take_now: Callable[[list[int]], bool] | None = None
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.scheduled = False
@@ -118,6 +123,9 @@ class Generation:
             self._unread.append(token)
         if finish is not None:
             self.finish_reason = finish
+        elif self.take_now is not None and self._unread and self.take_now(self._unread):
+            self._unread = []
+            return
         self._changed.set()
         self._changed = trio.Event()
 

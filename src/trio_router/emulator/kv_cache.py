@@ -189,6 +189,11 @@ class KVCache:
         total_computed = min(request.num_computed_tokens + len(computed) * self.block_size,
                              self.max_model_len)  # fmt: skip
         need = _cdiv(min(total_computed + num_new_tokens, self.max_model_len), self.block_size)
+        if not computed and need <= len(held):  # a decode within its blocks: nothing to take
+            self._cache_full_blocks(
+                request, min(total_computed + num_new_tokens, request.num_tokens)
+            )
+            return True
         evictable = sum(1 for b in computed if b.ref_cnt == 0)
         if max(need - len(held) - len(computed), 0) + evictable > len(self._free):
             if not held:
