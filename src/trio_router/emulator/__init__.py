@@ -11,7 +11,7 @@ Trio's MockClock in tests). A module each:
 - `kv_events`: vLLM's KV-cache events and `--kv-events-config`; `kv_publisher`: one
   engine's events over ZMQ (PUB, and the replay ROUTER socket).
 - `openai_api`: vLLM's request and answer shapes (no I/O); `app`: the ASGI app of one
-  engine and `serve_engine` (Hypercorn).
+  engine and `serve_engine`; `http_server`: the engines' own lean HTTP/1.1 server.
 - `faults`: one engine's injected fault (hang, slow, 5xx).
 - `fleet`: many engines in one process, each in its own cancel scope (`open_fleet`; kill and
   restart); `control`: the fault-injection API over a fleet; `command`: the
