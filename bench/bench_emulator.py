@@ -27,8 +27,10 @@ long system prompt, popularity 1/rank^`--skew`, plus multi-turn conversations, `
 requests in flight) through one `trio-router` process per policy in front of `--engines`
 fresh emulated engines (a new `emulate` process per policy, its engines publishing their
 KV-cache events for `kv_aware`). Reports each policy's prefix-cache hit rate (the engines' own
-counters, in tokens) and the client's TTFT p50 and p99 (streamed, converted to emulated
-seconds). Peers (production-stack's router, the Rust vllm-router) are named by
+counters, in tokens), the client's TTFT p50 and p99 (streamed, converted to emulated
+seconds: the router's and this client's own time is in them, scaled the same way) and the
+engines' own mean TTFT (`vllm:time_to_first_token_seconds`, emulated: from arrival at the
+engine). Peers (production-stack's router, the Rust vllm-router) are named by
 `--peers` when their environment is set up as `../shared/bench` describes; not here.
 
 Loopback only; every process is killed at the end; every load is bounded in time.
@@ -43,9 +45,10 @@ import random
 import re
 import signal
 import sys
+import tempfile
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
@@ -53,7 +56,8 @@ import httpx
 import trio
 
 from trio_router.emulator.profiles import StepShape, load_profile
-from trio_router.testing.processes import Output, open_command
+from trio_router.testing.processes import Output, open_command, router_url
+from trio_router.testing.vllm_engines import free_ports
 
 FIRST_HOST: Final = "127.0.1.1"
 MODEL: Final = "meta-llama/Llama-3.1-8B-Instruct"
@@ -223,6 +227,182 @@ async def bench_scale(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+# -- routing ------------------------------------------------------------------------------------
+@dataclass
+class Conversation:
+    messages: list[dict[str, str]]
+    questions: list[str]
+    lock: trio.Lock = field(default_factory=trio.Lock)  # one turn at a time
+
+
+def words(rng: random.Random, count: int) -> str:
+    return " ".join(rng.choice(_WORDS) + str(rng.randrange(100)) for _ in range(count))
+
+
+def skewed_workload(
+    args: argparse.Namespace,
+) -> tuple[list[tuple[str, list[str]]], list[Conversation], list[tuple[str, int]]]:
+    """Issue 37's shape (bench_engines.py's `make_workload`): groups sharing a long system
+    prompt, drawn with weight 1/(rank+1)^skew, and multi-turn conversations, shuffled."""
+    rng = random.Random(args.seed)
+    groups = [
+        (f"group {g}: {words(rng, args.system_words)}", [f"{words(rng, 20)}?" for _ in range(8)])
+        for g in range(args.groups)
+    ]
+    conversations = [
+        Conversation(
+            [{"role": "system", "content": words(rng, 40)}],
+            [words(rng, rng.randrange(30, 60)) for _ in range(args.turns)],
+        )
+        for _ in range(args.conversations)
+    ]
+    weights = [1 / (rank + 1) ** args.skew for rank in range(args.groups)]
+    drawn = rng.choices(range(args.groups), weights, k=args.groups * args.per_group)
+    order = [("group", g) for g in drawn]
+    order += [("chat", c) for c in range(args.conversations) for _ in range(args.turns)]
+    rng.shuffle(order)
+    return groups, conversations, order
+
+
+async def stream_chat(
+    client: httpx.AsyncClient, url: str, messages: list[dict[str, str]], max_tokens: int
+) -> tuple[float, str]:
+    """One streamed chat through the router: seconds to its first token, and its text."""
+    body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+    started, ttft = trio.current_time(), float("nan")
+    parts: list[str] = []
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as answer:
+        if answer.status_code != 200:
+            raise RuntimeError(f"HTTP {answer.status_code}: {(await answer.aread())!r}")
+        async for line in answer.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            for choice in json.loads(line[6:]).get("choices", []):
+                if content := choice.get("delta", {}).get("content"):
+                    if not parts:
+                        ttft = trio.current_time() - started
+                    parts.append(content)
+    return ttft, "".join(parts)
+
+
+async def run_skewed(
+    args: argparse.Namespace, client: httpx.AsyncClient, url: str
+) -> tuple[list[float], int]:
+    """The workload through the router at `url`, `concurrency` at a time, in order; each
+    request's TTFT (wall seconds) and the errors."""
+    groups, conversations, order = skewed_workload(args)
+    ttfts: list[float] = []
+    errors, asked = 0, [0] * len(groups)
+    limiter = trio.CapacityLimiter(args.concurrency)
+
+    async def one(kind: str, which: int) -> None:
+        nonlocal errors
+        async with limiter:
+            if kind == "group":
+                system, questions = groups[which]
+                asked[which] += 1
+                messages = [{"role": "system", "content": system},
+                            {"role": "user", "content": questions[asked[which] % 8]}]  # fmt: skip
+                try:
+                    ttfts.append((await stream_chat(client, url, messages, args.max_tokens))[0])
+                except (httpx.HTTPError, RuntimeError):
+                    errors += 1
+                return
+            talk = conversations[which]
+            async with talk.lock:
+                turn = len(talk.messages) // 2
+                talk.messages.append({"role": "user", "content": talk.questions[turn]})
+                try:
+                    ttft, text = await stream_chat(
+                        client, url, list(talk.messages), args.max_tokens
+                    )
+                    ttfts.append(ttft)
+                except (httpx.HTTPError, RuntimeError):
+                    errors, text = errors + 1, ""
+                talk.messages.append({"role": "assistant", "content": text})
+
+    async with trio.open_nursery() as nursery:
+        for kind, which in order:
+            nursery.start_soon(one, kind, which)
+            await trio.lowlevel.checkpoint()  # in order: the limiter serves first come first
+    return ttfts, errors
+
+
+def router_toml(policy: str, port: int, urls: Sequence[str], kv: tuple[int, int]) -> str:
+    listed = ", ".join(f'"{u}"' for u in urls)
+    text = (
+        f'[server]\nbind = "127.0.0.1:{port}"\ndrain_s = 1.0\naccess_log = false\n'
+        f'[routing]\npolicy = "{policy}"\nkv_block_size = 16\n'
+        f'[discovery]\nmode = "static"\n[discovery.static]\nurls = [{listed}]\n'
+        "[stats]\ninterval_s = 1.0\n"
+    )
+    if policy == "kv_aware":
+        text += f'[kv_events]\nmode = "connect"\nport = {kv[0]}\nreplay_port = {kv[1]}\n'
+    return text
+
+
+async def bench_policy(args: argparse.Namespace, policy: str, workdir: Path) -> dict[str, Any]:
+    """One policy in front of fresh emulated engines: hit rate and TTFT."""
+    port, kv_port, replay_port = free_ports(["127.0.0.1", FIRST_HOST], 3)
+    events = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{kv_port}",
+              "replay_endpoint": f"tcp://*:{replay_port}"}  # fmt: skip
+    extra = ["--kv-events-config", json.dumps(events)]
+    async with open_emulator(args.engines, args.time_scale, *extra) as (_, urls, _):
+        config = workdir / f"{policy}.toml"
+        config.write_text(router_toml(policy, port, urls, (kv_port, replay_port)))
+        command = [sys.executable, "-m", "trio_router", "--config", str(config)]
+        async with (
+            open_command(command) as (_, _, stderr),
+            httpx.AsyncClient(timeout=120.0) as client,
+        ):
+            with trio.fail_after(START_S):
+                url = await router_url(stderr, engines=args.engines)
+            before = await scrape(client, urls)
+            started = trio.current_time()
+            ttfts, errors = await run_skewed(args, client, url)
+            seconds = trio.current_time() - started
+            after = await scrape(client, urls)
+    hits = after["vllm:prefix_cache_hits_total"] - before.get("vllm:prefix_cache_hits_total", 0)
+    queries = after["vllm:prefix_cache_queries_total"] - before.get(
+        "vllm:prefix_cache_queries_total", 0
+    )
+    engine_ttft = (
+        after["vllm:time_to_first_token_seconds_sum"]
+        - before.get("vllm:time_to_first_token_seconds_sum", 0)
+    ) / max(
+        1.0,
+        after["vllm:time_to_first_token_seconds_count"]
+        - before.get("vllm:time_to_first_token_seconds_count", 0),
+    )
+    emulated = sorted(t * args.time_scale for t in ttfts if t == t)
+    return {
+        "policy": policy,
+        "requests": len(ttfts) + errors,
+        "errors": errors,
+        "hit_rate": round(hits / queries, 4) if queries else None,
+        "ttft_p50_ms": round(percentile(emulated, 50) * 1000, 1),
+        "ttft_p99_ms": round(percentile(emulated, 99) * 1000, 1),
+        "engine_ttft_mean_ms": round(engine_ttft * 1000, 1),
+        "wall_s": round(seconds, 1),
+    }
+
+
+def percentile(ordered: Sequence[float], p: float) -> float:
+    if not ordered:
+        return float("nan")
+    return ordered[max(0, min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1))))]
+
+
+async def bench_routing(args: argparse.Namespace) -> dict[str, Any]:
+    results = []
+    with tempfile.TemporaryDirectory() as workdir:
+        for policy in args.policies.split(","):
+            results.append(await bench_policy(args, policy, Path(workdir)))
+            print(json.dumps(results[-1]), flush=True)
+    return {"engines": args.engines, "time_scale": args.time_scale, "results": results}
+
+
 # -- the command -------------------------------------------------------------------------------
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -235,14 +415,27 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     scale.add_argument("--warmup", type=float, default=10.0, help="seconds before measuring")
     scale.add_argument("--seconds", type=float, default=20.0, help="seconds measured")
     scale.add_argument("--profile-out", default="", help="run the emulator under cProfile")
-    for command in (scale,):
+    routing = commands.add_parser("routing", help="routing policies on a skewed workload")
+    routing.add_argument("--engines", type=int, default=16)
+    routing.add_argument("--time-scale", type=float, default=0.5)
+    routing.add_argument("--policies", default="round_robin,least_loaded,prefix_aware,kv_aware")
+    routing.add_argument("--groups", type=int, default=8)
+    routing.add_argument("--per-group", type=int, default=48)
+    routing.add_argument("--skew", type=float, default=1.2)
+    routing.add_argument("--system-words", type=int, default=1500)
+    routing.add_argument("--conversations", type=int, default=32)
+    routing.add_argument("--turns", type=int, default=4)
+    routing.add_argument("--concurrency", type=int, default=64)
+    routing.add_argument("--max-tokens", type=int, default=64)
+    routing.add_argument("--seed", type=int, default=0)
+    for command in (scale, routing):
         command.add_argument("--json-out", type=Path)
     return parser.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    result = trio.run(bench_scale, args)
+    result = trio.run(bench_scale if args.command == "scale" else bench_routing, args)
     print(json.dumps(result, indent=2))
     if args.json_out:
         args.json_out.write_text(json.dumps(result, indent=2))
