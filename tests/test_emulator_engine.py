@@ -177,3 +177,35 @@ def test_a_cache_too_small_for_one_request_is_refused() -> None:
         EngineConfig.from_profile(load_profile("cpu-tiny"), num_gpu_blocks=16)
     with pytest.raises(ConfigError, match="time-scale"):
         EngineConfig.from_profile(load_profile("cpu-tiny"), time_scale=0)
+
+
+@pytest.mark.parametrize(("delay", "absorbed"), [(0.6, True), (2.0, False)])
+async def test_a_late_wake_up_shorter_than_a_step_is_absorbed(
+    mock_clock: trio.testing.MockClock, delay: float, absorbed: bool
+) -> None:
+    """Other work in the process delays the engine's wake-ups (here: the clock jumps by
+    `delay` steps at odd moments, as if another task held the thread). Shorter than a step,
+    the delay is made up on the engine's own timeline and its tokens' latencies are the
+    profile's; longer, the steps start late and the latencies show it."""
+    mock_clock.autojump_threshold = 0.0
+    profile = load_profile("h100")
+    config = EngineConfig.from_profile(profile)
+    step = profile.step.seconds(  # a batch-1 decode step at about 100 tokens of context
+        StepShape(sequences=1, tokens=1, context_tokens=100, attention_pairs=100)
+    )
+    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    async with running(config) as engine, trio.open_nursery() as nursery:
+
+        async def hog() -> None:
+            while True:
+                await trio.sleep(0.77 * step)
+                mock_clock.jump(delay * step)
+
+        nursery.start_soon(hog)
+        await read_all(engine.submit(list(range(16, 116)), params))
+        nursery.cancel_scope.cancel()
+    mean = engine.stats.inter_token.sum / engine.stats.inter_token.count
+    if absorbed:
+        assert mean == pytest.approx(step, rel=0.01)
+    else:
+        assert mean > 1.5 * step

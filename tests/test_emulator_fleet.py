@@ -94,6 +94,15 @@ async def test_a_bad_profile_exits_2_with_the_reason() -> None:
     assert "unknown profile 'b200'" in stderr.text and "Traceback" not in stderr.text
 
 
+async def test_a_bad_kv_events_config_exits_2_with_the_reason() -> None:
+    args = ["emulate", "--port", "0", "--kv-events-config", '{"enable_kv_cache_event": true}']
+    with trio.fail_after(LIMIT):
+        async with open_process(*args) as (process, _, stderr):
+            code = await process.wait()
+    assert code == 2
+    assert "unknown key(s) ['enable_kv_cache_event']" in stderr.text, stderr.text
+
+
 def test_the_fleets_addresses() -> None:
     assert fleet_addresses("127.0.1.1", 8000, 3, consecutive_ports=False) == [
         ("127.0.1.1", 8000),

@@ -1,12 +1,14 @@
 """The emulator's KV cache against cases worked by hand from vLLM's block pool: hits in whole
 blocks (never the last token), the free queue's eviction order, hit blocks taken out of the
-free queue, the null block, and hit accounting in tokens."""
+free queue, the null block, hit accounting in tokens, and the KV-cache events vLLM's block
+pool queues for the same changes."""
 
 from __future__ import annotations
 
 import pytest
 
 from trio_router.emulator.kv_cache import KVCache, hash_block
+from trio_router.emulator.kv_events import AllBlocksCleared, BlockStored, removed, stored
 from trio_router.emulator.request import Request
 
 BS = 4  # block size of every case here
@@ -179,3 +181,50 @@ def test_decode_tokens_fill_and_cache_blocks() -> None:
 def test_the_cache_needs_more_than_the_null_block() -> None:
     with pytest.raises(ValueError, match="at least 2"):
         KVCache(1, BS, max_model_len=64)
+
+
+# -- KV-cache events, as vLLM's block pool queues them ---------------------------------------
+def test_events_announce_new_blocks_evictions_tail_first_and_a_reset() -> None:
+    cache = KVCache(5, BS, max_model_len=64, enable_kv_cache_events=True)  # 4 usable
+    a = request("a", list(range(9)))  # 2 full blocks and a partial one
+    admit(cache, a)
+    h1, h2 = a.block_hashes
+    assert cache.take_events() == [stored([h1, h2], None, list(range(8)), BS)]
+    assert cache.take_events() == []  # taken once
+    # A decode token that fills the partial block announces it, with its parent.
+    a.token_ids += [100, 101, 102]
+    assert cache.allocate_slots(a, 3)
+    h3 = a.block_hashes[2]
+    assert cache.take_events() == [stored([h3], h2, [8, 100, 101, 102], BS)]
+    cache.free("a")
+    # A hit is not announced again: only the request's new full block is.
+    b = request("b", [*range(8), 7, 7, 7, 7])
+    admit(cache, b)
+    (event,) = cache.take_events()
+    assert isinstance(event, BlockStored)
+    assert (event.block_hashes, event.parent_block_hash) == ([b.block_hashes[2]], h2)
+    cache.free("b")
+    # Free queue now: a's third block, b's third, then the shared 2 and 1 (LRU order): a
+    # request needing 4 blocks evicts all four, one event each, before storing its own.
+    assert cache.free_block_ids() == [3, 4, 2, 1]
+    c = request("c", list(range(200, 216)))
+    admit(cache, c)
+    events = cache.take_events()
+    assert events == [
+        *(removed(h) for h in (h3, b.block_hashes[2], h2, h1)),
+        stored(c.block_hashes, None, c.token_ids, BS),
+    ]
+    # A reset while blocks are held fails; once free, it clears everything.
+    assert not cache.reset_prefix_cache()
+    cache.free("c")
+    assert cache.reset_prefix_cache()
+    assert cache.take_events() == [AllBlocksCleared()]
+    assert cache.cached_hashes() == set()
+
+
+def test_without_events_enabled_nothing_is_queued() -> None:
+    cache = KVCache(16, BS, max_model_len=64)
+    admit(cache, request("a", list(range(10))))
+    cache.free("a")
+    assert cache.reset_prefix_cache()
+    assert cache.take_events() == []

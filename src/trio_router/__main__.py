@@ -36,7 +36,7 @@ from .config import (
     dump_toml,
     load_config,
 )
-from .emulator.fleet import add_emulate_parser, emulate
+from .emulator.command import add_emulate_parser, emulate
 from .errors import ConfigError, RouterError
 from .table import RoutingTable
 
@@ -72,7 +72,24 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("file", metavar="FILE")
     demo = commands.add_parser("demo", help="run fake engines and the router on loopback")
     demo.add_argument(
-        "--engines", type=int, default=2, metavar="N", help="number of fake engines (default: 2)"
+        "--engines",
+        type=int,
+        metavar="N",
+        help="number of engines (default: 2 fake ones; 4 with --profile)",
+    )
+    demo.add_argument(
+        "--profile",
+        metavar="NAME|FILE",
+        help="emulated engines of this profile (h100, a100, cpu-tiny or a TOML file) instead "
+        "of fake ones; the routing policies are compared on them first",
+    )
+    demo.add_argument(
+        "--time-scale",
+        type=float,
+        default=0.25,
+        metavar="S",
+        help="with --profile: emulated seconds per wall-clock second (default: 0.25, so that "
+        "this process's own work is small beside the emulated GPUs' time)",
     )
     demo.add_argument(
         "--port",
@@ -151,14 +168,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "check-config":
         return _check_config(args.file)
     if args.command == "demo":
-        if not 1 <= args.engines <= 64:
+        engines = args.engines or (2 if args.profile is None else 4)
+        if not 1 <= engines <= 64:
             parser.error("--engines must be 1..64")
         if not 0 <= args.port <= 65535:
             parser.error("--port must be 0..65535")
         _configure_logging(args.demo_log_level)
-        return _run_reporting_errors(partial(_demo, engines=args.engines, port=args.port))
+        if args.profile is not None:
+            emulated = partial(
+                _emulated_demo,
+                profile=args.profile,
+                engines=engines,
+                port=args.port,
+                time_scale=args.time_scale,
+            )
+            return _run_reporting_errors(emulated)
+        return _run_reporting_errors(partial(_demo, engines=engines, port=args.port))
     if args.command == "emulate":
         _configure_logging(args.emulate_log_level)
+        raise_open_files_limit()  # a fleet holds a connection per stream it serves
         return _run_reporting_errors(partial(emulate, args))
     if args.config is None:
         parser.error("--config FILE is required to serve (or use check-config / demo)")
@@ -239,14 +267,17 @@ def demo_config(urls: Sequence[str], *, port: int) -> Config:
     )
 
 
-def demo_instructions(router_url: str) -> str:
+def demo_instructions(
+    router_url: str, *, model: str = DEMO_MODEL, adapter: str | None = DEMO_ADAPTER
+) -> str:
     """What the demo prints: a curl command and an openai SDK snippet that work as shown."""
-    body = '{"model": "' + DEMO_MODEL + '", "messages": [{"role": "user", "content": "Hello!"}]}'
+    body = '{"model": "' + model + '", "messages": [{"role": "user", "content": "Hello!"}]}'
     stream_body = body[:-1] + ', "stream": true}'
+    models = f"{model} and its LoRA adapter {adapter}" if adapter else model
     return f"""\
 router: {router_url}
 
-Send a chat completion (answered by one of the fake engines; see the
+Send a chat completion (answered by one of the engines; see the
 x-trio-router-engine response header):
 
   curl -i {router_url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'
@@ -260,12 +291,12 @@ Or with the openai SDK (pip install openai), pasted into python3 as it is:
 from openai import OpenAI
 client = OpenAI(base_url="{router_url}/v1", api_key="unused")
 for chunk in client.chat.completions.create(
-        model="{DEMO_MODEL}", messages=[{{"role": "user", "content": "Hello!"}}],
+        model="{model}", messages=[{{"role": "user", "content": "Hello!"}}],
         stream=True):
     print(chunk.choices[0].delta.content or "", end="", flush=True)
 
 
-Models: {DEMO_MODEL} and its LoRA adapter {DEMO_ADAPTER}. Also try
+Models: {models}. Also try
 {router_url}/v1/models, {router_url}/engines, {router_url}/metrics.
 Press Ctrl-C to stop (in-flight requests get up to 5 s to finish).
 """
@@ -301,6 +332,37 @@ async def _demo(*, engines: int, port: int) -> None:
             print(f"trio-router demo: {engines} fake engine(s) at {', '.join(urls)}")
             print(demo_instructions(bound[0]), flush=True)
         engines_nursery.cancel_scope.cancel(reason="demo router stopped")
+
+
+async def _emulated_demo(*, profile: str, engines: int, port: int, time_scale: float) -> None:
+    """The demo on emulated engines: the routing policies compared on a workload of shared
+    prompts (`emulator.demo`), then the router with `prefix_aware` in front of the engines
+    until SIGINT/SIGTERM."""
+    from .emulator import demo as emulated
+
+    async with emulated.open_demo_fleet(profile, engines, time_scale=time_scale) as demo:
+        config = demo.config
+        workload = emulated.SharedPrefixWorkload(system_words=min(2000, config.max_model_len // 2))
+        print(
+            f"trio-router demo: {engines} emulated {config.profile.name} engine(s) at "
+            f"{', '.join(demo.fleet.urls)}\n({config.profile.description}; time scale "
+            f"{time_scale:g}: TTFT in emulated time)\n\nRouting policies compared on "
+            f"{workload.describe()}, fresh engines for each:\n\n{emulated.TABLE_HEADER}",
+            flush=True,
+        )
+        await emulated.compare_policies(
+            demo, workload, on_result=lambda r: print(emulated.result_row(r), flush=True)
+        )
+        table = RoutingTable()
+        async with trio.open_nursery() as router_nursery:
+            bound: list[str] = await router_nursery.start(
+                partial(server.run, demo.router_config("prefix_aware", port=port), table=table)
+            )
+            while len(table.routable(config.served_model_name)) < engines:
+                await table.wait_changed()
+            print("\nThe router (prefix_aware) in front of the emulated engines:")
+            print(demo_instructions(bound[0], model=config.served_model_name, adapter=None))
+            sys.stdout.flush()
 
 
 if __name__ == "__main__":

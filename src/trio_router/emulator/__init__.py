@@ -8,9 +8,14 @@ Trio's MockClock in tests). A module each:
 - `tokens`: the deterministic tokenizer, chat template and next-token function.
 - `engine`: one engine on Trio's clock (`EmulatedEngine.run` steps it); `metrics`: its
   counters and GET /metrics in vLLM's format.
+- `kv_events`: vLLM's KV-cache events and `--kv-events-config`; `kv_publisher`: one
+  engine's events over ZMQ (PUB, and the replay ROUTER socket).
 - `openai_api`: vLLM's request and answer shapes (no I/O); `app`: the ASGI app of one
-  engine and `serve_engine` (Hypercorn).
-- `fleet`: `serve_fleet` (many engines in one process) and the `trio-router emulate` command.
+  engine and `serve_engine`; `http_server`: the engines' own lean HTTP/1.1 server.
+- `faults`: one engine's injected fault (hang, slow, 5xx).
+- `fleet`: many engines in one process, each in its own cancel scope (`open_fleet`; kill and
+  restart); `control`: the fault-injection API over a fleet; `command`: the
+  `trio-router emulate` command.
 
 docs/emulator.md says what each reproduces of vLLM, where it departs, and what is not yet done.
 """

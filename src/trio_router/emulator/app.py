@@ -1,29 +1,33 @@
 """The HTTP surface of an emulated engine, as vLLM 0.32's OpenAI server shows it to routers
-and dashboards: an ASGI app (`EngineApp`) and serving it with Hypercorn (`serve_engine`).
+and dashboards: an ASGI app (`EngineApp`) and serving it (`serve_engine`, over the lean HTTP/1.1
+server of `http_server`).
 
 GET /health (200, empty), /v1/models, /version, /metrics; POST /v1/chat/completions and
 /v1/completions (a JSON body, or server-sent events, one per HTTP chunk, ending with
-`data: [DONE]`), /tokenize (`prompt` or `messages`) and /detokenize. Errors are vLLM's JSON
-bodies, also for a request that asked for a stream. A client that goes away aborts its
-request at once (its blocks are freed, and no success is counted).
+`data: [DONE]`), /tokenize (`prompt` or `messages`), /detokenize and /reset_prefix_cache
+(vLLM serves it in its development mode). Errors are vLLM's JSON bodies, also for a request
+that asked for a stream. A client that goes away aborts its request at once (its blocks are
+freed, and no success is counted). With KV-cache events configured, `serve_engine` publishes
+them (`kv_publisher`) for as long as the engine runs. An injected fault (`faults`) holds every
+request unanswered (hang) or answers it with 500 or 503.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import time
-from collections.abc import Awaitable, Callable
-from contextlib import suppress
+from contextlib import AsyncExitStack
 from functools import partial
 from typing import Any, Final
 
-import hypercorn.config
-import hypercorn.trio
 import trio
+import zmq
 
-from ..asgi import Message, Receive, Scope, Send, answer_lifespan
+from ..asgi import Receive, Scope, Send, answer_lifespan
 from .engine import EmulatedEngine, Generation
+from .http_server import DIRECT_WRITE, serve_asgi
+from .kv_events import KvEndpoints
+from .kv_publisher import open_kv_publisher
 from .openai_api import (
     Answer,
     Refusal,
@@ -42,7 +46,7 @@ _SSE_HEADERS: Final = [
 ]
 _JSON: Final = b"application/json"
 _GENERATION: Final = {"/v1/chat/completions": True, "/v1/completions": False}
-_POSTS: Final = frozenset({*_GENERATION, "/tokenize", "/detokenize"})
+_POSTS: Final = frozenset({*_GENERATION, "/tokenize", "/detokenize", "/reset_prefix_cache"})
 _GETS: Final = frozenset({"/health", "/v1/models", "/version", "/metrics"})
 
 
@@ -79,14 +83,21 @@ class EngineApp:
             if not message.get("more_body", False):
                 break
         method, path = scope["method"], scope["path"]
-        send = _finishing_quietly(send)
+        faults = self.engine.faults
+        await faults.wait_answering()  # hung: the request is read, and left unanswered
+        if faults.error_status:
+            status = faults.error_status
+            reason = f"the engine is failing (injected fault: {status})"
+            await _send_json(send, status, error_body(status, reason))
+            return
         if method == "GET" and path in _GETS:
             await self._get(path, send)
         elif path in _GETS or path in _POSTS:
             if method != "POST" or path in _GETS:
                 await _send_json(send, 405, {"detail": "Method Not Allowed"})
             else:
-                await self._post(path, bytes(body), receive, send)
+                extensions = scope.get("extensions") or {}
+                await self._post(path, bytes(body), receive, send, extensions)
         else:
             await _send_json(send, 404, {"detail": "Not Found"})
 
@@ -132,7 +143,12 @@ class EngineApp:
         }
         return {"object": "list", "data": [card]}
 
-    async def _post(self, path: str, raw: bytes, receive: Receive, send: Send) -> None:
+    async def _post(
+        self, path: str, raw: bytes, receive: Receive, send: Send, extensions: dict[str, Any]
+    ) -> None:
+        if path == "/reset_prefix_cache":  # no body: vLLM's takes query parameters only
+            await _send_json(send, 200, {"success": self.engine.reset_prefix_cache()})
+            return
         try:
             body = json.loads(raw)
             if not isinstance(body, dict):
@@ -145,7 +161,8 @@ class EngineApp:
         elif path == "/detokenize":
             await self._detokenize(body, send)
         else:
-            await self._generate(body, receive, send, chat=_GENERATION[path])
+            chat = _GENERATION[path]
+            await self._generate(body, receive, send, chat=chat, extensions=extensions)
 
     async def _tokenize(self, body: dict[str, Any], send: Send) -> None:
         engine = self.engine
@@ -181,9 +198,17 @@ class EngineApp:
         await _send_json(send, 200, {"prompt": engine.vocab.decode(tokens)})
 
     async def _generate(
-        self, body: dict[str, Any], receive: Receive, send: Send, *, chat: bool
+        self,
+        body: dict[str, Any],
+        receive: Receive,
+        send: Send,
+        *,
+        chat: bool,
+        extensions: dict[str, Any],
     ) -> None:
-        """Run a generation request; its client going away aborts it."""
+        """Run a generation request; its client going away aborts it. A stream's tokens go
+        straight to its connection as the engine hands them out, when its server offers
+        that (`http_server.DIRECT_WRITE`) and the connection takes them."""
         engine = self.engine
         prepared = prepare_generation(body, engine.config, engine.vocab, chat=chat)
         if isinstance(prepared, Refusal):
@@ -192,6 +217,8 @@ class EngineApp:
         generation = engine.submit(prepared.prompt, prepared.params)
         answer = Answer(prepared, engine.vocab)
         reply = self._stream if prepared.stream else self._whole
+        if prepared.stream and (direct := extensions.get(DIRECT_WRITE)) is not None:
+            generation.take_now = partial(_write_now, direct, answer)
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope)
@@ -228,19 +255,13 @@ class EngineApp:
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-def _finishing_quietly(send: Send) -> Send:
-    """`send`, where the last (empty or whole) body message may meet a connection its
-    client has just closed: Hypercorn's trio worker then closes it outside its send lock, and
-    the write fails with BusyResourceError. The client has its answer: not an error."""
-
-    async def finishing(message: Message) -> None:
-        if message["type"] == "http.response.body" and not message.get("more_body"):
-            with suppress(trio.BusyResourceError):
-                await send(message)
-            return
-        await send(message)
-
-    return finishing
+def _write_now(direct: Any, answer: Answer, tokens: list[int]) -> bool:
+    """A stream's fast path (`Generation.take_now`): its event written at once, if its
+    connection can take it."""
+    if not direct.ready_now():
+        return False
+    direct.write_now(answer.chunk(tokens, None))
+    return True
 
 
 async def send_chunk(send: Send, data: bytes) -> None:
@@ -255,34 +276,32 @@ async def _watch_disconnect(receive: Receive, scope: trio.CancelScope) -> None:
     scope.cancel(reason="client disconnected")
 
 
-def hypercorn_config(host: str, port: int) -> hypercorn.config.Config:
-    """Hypercorn's settings for an engine on `host:port` (like vLLM's uvicorn: a deep
-    backlog, no per-connection request cap, no access log)."""
-    config = hypercorn.config.Config()
-    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
-    config.accesslog = None
-    config.errorlog = logging.getLogger(f"{__name__}.hypercorn")
-    config.graceful_timeout = 0.5
-    config.backlog = 2048
-    config.keep_alive_max_requests = 1 << 30
-    return config
-
-
 async def serve_engine(
     engine: EmulatedEngine,
     host: str = "127.0.0.1",
     port: int = 0,
     *,
+    kv_endpoints: KvEndpoints | None = None,
+    zmq_context: zmq.Context[zmq.Socket[bytes]] | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Run `engine` and serve it over HTTP/1.1 until cancelled. Reports the bound URL
-    ("http://127.0.1.3:8000") once it accepts connections; cancellation stops the engine,
-    closes the listener and every connection."""
+    """Run `engine` and serve it over HTTP/1.1 (`http_server`) until cancelled. Reports the
+    bound URL ("http://127.0.1.3:8000") once it accepts connections; cancellation stops the engine,
+    closes the listener and every connection. With KV-cache events in its config, they are
+    published at `kv_endpoints` (by default the config's endpoints as given) on sockets of
+    `zmq_context` (a fleet shares one; by default one of its own, closed with it); an
+    endpoint that cannot be bound raises OSError."""
     app: Any = EngineApp(engine)  # plain-dict ASGI typing, not hypercorn's TypedDicts
-    async with trio.open_nursery() as nursery:
-        await nursery.start(engine.run)
-        serve: Callable[..., Awaitable[None]] = hypercorn.trio.serve
-        urls: list[str] = await nursery.start(
-            partial(serve, app, hypercorn_config(host, port), shutdown_trigger=trio.sleep_forever)
-        )
-        task_status.started(urls[0])
+    async with AsyncExitStack() as stack:
+        publish = None
+        if (kv_config := engine.config.kv_events).enabled:
+            if zmq_context is None:
+                zmq_context = zmq.Context()
+                stack.callback(zmq_context.destroy, linger=0)
+            where = kv_endpoints or kv_config.endpoints()
+            kv = await stack.enter_async_context(open_kv_publisher(kv_config, where, zmq_context))
+            publish = kv.publish
+        async with trio.open_nursery() as nursery:
+            await nursery.start(partial(engine.run, publish=publish))
+            url = await nursery.start(serve_asgi, app, host, port)
+            task_status.started(url)

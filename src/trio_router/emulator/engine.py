@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import trio
 
 from ..errors import ConfigError
+from .faults import Faults
 from .kv_cache import KVCache
+from .kv_events import KVCacheEvent, KvEventsConfig
 from .metrics import EngineStats, Gauges, render_metrics
 from .profiles import Profile, StepShape
 from .request import FinishReason, Request
@@ -26,6 +28,8 @@ from .scheduler import Policy, Scheduler, SchedulerConfig, Step, StepOutput
 from .tokens import EOS, Vocabulary
 
 __all__ = ["EmulatedEngine", "EngineConfig", "Generation", "SamplingParams", "step_shape"]
+
+NO_KV_EVENTS: Final = KvEventsConfig()  # vLLM's default: none published
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -42,6 +46,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     policy: Policy = Policy.FCFS
     time_scale: float = 1.0  # emulated seconds per second of Trio's clock
+    kv_events: KvEventsConfig = NO_KV_EVENTS
 
     def __post_init__(self) -> None:
         if not self.time_scale > 0:
@@ -88,13 +93,18 @@ class SamplingParams:
 class Generation:
     """One request's output as its reader sees it: tokens not yet read, and the finish
     reason once finished. `wait()` returns what is new (several tokens if the reader fell
-    behind, as vLLM coalesces), blocking until there is something."""
+    behind, as vLLM coalesces), blocking until there is something. A reader with a fast path
+    (`take_now`) is handed each token as it comes, and woken only when that path declines
+    (its connection is busy) and at the end."""
 
     def __init__(self, request: Request) -> None:
         self.request = request
         self.finish_reason: FinishReason | None = None
         self._unread: list[int] = []
         self._changed = trio.Event()
+        # The reader's fast path, if it has one: takes new tokens at once (True), so that
+        # its task need not wake for each; False leaves them to `wait`.
+        self.take_now: Callable[[list[int]], bool] | None = None
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.scheduled = False
@@ -113,6 +123,9 @@ class Generation:
             self._unread.append(token)
         if finish is not None:
             self.finish_reason = finish
+        elif self.take_now is not None and self._unread and self.take_now(self._unread):
+            self._unread = []
+            return
         self._changed.set()
         self._changed = trio.Event()
 
@@ -150,6 +163,7 @@ class EmulatedEngine:
             config.block_size,
             max_model_len=config.max_model_len,
             enable_caching=config.enable_prefix_caching,
+            enable_kv_cache_events=config.kv_events.enabled,
         )
         limits = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
@@ -159,6 +173,7 @@ class EmulatedEngine:
         )
         self.scheduler = Scheduler(limits, self.cache, self._sample)
         self.stats = EngineStats()
+        self.faults = Faults()
         self.steps = 0
         self._rng = rng or random.Random()
         self._generations: dict[str, Generation] = {}
@@ -214,34 +229,73 @@ class EmulatedEngine:
         self._work = trio.Event()
 
     # -- the loop --------------------------------------------------------------------------
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Step the engine until cancelled: schedule, sleep the step's duration on Trio's
-        clock, hand out the tokens. Idle, it waits for a request."""
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache (False while requests hold blocks); `AllBlocksCleared` goes
+        out with the next step's events, as from vLLM."""
+        return self.cache.reset_prefix_cache()
+
+    async def run(
+        self,
+        *,
+        publish: Callable[[list[KVCacheEvent]], None] | None = None,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Step the engine until cancelled: schedule, sleep until the step's end on Trio's
+        clock, hand out the tokens, and hand `publish` the step's KV-cache events (if any).
+        Idle, it waits for a request; hung (`faults`), for the hang to be lifted; slowed,
+        each step lasts that many times longer.
+
+        Steps follow one another on the engine's own timeline: a busy engine's next step
+        starts when its last one ended, not when this task got to run again, so that a wake-up
+        delayed by the other engines of the process (by less than a step) does not lengthen
+        the emulated time. A longer delay is not made up: the step starts late, and the
+        latencies show it. A step never starts before the requests it admits arrived."""
         task_status.started()
-        step_cost = self.config.profile.step
+        step_cost, faults = self.config.profile.step, self.faults
+        timeline = trio.current_time()  # when the last step ended (Trio's clock)
         while True:
+            if faults.hung:  # no step until the hang is lifted
+                await faults.wait_answering()
+                timeline = trio.current_time()
+                continue
             step = self.scheduler.schedule() if self.scheduler.has_work() else Step()
             if not step.scheduled:
                 if step.preempted:  # a step of preemptions only: schedule again at once
                     await trio.lowlevel.checkpoint()
                 else:
                     await self._work.wait()
+                    timeline = trio.current_time()  # idle until now
                 continue
-            self._record_scheduled(step)
-            await trio.sleep(step_cost.seconds(step_shape(step)) / self.config.time_scale)
+            duration = step_cost.seconds(step_shape(step)) * faults.slow_factor
+            start = self._start_of(step, timeline, duration / self.config.time_scale)
+            self._record_scheduled(step, start * self.config.time_scale)
+            timeline = start + duration / self.config.time_scale
+            await trio.sleep_until(timeline)
             self.steps += 1
-            self._deliver(self.scheduler.update(step))
+            self._deliver(self.scheduler.update(step), timeline * self.config.time_scale)
+            if (events := self.cache.take_events()) and publish is not None:
+                publish(events)
 
-    def _record_scheduled(self, step: Step) -> None:
-        now = self.now()
+    def _start_of(self, step: Step, timeline: float, duration: float) -> float:
+        """When `step` starts on Trio's clock (see `run`): at `timeline` unless this task
+        woke more than `duration` later, and never before an admitted request arrived."""
+        now = trio.current_time()
+        start = timeline if now - timeline < duration else now
+        if step.admitted:
+            newest = max(request.arrival_time for request in step.admitted)
+            start = max(start, newest / self.config.time_scale)
+        return start
+
+    def _record_scheduled(self, step: Step, now: float) -> None:
         for request in step.admitted:
             generation = self._generations.get(request.request_id)
             if generation is not None and not generation.scheduled:
                 generation.scheduled = True
                 self.stats.queue.observe(now - request.arrival_time)
 
-    def _deliver(self, outputs: list[StepOutput]) -> None:
-        now, stats = self.now(), self.stats
+    def _deliver(self, outputs: list[StepOutput], now: float) -> None:
+        """Hand each request its token at `now` (emulated seconds: the step's end)."""
+        stats = self.stats
         for output in outputs:
             request = output.request
             generation = self._generations.get(request.request_id)

@@ -1,108 +1,33 @@
-"""A fleet of emulated engines in one process, and the `trio-router emulate` command.
+"""A fleet of emulated engines in one process, each in its own cancel scope so that one can be
+killed and served again (`Fleet`, `open_fleet`, `serve_fleet`), and where they listen
+(`fleet_addresses`).
 
-`--engines N` engines, each on its own loopback address (`--host` and the next N-1
-addresses: 127.0.1.1, 127.0.1.2, ... like pods) on one `--port`, or with
-`--consecutive-ports` all on `--host` at ports P, P+1, ...; each engine's base URL is printed
-on its own line once all of them serve, so scripts and the router's static discovery can
-use them. The engine flags are named as `vllm serve`'s and apply to every engine; the
-profile gives the defaults of those not given. SIGINT or SIGTERM stops the fleet.
+Engines that publish KV-cache events share one ZMQ context, ended with the fleet; each one's
+endpoints are placed for its address (`KvEventsConfig.endpoints`).
 """
 
 from __future__ import annotations
 
-import argparse
 import ipaddress
 import logging
 import random
-import signal
-import sys
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import ExitStack, asynccontextmanager
+from dataclasses import dataclass
+from functools import partial
+from urllib.parse import urlsplit
 
 import trio
+import zmq
 
 from ..errors import ConfigError
 from .app import serve_engine
 from .engine import EmulatedEngine, EngineConfig
-from .profiles import load_profile, shipped_profiles
-from .scheduler import Policy
+from .kv_events import KvEndpoints
 
-__all__ = ["add_emulate_parser", "emulate", "fleet_addresses", "serve_fleet"]
+__all__ = ["Fleet", "fleet_addresses", "open_fleet", "serve_fleet"]
 
 logger = logging.getLogger(__name__)
-
-
-def add_emulate_parser(commands: Any) -> None:
-    """Add the `emulate` command and its flags to `commands` (argparse's subparsers)."""
-    emulate = commands.add_parser(
-        "emulate",
-        help="serve emulated vLLM engines (vLLM's scheduler and prefix cache, a GPU's timing)",
-        description="Serve N emulated vLLM engines in one process; print each base URL.",
-    )
-    fleet = emulate.add_argument_group("fleet")
-    fleet.add_argument("--engines", type=int, default=1, metavar="N", help="default: 1")
-    fleet.add_argument(
-        "--host", default="127.0.1.1", help="the first engine's address (default: 127.0.1.1)"
-    )
-    fleet.add_argument("--port", type=int, default=8000, metavar="P", help="default: 8000")
-    fleet.add_argument(
-        "--consecutive-ports",
-        action="store_true",
-        help="all engines on --host, at ports P, P+1, ... (default: one address each)",
-    )
-    fleet.add_argument(
-        "--profile",
-        default="h100",
-        metavar="NAME|FILE",
-        help=f"a shipped profile ({', '.join(shipped_profiles())}) or a TOML file (default: h100)",
-    )
-    fleet.add_argument(
-        "--time-scale",
-        type=float,
-        default=1.0,
-        metavar="S",
-        help="emulated seconds per wall-clock second (default: 1.0)",
-    )
-    fleet.add_argument(
-        "--log-level",
-        choices=("debug", "info", "warning", "error"),
-        default="warning",
-        dest="emulate_log_level",
-        help="default: warning",
-    )
-    vllm = emulate.add_argument_group("engine (as vllm serve's flags; default: the profile's)")
-    vllm.add_argument("--served-model-name", metavar="NAME")
-    for flag in (
-        "--block-size",
-        "--num-gpu-blocks-override",
-        "--max-num-seqs",
-        "--max-num-batched-tokens",
-        "--max-model-len",
-    ):
-        vllm.add_argument(flag, type=int, metavar="N")
-    vllm.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="default: on",
-    )
-    vllm.add_argument("--scheduling-policy", choices=[p.value for p in Policy], default="fcfs")
-
-
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """The engines' config from the command's flags. Raises ConfigError."""
-    return EngineConfig.from_profile(
-        load_profile(args.profile),
-        served_model_name=args.served_model_name,
-        block_size=args.block_size,
-        num_gpu_blocks=args.num_gpu_blocks_override,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        enable_prefix_caching=args.enable_prefix_caching,
-        policy=Policy(args.scheduling_policy),
-        time_scale=args.time_scale,
-    )
 
 
 def fleet_addresses(
@@ -127,36 +52,126 @@ def fleet_addresses(
         ) from None
 
 
+@dataclass(eq=False, slots=True)
+class _Slot:
+    """One engine's place in the fleet: what it serves and where, and while it runs, the
+    engine and the scope that stops it."""
+
+    config: EngineConfig
+    host: str
+    port: int  # once served, the port it bound (a restart binds it again)
+    kv_endpoints: KvEndpoints
+    url: str = ""
+    engine: EmulatedEngine | None = None  # None: killed
+    scope: trio.CancelScope | None = None
+
+
+class Fleet:
+    """The engines of one process (see the module). `kill` is synchronous; `start` and
+    `restart` return once the engine serves."""
+
+    def __init__(
+        self, nursery: trio.Nursery, context: zmq.Context[zmq.Socket[bytes]] | None
+    ) -> None:
+        self._nursery, self._context = nursery, context
+        self._slots: list[_Slot] = []
+
+    @property
+    def urls(self) -> list[str]:
+        """Each engine's base URL, in order."""
+        return [slot.url for slot in self._slots]
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def engine(self, index: int) -> EmulatedEngine | None:
+        """Engine `index` as it runs now (None while killed)."""
+        return self._slots[index].engine
+
+    async def add(self, config: EngineConfig, host: str, port: int, where: KvEndpoints) -> str:
+        """Serve one more engine; its URL."""
+        slot = _Slot(config, host, port, where)
+        self._slots.append(slot)
+        await self._start(slot)
+        return slot.url
+
+    def kill(self, index: int) -> None:
+        """Stop engine `index` at once: its listener and every connection close, its
+        requests are dropped, its KV-event sockets close."""
+        slot = self._slots[index]
+        if slot.scope is not None:
+            slot.scope.cancel(reason=f"engine {index} killed")
+        slot.scope = slot.engine = None
+        logger.info("engine %d at %s killed", index, slot.url)
+
+    async def restart(self, index: int) -> None:
+        """Serve a fresh engine (an empty cache, counters at 0) where engine `index` was
+        killed; nothing if it runs."""
+        slot = self._slots[index]
+        if slot.engine is None:
+            await self._start(slot)
+            logger.info("engine %d at %s restarted", index, slot.url)
+
+    async def _start(self, slot: _Slot) -> None:
+        engine = EmulatedEngine(slot.config, rng=random.Random())
+        scope = trio.CancelScope()
+        serve = partial(serve_engine, kv_endpoints=slot.kv_endpoints, zmq_context=self._context)
+        slot.url = await self._nursery.start(_in_scope, scope, serve, engine, slot.host, slot.port)
+        slot.port = urlsplit(slot.url).port or slot.port
+        slot.engine, slot.scope = engine, scope
+
+
+async def _in_scope(
+    scope: trio.CancelScope,
+    serve: Callable[..., Awaitable[None]],
+    engine: EmulatedEngine,
+    host: str,
+    port: int,
+    *,
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    with scope:
+        await serve(engine, host, port, task_status=task_status)
+
+
+@asynccontextmanager
+async def open_fleet(
+    configs: Sequence[EngineConfig],
+    addresses: Sequence[tuple[str, int]],
+    *,
+    consecutive_ports: bool = False,
+) -> AsyncIterator[Fleet]:
+    """Serve one engine per config at the address beside it; yields once all serve, and
+    stops every engine when the block ends. Engines on addresses of their own at port 0 all
+    take the port the first one got (one port, as pods). `consecutive_ports`: the engines
+    share one address, so each binds the next KV-event port. Raises OSError if an address
+    is taken."""
+    with ExitStack() as stack:
+        context: zmq.Context[zmq.Socket[bytes]] | None = None
+        if any(config.kv_events.enabled for config in configs):
+            context = zmq.Context()
+            stack.callback(context.destroy, linger=0)
+        async with trio.open_nursery() as nursery:
+            fleet, shared = Fleet(nursery, context), 0
+            for i, (config, (host, port)) in enumerate(zip(configs, addresses, strict=True)):
+                where = config.kv_events.endpoints(i, host, consecutive=consecutive_ports)
+                if not consecutive_ports and port == 0:
+                    port = shared  # one port on every address, as pods: the first one's
+                url = await fleet.add(config, host, port, where)
+                shared = shared or (urlsplit(url).port or 0)
+                logger.info("engine %d (%s) at %s", i, config.profile.name, url)
+            yield fleet
+            nursery.cancel_scope.cancel(reason="fleet closed")
+
+
 async def serve_fleet(
     configs: Sequence[EngineConfig],
     addresses: Sequence[tuple[str, int]],
     *,
+    consecutive_ports: bool = False,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve one engine per config at the address beside it until cancelled; reports their
-    URLs, in order, once all serve. Cancellation stops every engine."""
-    async with trio.open_nursery() as nursery:
-        urls: list[str] = []
-        for config, (host, port) in zip(configs, addresses, strict=True):
-            engine = EmulatedEngine(config, rng=random.Random())
-            urls.append(await nursery.start(serve_engine, engine, host, port))
-            logger.info("engine %d (%s) serves at %s", len(urls), config.profile.name, urls[-1])
-        task_status.started(urls)
-
-
-async def emulate(args: argparse.Namespace) -> None:
-    """`trio-router emulate`: serve the fleet, print the URLs, stop on SIGINT or SIGTERM.
-    Raises ConfigError for bad flags (before serving), OSError if an address is taken."""
-    config = engine_config(args)
-    addresses = fleet_addresses(
-        args.host, args.port, args.engines, consecutive_ports=args.consecutive_ports
-    )
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async with trio.open_nursery() as nursery:
-            urls = await nursery.start(serve_fleet, [config] * len(addresses), addresses)
-            print("\n".join(urls), flush=True)
-            async for signum in signals:
-                logger.info("stopping on %s", signal.Signals(signum).name)
-                break
-            nursery.cancel_scope.cancel(reason="emulate stopped")
-    sys.stdout.flush()
+    """`open_fleet` until cancelled; reports the engines' URLs, in order, once all serve."""
+    async with open_fleet(configs, addresses, consecutive_ports=consecutive_ports) as fleet:
+        task_status.started(fleet.urls)
+        await trio.sleep_forever()

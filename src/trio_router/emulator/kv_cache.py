@@ -22,6 +22,11 @@ It follows vLLM V1 (0.32) for one full-attention KV-cache group, read in
 - Queries and hits are counted in tokens per admitted request (`num_tokens`, the hit's
   length), not counting requests resumed after a preemption (vLLM keeps those apart and
   does not export them).
+- With `enable_kv_cache_events`, what changes the cache is queued as vLLM's block pool
+  queues it, for the engine to take once per step (`take_events`): a `BlockStored` per call
+  that caches new full blocks of a request (their hashes, the parent's, their tokens; blocks
+  found in the cache are not announced again), a one-hash `BlockRemoved` per cached block
+  handed out again (evicted), `AllBlocksCleared` when the prefix cache is reset.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
+from .kv_events import AllBlocksCleared, KVCacheEvent, removed, stored
 from .request import Request
 
 __all__ = ["Block", "KVCache", "hash_block"]
@@ -67,7 +73,13 @@ class KVCache:
     """The block pool, the prefix cache and each request's blocks (see the module)."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, *, max_model_len: int, enable_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        max_model_len: int,
+        enable_caching: bool = True,
+        enable_kv_cache_events: bool = False,
     ) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be at least 2 (one is the null block): {num_blocks}")
@@ -83,6 +95,7 @@ class KVCache:
         self.hits = 0  # tokens found, by the same
         self.preempted_queries = 0  # the same for requests resumed after a preemption
         self.preempted_hits = 0
+        self._events: list[KVCacheEvent] | None = [] if enable_kv_cache_events else None
 
     # -- what the pool holds ---------------------------------------------------------------
     @property
@@ -104,6 +117,26 @@ class KVCache:
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._req_blocks.get(request_id, ())]
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The events queued since the last call (none without `enable_kv_cache_events`)."""
+        events = self._events
+        if not events:
+            return []
+        self._events = []
+        return events
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's /reset_prefix_cache): False, with nothing
+        changed, while any block is held by a request."""
+        if len(self._free) != self.num_blocks - 1:
+            return False
+        self._cached.clear()
+        for block in self.blocks:
+            block.block_hash = None
+        if self._events is not None:
+            self._events.append(AllBlocksCleared())
+        return True
 
     # -- hashes ----------------------------------------------------------------------------
     def update_hashes(self, request: Request) -> list[int]:
@@ -156,6 +189,11 @@ class KVCache:
         total_computed = min(request.num_computed_tokens + len(computed) * self.block_size,
                              self.max_model_len)  # fmt: skip
         need = _cdiv(min(total_computed + num_new_tokens, self.max_model_len), self.block_size)
+        if not computed and need <= len(held):  # a decode within its blocks: nothing to take
+            self._cache_full_blocks(
+                request, min(total_computed + num_new_tokens, request.num_tokens)
+            )
+            return True
         evictable = sum(1 for b in computed if b.ref_cnt == 0)
         if max(need - len(held) - len(computed), 0) + evictable > len(self._free):
             if not held:
@@ -211,6 +249,8 @@ class KVCache:
         del same[block.block_id]
         if not same:
             del self._cached[block.block_hash]
+        if self._events is not None:
+            self._events.append(removed(block.block_hash))
         block.block_hash = None
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
@@ -228,3 +268,13 @@ class KVCache:
             block.block_hash = hashes[i]
             self._cached.setdefault(hashes[i], {})[block.block_id] = block
         self._num_cached_blocks[rid] = full
+        if self._events is not None:
+            size = self.block_size
+            self._events.append(
+                stored(
+                    hashes[done:full],
+                    hashes[done - 1] if done else None,
+                    request.token_ids[done * size : full * size],
+                    size,
+                )
+            )

@@ -198,6 +198,16 @@ class Answer:
         self._started = False  # some text was sent: the next words need a space first
         self._prompt_sent = False
         self.output: list[int] = []
+        # A stream's middle events differ only in their text (and token ids): the bytes
+        # before and after those, as `sse(self._event(...))` would write them.
+        head = json.dumps(self._head, separators=(",", ":"))[:-1].encode()
+        opening = (
+            b',"choices":[{"index":0,"delta":{"content":'
+            if chat
+            else b',"choices":[{"index":0,"text":'
+        )
+        self._before = b"data: " + head + opening
+        self._after = (b"}" if chat else b"") + b',"logprobs":null,"finish_reason":null'
 
     def text(self, token_ids: list[int]) -> str:
         words = [self._vocab.token_str(t) for t in token_ids if t >= FIRST_WORD]
@@ -223,6 +233,17 @@ class Answer:
         """The event of the tokens one step (or several) produced, with the finish."""
         self.output += token_ids
         text = self.text(token_ids)
+        with_ids = self.prepared.return_token_ids
+        if finish is None and token_ids and (self._prompt_sent or not with_ids):
+            # The common event, as bytes around its text: what the rest builds, at a fraction
+            # of the cost (a stream sends one per token).
+            tail = b"}]}\n\n"
+            if with_ids:
+                tail = b',"token_ids":%b%b' % (
+                    json.dumps(token_ids).replace(" ", "").encode(),
+                    tail,
+                )
+            return self._before + json.dumps(text).encode() + self._after + tail
         delta: dict[str, Any] | str = {"content": text} if self.prepared.chat else text
         if self.prepared.chat and not token_ids:
             delta = {}

@@ -20,6 +20,7 @@ answers average that many tokens unless `max_tokens` or `ignore_eos` says otherw
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import random
 from array import array
@@ -56,6 +57,19 @@ MEAN_OUTPUT_TOKENS: Final = 256
 _SYLLABLES: Final = tuple(c + v for c in "bdfgklmnprstvz" for v in "aeiou")
 _SYLLABLE_INDEX: Final = {s: i for i, s in enumerate(_SYLLABLES)}
 _SPECIAL_INDEX: Final = {s: i for i, s in enumerate(SPECIAL)}
+SPELLINGS_KEPT: Final = 65536  # words whose spelling is kept (a few MB)
+
+
+@functools.lru_cache(maxsize=SPELLINGS_KEPT)
+def _spell(k: int) -> str:
+    """Word number `k` in syllables (base len(_SYLLABLES)); kept, as a stream spells each of
+    its tokens."""
+    syllables = []
+    while True:
+        k, digit = divmod(k, len(_SYLLABLES))
+        syllables.append(_SYLLABLES[digit])
+        if k == 0:
+            return "".join(reversed(syllables))
 
 
 def _hash(data: bytes) -> int:
@@ -81,12 +95,7 @@ class Vocabulary:
             )
         if token_id < FIRST_WORD:
             return SPECIAL[token_id] if token_id < len(SPECIAL) else f"<|reserved_{token_id}|>"
-        k, syllables = token_id - FIRST_WORD, []
-        while True:
-            k, digit = divmod(k, len(_SYLLABLES))
-            syllables.append(_SYLLABLES[digit])
-            if k == 0:
-                return "".join(reversed(syllables))
+        return _spell(token_id - FIRST_WORD)
 
     def word_id(self, word: str) -> int:
         """The id of one whitespace-free word (see the module)."""

@@ -1,0 +1,88 @@
+"""Emulated engines as pods of a fake Kubernetes API server (`trio-router emulate
+--kubernetes`), so that a router discovers them as it discovers vLLM pods.
+
+`serve_pods` serves `trio_router.testing`'s wire-level fake API server (list and watch of the
+pods of one namespace, over real HTTP on 127.0.0.1) with one Ready pod per engine: named
+`engine-<i>` (its index in the fleet), labelled `app=vllm` (the router's default selector),
+its pod IP the engine's address. It writes a kubeconfig whose current context is that server
+and namespace. The engines must each have their own address and share one port, as a
+Deployment's pods do.
+
+Pods stay Ready through injected faults: a killed engine is an engine dead behind a Ready
+pod, as in the moments after a crash before the kubelet notices.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import trio
+
+from ..errors import ConfigError
+from ..testing.fake_apiserver import FakeApiServer
+
+__all__ = ["Pods", "pod_name", "serve_pods"]
+
+
+def pod_name(index: int) -> str:
+    """The pod of engine `index`."""
+    return f"engine-{index}"
+
+
+@dataclass(frozen=True, slots=True)
+class Pods:
+    """Where a router finds the engines: the API server, a kubeconfig for it, the namespace
+    and the engines' port."""
+
+    api_url: str
+    kubeconfig: Path
+    namespace: str
+    port: int
+
+    def describe(self) -> str:
+        return (
+            f"kubernetes: API server {self.api_url}, kubeconfig {self.kubeconfig}, "
+            f"namespace {self.namespace}, engine port {self.port}"
+        )
+
+
+def engine_addresses(urls: Sequence[str]) -> tuple[list[str], int]:
+    """The engines' hosts and their one port. Raises ConfigError unless each engine has its
+    own address and all share a port."""
+    parts = [urlsplit(url) for url in urls]
+    hosts = [p.hostname or "" for p in parts]
+    ports = {p.port for p in parts}
+    if len(set(hosts)) != len(hosts) or len(ports) != 1:
+        raise ConfigError(
+            "--kubernetes needs one address per engine on one port, as pods "
+            f"(not --consecutive-ports): {list(urls)}"
+        )
+    (port,) = ports
+    return hosts, port or 80
+
+
+async def serve_pods(
+    urls: Sequence[str],
+    *,
+    namespace: str = "default",
+    kubeconfig: Path | None = None,
+    task_status: trio.TaskStatus[Pods] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve the fake API server with a Ready pod per engine at `urls` until cancelled;
+    reports where once it accepts connections. The kubeconfig is written to `kubeconfig`
+    (kept), or to a temporary directory removed on cancellation. Raises ConfigError for
+    engines that cannot be pods (see `engine_addresses`)."""
+    hosts, port = engine_addresses(urls)
+    apiserver = FakeApiServer(namespace=namespace)
+    for i, host in enumerate(hosts):
+        apiserver.add_pod(pod_name(i), ip=host)
+    with tempfile.TemporaryDirectory(prefix="trio-router-emulate-") as scratch:
+        path = kubeconfig or Path(scratch) / "kubeconfig"
+        async with trio.open_nursery() as nursery:
+            await nursery.start(apiserver.serve)
+            apiserver.write_kubeconfig(path)
+            task_status.started(Pods(apiserver.url, path, namespace, port))

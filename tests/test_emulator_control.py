@@ -1,0 +1,186 @@
+"""Faults on command (`emulator.control`, `emulator.faults`), through real HTTP on loopback: a
+fleet of two emulated engines and its control API. 5xx answers vLLM's error bodies with the
+status asked; slow multiplies each step's duration; hang leaves requests unanswered on open
+connections and silences streams until recovered; kill closes the listener and every
+connection, and recover serves a fresh engine at the same URL. The command serves the API
+with `--control-port`.
+
+A hang is observed with `trio.testing.wait_all_tasks_blocked`: the client, the engines and the
+API share this process, so once every task has been blocked for a while with the request
+unanswered, nothing was going to answer it."""
+
+from __future__ import annotations
+
+import re
+import signal
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any, Final
+
+import httpx
+import pytest
+import trio
+import trio.testing
+
+from trio_router.discovery.stats import parse_vllm_metrics
+from trio_router.emulator.control import serve_control
+from trio_router.emulator.engine import EngineConfig
+from trio_router.emulator.fleet import Fleet, fleet_addresses, open_fleet
+from trio_router.emulator.profiles import load_profile
+from trio_router.testing.processes import open_process
+
+LIMIT: Final = 20.0
+BODY: Final = {"prompt": "hello there", "max_tokens": 4, "ignore_eos": True}
+
+
+@asynccontextmanager
+async def controlled(
+    time_scale: float = 100.0,
+) -> AsyncIterator[tuple[Fleet, httpx.AsyncClient]]:
+    """Two engines on 127.0.1.1 and .2 and a client of the control API."""
+    config = EngineConfig.from_profile(
+        load_profile("h100"), time_scale=time_scale, max_model_len=4096
+    )
+    addresses = fleet_addresses("127.0.1.1", 0, 2, consecutive_ports=False)
+    with trio.fail_after(LIMIT):
+        async with open_fleet([config] * 2, addresses) as fleet, trio.open_nursery() as nursery:
+            url = await nursery.start(serve_control, fleet, "127.0.0.1", 0)
+            async with httpx.AsyncClient(base_url=url) as control:
+                yield fleet, control
+            nursery.cancel_scope.cancel()
+
+
+async def inject(control: httpx.AsyncClient, **body: Any) -> dict[str, Any]:
+    reply = await control.post("/emulator/fault", json=body)
+    assert reply.status_code == 200, reply.text
+    answer: dict[str, Any] = reply.json()
+    return answer
+
+
+async def test_5xx_answers_the_status_asked_until_recovered() -> None:
+    async with controlled() as (fleet, control), httpx.AsyncClient() as client:
+        first, second = fleet.urls
+        assert await inject(control, engine=0, fault="5xx", status=500) == {
+            "engine": 0,
+            "url": first,
+            "fault": "5xx",
+            "status": 500,
+        }
+        failed = await client.post(f"{first}/v1/completions", json=BODY)
+        assert failed.status_code == 500
+        assert failed.json()["error"]["code"] == 500
+        assert (await client.get(f"{first}/health")).status_code == 500
+        assert (await client.post(f"{second}/v1/completions", json=BODY)).status_code == 200
+        await inject(control, engine=0, fault="5xx")  # 503 unless told
+        assert (await client.get(f"{first}/health")).status_code == 503
+        assert (await inject(control, engine=0, fault="recover"))["fault"] == "none"
+        assert (await client.post(f"{first}/v1/completions", json=BODY)).status_code == 200
+
+
+async def test_slow_multiplies_each_steps_duration() -> None:
+    """At a time scale of 1, four decode steps of a few emulated milliseconds each; slowed
+    tenfold, the same request takes several times as long, in the engine's own figures."""
+    body = {**BODY, "max_tokens": 6}
+
+    async def e2e(client: httpx.AsyncClient, fleet: Fleet) -> float:
+        engine = fleet.engine(0)
+        assert engine is not None
+        before = engine.stats.e2e.sum
+        assert (await client.post(f"{fleet.urls[0]}/v1/completions", json=body)).status_code == 200
+        return engine.stats.e2e.sum - before
+
+    async with controlled(time_scale=1.0) as (fleet, control), httpx.AsyncClient() as client:
+        normal = await e2e(client, fleet)
+        assert (await inject(control, engine=0, fault="slow", factor=10))["factor"] == 10.0
+        slowed = await e2e(client, fleet)
+    assert slowed > 5 * normal, (normal, slowed)
+
+
+async def test_hang_holds_requests_and_streams_silent_until_recovered() -> None:
+    async with controlled() as (fleet, control), httpx.AsyncClient() as client:
+        url = fleet.urls[0]
+        engine = fleet.engine(0)
+        assert engine is not None
+        long = {**BODY, "max_tokens": 2000, "stream": True}
+        answers: list[int] = []
+        async with client.stream("POST", f"{url}/v1/completions", json=long) as stream:
+            chunks = stream.aiter_bytes()
+            await anext(chunks)
+            await inject(control, engine=0, fault="hang")
+            steps = engine.steps
+            async with trio.open_nursery() as nursery:
+
+                async def ask() -> None:
+                    reply = await client.post(f"{url}/v1/completions", json=BODY)
+                    answers.append(reply.status_code)
+
+                nursery.start_soon(ask)
+                await trio.testing.wait_all_tasks_blocked(cushion=0.2)
+                assert answers == []  # read, unanswered, its connection open
+                assert engine.steps - steps <= 1  # the stream went silent (a step may end)
+                assert (await inject(control, engine=0, fault="recover"))["fault"] == "none"
+            async for _ in chunks:
+                pass
+    assert answers == [200]
+    assert engine.steps > steps + 100  # the stream ran on to its end
+
+
+async def test_kill_closes_everything_and_recover_serves_a_fresh_engine() -> None:
+    async with controlled() as (fleet, control), httpx.AsyncClient() as client:
+        url = fleet.urls[0]
+        assert (await client.post(f"{url}/v1/completions", json=BODY)).status_code == 200
+        long = {**BODY, "max_tokens": 4000, "stream": True}
+        async with client.stream("POST", f"{url}/v1/completions", json=long) as stream:
+            chunks = stream.aiter_bytes()
+            await anext(chunks)
+            assert (await inject(control, engine=0, fault="kill"))["fault"] == "kill"
+            with pytest.raises(httpx.HTTPError):  # the stream in flight is cut
+                async for _ in chunks:
+                    pass
+        with pytest.raises(httpx.ConnectError):  # nothing listens
+            await client.get(f"{url}/health")
+        refused = await control.post("/emulator/fault", json={"engine": 0, "fault": "hang"})
+        assert refused.status_code == 409
+        states = (await control.get("/emulator/engines")).json()
+        assert [s["fault"] for s in states] == ["kill", "none"]
+        await inject(control, engine=0, fault="recover")
+        assert fleet.urls[0] == url
+        metrics = parse_vllm_metrics((await client.get(f"{url}/metrics")).text)
+        assert metrics["prefix_cache_queries"] == 0  # a fresh engine
+        assert (await client.post(f"{url}/v1/completions", json=BODY)).status_code == 200
+
+
+async def test_bad_control_requests_are_refused_with_the_reason() -> None:
+    async with controlled() as (_, control):
+        for body, status, reason in [
+            ({"engine": 2, "fault": "hang"}, 404, "no engine 2"),
+            ({"engine": "0", "fault": "hang"}, 400, "index"),
+            ({"engine": 0, "fault": "explode"}, 400, "one of"),
+            ({"engine": 0, "fault": "slow", "factor": 0}, 400, "above 0"),
+            ({"engine": 0, "fault": "5xx", "status": 502}, 400, "one of"),
+        ]:
+            reply = await control.post("/emulator/fault", json=body)
+            assert reply.status_code == status and reason in reply.json()["error"], reply.text
+        assert (await control.post("/emulator/fault", content=b"{")).status_code == 400
+        assert (await control.get("/emulator/nothing")).status_code == 404
+
+
+async def test_the_command_serves_the_control_api() -> None:
+    args = ["emulate", "--engines", "2", "--port", "0", "--profile", "cpu-tiny"]
+    args += ["--time-scale", "20", "--control-port", "0"]
+    with trio.fail_after(LIMIT):
+        async with open_process(*args) as (process, stdout, stderr):
+            match = await stderr.wait_for(r"fault control at (http://\S+)/emulator/fault")
+            await stdout.wait_for(r"(?:http://\S+\n){2}")
+            urls = stdout.text.split()
+            async with httpx.AsyncClient(base_url=match[1]) as control:
+                assert (await inject(control, engine=1, fault="kill"))["url"] == urls[1]
+                async with httpx.AsyncClient() as client:
+                    with pytest.raises(httpx.ConnectError):
+                        await client.get(f"{urls[1]}/health")
+                    await inject(control, engine=1, fault="recover")
+                    assert (await client.get(f"{urls[1]}/health")).status_code == 200
+            process.send_signal(signal.SIGINT)
+            code = await process.wait()
+    assert code == 0, stderr.text
+    assert re.search(r"Traceback", stderr.text) is None
