@@ -27,8 +27,8 @@ def prefill(n: int) -> StepShape:
 def test_the_shipped_profiles_say_how_they_were_made() -> None:
     assert shipped_profiles() == ["a100", "cpu-tiny", "h100"]
     statuses = {name: load_profile(name).status for name in shipped_profiles()}
-    assert statuses == {"a100": "derived", "cpu-tiny": "placeholder", "h100": "derived"}
-    assert "PLACEHOLDER" in load_profile("cpu-tiny").description
+    assert statuses == {"a100": "derived", "cpu-tiny": "fitted", "h100": "derived"}
+    assert "fitted" in load_profile("cpu-tiny").description
     h100 = load_profile("h100").engine
     assert (h100.block_size, h100.max_num_batched_tokens, h100.max_num_seqs) == (16, 8192, 1024)
     a100 = load_profile("a100").engine
