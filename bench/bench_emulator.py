@@ -5,6 +5,8 @@ it.
                                          [--seconds 20] [--profile-out FILE]
     python bench/bench_emulator.py routing [--engines 16] [--policies round_robin,...]
                                            [--concurrency 64] [--json-out FILE]
+    python bench/bench_emulator.py flow [--engines 16] [--load 1.5] [--capacity 16]
+                                        [--reserve 4] [--engine-max-num-seqs 0]
 
 `scale`: one `trio-router emulate` process serving `--engines` H100s on 127.0.1.1, .2, ...
 at `--time-scale`, and `--streams` streamed completions kept in flight straight to the
@@ -33,6 +35,17 @@ engines' own mean TTFT (`vllm:time_to_first_token_seconds`, emulated: from arriv
 engine). Peers (production-stack's router, the Rust vllm-router) are named by
 `--peers` when their environment is set up as `../shared/bench` describes; not here.
 
+`flow`: issue 35's workload (bench_flow.py's load, tenants and trio-flow router) at
+`--engines` emulated H100s scheduling by priority (`--engine-max-num-seqs`, 0: the profile's
+1024). trio_router (`round_robin`, `max_in_flight_per_engine` = `--capacity`, the top band
+`--reserve` past it, `priority_to_engines`; tenants `interactive`, priority 10 with a
+first-token deadline of `--deadline-ms` emulated, and `batch`, priority 0) in front of one
+`emulate` process. The fleet's capacity is measured first (engines x capacity streams back to
+back, straight to the engines); then interactive requests alone at `--unloaded-load` x it,
+and the mix (`--interactive-share` interactive) at `--load` x it, Poisson, `--duration` wall
+seconds. Reports the interactive TTFT p99, unloaded and loaded (emulated: wall x the time
+scale), their ratio, and what the router refused (shed, queue full, deadline) per tenant.
+
 Loopback only; every process is killed at the end; every load is bounded in time.
 """
 
@@ -48,13 +61,14 @@ import sys
 import tempfile
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Final
 
 import httpx
 import trio
 
+import bench_flow as flow
 from trio_router.emulator.profiles import StepShape, load_profile
 from trio_router.testing.processes import Output, open_command, router_url
 from trio_router.testing.vllm_engines import free_ports
@@ -403,6 +417,72 @@ async def bench_routing(args: argparse.Namespace) -> dict[str, Any]:
     return {"engines": args.engines, "time_scale": args.time_scale, "results": results}
 
 
+# -- flow ---------------------------------------------------------------------------------------
+async def flow_run(
+    workload: flow.Workload,
+    schedule: Sequence[flow.Arrival],
+    window_s: float,
+    workdir: Path,
+    emulator_pid: int,
+) -> dict[str, Any]:
+    """bench_flow's trio-flow router (tenants, bands, deadline) in front of the emulated
+    engines, and `schedule` sent through it; its figures (wall milliseconds)."""
+    await flow.wait_idle(workload.upstreams)
+    async with flow.open_trio("trio-flow", workload.upstreams, workload, workdir) as running:
+        pids = running.pids | {"emulator": emulator_pid}
+        load = await flow.run_load(running.url, schedule, window_s, workload, pids)
+    return {
+        "interactive": flow.interactive_figures(load.sent, workload.deadline_s),
+        "batch": flow.batch_figures(load.sent, load.window_s),
+        "cpu": {role: round(cores, 3) for role, cores in load.cpu.items()},
+    }
+
+
+async def bench_flow(args: argparse.Namespace) -> dict[str, Any]:
+    """Issue 35's workload (bench_flow.py's) at `--load` x the emulated fleet's capacity."""
+    wall = 1 / args.time_scale  # wall seconds per emulated second
+    extra = ["--scheduling-policy", "priority"]
+    if args.engine_max_num_seqs:
+        extra += ["--max-num-seqs", str(args.engine_max_num_seqs)]
+    async with open_emulator(args.engines, args.time_scale, *extra) as (process, urls, _):
+        workload = flow.Workload(
+            engines=args.engines, capacity=args.capacity, prefill_s=0.0, itl_s=0.0,
+            tokens=args.max_tokens, deadline_s=args.deadline_ms / 1000 * wall,
+            drain_s=args.drain, reserve=args.reserve, model=MODEL, upstreams=tuple(urls),
+        )  # fmt: skip
+        rps = await flow.calibrate(urls, workload, args.calibrate)
+        workload = replace(workload, measured_rps=rps)
+        print(json.dumps({"capacity_rps_wall": round(rps, 2)}), flush=True)
+        light = flow.arrivals(args.unloaded_load * rps, args.unloaded_duration, 1.0, args.seed,
+                              workload)  # fmt: skip
+        heavy = flow.arrivals(args.load * rps, args.duration, args.interactive_share,
+                              args.seed, workload)  # fmt: skip
+        with tempfile.TemporaryDirectory() as workdir:
+            unloaded = await flow_run(
+                workload, light, args.unloaded_duration, Path(workdir), process.pid
+            )
+            print(json.dumps({"unloaded": unloaded}), flush=True)
+            loaded = await flow_run(workload, heavy, args.duration, Path(workdir), process.pid)
+    quiet, busy = unloaded["interactive"]["ttft_p99_ms"], loaded["interactive"]["ttft_p99_ms"]
+    refused = {
+        tenant: sum(loaded[tenant]["refused"].values()) for tenant in ("interactive", "batch")
+    }
+    return {
+        "engines": args.engines,
+        "time_scale": args.time_scale,
+        "capacity_rps_emulated": round(rps / args.time_scale, 1),
+        "load": args.load,
+        "interactive_ttft_p99_ms_emulated": {
+            "unloaded": None if quiet is None else round(quiet * args.time_scale, 2),
+            "loaded": None if busy is None else round(busy * args.time_scale, 2),
+        },
+        "ratio": round(busy / quiet, 2) if quiet and busy else None,
+        "refused": refused,
+        "unloaded": unloaded,
+        "loaded": loaded,
+    }
+
+
 # -- the command -------------------------------------------------------------------------------
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -428,14 +508,35 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     routing.add_argument("--concurrency", type=int, default=64)
     routing.add_argument("--max-tokens", type=int, default=64)
     routing.add_argument("--seed", type=int, default=0)
-    for command in (scale, routing):
+    flows = commands.add_parser("flow", help="flow control at 150 % load (issue 35's workload)")
+    flows.add_argument("--engines", type=int, default=16)
+    flows.add_argument("--time-scale", type=float, default=0.05)
+    flows.add_argument(
+        "--capacity", type=int, default=16, help="the router's max_in_flight_per_engine"
+    )
+    flows.add_argument(
+        "--engine-max-num-seqs", type=int, default=0, help="the engines' (0: the profile's)"
+    )
+    flows.add_argument("--max-tokens", type=int, default=32)
+    flows.add_argument("--load", type=float, default=1.5)
+    flows.add_argument("--duration", type=float, default=30.0, help="wall seconds of arrivals")
+    flows.add_argument("--drain", type=float, default=20.0, help="wall seconds")
+    flows.add_argument("--interactive-share", type=float, default=0.3)
+    flows.add_argument("--deadline-ms", type=float, default=2000.0, help="emulated")
+    flows.add_argument("--reserve", type=int, default=4)
+    flows.add_argument("--unloaded-load", type=float, default=0.2)
+    flows.add_argument("--unloaded-duration", type=float, default=15.0)
+    flows.add_argument("--calibrate", type=float, default=20.0, help="wall seconds")
+    flows.add_argument("--seed", type=int, default=0)
+    for command in (scale, routing, flows):
         command.add_argument("--json-out", type=Path)
     return parser.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    result = trio.run(bench_scale if args.command == "scale" else bench_routing, args)
+    commands = {"scale": bench_scale, "routing": bench_routing, "flow": bench_flow}
+    result = trio.run(commands[args.command], args)
     print(json.dumps(result, indent=2))
     if args.json_out:
         args.json_out.write_text(json.dumps(result, indent=2))
