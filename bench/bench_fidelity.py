@@ -23,9 +23,10 @@ cpu-tiny.toml (status "fitted", with this command and the date). The emulated en
 are printed beside the real engine's (with `--write`, on the new coefficients).
 
 `compare`: the same workload against one real engine and one emulated engine (cpu-tiny, the
-same block size and number of KV blocks, read from the real engine's log), one after the
-other: `--groups` groups of requests sharing a prefix of `--prefix-tokens` token ids, each
-request its own suffix and `--max-tokens` greedy tokens, `--concurrency` streams in flight.
+same block size and number of KV blocks: the real engine's, from its log, else from its KV
+bytes at 512 B per token), one after the other: `--groups` groups of requests sharing a
+prefix of `--prefix-tokens` token ids, each request its own suffix and `--max-tokens`
+greedy tokens, `--concurrency` streams in flight.
 Reports each engine's prefix-cache hit rate (its counters, in tokens), its preemptions
 (`vllm:num_preemptions_total`) and the client's TTFT p50 (streamed, wall seconds; the
 emulator runs at time scale 1).
