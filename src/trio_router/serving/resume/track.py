@@ -26,6 +26,7 @@ _CONTENT: Final = {"chat": b'"delta":{"content"', "completion": b'"text":'}
 _REASONING: Final = b'"delta":{"reasoning"'  # a chat's reasoning token, the same way
 _PLAIN_IDS: Final = b'"finish_reason":null,"token_ids":['
 _PLAIN_END: Final = b"]}]}\n\n"
+_PLAIN_REST: Final = _PLAIN_END[1:]  # what follows a plain token event's ids, to its end
 _PLAIN_END_FRAMED: Final = _PLAIN_END + b"\r\n"  # as it ends an HTTP chunk
 _NULLED_EVENT_END: Final = b'"finish_reason":null,"token_ids":null}]}\n\n'
 _NEVER: Final = b"\x00"  # a prefix no event begins with
@@ -149,13 +150,14 @@ class Track:
         if data[-6:] == _PLAIN_END and not self._partial:
             # The common read: one event with one token of content, as vLLM writes it.
             head, found, tail = data.rpartition(_PLAIN_IDS)
+            ids, _, rest = tail.partition(b"]")  # rest: the event's end, and nothing after
             plain, thinking = self._plain, self._thinking
             if (
-                found
+                rest == _PLAIN_REST
                 and (head[: len(plain)] == plain or head[: len(thinking)] == thinking)
                 and b"\n\n" not in head
             ):
-                self.generated.append(tail[:-6])
+                self.generated.append(ids)
                 return data if self._show_ids else head + _NULLED_EVENT_END
         if self._partial:
             data, self._partial = self._partial + data, b""
