@@ -184,13 +184,14 @@ def test_what_a_relayed_stream_gives_the_client_at_any_framing(
 
 
 def test_the_common_read_is_rewritten_as_it_came() -> None:
-    """A read of one chunk of one plain token event, of content or (once one has passed)
-    of reasoning, is rewritten without unframing: its ids nulled, its size line anew, the
-    ids noted; a read of more than that goes the long way (`framed` gives None)."""
+    """A read of one chunk of one plain token event (of one token or more), of content or
+    (once one has passed) of reasoning, is rewritten without unframing: its ids nulled, its
+    size line anew, the ids noted; a read of more than that goes the long way (`framed`
+    gives None), and so does a chunk cut within the ids."""
     track = Track("chat", show_ids=False, usage=False)
     track(FIRST, False)
-    for kind in (b"content", b"reasoning", b"reasoning"):
-        event = token(b"hi", b"42", kind=kind)
+    for kind in (b"content", b"reasoning", b"reasoning", b"content"):
+        event = token(b"hi", b"42" if kind == b"reasoning" else b"42,43", kind=kind)
         chunk = b"%x\r\n%s\r\n" % (len(event), event)
         if kind == b"reasoning" and not track.reasoned:
             assert track.framed(chunk) is None  # the first reasoning token: noted the long way
@@ -202,19 +203,22 @@ def test_the_common_read_is_rewritten_as_it_came() -> None:
     two = b"%x\r\n%s\r\n" % (2 * len(event), event + event)
     assert track.framed(two) is None  # two events in one chunk
     assert track.framed(two[:-2].replace(b"[5]", b"[5\r\n1\r\n6]") + b"\r\n") is None
-    assert track.generated_parts() == [[42]] * 3
+    assert track.generated_parts() == [[42, 43], [42], [42], [42, 43]]
 
 
 def test_events_after_an_abort_in_the_same_read_are_dropped() -> None:
-    """The engine ended the stream itself (`finish_reason: "abort"`): what follows it in the
-    same read, token events included, does not reach the client."""
+    """The engine ended the stream itself (`finish_reason: "abort"`): what follows it, in
+    the same read or after, token events and [DONE] included, does not reach the client."""
     track = Track("chat", show_ids=False, usage=False)
     track(FIRST, False)
     abort = finish(b"9").replace(b'"stop"', b'"abort"')
     assert track(token(b"a", b"5") + abort + token(b"b", b"6"), False) == nulled(token(b"a", b"5"))
     assert track.aborted and track.generated_parts() == [[5]]
     event = token(b"c", b"8")
-    assert track.framed(b"%x\r\n%s\r\n" % (len(event), event)) is None
+    rewrite = Rewrite(track, track.framed)
+    assert rewritten(b"%x\r\n%s\r\n" % (len(event), event), False, rewrite) == b""
+    assert rewritten(b"e\r\ndata: [DONE]\n\n\r\n", True, rewrite) == b""
+    assert not track.done
 
 
 def test_a_read_after_a_held_partial_line_goes_the_long_way() -> None:

@@ -31,8 +31,11 @@ _PLAIN_REST_FRAMED: Final = _PLAIN_REST_READ + b"\r\n"  # ... as it ends an HTTP
 _NULLED: Final = b'"finish_reason":null,"token_ids":null}]}'  # its end, ids not shown
 _NULLED_EVENT_END: Final = _NULLED + b"\n\n"
 _NULLED_CHUNK_END: Final = _NULLED_EVENT_END + b"\r\n"
+_DONE_CHUNK: Final = b"e\r\ndata: [DONE]\n\n\r\n"  # an answer's end, one chunk
+_NULLED_EVENT_LEN: Final = len(_NULLED_EVENT_END)
 # HTTP chunk size lines by size ("%x\r\n", as h11 writes them), for a plain token event's.
-_SIZE_LINES: Final = tuple(b"%x\r\n" % size for size in range(1024))
+_SIZE_LINES_COUNT: Final = 1024
+_SIZE_LINES: Final = tuple(b"%x\r\n" % size for size in range(_SIZE_LINES_COUNT))
 _encode = msgspec.json.encode
 MAX_EVENT_BYTES: Final = 1 << 20  # one event of a followed stream, held until its end
 
@@ -202,17 +205,24 @@ class Track:
             or not data.startswith(self._prefixes)
             # One event in one chunk: the read's first line is a size line of at most three
             # digits (a longer `line` holds another "\n": another event or chunk), and no
-            # chunk ends between the ids' brackets. Ids of several tokens go the long way.
+            # chunk ends between the ids' brackets (one id: digits only).
             or len(line) > 4
-            or not ids.isdigit()
+            or (not ids.isdigit() and ids.find(b"\n") >= 0)
             or self._partial
         ):
-            return chunk if self.inert and not self._partial else None
+            if self._partial:
+                return None
+            if self.inert:  # passed on untouched
+                return chunk
+            if chunk == _DONE_CHUNK and not self.aborted:  # the stream's end, as it came
+                self.done = True
+                return chunk
+            return None
         self.generated.append(ids)
         if self._show_ids:
             return chunk
-        size = len(data) + len(_NULLED_EVENT_END)
-        if size < len(_SIZE_LINES):
+        size = len(data) + _NULLED_EVENT_LEN
+        if size < _SIZE_LINES_COUNT:
             return _SIZE_LINES[size] + data + _NULLED_CHUNK_END
         return b"%x\r\n" % size + data + _NULLED_CHUNK_END
 
@@ -263,8 +273,16 @@ class Track:
     def _first(self, event: bytes) -> bytes:
         """The stream's first event: its head and the prompt's token ids noted (an engine
         that sends none leaves the stream inert), what its token events begin with known."""
-        decoded = _decoded(event)
-        self.head = {k: decoded.get(k) for k in ("id", "object", "created", "model")}
+        try:
+            head = _decode_head(event[6:])
+        except msgspec.DecodeError:
+            raise _not_an_object(event) from None
+        self.head = {
+            "id": head.id,
+            "object": head.object,
+            "created": head.created,
+            "model": head.model,
+        }
         event = self._noted(event, _PROMPT_IDS, first=True)
         if not self.prompt:  # an engine without token ids: nothing to carry on with
             self.inert, self.resumable = True, False
@@ -401,6 +419,18 @@ def _pruned(value: Any) -> Any:
     return value
 
 
+class _Head(msgspec.Struct):
+    """What a stream's first event says of the whole answer (the rest of it skipped)."""
+
+    id: Any = None
+    object: Any = None
+    created: Any = None
+    model: Any = None
+
+
+_decode_head = msgspec.json.Decoder(_Head).decode
+
+
 def _decoded(event: bytes) -> dict[str, Any]:
     """An event's JSON object; MalformedResponseError when it is not one."""
     try:
@@ -408,5 +438,9 @@ def _decoded(event: bytes) -> dict[str, Any]:
     except msgspec.DecodeError:
         decoded = None
     if not isinstance(decoded, dict):
-        raise MalformedResponseError(f"an event that is not a JSON object: {event[:80]!r}")
+        raise _not_an_object(event)
     return decoded
+
+
+def _not_an_object(event: bytes) -> MalformedResponseError:
+    return MalformedResponseError(f"an event that is not a JSON object: {event[:80]!r}")
