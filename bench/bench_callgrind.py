@@ -3,13 +3,10 @@ where CPU seconds on a shared 2-core VM are not (the same total for the same bin
 environment, whatever else the machine does).
 
     python bench/bench_callgrind.py [--scenario chat|stream|paced] [--requests 200]
-                                    [--proxy KEY=VALUE ...] [--reasoning] [--malloc]
+                                    [--proxy KEY=VALUE ...] [--malloc]
 
-The engines are `bench/bench_proxy.py`'s (canned vLLM-like answers; a stream is the role, 64
-tokens and [DONE], each event with its token ids when asked with `"return_token_ids": true`,
-else with `null` in their place, as vLLM writes them: the same stream whatever the router
-asks). `--reasoning`: the first half of a stream's tokens are reasoning deltas
-(`"delta":{"reasoning":...}`, as with vLLM's `--reasoning-parser`). The router
+The engines are `bench/bench_proxy.py`'s (canned vLLM-like answers; a stream asked with
+`"return_token_ids": true` carries token ids as vLLM writes them). The router
 (`python -m trio_router`, static discovery of two engines, `round_robin`, no access record)
 runs under `valgrind --tool=callgrind --instr-atstart=no`; after `--warmup` requests its
 counting is switched on (`callgrind_control -i on`), `--requests` requests go one after another
@@ -62,19 +59,12 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--proxy", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--reasoning", action="store_true")
     parser.add_argument("--malloc", action="store_true")
     parser.add_argument("--keep", type=Path, help="copy the measured dump here")
     args = parser.parse_args()
     gap = "0.005" if args.scenario == "paced" else "0"
     engines = subprocess.Popen(
-        [
-            sys.executable,
-            str(HERE / "bench_proxy.py"),
-            "--serve-engines",
-            gap,
-            *(["--serve-reasoning"] if args.reasoning else []),
-        ],
+        [sys.executable, str(HERE / "bench_proxy.py"), "--serve-engines", gap],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -147,7 +137,6 @@ def main() -> int:
             {
                 "scenario": args.scenario,
                 "proxy": args.proxy,
-                "reasoning": args.reasoning,
                 "malloc": args.malloc,
                 "requests": args.requests,
                 "bytes_per_request": sent // args.requests,
