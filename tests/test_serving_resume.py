@@ -411,3 +411,24 @@ async def test_an_engine_answering_that_it_shuts_down_leaves_the_request_to_anot
     assert sorted(a.status_code for a in plain) == [200, 500]
     assert [a.status_code for a in answers] == [200, 200]
     assert retried == len(going.requests_to(CHAT)) - 1 >= 1  # all but its first
+
+
+@pytest.mark.parametrize("framed", [False, True])
+def test_a_token_event_and_the_finish_in_one_read_both_pass(framed: bool) -> None:
+    """A read that holds a token event and then the finish (both end as a plain token event
+    does): each passes, the token's id alone is noted, and the finish is seen."""
+    track = Track("chat", show_ids=False, usage=False)
+    head = b'data: {"id":"x","object":"chat.completion.chunk","created":1,"model":"m",'
+    first = head + b'"choices":[{"index":0,"delta":{"role":"assistant","content":""},'
+    first += b'"logprobs":null,"finish_reason":null}],"prompt_token_ids":[1,2]}\n\n'
+    assert track(first, False)
+    token = head + b'"choices":[{"index":0,"delta":{"content":"a"},"logprobs":null,'
+    token += b'"finish_reason":null,"token_ids":[7]}]}\n\n'
+    finish = head + b'"choices":[{"index":0,"delta":{},"logprobs":null,'
+    finish += b'"finish_reason":"stop","stop_reason":null,"token_ids":[8]}]}\n\n'
+    if framed:
+        chunks = b"%x\r\n%s\r\n%x\r\n%s\r\n" % (len(token), token, len(finish), finish)
+        assert track.framed(chunks) is None  # not the common read: it goes the general way
+    out = track(token + finish, False)
+    assert out.count(b"data: ") == 2 and b'"finish_reason":"stop"' in out
+    assert track.generated_ids() == [7, 8] and track.finish == "stop"

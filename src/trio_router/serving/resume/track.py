@@ -166,6 +166,7 @@ class Track:
                 found
                 and (head[: len(plain)] == plain or head[: len(thinking)] == thinking)
                 and b"\n\n" not in head
+                and b"\n" not in tail[:-6]  # no event after this one
             ):
                 self.generated.append(tail[:-6])
                 return data if self._show_ids else head + _NULLED_EVENT_END
@@ -206,6 +207,7 @@ class Track:
             or (head[: len(plain)] != plain and head[: len(thinking)] != thinking)
             or b"\n\n" in head  # more than one event
             or b"\r\n" in head  # more than one chunk
+            or b"\n" in tail[:-10]  # an event after this one
         ):
             return None
         self.generated.append(tail[:-10])
