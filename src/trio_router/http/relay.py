@@ -20,7 +20,16 @@ from .errors import ClientGoneError, EngineBrokeOffError, EngineTimeoutError, Tr
 from .pool import RelaySource, UpstreamResponse
 from .stall import stalled
 
-__all__ = ["CHECK_S", "PAUSE_AT", "PAUSE_S", "Relay", "RelayTarget", "Rewrite", "open_relay"]
+__all__ = [
+    "CHECK_S",
+    "PAUSE_AT",
+    "PAUSE_S",
+    "Relay",
+    "RelayTarget",
+    "Rewrite",
+    "open_relay",
+    "rewritten",
+]
 
 CHECK_S: Final = 0.25  # how often the relayed streams' deadlines are checked
 PAUSE_S: Final = 0.001  # the pause after a busy pass, so that the next serves more events
@@ -199,6 +208,30 @@ async def open_relay(*, write_timeout: float = math.inf) -> AsyncIterator[Relay]
         relay.close()
 
 
+def rewritten(framed: bytes, final: bool, rewrite: Rewrite) -> bytes:
+    """What a relayed read comes to through `rewrite` (`framed`: its chunks as the codec's
+    `read_body_framed` gives them; `final`: the body ends with it), as the chunks to write:
+    what `rewrite.framed` makes of it, else its data through `rewrite.data`, framed anew as
+    one chunk (or as it came, when that leaves the data of a read of one chunk as it was)."""
+    if rewrite.framed is not None and (out := rewrite.framed(framed)) is not None:
+        return out
+    return _data_rewritten(framed, final, rewrite.data)
+
+
+def _data_rewritten(framed: bytes, final: bool, data: Callable[[bytes, bool], bytes]) -> bytes:
+    """A read's data through `data` (see `rewritten`). A read of one whole chunk (a token
+    stream's usual read) is unframed by hand."""
+    size_end = framed.find(b"\r\n")
+    if size_end > 0 and size_end + 4 + int(framed[:size_end], 16) == len(framed):
+        piece = framed[size_end + 2 : -2]  # one chunk
+    else:
+        piece, framed = _unframed(framed), b""
+    out = data(piece, final)
+    if out is piece and framed:
+        return framed
+    return b"%x\r\n%s\r\n" % (len(out), out) if out else b""
+
+
 def _unframed(framed: bytes) -> bytes:
     """The data of a run of chunks as `read_body_framed` gives them (whole, canonical or
     framed anew)."""
@@ -371,8 +404,15 @@ class _Relayed:
             self._finish(error)
 
     def _forward(self, now: float) -> None:
+        parser = self._parser
         try:
-            out = self._parser.read_body_framed() if self._transform is None else self._rewrite()
+            out = parser.read_body_framed()
+            if self._transform is not None and (out or parser.done):
+                # As `rewritten` does, its first call made here: the common read (one chunk
+                # of one event) costs no call more.
+                if (framed := self._framed) is None or (piece := framed(out)) is None:
+                    piece = _data_rewritten(out, parser.done, self._transform)
+                out = piece
         except ProtocolError as exc:
             self._finish(
                 EngineBrokeOffError(f"engine {self._url} broke off the response body: {exc}")
@@ -406,27 +446,6 @@ class _Relayed:
         assert self._stall is not None  # else the longest gap stays infinite
         self._gap = gap
         self._allowed = self._stall.allowed(gap)
-
-    def _rewrite(self) -> bytes:
-        """What the transform makes of the body bytes read now, framed as one chunk. A read
-        of one whole chunk (a token stream's usual read) is unframed by hand, and written as
-        it came when the transform leaves its data as it was."""
-        parser = self._parser
-        framed = parser.read_body_framed()
-        if not framed and not parser.done:
-            return b""
-        if self._framed is not None and (out := self._framed(framed)) is not None:
-            return out
-        size_end = framed.find(b"\r\n")
-        if size_end > 0 and size_end + 4 + int(framed[:size_end], 16) == len(framed):
-            data = framed[size_end + 2 : -2]  # one chunk
-        else:
-            data, framed = _unframed(framed), b""
-        assert self._transform is not None
-        piece = self._transform(data, parser.done)
-        if piece is data and framed:
-            return framed
-        return b"%x\r\n%s\r\n" % (len(piece), piece) if piece else b""
 
     def _flush(self, now: float) -> None:
         """Write what is pending; wait for the client's socket if it does not take it all."""

@@ -323,15 +323,17 @@ class Deliver:
         length is known (a whole answer, not a stream) and at most MAX_HELD_ANSWER_BYTES."""
         if self._rt.resume is None:
             return False
-        length = next((v for k, v in response.headers if k == b"content-length"), None)
-        return length is not None and length.isdigit() and int(length) <= MAX_HELD_ANSWER_BYTES
+        for name, length in response.headers:  # a loop: no generator made per answer
+            if name == b"content-length":
+                return length.isdigit() and int(length) <= MAX_HELD_ANSWER_BYTES
+        return False
 
 
 def _is_event_stream(response: UpstreamResponse) -> bool:
-    return any(
-        name == b"content-type" and value.startswith(b"text/event-stream")
-        for name, value in response.headers
-    )
+    for name, value in response.headers:  # a loop: no generator made per answer
+        if name == b"content-type" and value.startswith(b"text/event-stream"):
+            return True
+    return False
 
 
 def _timed(

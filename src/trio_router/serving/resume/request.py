@@ -117,7 +117,7 @@ def not_resumable(payload: dict[str, Any], kind: str) -> str | None:
     """Why a streamed request of `kind` cannot be carried on, or None."""
     if payload.get("n", 1) != 1:
         return "several choices (n > 1)"
-    for key, why in _NOT_RESUMABLE.items():
+    for key, why in () if _NOT_RESUMABLE.keys().isdisjoint(payload) else _NOT_RESUMABLE.items():
         if payload.get(key) not in (None, False, [], {}):
             if key == "logprobs" and kind == "completion" and type(payload[key]) is int:
                 continue  # a continuation's text completion gives them as the original

@@ -32,10 +32,17 @@ _CHOICES: Final = b'"choices":[{"index":0,'
 _CONTENT: Final = {"chat": b'"delta":{"content":"', "completion": b'"text":'}
 _REASONING: Final = b'"delta":{"reasoning"'  # a chat's reasoning token, the same way
 _PLAIN_IDS: Final = b'"finish_reason":null,"token_ids":['
-_PLAIN_END: Final = b"]}]}\n\n"
-_PLAIN_END_FRAMED: Final = _PLAIN_END + b"\r\n"  # as it ends an HTTP chunk
-_NULLED_EVENT_END: Final = b'"finish_reason":null,"token_ids":null}]}\n\n'
-_NEVER: Final = b"\x00"  # a prefix no event begins with
+_PLAIN_REST: Final = b"}]}"  # what follows a plain token event's ids, to its end
+_PLAIN_REST_READ: Final = _PLAIN_REST + b"\n\n"  # ... as it ends a read
+_PLAIN_REST_FRAMED: Final = _PLAIN_REST_READ + b"\r\n"  # ... as it ends an HTTP chunk
+_NULLED: Final = b'"finish_reason":null,"token_ids":null}]}'  # its end, ids not shown
+_NULLED_EVENT_END: Final = _NULLED + b"\n\n"
+_NULLED_CHUNK_END: Final = _NULLED_EVENT_END + b"\r\n"
+_DONE_CHUNK: Final = b"e\r\ndata: [DONE]\n\n\r\n"  # an answer's end, one chunk
+_NULLED_EVENT_LEN: Final = len(_NULLED_EVENT_END)
+# HTTP chunk size lines by size ("%x\r\n", as h11 writes them), for a plain token event's.
+_SIZE_LINES_COUNT: Final = 1024
+_SIZE_LINES: Final = tuple(b"%x\r\n" % size for size in range(_SIZE_LINES_COUNT))
 _encode = msgspec.json.encode
 MAX_EVENT_BYTES: Final = 1 << 20  # one event of a followed stream, held until its end
 
@@ -64,9 +71,8 @@ class Track:
     __slots__ = (
         "_again_head",
         "_partial",
-        "_plain",
+        "_prefixes",
         "_show_ids",
-        "_thinking",
         "aborted",
         "continuing",
         "counted",
@@ -87,8 +93,9 @@ class Track:
     def __init__(self, kind: str, *, show_ids: bool, usage: bool) -> None:
         self.kind, self._show_ids, self.usage = kind, show_ids, usage
         self._partial = b""
-        self._plain = _NEVER  # what an original's plain token event begins with, once known
-        self._thinking = _NEVER  # ... and its reasoning token event, once one has passed
+        # What an original's plain token events begin with, once known: of content, and of
+        # reasoning once one has passed (none once the events are no longer an original's).
+        self._prefixes: tuple[bytes, ...] = ()
         self._again_head = b""  # a whole request's again: what its events begin with, to go
         self.head: dict[str, Any] | None = None  # id, created, model of the first event
         self.prompt = b""  # the prompt's token ids, as their JSON list's bytes
@@ -158,17 +165,18 @@ class Track:
         return sum(part.count(b",") + 1 for part in self.generated if part)
 
     def __call__(self, data: bytes, final: bool) -> bytes:
-        if data[-6:] == _PLAIN_END and not self._partial:
-            # The common read: one event with one token of content, as vLLM writes it.
+        if prefixes := self._prefixes:
+            # The common read: one plain token event (see `framed`), without its framing.
             head, found, tail = data.rpartition(_PLAIN_IDS)
-            plain, thinking = self._plain, self._thinking
+            ids, _, rest = tail.partition(b"]")
             if (
                 found
-                and (head[: len(plain)] == plain or head[: len(thinking)] == thinking)
-                and b"\n\n" not in head
-                and b"\n" not in tail[:-6]  # no event after this one
+                and rest == _PLAIN_REST_READ
+                and head.startswith(prefixes)
+                and not self._partial
+                and head.find(b"\n") < 0  # one event
             ):
-                self.generated.append(tail[:-6])
+                self.generated.append(ids)
                 return data if self._show_ids else head + _NULLED_EVENT_END
         if self._partial:
             data, self._partial = self._partial + data, b""
@@ -180,54 +188,62 @@ class Track:
         parts = []
         generated, show = self.generated, self._show_ids
         for event in events:
-            if self._common(event):  # a token of content or reasoning, most likely
+            if event.startswith(prefixes):  # a token of content or reasoning, most likely
                 head, found, tail = event.rpartition(_PLAIN_IDS)
-                if found and tail[-4:] == b"]}]}":
-                    generated.append(tail[:-4])
-                    parts.append(event if show else head + _NULLED_EVENT_END[:-2])
+                ids, _, rest = tail.partition(b"]")
+                if found and rest == _PLAIN_REST:  # not the last: no finish, nothing after
+                    generated.append(ids)
+                    parts.append(event if show else head + _NULLED)
                     continue
             if (out := self._event(event)) is not None:
                 parts.append(out)
+            prefixes = self._prefixes  # the event may have changed them
         return b"\n\n".join(parts) + b"\n\n" if parts else b""
 
     def framed(self, chunk: bytes) -> bytes | None:
-        """The common read as it came on the wire, one HTTP chunk of one plain token event
-        (see `__call__`): the chunk to write, its token id noted (and nulled unless shown);
-        None for any other read (it goes through `__call__`). Slices, compares and
-        partitions only: on this path, str methods that take positions cost more."""
-        if self.inert and not self._partial:
-            return chunk
-        if chunk[-10:] != _PLAIN_END_FRAMED or self._partial:
-            return None
-        _, _, data = chunk.partition(b"\r\n")  # the chunk's size line
-        head, found, tail = data.rpartition(_PLAIN_IDS)
-        plain, thinking = self._plain, self._thinking
+        """The common read as it came on the wire (`chunk`: one or more whole HTTP chunks in
+        h11's form, as the relay reads them): when it is one chunk of one plain token event,
+        its ids noted, the chunk to write (its ids nulled unless shown, and its size line
+        written anew); for any other read None (it goes through `__call__`), or the chunk as
+        it is when the stream is inert. A plain token event: one that begins as the stream's
+        token events of content (or of reasoning, once one has passed) do and ends as vLLM
+        ends them (`"finish_reason":null,"token_ids":[IDS]}]}`). Every event of a stream
+        passes here: three partitions (C calls of one argument, no scan but from the end or
+        to a byte) do the work of finding and checking, and no `in` (on bytes it tries its
+        operand as an int first: an exception raised and cleared each time)."""
+        head, found, tail = chunk.rpartition(_PLAIN_IDS)
+        ids, _, rest = tail.partition(b"]")
+        line, _, data = head.rpartition(b"\n")  # the size line, if it has the only "\n"
         if (
-            not found
-            or (head[: len(plain)] != plain and head[: len(thinking)] != thinking)
-            or b"\n\n" in head  # more than one event
-            or b"\r\n" in head  # more than one chunk
-            or b"\n" in tail[:-10]  # an event after this one
+            not found  # a finish (vLLM writes the last token with it), or no token event
+            or rest != _PLAIN_REST_FRAMED
+            or not data.startswith(self._prefixes)
+            # One event in one chunk: the read's first line is a size line of at most three
+            # digits (a longer `line` holds another "\n": another event or chunk), and no
+            # chunk ends between the ids' brackets (one id: digits only).
+            or len(line) > 4
+            or (not ids.isdigit() and ids.find(b"\n") >= 0)
+            or self._partial
         ):
+            if self._partial:
+                return None
+            if self.inert:  # passed on untouched
+                return chunk
+            if chunk == _DONE_CHUNK and not self.aborted:  # the stream's end, as it came
+                self.done = True
+                return chunk
             return None
-        self.generated.append(tail[:-10])
+        self.generated.append(ids)
         if self._show_ids:
             return chunk
-        out = head + _NULLED_EVENT_END
-        return b"%x\r\n%s\r\n" % (len(out), out)
-
-    def _common(self, head: bytes) -> bool:
-        """`head` begins as this stream's token events do (of content, or of reasoning once
-        one has passed)."""
-        plain = self._plain
-        if head[: len(plain)] == plain:
-            return True
-        thinking = self._thinking
-        return head[: len(thinking)] == thinking
+        size = len(data) + _NULLED_EVENT_LEN
+        if size < _SIZE_LINES_COUNT:
+            return _SIZE_LINES[size] + data + _NULLED_CHUNK_END
+        return b"%x\r\n" % size + data + _NULLED_CHUNK_END
 
     def _stop_plain(self) -> None:
         """Events are no longer an original's plain tokens (aborted, or a continuation's)."""
-        self._plain = self._thinking = _NEVER
+        self._prefixes = ()
 
     def _event(self, event: bytes) -> bytes | None:
         if self.aborted or not event.startswith(b"data: "):
@@ -249,28 +265,39 @@ class Track:
             event = self._first(event)
             if self.inert:
                 return event
-        if b'"finish_reason":"' in event:
-            reason = event.split(b'"finish_reason":"', 1)[1].split(b'"', 1)[0].decode()
+        # `find`, not `in`: on bytes, `in` tries its operand as an int first (an exception
+        # raised and cleared each time), several times the cost of a search.
+        if (start := event.find(b'"finish_reason":"')) >= 0:
+            end = event.find(b'"', start + 17)
+            reason = event[start + 17 : end if end >= 0 else None].decode()
             if reason == "abort":
                 self.aborted = True
                 self._stop_plain()
                 return None
             self.finish = reason
-        if b'"choices":[]' in event:
+        if event.find(b'"choices":[]') >= 0:
             self.counted = True  # the usage object
-        if b'"tool_calls"' in event:
+        if event.find(b'"tool_calls"') >= 0:
             self._note_calls(_decoded(event))
-        if not self.reasoned and b'"reasoning' in event:
+        if not self.reasoned and event.find(b'"reasoning') >= 0:
             self.reasoned = True
-            if self._plain is not _NEVER:  # its reasoning tokens take the common read too
-                self._thinking = self._again_head + _REASONING
+            if self._prefixes:  # its reasoning tokens take the common read too
+                self._prefixes = (*self._prefixes, self._again_head + _REASONING)
         return self._noted(event, _TOKEN_IDS)
 
     def _first(self, event: bytes) -> bytes:
         """The stream's first event: its head and the prompt's token ids noted (an engine
         that sends none leaves the stream inert), what its token events begin with known."""
-        decoded = _decoded(event)
-        self.head = {k: decoded.get(k) for k in ("id", "object", "created", "model")}
+        try:
+            head = _decode_head(event[6:])
+        except msgspec.DecodeError:
+            raise _not_an_object(event) from None
+        self.head = {
+            "id": head.id,
+            "object": head.object,
+            "created": head.created,
+            "model": head.model,
+        }
         event = self._noted(event, _PROMPT_IDS, first=True)
         if not self.prompt:  # an engine without token ids: nothing to carry on with
             self.inert, self.resumable = True, False
@@ -279,14 +306,14 @@ class Track:
         choices = event.find(_CHOICES)
         if choices > 0:  # what every event of this stream begins with, to its content
             self._again_head = event[: choices + len(_CHOICES)]
-            self._plain = self._again_head + _CONTENT[self.kind]
+            self._prefixes = (self._again_head + _CONTENT[self.kind],)
         return event
 
     def _as_original(self, event: bytes) -> bytes | None:
         """An event of the request sent again, as the original's (its id, created and
         model); None for its first (the role, already passed)."""
         choices = event.find(_CHOICES)
-        if choices < 0 or b'"role"' in event[choices : choices + 80]:
+        if choices < 0 or event.find(b'"role"', choices, choices + 80) >= 0:
             return None if choices >= 0 else event
         return self._again_head + event[choices + len(_CHOICES) :]
 
@@ -314,7 +341,7 @@ class Track:
             self.generated.append(ids)
         if self._show_ids:
             return event
-        return event[:start] + key[:-1] + b"null" + event[end + 1 :]
+        return event[: start + len(key) - 1] + b"null" + event[end + 1 :]
 
     def _continued(self, event: bytes) -> bytes | None:
         """A continuation's event (a text completion's) in the original's shape."""
@@ -407,6 +434,18 @@ def _pruned(value: Any) -> Any:
     return value
 
 
+class _Head(msgspec.Struct):
+    """What a stream's first event says of the whole answer (the rest of it skipped)."""
+
+    id: Any = None
+    object: Any = None
+    created: Any = None
+    model: Any = None
+
+
+_decode_head = msgspec.json.Decoder(_Head).decode
+
+
 def _decoded(event: bytes) -> dict[str, Any]:
     """An event's JSON object; MalformedResponseError when it is not one."""
     try:
@@ -414,5 +453,9 @@ def _decoded(event: bytes) -> dict[str, Any]:
     except msgspec.DecodeError:
         decoded = None
     if not isinstance(decoded, dict):
-        raise MalformedResponseError(f"an event that is not a JSON object: {event[:80]!r}")
+        raise _not_an_object(event)
     return decoded
+
+
+def _not_an_object(event: bytes) -> MalformedResponseError:
+    return MalformedResponseError(f"an event that is not a JSON object: {event[:80]!r}")
