@@ -3,15 +3,19 @@ where CPU seconds on a shared 2-core VM are not (the same total for the same bin
 environment, whatever else the machine does).
 
     python bench/bench_callgrind.py [--scenario chat|stream|paced] [--requests 200]
-                                    [--proxy KEY=VALUE ...] [--malloc]
+                                    [--proxy KEY=VALUE ...] [--reasoning] [--tokens 64]
+                                    [--malloc]
 
-The engines are `bench/bench_proxy.py`'s (canned vLLM-like answers; a stream asked with
-`"return_token_ids": true` carries token ids as vLLM writes them). The router
+The engines are `bench/bench_proxy.py`'s (canned vLLM-like answers; a stream is the role,
+`--tokens` token events and [DONE], each event with its token ids when asked with
+`"return_token_ids": true`, else with `null` in their place, as vLLM writes them: the same
+stream whatever the router asks). `--reasoning`: the first half of a stream's tokens are
+reasoning deltas (`"delta":{"reasoning":...}`, as with vLLM's `--reasoning-parser`). The router
 (`python -m trio_router`, static discovery of two engines, `round_robin`, no access record)
 runs under `valgrind --tool=callgrind --instr-atstart=no`; after `--warmup` requests its
 counting is switched on (`callgrind_control -i on`), `--requests` requests go one after another
 on one kept-alive connection, and the total is dumped (`callgrind_control -d`). Scenarios:
-`chat` (non-streamed), `stream` (64 events answered at once), `paced` (the 64 events 5 ms
+`chat` (non-streamed), `stream` (the tokens answered at once), `paced` (the tokens 5 ms
 apart, each its own chunk). `--proxy resume=off` adds a `[proxy]` key; `--malloc` runs the
 router with `PYTHONMALLOC=malloc` (what valgrind sees of pymalloc's arenas is then the C
 library's allocator).
@@ -59,12 +63,21 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--proxy", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--reasoning", action="store_true")
+    parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--malloc", action="store_true")
     parser.add_argument("--keep", type=Path, help="copy the measured dump here")
     args = parser.parse_args()
     gap = "0.005" if args.scenario == "paced" else "0"
     engines = subprocess.Popen(
-        [sys.executable, str(HERE / "bench_proxy.py"), "--serve-engines", gap],
+        [
+            sys.executable,
+            str(HERE / "bench_proxy.py"),
+            "--serve-engines",
+            gap,
+            *(["--serve-reasoning"] if args.reasoning else []),
+            f"--serve-tokens={args.tokens}",
+        ],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -137,6 +150,8 @@ def main() -> int:
             {
                 "scenario": args.scenario,
                 "proxy": args.proxy,
+                "reasoning": args.reasoning,
+                "tokens": args.tokens,
                 "malloc": args.malloc,
                 "requests": args.requests,
                 "bytes_per_request": sent // args.requests,

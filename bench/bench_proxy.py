@@ -98,26 +98,38 @@ def _chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
 
+# A streamed chat as vLLM writes it: the role first, then one event per token (the last one
+# with the finish, "length"), then [DONE]; each event with its token ids when the request
+# asked (`"return_token_ids": true`, what `proxy.resume` asks for and follows), else with
+# `null` in their place (as vLLM writes them then): one stream either way, whatever the
+# router asks. The role comes with the head (a stream's first bytes), the tokens each in its
+# own chunk (see `_stream`).
+_FIRST = (
+    b'data: {"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1700000000,'
+    b'"model":"bench-model","choices":[{"index":0,"delta":{"role":"assistant","content":""},'
+    b'"logprobs":null,"finish_reason":null}],"prompt_token_ids":null}\n\n'
+)
 _EVENT = (
     b'data: {"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1700000000,'
     b'"model":"bench-model","choices":[{"index":0,"delta":{"content":" token"},'
-    b'"logprobs":null,"finish_reason":null}]}\n\n'
+    b'"logprobs":null,"finish_reason":null,"token_ids":null}]}\n\n'
 )
+_PROMPT_IDS = b"[%s]" % b",".join(b"%d" % (1000 + i) for i in range(12))
+FIRST_CHUNK: Final = _chunk(_FIRST)
+FIRST_WITH_IDS_CHUNK: Final = _chunk(_FIRST.replace(b"null}\n", _PROMPT_IDS + b"}\n"))
 EVENT_CHUNK: Final = _chunk(_EVENT)
-# With "return_token_ids": true, as vLLM writes them: the prompt's token ids in a first event
-# (the role), each token's id in its event (what `proxy.resume` asks for and follows).
-_FIRST_WITH_IDS = (
-    b'data: {"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1700000000,'
-    b'"model":"bench-model","choices":[{"index":0,"delta":{"role":"assistant","content":""},'
-    b'"logprobs":null,"finish_reason":null}],"prompt_token_ids":[%s]}\n\n'
-    % b",".join(b"%d" % (1000 + i) for i in range(12))
+EVENT_WITH_IDS_CHUNK: Final = _chunk(_EVENT.replace(b"null}]}", b"[31337]}]}"))
+# --serve-reasoning: the first half of the tokens are reasoning (vLLM's `--reasoning-parser`).
+REASONING_CHUNK: Final = _chunk(_EVENT.replace(b'"content"', b'"reasoning"'))
+REASONING_WITH_IDS_CHUNK: Final = _chunk(
+    _EVENT.replace(b'"content"', b'"reasoning"').replace(b"null}]}", b"[31337]}]}")
 )
-FIRST_WITH_IDS_CHUNK: Final = _chunk(_FIRST_WITH_IDS)
-EVENT_WITH_IDS_CHUNK: Final = _chunk(
-    _EVENT.replace(b'"finish_reason":null}', b'"finish_reason":null,"token_ids":[31337]}')
-)
+_LAST = _EVENT.replace(b'null,"token_ids"', b'"length","stop_reason":null,"token_ids"')
+LAST_CHUNK: Final = _chunk(_LAST)
+LAST_WITH_IDS_CHUNK: Final = _chunk(_LAST.replace(b"null}]}", b"[31337]}]}"))
 DONE_CHUNK: Final = _chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n"
-STREAM_AT_ONCE: Final = STREAM_HEAD + EVENT_CHUNK * EVENTS + DONE_CHUNK
+REASONING = False  # set by --serve-reasoning
+TOKENS = EVENTS  # a stream's token events; set by --serve-tokens
 _MODELS = (
     b'{"object":"list","data":[{"id":"bench-model","object":"model","created":0,'
     b'"owned_by":"vllm","root":"bench-model","parent":null,"max_model_len":4096}]}'
@@ -160,32 +172,31 @@ async def _answer(gap_s: float, stream: trio.SocketStream) -> None:
                 await stream.send_all(MODELS)
             elif head.startswith(b"GET "):
                 await stream.send_all(NOT_FOUND)
-            elif b'"stream":true' in body and b'"return_token_ids":true' in body:
-                await _paced_with_ids(stream, gap_s)
-            elif b'"stream":true' in body and not gap_s:
-                await stream.send_all(STREAM_AT_ONCE)
             elif b'"stream":true' in body:
-                await stream.send_all(STREAM_HEAD)
-                await trio.sleep(TTFT_S - gap_s)
-                for _ in range(EVENTS):
-                    await trio.sleep(gap_s)
-                    await stream.send_all(EVENT_CHUNK)
-                await stream.send_all(DONE_CHUNK)
+                await _stream(stream, gap_s, ids=b'"return_token_ids":true' in body)
             else:
                 await stream.send_all(REPLY)
 
 
-async def _paced_with_ids(stream: trio.SocketStream, gap_s: float) -> None:
-    """A stream asked with "return_token_ids": the role event with the prompt's ids, then
-    the tokens with theirs (at once when `gap_s` is 0)."""
-    await stream.send_all(STREAM_HEAD + FIRST_WITH_IDS_CHUNK)
+async def _stream(stream: trio.SocketStream, gap_s: float, *, ids: bool) -> None:
+    """A streamed chat (its token ids when `ids`): the head and the role at once, then after
+    the time to first token the tokens, `gap_s` apart (at once, in one write, when 0)."""
+    if ids:
+        first, token, thought = FIRST_WITH_IDS_CHUNK, EVENT_WITH_IDS_CHUNK, REASONING_WITH_IDS_CHUNK
+    else:
+        first, token, thought = FIRST_CHUNK, EVENT_CHUNK, REASONING_CHUNK
+    last = LAST_WITH_IDS_CHUNK if ids else LAST_CHUNK
+    if not REASONING:
+        thought = token
+    tokens = [thought] * (TOKENS // 2) + [token] * (TOKENS - TOKENS // 2 - 1) + [last]
+    await stream.send_all(STREAM_HEAD + first)
     if not gap_s:
-        await stream.send_all(EVENT_WITH_IDS_CHUNK * EVENTS + DONE_CHUNK)
+        await stream.send_all(b"".join(tokens) + DONE_CHUNK)
         return
     await trio.sleep(TTFT_S - gap_s)
-    for _ in range(EVENTS):
+    for chunk in tokens:
         await trio.sleep(gap_s)
-        await stream.send_all(EVENT_WITH_IDS_CHUNK)
+        await stream.send_all(chunk)
     await stream.send_all(DONE_CHUNK)
 
 
@@ -706,11 +717,15 @@ def main() -> None:
         "--no-access-log", action="store_true", help="run the router with server.access_log = false"
     )
     parser.add_argument("--serve-engines", type=float, metavar="GAP_S", help=argparse.SUPPRESS)
+    parser.add_argument("--serve-reasoning", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--serve-tokens", type=int, default=EVENTS, help=argparse.SUPPRESS)
     parser.add_argument("--serve-baseline", choices=BASELINES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     global ACCESS_LOG
     ACCESS_LOG = not args.no_access_log
     if args.serve_engines is not None:
+        global REASONING, TOKENS
+        REASONING, TOKENS = args.serve_reasoning, args.serve_tokens
         trio.run(_serve_engines, 2, args.serve_engines)  # until SIGTERM kills it
         return
     if args.serve_baseline:
