@@ -206,6 +206,7 @@ async def test_adapters_are_listed_and_served_by_name() -> None:
     assert (card["object"], card["owned_by"]) == ("model", "vllm")
     assert card["permission"][0]["object"] == "model_permission"
     assert card["permission"][0]["id"].startswith("modelperm-")
+    assert card["permission"][0]["id"] != models[2]["permission"][0]["id"]  # one each
     assert whole.status_code == 200 and whole.json()["model"] == "sql-lora"
     assert {e["model"] for e in events(stream.text)} == {"chat-lora"}
     assert tokens.status_code == 200 and tokens.json()["count"] == 3

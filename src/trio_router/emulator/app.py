@@ -137,7 +137,7 @@ class EngineApp:
             "permission": [_permission(f"modelperm-{name}", created)],
         }
         adapters = self.engine.loras.cards(
-            created, _permission(f"modelperm-{uuid.uuid4().hex}", created)
+            created, lambda: _permission(f"modelperm-{uuid.uuid4().hex}", created)
         )
         return {"object": "list", "data": [card, *adapters]}
 

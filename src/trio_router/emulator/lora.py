@@ -24,6 +24,7 @@ Read in vLLM 0.32's `config/lora.py` (`LoRAConfig`), `entrypoints/launchers/cli_
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any, Final
 
@@ -201,8 +202,9 @@ class LoraRegistry:
         del self.adapters[name]
         return f"Success: LoRA adapter '{name}' removed successfully."
 
-    def cards(self, created: int, permission: dict[str, Any]) -> list[dict[str, Any]]:
-        """The adapters' `/v1/models` cards, as vLLM lists them after the base model's."""
+    def cards(self, created: int, permission: Callable[[], dict[str, Any]]) -> list[dict[str, Any]]:
+        """The adapters' `/v1/models` cards, as vLLM lists them after the base model's, each
+        with a `permission()` of its own."""
         return [
             {
                 "id": a.name,
@@ -212,7 +214,7 @@ class LoraRegistry:
                 "root": a.path,
                 "parent": a.parent,
                 "max_model_len": None,
-                "permission": [permission],
+                "permission": [permission()],
             }
             for a in self.adapters.values()
         ]
