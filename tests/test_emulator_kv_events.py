@@ -217,6 +217,12 @@ async def test_an_adapters_blocks_name_it_and_the_routers_decoder_reads_them() -
     assert decoded.events == (
         BlockStored(tuple(sql["block_hashes"]), None, tuple(prompt[:8]), 4, lora_id=1),
     )
+    # The router's index keeps the adapter's blocks apart from the base model's.
+    index, keys = BlockIndex(), block_keys(prompt, 4)
+    index.apply("e", decoded.events)
+    assert index.match(keys, ["e"], 0.0) == {"e": 0}
+    index.apply("e", decode_payload(b"kv", 1, answers[1][3]).events)
+    assert index.match(keys, ["e"], 0.0) == {"e": 2}
 
 
 def chat(system: str, question: str) -> dict[str, Any]:
