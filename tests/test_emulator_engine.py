@@ -238,3 +238,21 @@ async def test_adapters_beyond_max_loras_wait_for_room(
     assert results["sql"] == results["sql2"] == results["base"]
     assert results["chat"][0] > results["sql"][-1]
     assert len(results["chat"]) == 20
+
+
+async def test_an_aborted_request_leaves_the_lora_gauge(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    lora = LoraConfig(enable_lora=True, modules=(LoraModule("sql", "/adapters/sql"),))
+    config = EngineConfig.from_profile(load_profile("h100"), lora=lora)
+    long = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
+    async with running(config) as engine:
+        generation = engine.submit([16, 17, 18], long, engine.loras.adapters["sql"])
+        await generation.wait()  # its first token: sql is listed from now on
+        assert engine.lora_activity is not None
+        assert list(engine.lora_activity.series) == ["sql"]
+        engine.abort(generation)
+        await read_all(engine.submit([16, 17, 18], GREEDY))  # steps without sql
+        assert list(engine.lora_activity.series) == ["sql", ""]
+        metrics = engine.metrics_text()
+    assert 'vllm:lora_requests_info{max_lora="1",waiting_lora_adapters="",' in metrics

@@ -226,8 +226,7 @@ class EmulatedEngine:
         """Stop a request whose client went away (nothing if it has finished)."""
         if (request := self.scheduler.abort(generation.request_id)) is not None:
             self._generations.pop(generation.request_id, None)
-            if request.lora is not None and self.lora_activity is not None:
-                self.lora_activity.finished(request.lora.name, request.request_id)
+            self._lora_event(request, finished=True)
             generation.push(None, FinishReason.ABORT)
             self._notify()
 
