@@ -1,11 +1,14 @@
 """An emulated engine's HTTP surface through real Hypercorn on loopback (real clock, a fast
 time scale): vLLM's shapes for models, metrics, chat and text completions (whole and
-streamed, with usage and token ids), tokenize and detokenize, vLLM's error bodies, and a
-client going away aborting its request."""
+streamed, with usage and token ids), tokenize and detokenize, vLLM's error bodies, a client
+going away aborting its request, and LoRA adapters (listed, served by name, loaded and
+unloaded at run time only when allowed, vllm:lora_requests_info)."""
 
 from __future__ import annotations
 
 import json
+import re
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -16,6 +19,7 @@ import trio
 from trio_router.discovery.stats import parse_vllm_metrics
 from trio_router.emulator.app import serve_engine
 from trio_router.emulator.engine import EmulatedEngine, EngineConfig
+from trio_router.emulator.lora import LoraConfig, LoraModule
 from trio_router.emulator.profiles import load_profile
 
 LIMIT = 10.0
@@ -173,3 +177,122 @@ async def test_a_client_going_away_aborts_its_request() -> None:
         metrics = parse_vllm_metrics((await client.get("/metrics")).text)
     assert metrics["running"] == 0 and metrics["kv_cache_usage"] == 0.0
     assert engine.cache.usage == 0.0
+
+
+SQL = LoraModule("sql-lora", "/adapters/sql")
+ADAPTERS = LoraConfig(
+    enable_lora=True,
+    modules=(SQL, LoraModule("chat-lora", "/adapters/chat", base_model_name="not-served")),
+)
+
+
+async def test_adapters_are_listed_and_served_by_name() -> None:
+    chat = {"messages": [{"role": "user", "content": "select"}], **GREEDY}
+    async with served(lora=ADAPTERS) as (_, client):
+        models = (await client.get("/v1/models")).json()["data"]
+        whole = await client.post("/v1/chat/completions", json={**chat, "model": "sql-lora"})
+        stream = await client.post(
+            "/v1/chat/completions", json={**chat, "model": "chat-lora", "stream": True}
+        )
+        tokens = await client.post("/tokenize", json={"model": "sql-lora", "prompt": "a b"})
+        unknown = await client.post("/v1/chat/completions", json={**chat, "model": "sq-lora"})
+        metrics = (await client.get("/metrics")).text
+    assert [(m["id"], m["root"], m["parent"], m["max_model_len"]) for m in models[1:]] == [
+        ("sql-lora", "/adapters/sql", MODEL, None),  # parent: the served model
+        ("chat-lora", "/adapters/chat", MODEL, None),  # a base_model_name not served: ignored
+    ]
+    assert models[0]["id"] == MODEL and models[0]["parent"] is None
+    card = models[1]
+    assert (card["object"], card["owned_by"]) == ("model", "vllm")
+    assert card["permission"][0]["object"] == "model_permission"
+    assert card["permission"][0]["id"].startswith("modelperm-")
+    assert card["permission"][0]["id"] != models[2]["permission"][0]["id"]  # one each
+    assert whole.status_code == 200 and whole.json()["model"] == "sql-lora"
+    assert {e["model"] for e in events(stream.text)} == {"chat-lora"}
+    assert tokens.status_code == 200 and tokens.json()["count"] == 3
+    assert unknown.status_code == 404
+    assert unknown.json()["error"]["message"] == (
+        f"The model `sq-lora` does not exist. Valid aliases: {MODEL}."
+    )
+    # vLLM's gauge: a series per list of adapters it was set with, the wall clock as value.
+    info = re.findall(r"^vllm:lora_requests_info\{(.*)\} (\S+)$", metrics, re.MULTILINE)
+    series = dict(info)
+    assert (
+        'max_lora="1",waiting_lora_adapters="sql-lora",running_lora_adapters="sql-lora"' in series
+    )
+    assert 'max_lora="1",waiting_lora_adapters="",running_lora_adapters=""' in series
+    assert all(abs(float(value) - time.time()) < LIMIT for _, value in info)
+    assert parse_vllm_metrics(metrics)["running"] == 0  # the router's parser still reads it
+
+
+async def test_no_lora_no_gauge_and_no_adapter_endpoints() -> None:
+    async with served() as (_, client):
+        metrics = (await client.get("/metrics")).text
+        load = await client.post(
+            "/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/a"}
+        )
+    assert "lora" not in metrics
+    assert load.status_code == 404 and load.json() == {"detail": "Not Found"}
+
+
+async def test_adapters_load_and_unload_at_run_time_when_allowed() -> None:
+    runtime = LoraConfig(enable_lora=True, allow_runtime_updating=True)
+    async with served(lora=runtime) as (_, client):
+
+        async def post(path: str, **body: Any) -> httpx.Response:
+            return await client.post(f"/v1/{path}_lora_adapter", json=body)
+
+        loaded = await post("load", lora_name="a", lora_path="/p/a")
+        again = await post("load", lora_name="a", lora_path="/p/a")
+        in_place = await post("load", lora_name="a", lora_path="/p/a2", load_inplace=True)
+        listed = (await client.get("/v1/models")).json()["data"]
+        served_a = await client.post(
+            "/v1/completions", json={"model": "a", **GREEDY, "prompt": "x"}
+        )
+        conflict = await post("load", lora_name=MODEL, lora_path="/p")
+        missing = await post("load", lora_name="b")
+        not_json = await client.post("/v1/load_lora_adapter", content=b"{}")
+        unloaded = await post("unload", lora_name="a")
+        gone = await post("unload", lora_name="a")
+        after = await client.post("/v1/completions", json={"model": "a", **GREEDY, "prompt": "x"})
+    assert (loaded.status_code, loaded.text) == (
+        200,
+        "Success: LoRA adapter 'a' added successfully.",
+    )
+    assert "content-type" not in loaded.headers  # vLLM answers with a bare Response
+    assert again.status_code == 400
+    assert again.json()["error"] == {
+        "message": "The lora adapter 'a' has already been loaded. If you want to load the "
+        "adapter in place, set 'load_inplace' to True.",
+        "type": "InvalidUserInput",
+        "param": None,
+        "code": 400,
+    }
+    assert in_place.status_code == 200
+    assert [(m["id"], m["root"]) for m in listed[1:]] == [("a", "/p/a2")]
+    assert served_a.status_code == 200 and served_a.json()["model"] == "a"
+    assert conflict.status_code == 400 and "conflicts with a served base model" in conflict.text
+    assert missing.status_code == 400
+    assert (missing.json()["error"]["type"], missing.json()["error"]["param"]) == (
+        "Bad Request",
+        "body.lora_path",
+    )
+    assert not_json.status_code == 400 and "application/json" in not_json.text
+    assert (unloaded.status_code, unloaded.text) == (
+        200,
+        "Success: LoRA adapter 'a' removed successfully.",
+    )
+    assert gone.status_code == 404 and gone.json()["error"]["type"] == "NotFoundError"
+    assert gone.json()["error"]["message"] == "The lora adapter 'a' cannot be found."
+    assert after.status_code == 404
+
+
+async def test_loading_without_enable_lora_fails_as_vllms_engine_does() -> None:
+    async with served(lora=LoraConfig(allow_runtime_updating=True)) as (_, client):
+        load = await client.post(
+            "/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/a"}
+        )
+        models = (await client.get("/v1/models")).json()["data"]
+    assert load.status_code == 500 and load.json()["error"]["type"] == "InternalServerError"
+    assert "LoRA is not enabled. Use --enable-lora to enable LoRA." in load.text
+    assert [m["id"] for m in models] == [MODEL]

@@ -1,7 +1,8 @@
 """One emulated engine on the autojump clock: each step sleeps the profile's duration (scaled
 by the time scale), tokens arrive step by step, requests share steps (continuous batching),
 the prefix cache hits, blocks running out preempt, aborts free, and /metrics says so in
-vLLM's names (read back with the router's own parser)."""
+vLLM's names (read back with the router's own parser); requests of more adapters than
+max_loras wait for a step with room for theirs."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from trio_router.emulator.engine import (
     Generation,
     SamplingParams,
 )
+from trio_router.emulator.lora import LoraConfig, LoraModule
 from trio_router.emulator.profiles import StepShape, load_profile
 from trio_router.emulator.request import FinishReason
 from trio_router.errors import ConfigError
@@ -209,3 +211,48 @@ async def test_a_late_wake_up_shorter_than_a_step_is_absorbed(
         assert mean == pytest.approx(step, rel=0.01)
     else:
         assert mean > 1.5 * step
+
+
+async def test_adapters_beyond_max_loras_wait_for_room(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    modules = tuple(LoraModule(name, f"/adapters/{name}") for name in ("sql", "chat"))
+    lora = LoraConfig(enable_lora=True, max_loras=1, modules=modules)
+    config = EngineConfig.from_profile(load_profile("h100"), lora=lora)
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    async with running(config) as engine:
+        sql, chat = engine.loras.adapters["sql"], engine.loras.adapters["chat"]
+        submitted = {  # in one go: the first step sees them all
+            name: engine.submit([16, 17, 18], params, adapter)
+            for name, adapter in (("sql", sql), ("chat", chat), ("sql2", sql), ("base", None))
+        }
+        results: dict[str, list[float]] = {}
+
+        async def read(name: str, generation: Generation) -> None:
+            results[name] = (await read_all(generation))[2]
+
+        async with trio.open_nursery() as nursery:
+            for name, generation in submitted.items():
+                nursery.start_soon(read, name, generation)
+    # sql's two requests and the base model's share steps; chat's waits until sql is done.
+    assert results["sql"] == results["sql2"] == results["base"]
+    assert results["chat"][0] > results["sql"][-1]
+    assert len(results["chat"]) == 20
+
+
+async def test_an_aborted_request_leaves_the_lora_gauge(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    lora = LoraConfig(enable_lora=True, modules=(LoraModule("sql", "/adapters/sql"),))
+    config = EngineConfig.from_profile(load_profile("h100"), lora=lora)
+    long = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
+    async with running(config) as engine:
+        generation = engine.submit([16, 17, 18], long, engine.loras.adapters["sql"])
+        await generation.wait()  # its first token: sql is listed from now on
+        assert engine.lora_activity is not None
+        assert list(engine.lora_activity.series) == ["sql"]
+        engine.abort(generation)
+        await read_all(engine.submit([16, 17, 18], GREEDY))  # steps without sql
+        assert list(engine.lora_activity.series) == ["sql", ""]
+        metrics = engine.metrics_text()
+    assert 'vllm:lora_requests_info{max_lora="1",waiting_lora_adapters="",' in metrics

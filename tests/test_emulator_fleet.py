@@ -1,6 +1,7 @@
 """`trio-router emulate`: a fleet in one process, as an operator starts it (a subprocess that
 prints one base URL per engine once all serve, each answering, stopped by SIGINT), its
-address layout, and its refusals of bad flags."""
+address layout, its refusals of bad flags, and the router serving from a fleet (an adapter
+on one engine included)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from trio_router import server
 from trio_router.discovery.stats import parse_vllm_metrics
 from trio_router.emulator.engine import EngineConfig
 from trio_router.emulator.fleet import fleet_addresses, serve_fleet
+from trio_router.emulator.lora import LoraConfig, LoraModule
 from trio_router.emulator.profiles import load_profile
 from trio_router.errors import ConfigError
 from trio_router.table import RoutingTable
@@ -80,6 +82,39 @@ async def test_the_router_serves_from_an_emulated_fleet() -> None:
                 ]
             nursery.cancel_scope.cancel()
     assert sum(served) == 6
+
+
+async def test_the_router_finds_an_adapter_and_routes_its_requests_to_its_engine() -> None:
+    """Engine 0 serves the adapter `sql-lora`, engine 1 only the base model: the router
+    learns the adapter from engine 0's /v1/models and sends every request for it there."""
+    base = EngineConfig.from_profile(load_profile("h100"), time_scale=50.0)
+    lora = LoraConfig(enable_lora=True, modules=(LoraModule("sql-lora", "/adapters/sql"),))
+    with_adapter = EngineConfig.from_profile(load_profile("h100"), time_scale=50.0, lora=lora)
+    addresses = fleet_addresses("127.0.1.1", 0, 2, consecutive_ports=False)
+    body = {"model": "sql-lora", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    with trio.fail_after(LIMIT):
+        async with trio.open_nursery() as nursery:
+            urls = await nursery.start(serve_fleet, [with_adapter, base], addresses)
+            table = RoutingTable()
+            bound = await nursery.start(
+                partial(server.run, router_config(urls), table=table, handle_signals=False)
+            )
+            while not table.routable("sql-lora") or len(table.routable(base.served_model_name)) < 2:
+                await table.wait_changed()
+            assert len(table.routable("sql-lora")) == 1
+            async with httpx.AsyncClient(base_url=bound[0]) as client:
+                models = (await client.get("/v1/models")).json()["data"]
+                for _ in range(4):
+                    reply = await client.post("/v1/chat/completions", json=body)
+                    assert reply.status_code == 200, reply.text
+                    assert reply.json()["model"] == "sql-lora"
+                served = [
+                    parse_vllm_metrics((await client.get(f"{url}/metrics")).text)["ttft_count"]
+                    for url in urls
+                ]
+            nursery.cancel_scope.cancel()
+    assert {m["id"]: m["parent"] for m in models}["sql-lora"] == base.served_model_name
+    assert served == [4, 0]
 
 
 async def test_a_bad_profile_exits_2_with_the_reason() -> None:

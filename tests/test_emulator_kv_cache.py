@@ -1,7 +1,7 @@
 """The emulator's KV cache against cases worked by hand from vLLM's block pool: hits in whole
 blocks (never the last token), the free queue's eviction order, hit blocks taken out of the
 free queue, the null block, hit accounting in tokens, and the KV-cache events vLLM's block
-pool queues for the same changes."""
+pool queues for the same changes; under LoRA adapters, blocks keyed by the adapter too."""
 
 from __future__ import annotations
 
@@ -9,13 +9,16 @@ import pytest
 
 from trio_router.emulator.kv_cache import KVCache, hash_block
 from trio_router.emulator.kv_events import AllBlocksCleared, BlockStored, removed, stored
+from trio_router.emulator.lora import LoraAdapter
 from trio_router.emulator.request import Request
 
 BS = 4  # block size of every case here
 
 
-def request(rid: str, tokens: list[int], *, preemptions: int = 0) -> Request:
-    r = Request(request_id=rid, token_ids=list(tokens), max_tokens=16, arrival_time=0.0)
+def request(
+    rid: str, tokens: list[int], *, preemptions: int = 0, lora: LoraAdapter | None = None
+) -> Request:
+    r = Request(request_id=rid, token_ids=list(tokens), max_tokens=16, arrival_time=0.0, lora=lora)
     r.num_preemptions = preemptions
     return r
 
@@ -228,3 +231,31 @@ def test_without_events_enabled_nothing_is_queued() -> None:
     cache.free("a")
     assert cache.reset_prefix_cache()
     assert cache.take_events() == []
+
+
+# -- LoRA adapters: vLLM's block hash takes ("lora", name, path) as an extra key ---------------
+def test_the_same_prompt_under_two_adapters_shares_no_block() -> None:
+    sql = LoraAdapter("sql", 1, "/adapters/sql", "base")
+    chat = LoraAdapter("chat", 2, "/adapters/chat", "base")
+    moved = LoraAdapter("sql", 1, "/adapters/sql-v2", "base")  # the name, at another path
+    cache = KVCache(64, BS, max_model_len=64, enable_kv_cache_events=True)
+    prompt = list(range(13))
+    assert admit(cache, request("base", prompt)) == 0
+    assert admit(cache, request("sql", prompt, lora=sql)) == 0
+    assert admit(cache, request("chat", prompt, lora=chat)) == 0
+    assert admit(cache, request("moved", prompt, lora=moved)) == 0
+    assert admit(cache, request("sql-again", prompt, lora=sql)) == 12  # its own blocks hit
+    assert admit(cache, request("base-again", prompt)) == 12
+    assert len(cache.cached_hashes()) == 4 * 3  # three full blocks for each of four keys
+    base, under_sql = request("x", prompt), request("y", prompt, lora=sql)
+    assert set(cache.update_hashes(base)).isdisjoint(cache.update_hashes(under_sql))
+    h = hash_block(None, prompt[:4], sql.hash_key)
+    assert under_sql.block_hashes[:2] == [h, hash_block(h, prompt[4:8], sql.hash_key)]
+    # BlockStored names the adapter: its id and name, and its name as each block's extra key.
+    events = [e for e in cache.take_events() if isinstance(e, BlockStored)]
+    assert [(e.lora_id, e.lora_name, e.extra_keys) for e in events] == [
+        (None, None, [None] * 3),
+        (1, "sql", [("sql",)] * 3),
+        (2, "chat", [("chat",)] * 3),
+        (1, "sql", [("sql",)] * 3),
+    ]

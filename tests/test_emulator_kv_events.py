@@ -1,9 +1,10 @@
 """KV-cache events of emulated engines over real ZMQ on loopback, as vLLM 0.32 publishes them:
 the flag's JSON and its placement in a fleet, the wire (three frames, msgpack maps tagged
-with "type", sequence numbers, the replay ROUTER socket), and the router's own subscriber
-(kv_aware routing's block index) following emulated engines' caches: a prefix served is
-found in the index under the engine that cached it, later requests sharing it go there and
-hit, and an eviction or a subscription begun late is followed too.
+with "type", sequence numbers, the replay ROUTER socket, an adapter's fields), and the
+router's own subscriber (kv_aware routing's block index) following emulated engines'
+caches: a prefix served is found in the index under the engine that cached it, later
+requests sharing it go there and hit, and an eviction or a subscription begun late is
+followed too.
 
 Everything waits on the index (`BlockIndex.wait_changed`) or on answers, never on sleeps."""
 
@@ -29,6 +30,7 @@ from trio_router.emulator.engine import EmulatedEngine, EngineConfig
 from trio_router.emulator.fleet import fleet_addresses, open_fleet, serve_fleet
 from trio_router.emulator.kv_cache import hash_block
 from trio_router.emulator.kv_events import KvEndpoints, KvEventsConfig
+from trio_router.emulator.lora import LoraConfig, LoraModule
 from trio_router.emulator.profiles import load_profile
 from trio_router.emulator.tokens import Vocabulary
 from trio_router.errors import ConfigError
@@ -190,6 +192,37 @@ async def test_the_wire_is_vllms() -> None:
     # The router's own decoder reads them.
     decoded = decode_payload(b"kv", 0, answers[0][3])
     assert decoded.skipped == 0 and isinstance(decoded.events[0], BlockStored)
+
+
+async def test_an_adapters_blocks_name_it_and_the_routers_decoder_reads_them() -> None:
+    """A request for an adapter publishes its blocks with vLLM 0.32's LoRA fields: `lora_id`
+    (the adapter's id), `lora_name`, and the name as each block's extra key; the hashes are
+    not the base model's for the same tokens. The router's decoder reads the event."""
+    prompt = list(range(16, 25))  # 2 full blocks of 4
+    lora = LoraConfig(enable_lora=True, modules=(LoraModule("sql", "/adapters/sql"),))
+    async with publishing(lora=lora) as (_, url, replay_endpoint):
+        async with httpx.AsyncClient(base_url=url) as client:
+            for model in ("sql", None):
+                body = {"prompt": prompt, "max_tokens": 1, "ignore_eos": True, "model": model}
+                assert (await client.post("/v1/completions", json=body)).status_code == 200
+        answers = await replay(replay_endpoint, 0)
+    (sql,), (base,) = (msgspec.msgpack.decode(frames[3])[1] for frames in answers[:2])
+    assert list(sql) == STORED_KEYS
+    assert (sql["lora_id"], sql["lora_name"], sql["extra_keys"]) == (1, "sql", [["sql"]] * 2)
+    assert (base["lora_id"], base["lora_name"], base["extra_keys"]) == (None, None, [None] * 2)
+    assert sql["token_ids"] == base["token_ids"] == prompt[:8]
+    assert set(sql["block_hashes"]).isdisjoint(base["block_hashes"])
+    decoded = decode_payload(b"kv", 0, answers[0][3])
+    assert decoded.skipped == 0
+    assert decoded.events == (
+        BlockStored(tuple(sql["block_hashes"]), None, tuple(prompt[:8]), 4, lora_id=1),
+    )
+    # The router's index keeps the adapter's blocks apart from the base model's.
+    index, keys = BlockIndex(), block_keys(prompt, 4)
+    index.apply("e", decoded.events)
+    assert index.match(keys, ["e"], 0.0) == {"e": 0}
+    index.apply("e", decode_payload(b"kv", 1, answers[1][3]).events)
+    assert index.match(keys, ["e"], 0.0) == {"e": 2}
 
 
 def chat(system: str, question: str) -> dict[str, Any]:

@@ -1,18 +1,21 @@
 """The emulator's scheduler against steps worked by hand from vLLM V1's: the token budget and
 chunked prefill, max_num_seqs, preemption by recompute when blocks run out (FCFS: the last
 running request; priority: the lowest-priority one, already scheduled or not), admission in
-queue order, stop conditions and aborts."""
+queue order, stop conditions and aborts; with LoRA, at most max_loras adapters in a step,
+waiting requests of other adapters skipped and put back in their places."""
 
 from __future__ import annotations
 
 import pytest
 
 from trio_router.emulator.kv_cache import KVCache
+from trio_router.emulator.lora import LoraAdapter
 from trio_router.emulator.request import FinishReason, Request, RequestStatus
 from trio_router.emulator.scheduler import Policy, Scheduler, SchedulerConfig, Step
 
 BS = 4
 EOS = 2
+L1, L2, L3 = (LoraAdapter(f"l{i}", i, f"/adapters/l{i}", "base") for i in (1, 2, 3))
 
 
 def sample(request: Request) -> int:
@@ -212,3 +215,54 @@ def test_duplicate_ids_and_bad_limits_are_refused() -> None:
         add(s, "a", [1])
     with pytest.raises(ValueError, match="invalid"):
         SchedulerConfig(max_num_seqs=0)
+    with pytest.raises(ValueError, match="invalid max_loras"):
+        SchedulerConfig(max_loras=0)
+
+
+def test_max_loras_skips_waiting_requests_of_other_adapters() -> None:
+    s = make(max_loras=1)
+    add(s, "a", [1, 2], lora=L1, max_tokens=2)
+    add(s, "b", [3, 4], lora=L2)
+    add(s, "c", [5, 6], lora=L1, max_tokens=2)
+    add(s, "base", [7, 8])  # the base model's requests are never skipped
+    add(s, "e", [9, 10], lora=L3)
+    step, _ = run(s)
+    assert shape(step) == [("a", 0, 2), ("c", 0, 2), ("base", 0, 2)]
+    assert [r.request_id for r in s.waiting] == ["b", "e"]  # skipped, back in their places
+    # The running requests scheduled hold l1: b and e wait while they run.
+    step, out = run(s)
+    assert shape(step) == [("a", 2, 1), ("c", 2, 1), ("base", 2, 1)]
+    length = FinishReason.LENGTH
+    assert [(rid, reason) for rid, _, reason in out] == [
+        ("a", length),
+        ("c", length),
+        ("base", None),
+    ]
+    # l1 is gone: b's adapter is admitted, and e's is one too many behind it.
+    step, _ = run(s)
+    assert shape(step) == [("base", 3, 1), ("b", 0, 2)]
+    assert [r.request_id for r in s.waiting] == ["e"]
+
+
+def test_max_loras_counts_distinct_adapters_and_lora_off_counts_none() -> None:
+    s = make(max_loras=2)
+    for rid, lora in (("a", L1), ("b", L2), ("c", L3), ("d", L1)):
+        add(s, rid, [1, 2], lora=lora)
+    step, _ = run(s)
+    assert shape(step) == [("a", 0, 2), ("b", 0, 2), ("d", 0, 2)]
+    assert [r.request_id for r in s.waiting] == ["c"]
+    s = make()  # max_loras None: LoRA off, no limit
+    for rid, lora in (("a", L1), ("b", L2), ("c", L3)):
+        add(s, rid, [1, 2], lora=lora)
+    step, _ = run(s)
+    assert [x.request.request_id for x in step.scheduled] == ["a", "b", "c"]
+
+
+def test_skipped_requests_keep_their_priority_order() -> None:
+    s = make(max_loras=1, policy=Policy.PRIORITY)
+    add(s, "low", [1, 2], lora=L2, priority=5)
+    add(s, "high", [3, 4], lora=L1, priority=0)
+    add(s, "mid", [5, 6], lora=L3, priority=1)
+    step, _ = run(s)
+    assert shape(step) == [("high", 0, 2)]
+    assert [r.request_id for r in s.waiting] == ["mid", "low"]

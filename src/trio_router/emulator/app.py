@@ -2,20 +2,24 @@
 and dashboards: an ASGI app (`EngineApp`) and serving it (`serve_engine`, over the lean HTTP/1.1
 server of `http_server`).
 
-GET /health (200, empty), /v1/models, /version, /metrics; POST /v1/chat/completions and
-/v1/completions (a JSON body, or server-sent events, one per HTTP chunk, ending with
-`data: [DONE]`), /tokenize (`prompt` or `messages`), /detokenize and /reset_prefix_cache
-(vLLM serves it in its development mode). Errors are vLLM's JSON bodies, also for a request
-that asked for a stream. A client that goes away aborts its request at once (its blocks are
-freed, and no success is counted). With KV-cache events configured, `serve_engine` publishes
-them (`kv_publisher`) for as long as the engine runs. An injected fault (`faults`) holds every
-request unanswered (hang) or answers it with 500 or 503.
+GET /health (200, empty), /v1/models (the served model, then its LoRA adapters), /version,
+/metrics; POST /v1/chat/completions and /v1/completions (a JSON body, or server-sent events,
+one per HTTP chunk, ending with `data: [DONE]`), /tokenize (`prompt` or `messages`),
+/detokenize and /reset_prefix_cache (vLLM serves it in its development mode); with runtime
+LoRA updating (`VLLM_ALLOW_RUNTIME_LORA_UPDATING`), /v1/load_lora_adapter and
+/v1/unload_lora_adapter (vLLM's plain-text answer, or its error). Errors are vLLM's JSON
+bodies, also for a request that asked for a stream. A client that goes away aborts its
+request at once (its blocks are freed, and no success is counted). With KV-cache events
+configured, `serve_engine` publishes them (`kv_publisher`) for as long as the engine runs.
+An injected fault (`faults`) holds every request unanswered (hang) or answers it with 500
+or 503.
 """
 
 from __future__ import annotations
 
 import json
 import time
+import uuid
 from contextlib import AsyncExitStack
 from functools import partial
 from typing import Any, Final
@@ -28,6 +32,7 @@ from .engine import EmulatedEngine, Generation
 from .http_server import DIRECT_WRITE, serve_asgi
 from .kv_events import KvEndpoints
 from .kv_publisher import open_kv_publisher
+from .lora import LoraError
 from .openai_api import (
     Answer,
     Refusal,
@@ -48,6 +53,7 @@ _JSON: Final = b"application/json"
 _GENERATION: Final = {"/v1/chat/completions": True, "/v1/completions": False}
 _POSTS: Final = frozenset({*_GENERATION, "/tokenize", "/detokenize", "/reset_prefix_cache"})
 _GETS: Final = frozenset({"/health", "/v1/models", "/version", "/metrics"})
+_LORA_POSTS: Final = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 
 
 async def _send_bytes(send: Send, status: int, body: bytes, content_type: bytes | None) -> None:
@@ -67,6 +73,8 @@ class EngineApp:
 
     def __init__(self, engine: EmulatedEngine) -> None:
         self.engine = engine
+        runtime_lora = engine.config.lora.allow_runtime_updating
+        self._posts = _POSTS | _LORA_POSTS if runtime_lora else _POSTS
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -92,9 +100,11 @@ class EngineApp:
             return
         if method == "GET" and path in _GETS:
             await self._get(path, send)
-        elif path in _GETS or path in _POSTS:
+        elif path in _GETS or path in self._posts:
             if method != "POST" or path in _GETS:
                 await _send_json(send, 405, {"detail": "Method Not Allowed"})
+            elif path in _LORA_POSTS:
+                await self._lora(path, scope, bytes(body), send)
             else:
                 extensions = scope.get("extensions") or {}
                 await self._post(path, bytes(body), receive, send, extensions)
@@ -124,24 +134,32 @@ class EngineApp:
             "root": name,
             "parent": None,
             "max_model_len": config.max_model_len,
-            "permission": [
-                {
-                    "id": f"modelperm-{name}",
-                    "object": "model_permission",
-                    "created": created,
-                    "allow_create_engine": False,
-                    "allow_sampling": True,
-                    "allow_logprobs": True,
-                    "allow_search_indices": False,
-                    "allow_view": True,
-                    "allow_fine_tuning": False,
-                    "organization": "*",
-                    "group": None,
-                    "is_blocking": False,
-                }
-            ],
+            "permission": [_permission(f"modelperm-{name}", created)],
         }
-        return {"object": "list", "data": [card]}
+        adapters = self.engine.loras.cards(
+            created, lambda: _permission(f"modelperm-{uuid.uuid4().hex}", created)
+        )
+        return {"object": "list", "data": [card, *adapters]}
+
+    async def _lora(self, path: str, scope: Scope, raw: bytes, send: Send) -> None:
+        """POST /v1/load_lora_adapter or /v1/unload_lora_adapter: vLLM's answer."""
+        loading = path == "/v1/load_lora_adapter"
+        body = _lora_body(scope, raw, ("lora_name", "lora_path") if loading else ("lora_name",))
+        answer: str | LoraError
+        if isinstance(body, LoraError):
+            answer = body
+        elif loading:
+            inplace = body.get("load_inplace") is True
+            answer = self.engine.loras.load(
+                body["lora_name"], body["lora_path"], load_inplace=inplace
+            )
+        else:
+            answer = self.engine.loras.unload(body["lora_name"])
+        if isinstance(answer, LoraError):
+            error = {"message": answer.message, "type": answer.type, "param": answer.param}
+            await _send_json(send, answer.status, {"error": {**error, "code": answer.status}})
+        else:
+            await _send_bytes(send, 200, answer.encode(), None)  # vLLM's: no content type
 
     async def _post(
         self, path: str, raw: bytes, receive: Receive, send: Send, extensions: dict[str, Any]
@@ -166,7 +184,7 @@ class EngineApp:
 
     async def _tokenize(self, body: dict[str, Any], send: Send) -> None:
         engine = self.engine
-        if (refused := check_model(body, engine.config)) is not None:
+        if isinstance(refused := check_model(body, engine.config, engine.loras), Refusal):
             await _send_json(send, refused.status, refused.body)
             return
         ids = prompt_of(body, engine.vocab, chat="messages" in body)
@@ -184,7 +202,7 @@ class EngineApp:
 
     async def _detokenize(self, body: dict[str, Any], send: Send) -> None:
         engine = self.engine
-        if (refused := check_model(body, engine.config)) is not None:
+        if isinstance(refused := check_model(body, engine.config, engine.loras), Refusal):
             await _send_json(send, refused.status, refused.body)
             return
         tokens = body.get("tokens")
@@ -210,11 +228,11 @@ class EngineApp:
         straight to its connection as the engine hands them out, when its server offers
         that (`http_server.DIRECT_WRITE`) and the connection takes them."""
         engine = self.engine
-        prepared = prepare_generation(body, engine.config, engine.vocab, chat=chat)
+        prepared = prepare_generation(body, engine.config, engine.vocab, engine.loras, chat=chat)
         if isinstance(prepared, Refusal):
             await _send_json(send, prepared.status, prepared.body)
             return
-        generation = engine.submit(prepared.prompt, prepared.params)
+        generation = engine.submit(prepared.prompt, prepared.params, prepared.lora)
         answer = Answer(prepared, engine.vocab)
         reply = self._stream if prepared.stream else self._whole
         if prepared.stream and (direct := extensions.get(DIRECT_WRITE)) is not None:
@@ -253,6 +271,46 @@ class EngineApp:
             await chunk(answer.usage_event())
         await chunk(b"data: [DONE]\n\n")
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _permission(perm_id: str, created: int) -> dict[str, Any]:
+    """vLLM's `ModelPermission` of a model card."""
+    return {
+        "id": perm_id,
+        "object": "model_permission",
+        "created": created,
+        "allow_create_engine": False,
+        "allow_sampling": True,
+        "allow_logprobs": True,
+        "allow_search_indices": False,
+        "allow_view": True,
+        "allow_fine_tuning": False,
+        "organization": "*",
+        "group": None,
+        "is_blocking": False,
+    }
+
+
+def _lora_body(scope: Scope, raw: bytes, required: tuple[str, ...]) -> dict[str, Any] | LoraError:
+    """A load or unload request's body, or vLLM's validation error: the content type must be
+    JSON, the body an object with each `required` field a string."""
+    headers = dict(scope.get("headers") or [])
+    media_type = headers.get(b"content-type", b"").split(b";", 1)[0].strip().lower()
+    if media_type != b"application/json":
+        message = "Unsupported Media Type: Only 'application/json' is allowed"
+        return LoraError(400, "Bad Request", f"1 validation error:\n  {message}")
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        body = None
+    if not isinstance(body, dict):
+        return LoraError(400, "Bad Request", "1 validation error:\n  JSON object expected", "body")
+    if missing := [key for key in required if not isinstance(body.get(key), str)]:
+        where = [f"body.{key}" for key in missing]
+        errors = "".join(f"\n  {{'loc': '{w}', 'msg': 'Field required'}}" for w in where)
+        count = f"{len(missing)} validation error{'s' if len(missing) > 1 else ''}:"
+        return LoraError(400, "Bad Request", count + errors, where[0])
+    return body
 
 
 def _write_now(direct: Any, answer: Answer, tokens: list[int]) -> bool:

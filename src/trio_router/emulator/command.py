@@ -8,13 +8,16 @@ on its own line once all of them serve, so scripts and the router's static disco
 use them. The engine flags apply to every engine; the profile gives the defaults of those not
 given. `--control-port` serves the fault-injection API (`control`); `--kubernetes` a fake
 Kubernetes API server with a pod per engine (`kubernetes`). SIGINT or SIGTERM stops the
-fleet.
+fleet. LoRA: `--enable-lora`, `--lora-modules`, `--max-loras`, `--max-lora-rank`,
+`--max-cpu-loras` as vllm serve's, and, as for vLLM, `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1` in
+the environment serves /v1/load_lora_adapter and /v1/unload_lora_adapter.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 from functools import partial
@@ -29,10 +32,11 @@ from .engine import NO_KV_EVENTS, EngineConfig
 from .fleet import fleet_addresses, open_fleet
 from .kubernetes import serve_pods
 from .kv_events import KvEventsConfig
+from .lora import LORA_RANKS, LoraConfig, parse_lora_modules
 from .profiles import load_profile, shipped_profiles
 from .scheduler import Policy
 
-__all__ = ["add_emulate_parser", "emulate", "engine_config"]
+__all__ = ["add_emulate_parser", "emulate", "engine_config", "lora_config"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +52,7 @@ def add_emulate_parser(commands: Any) -> None:
     _add_engine_flags(
         emulate.add_argument_group("engine (as vllm serve's flags; default: the profile's)")
     )
+    _add_lora_flags(emulate.add_argument_group("LoRA adapters (as vllm serve's flags)"))
     kubernetes = emulate.add_argument_group("kubernetes")
     kubernetes.add_argument(
         "--kubernetes",
@@ -133,6 +138,46 @@ def _add_engine_flags(vllm: Any) -> None:
     )
 
 
+def _add_lora_flags(lora: Any) -> None:
+    lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters")
+    lora.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="MODULE",
+        help="adapters loaded at start-up: name=path, or JSON "
+        '\'{"name": ..., "path": ..., "base_model_name": ...}\'',
+    )
+    lora.add_argument(
+        "--max-loras", type=int, default=1, metavar="N", help="adapters in one step (default: 1)"
+    )
+    lora.add_argument(
+        "--max-lora-rank",
+        type=int,
+        default=16,
+        choices=LORA_RANKS,
+        metavar="R",
+        help="checked, no effect (default: 16)",
+    )
+    lora.add_argument(
+        "--max-cpu-loras", type=int, metavar="N", help="checked, no effect (default: --max-loras)"
+    )
+
+
+def lora_config(args: argparse.Namespace) -> LoraConfig:
+    """The LoRA flags, and VLLM_ALLOW_RUNTIME_LORA_UPDATING from the environment as vLLM
+    reads it. Raises ConfigError."""
+    runtime = os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower()
+    return LoraConfig(
+        enable_lora=args.enable_lora,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
+        modules=parse_lora_modules(args.lora_modules),
+        allow_runtime_updating=runtime in ("1", "true"),
+    )
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The engines' config from the command's flags. Raises ConfigError."""
     return EngineConfig.from_profile(
@@ -149,6 +194,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_events=KvEventsConfig.parse(args.kv_events_config)
         if args.kv_events_config
         else NO_KV_EVENTS,
+        lora=lora_config(args),
     )
 
 

@@ -5,12 +5,17 @@ tokens.
 Time: `time_scale` emulated seconds pass per second of Trio's clock, so a step of `d`
 emulated seconds sleeps `d / time_scale`; on Trio's MockClock (autojump) a test runs hours of
 emulated traffic in moments. Metrics and latencies are emulated seconds.
+
+With LoRA on, the engine's adapters (`loras`) are those of `--lora-modules`, then any loaded
+at run time; a restarted engine starts again from the flag's. A request runs with an adapter
+(`submit(..., lora=)`); the scheduler holds at most `max_loras` adapters in a step.
 """
 
 from __future__ import annotations
 
 import itertools
 import random
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -21,6 +26,7 @@ from ..errors import ConfigError
 from .faults import Faults
 from .kv_cache import KVCache
 from .kv_events import KVCacheEvent, KvEventsConfig
+from .lora import NO_LORA, LoraActivity, LoraAdapter, LoraConfig, LoraRegistry
 from .metrics import EngineStats, Gauges, render_metrics
 from .profiles import Profile, StepShape
 from .request import FinishReason, Request
@@ -47,6 +53,7 @@ class EngineConfig:
     policy: Policy = Policy.FCFS
     time_scale: float = 1.0  # emulated seconds per second of Trio's clock
     kv_events: KvEventsConfig = NO_KV_EVENTS
+    lora: LoraConfig = NO_LORA
 
     def __post_init__(self) -> None:
         if not self.time_scale > 0:
@@ -60,6 +67,7 @@ class EngineConfig:
                 f"block) cannot hold one request of max_model_len={self.max_model_len}: "
                 "raise --num-gpu-blocks-override or lower --max-model-len"
             )
+        LoraRegistry(self.lora, self.served_model_name)  # raises for a bad --lora-modules
 
     @classmethod
     def from_profile(cls, profile: Profile, **flags: Any) -> EngineConfig:
@@ -170,10 +178,13 @@ class EmulatedEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len,
             policy=config.policy,
+            max_loras=config.lora.max_loras if config.lora.enable_lora else None,
         )
         self.scheduler = Scheduler(limits, self.cache, self._sample)
         self.stats = EngineStats()
         self.faults = Faults()
+        self.loras = LoraRegistry(config.lora, config.served_model_name)
+        self.lora_activity = LoraActivity() if config.lora.enable_lora else None
         self.steps = 0
         self._rng = rng or random.Random()
         self._generations: dict[str, Generation] = {}
@@ -185,8 +196,11 @@ class EmulatedEngine:
         return trio.current_time() * self.config.time_scale
 
     # -- requests --------------------------------------------------------------------------
-    def submit(self, prompt: Sequence[int], params: SamplingParams) -> Generation:
-        """Queue a request; its generation is read with `Generation.wait`."""
+    def submit(
+        self, prompt: Sequence[int], params: SamplingParams, lora: LoraAdapter | None = None
+    ) -> Generation:
+        """Queue a request (under adapter `lora`, if given); its generation is read with
+        `Generation.wait`."""
         rng = None
         if params.temperature > 0:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(64)
@@ -201,6 +215,7 @@ class EmulatedEngine:
             stop_token_ids=params.stop_token_ids,
             min_tokens=params.min_tokens,
             rng=rng,
+            lora=lora,
         )
         generation = self._generations[request.request_id] = Generation(request)
         self.scheduler.add_request(request)
@@ -209,8 +224,9 @@ class EmulatedEngine:
 
     def abort(self, generation: Generation) -> None:
         """Stop a request whose client went away (nothing if it has finished)."""
-        if self.scheduler.abort(generation.request_id) is not None:
+        if (request := self.scheduler.abort(generation.request_id)) is not None:
             self._generations.pop(generation.request_id, None)
+            self._lora_event(request, finished=True)
             generation.push(None, FinishReason.ABORT)
             self._notify()
 
@@ -273,6 +289,8 @@ class EmulatedEngine:
             await trio.sleep_until(timeline)
             self.steps += 1
             self._deliver(self.scheduler.update(step), timeline * self.config.time_scale)
+            if self.lora_activity is not None:
+                self.lora_activity.record(time.time())  # vLLM's gauge: the wall clock
             if (events := self.cache.take_events()) and publish is not None:
                 publish(events)
 
@@ -305,15 +323,26 @@ class EmulatedEngine:
                 generation.first_token_time = now
                 stats.ttft.observe(now - request.arrival_time)
                 stats.prompt_tokens += request.num_prompt_tokens
+                self._lora_event(request, finished=False)
             elif generation.last_token_time is not None:
                 stats.inter_token.observe(now - generation.last_token_time)
             generation.last_token_time = now
             stats.generation_tokens += 1
             if output.finish_reason is not None:
+                self._lora_event(request, finished=True)
                 del self._generations[request.request_id]
                 stats.e2e.observe(now - request.arrival_time)
                 stats.successes[output.finish_reason] += 1
             generation.push(output.token_id, output.finish_reason)
+
+    def _lora_event(self, request: Request, *, finished: bool) -> None:
+        """Tell the LoRA gauge of a request's first token or its end."""
+        if request.lora is None or self.lora_activity is None:
+            return
+        if finished:
+            self.lora_activity.finished(request.lora.name, request.request_id)
+        else:
+            self.lora_activity.started(request.lora.name, request.request_id)
 
     # -- what it reports -------------------------------------------------------------------
     def metrics_text(self) -> str:
@@ -332,5 +361,9 @@ class EmulatedEngine:
                 block_size=config.block_size,
                 num_gpu_blocks=config.num_gpu_blocks,
                 enable_prefix_caching=config.enable_prefix_caching,
+                max_loras=config.lora.max_loras if self.lora_activity is not None else None,
+                lora_series=tuple(self.lora_activity.series.items())
+                if self.lora_activity is not None
+                else (),
             ),
         )

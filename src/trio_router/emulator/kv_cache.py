@@ -8,10 +8,11 @@ It follows vLLM V1 (0.32) for one full-attention KV-cache group, read in
 
 - Block 0 is the null block, never handed out; usage is the share of the other blocks that
   are not free.
-- A full block is cached under the hash of (its parent block's hash, its token ids); the
-  first block's parent is a fixed seed. A hit is the longest run of cached blocks from the
-  start of the request, at most `num_tokens - 1` tokens (the last token is always computed,
-  for its logits): hits come in whole blocks.
+- A full block is cached under the hash of (its parent block's hash, its token ids, the
+  request's adapter if any: vLLM's extra keys); the first block's parent is a fixed seed.
+  A hit is the longest run of cached blocks from the start of the request, at most
+  `num_tokens - 1` tokens (the last token is always computed, for its logits): hits come in
+  whole blocks.
 - The free queue holds free blocks in eviction order. A request's blocks are freed tail
   first: those without a hash go to the front (reused first), the cached ones to the back,
   so the least recently used cached block, and of one request's blocks the tail, is evicted
@@ -24,9 +25,10 @@ It follows vLLM V1 (0.32) for one full-attention KV-cache group, read in
   does not export them).
 - With `enable_kv_cache_events`, what changes the cache is queued as vLLM's block pool
   queues it, for the engine to take once per step (`take_events`): a `BlockStored` per call
-  that caches new full blocks of a request (their hashes, the parent's, their tokens; blocks
-  found in the cache are not announced again), a one-hash `BlockRemoved` per cached block
-  handed out again (evicted), `AllBlocksCleared` when the prefix cache is reset.
+  that caches new full blocks of a request (their hashes, the parent's, their tokens, its
+  adapter; blocks found in the cache are not announced again), a one-hash `BlockRemoved`
+  per cached block handed out again (evicted), `AllBlocksCleared` when the prefix cache is
+  reset.
 """
 
 from __future__ import annotations
@@ -46,12 +48,13 @@ __all__ = ["Block", "KVCache", "hash_block"]
 _SEED: Final = hashlib.sha256(b"trio_router.emulator").digest()[:8]  # the first parent
 
 
-def hash_block(parent: int | None, token_ids: Sequence[int]) -> int:
+def hash_block(parent: int | None, token_ids: Sequence[int], extra: bytes = b"") -> int:
     """The 64-bit hash of a full block: sha256 over its parent's hash (or a fixed seed for
-    the first block) and its token ids, low 8 bytes big-endian. The same tokens after the
-    same prefix have the same hash on every engine and in every process."""
+    the first block), its token ids and its extra key (an adapter's `hash_key`; none for the
+    base model), low 8 bytes big-endian. The same tokens after the same prefix under the
+    same adapter have the same hash on every engine and in every process."""
     head = _SEED if parent is None else parent.to_bytes(8, "big")
-    digest = hashlib.sha256(head + array("I", token_ids).tobytes()).digest()
+    digest = hashlib.sha256(head + array("I", token_ids).tobytes() + extra).digest()
     return int.from_bytes(digest[:8], "big")
 
 
@@ -142,9 +145,11 @@ class KVCache:
     def update_hashes(self, request: Request) -> list[int]:
         """Extend `request.block_hashes` to cover every full block of its tokens."""
         hashes, size = request.block_hashes, self.block_size
+        extra = b"" if request.lora is None else request.lora.hash_key
         for i in range(len(hashes), request.num_tokens // size):
             parent = hashes[i - 1] if i else None
-            hashes.append(hash_block(parent, request.token_ids[i * size : (i + 1) * size]))
+            tokens = request.token_ids[i * size : (i + 1) * size]
+            hashes.append(hash_block(parent, tokens, extra))
         return hashes
 
     # -- the request's side ----------------------------------------------------------------
@@ -276,5 +281,6 @@ class KVCache:
                     hashes[done - 1] if done else None,
                     request.token_ids[done * size : full * size],
                     size,
+                    request.lora,
                 )
             )

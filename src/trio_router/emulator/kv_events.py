@@ -6,8 +6,9 @@ field and in the same order, so they encode to the same msgpack: each event a ma
 `"type"` (its class name), fields left out when they hold their default; a batch is the array
 `[ts, [event, ...], data_parallel_rank]`. `BlockStored` carries what vLLM 0.32 fills in for a
 text-only request on one full-attention KV-cache group: the blocks' hashes (uint64), the
-parent's hash, their token ids, the block size, `lora_id` and `lora_name` None, medium "GPU",
-one `extra_keys` entry (None) per block, `group_idx` 0 and `kv_cache_spec_kind`
+parent's hash, their token ids, the block size, the adapter's `lora_id` and `lora_name` (None
+without one), medium "GPU", one `extra_keys` entry per block (None, or `(lora_name,)` under
+an adapter: vLLM publishes its extra keys untagged), `group_idx` 0 and `kv_cache_spec_kind`
 "full_attention". `BlockRemoved` is one hash, medium "GPU" and `group_idx` 0.
 
 `KvEventsConfig.parse(text)` reads the flag's JSON as `vllm serve` does (its keys; unknown
@@ -24,6 +25,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 from ..errors import ConfigError
+from .lora import LoraAdapter
 
 __all__ = [
     "AllBlocksCleared",
@@ -98,17 +100,25 @@ def encode_batch(ts: float, events: list[KVCacheEvent]) -> bytes:
     return _encoder.encode(batch)
 
 
-def stored(hashes: list[int], parent: int | None, token_ids: list[int], size: int) -> BlockStored:
-    """A `BlockStored` event as vLLM 0.32 fills it for a text-only request."""
+def stored(
+    hashes: list[int],
+    parent: int | None,
+    token_ids: list[int],
+    size: int,
+    lora: LoraAdapter | None = None,
+) -> BlockStored:
+    """A `BlockStored` event as vLLM 0.32 fills it for a text-only request, under `lora`
+    if it runs with an adapter."""
+    extra: tuple[Any, ...] | None = None if lora is None else (lora.name,)
     return BlockStored(
         block_hashes=hashes,
         parent_block_hash=parent,
         token_ids=token_ids,
         block_size=size,
-        lora_id=None,
+        lora_id=None if lora is None else lora.lora_id,
         medium=MEDIUM_GPU,
-        lora_name=None,
-        extra_keys=[None] * len(hashes),
+        lora_name=None if lora is None else lora.name,
+        extra_keys=[extra] * len(hashes),
         group_idx=0,
         kv_cache_spec_kind=FULL_ATTENTION,
     )

@@ -2,7 +2,9 @@
 
 The names, help texts, types and histogram buckets are vLLM 0.32's
 (`vllm/v1/metrics/loggers.py`, `buckets.py`); every sample carries `engine="0"` and the
-served model's name. Durations are emulated seconds.
+served model's name, except `vllm:lora_requests_info` (with LoRA on), whose labels are
+vLLM's three alone and whose value is the wall-clock time its series was last set, written
+as Prometheus's client writes it. Durations are emulated seconds.
 """
 
 from __future__ import annotations
@@ -80,6 +82,8 @@ class Gauges:
     block_size: int
     num_gpu_blocks: int
     enable_prefix_caching: bool
+    max_loras: int | None = None  # None: LoRA off, no vllm:lora_requests_info
+    lora_series: tuple[tuple[str, float], ...] = ()  # (adapters listed, when last set)
 
 
 def _label(value: str) -> str:
@@ -128,6 +132,34 @@ def _histograms(stats: EngineStats) -> list[tuple[str, str, Histogram]]:
     ]  # fmt: skip
 
 
+def _go_float(value: float) -> str:
+    """A value as Prometheus's Python client writes it (Go's exponent form above 1e6)."""
+    text = repr(float(value))
+    dot = text.find(".")
+    if value > 0 and dot > 6 and "e" not in text:
+        mantissa = f"{text[0]}.{text[1:dot]}{text[dot + 1 :]}".rstrip("0.")
+        return f"{mantissa}e+0{dot - 1}"
+    return text
+
+
+def _lora_lines(gauges: Gauges) -> list[str]:
+    """vLLM's `vllm:lora_requests_info`: one series per list of adapters it was set with."""
+    if gauges.max_loras is None:
+        return []
+    lines = [
+        "# HELP vllm:lora_requests_info Running stats on lora requests.",
+        "# TYPE vllm:lora_requests_info gauge",
+    ]
+    for adapters, when in gauges.lora_series:
+        names = _label(adapters)
+        lines.append(
+            f'vllm:lora_requests_info{{max_lora="{gauges.max_loras}",'
+            f'waiting_lora_adapters="{names}",running_lora_adapters="{names}"}} '
+            f"{_go_float(when)}"
+        )
+    return lines
+
+
 def render_metrics(stats: EngineStats, gauges: Gauges) -> str:
     """GET /metrics: vLLM's families for the engine's load, prefix cache, tokens, finished
     requests and latencies, and its cache configuration."""
@@ -150,4 +182,5 @@ def render_metrics(stats: EngineStats, gauges: Gauges) -> str:
         f'enable_prefix_caching="{gauges.enable_prefix_caching}",engine="0",'
         f'num_gpu_blocks="{gauges.num_gpu_blocks}",prefix_caching_hash_algo="sha256"}} 1.0',
     ]
+    lines += _lora_lines(gauges)
     return "\n".join(lines) + "\n"

@@ -2,7 +2,8 @@
 into what the engine needs (or vLLM's error for it), and the answer's JSON body or
 server-sent events built from the tokens.
 
-What is read: `model` (the served name; absent means it), `messages` (chat) or `prompt`
+What is read: `model` (the served name or an adapter's, whose name the answer carries; absent
+means the served name), `messages` (chat) or `prompt`
 (text or token ids; one prompt), `max_tokens` / `max_completion_tokens` (completions
 default to 16, chat to the rest of the context, both clamped to it), `temperature` (1.0
 by default; 0 is greedy), `seed`, `ignore_eos`, `min_tokens`, `stop_token_ids`, `priority`,
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .engine import EngineConfig, SamplingParams
+from .lora import LoraAdapter, LoraRegistry
 from .tokens import FIRST_WORD, Vocabulary
 
 __all__ = ["Answer", "Prepared", "Refusal", "error_body", "prepare_generation", "prompt_of"]
@@ -60,13 +62,19 @@ class Prepared:
     stream: bool
     include_usage: bool
     return_token_ids: bool
+    lora: LoraAdapter | None = None  # the adapter `model` named; None: the base model
 
 
-def check_model(body: dict[str, Any], config: EngineConfig) -> Refusal | None:
-    """vLLM's 404 for a model it does not serve."""
+def check_model(
+    body: dict[str, Any], config: EngineConfig, loras: LoraRegistry
+) -> LoraAdapter | Refusal | None:
+    """The adapter `model` names, None for the served model (or none named), or vLLM's 404
+    for a model it does not serve."""
     model = body.get("model")
-    if model is None or model == config.served_model_name:
+    if not model or model == config.served_model_name:
         return None
+    if isinstance(model, str) and (adapter := loras.resolve(model)) is not None:
+        return adapter
     message = f"The model `{model}` does not exist. Valid aliases: {config.served_model_name}."
     return Refusal(404, error_body(404, message, param="model"))
 
@@ -138,11 +146,17 @@ def _check_length(prompt: list[int], config: EngineConfig) -> Refusal | None:
 
 
 def prepare_generation(
-    body: dict[str, Any], config: EngineConfig, vocab: Vocabulary, *, chat: bool
+    body: dict[str, Any],
+    config: EngineConfig,
+    vocab: Vocabulary,
+    loras: LoraRegistry,
+    *,
+    chat: bool,
 ) -> Prepared | Refusal:
     """A chat or completion request body read (see the module), or vLLM's error."""
-    if (refused := check_model(body, config)) is not None:
-        return refused
+    lora = check_model(body, config, loras)
+    if isinstance(lora, Refusal):
+        return lora
     if body.get("n", 1) not in (1, None):
         return _bad("n > 1 is not supported by the emulator", "n", body.get("n"))
     prompt = prompt_of(body, vocab, chat=chat)
@@ -168,12 +182,13 @@ def prepare_generation(
     )
     return Prepared(
         chat=chat,
-        model=config.served_model_name,
+        model=config.served_model_name if lora is None else lora.name,
         prompt=prompt,
         params=params,
         stream=body.get("stream") is True,
         include_usage=isinstance(options, dict) and options.get("include_usage") is True,
         return_token_ids=body.get("return_token_ids") is True,
+        lora=lora,
     )
 
 

@@ -11,6 +11,8 @@ import enum
 import random
 from dataclasses import dataclass, field
 
+from .lora import LoraAdapter
+
 __all__ = ["FinishReason", "Request", "RequestStatus"]
 
 
@@ -45,6 +47,7 @@ class Request:
     stop_token_ids: frozenset[int] = frozenset()
     min_tokens: int = 0
     rng: random.Random | None = None  # sampled output's generator; None: greedy
+    lora: LoraAdapter | None = None  # the adapter it runs with; None: the base model
     num_prompt_tokens: int = field(init=False)
     num_computed_tokens: int = 0
     num_preemptions: int = 0

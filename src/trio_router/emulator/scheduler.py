@@ -2,7 +2,7 @@
 the next step computes, `update(step)` applies what it produced once it has run.
 
 It follows `vllm/v1/core/sched/scheduler.py` (0.32) for a text-only, full-attention model
-without speculative decoding, KV connectors or LoRA:
+without speculative decoding or KV connectors:
 
 - There are no phases: each step gives every request tokens until its computed tokens catch
   up with its tokens (prompt and output), within a budget of `max_num_batched_tokens` per
@@ -17,6 +17,10 @@ without speculative decoding, KV connectors or LoRA:
   and fewer than `max_num_seqs` run: each is looked up in the prefix cache (when it has
   computed nothing yet), given slots for its first chunk, and counted in the cache's
   queries and hits; the first that does not fit stops admission.
+- With LoRA (`max_loras` set), a step holds at most `max_loras` distinct adapters: the
+  adapters of the running requests scheduled in it count first; a waiting request of
+  another adapter while that many are held is skipped (not admitted, and put back where it
+  was once admission ends), and the requests behind it are still considered.
 - A request's computed tokens advance when it is scheduled; it samples a token in the step
   where they reach its tokens (a partial prefill chunk samples nothing). It stops on its
   EOS token (unless ignored, and not before `min_tokens`), a stop token, `max_tokens`, or
@@ -59,10 +63,13 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     policy: Policy = Policy.FCFS
+    max_loras: int | None = None  # distinct adapters in a step; None: LoRA off
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.max_model_len < 2:
             raise ValueError(f"invalid scheduler limits: {self}")
+        if self.max_loras is not None and self.max_loras < 1:
+            raise ValueError(f"invalid max_loras: {self.max_loras}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +140,14 @@ class _Waiting:
         if self._policy is Policy.PRIORITY:
             return heapq.heappop(self._heap)
         return self._fifo.popleft()
+
+    def prepend_all(self, requests: list[Request]) -> None:
+        """Put back requests popped in this order, in front as they were (FCFS)."""
+        if self._policy is Policy.PRIORITY:
+            for request in requests:
+                heapq.heappush(self._heap, request)
+        else:
+            self._fifo.extendleft(reversed(requests))
 
     def remove(self, request: Request) -> None:
         if self._policy is Policy.PRIORITY:
@@ -249,10 +264,15 @@ class Scheduler:
         self.waiting.prepend(request)
 
     def _schedule_waiting(self, step: Step, budget: int) -> None:
+        loras = self._scheduled_loras(step)
+        skipped: list[Request] = []  # of adapters beyond max_loras, put back at the end
         while budget > 0 and len(self.waiting) > 0:
             if len(self.running) >= self.config.max_num_seqs:
-                return
+                break
             request = self.waiting.peek()
+            if self._beyond_max_loras(request, loras):
+                skipped.append(self.waiting.pop())
+                continue
             computed: list[Block] = []
             num_computed = request.num_computed_tokens
             looked_up = num_computed == 0
@@ -260,7 +280,7 @@ class Scheduler:
                 computed, num_computed = self.cache.get_computed_blocks(request)
             n = min(request.num_tokens - num_computed, budget)
             if not self.cache.allocate_slots(request, n, computed):
-                return
+                break
             if looked_up:
                 self.cache.record_lookup(request, num_computed)
             self.waiting.pop()
@@ -270,6 +290,25 @@ class Scheduler:
             step.scheduled.append(Scheduled(request, num_computed, n))
             step.admitted.append(request)
             budget -= n
+            if request.lora is not None:
+                loras.add(request.lora.lora_id)
+        self.waiting.prepend_all(skipped)
+
+    def _scheduled_loras(self, step: Step) -> set[int]:
+        """The adapters of the running requests scheduled so far in `step` (with LoRA on)."""
+        if self.config.max_loras is None:
+            return set()
+        return {s.request.lora.lora_id for s in step.scheduled if s.request.lora is not None}
+
+    def _beyond_max_loras(self, request: Request, loras: set[int]) -> bool:
+        """Whether admitting `request` would bring one adapter too many into the step."""
+        limit = self.config.max_loras
+        return (
+            limit is not None
+            and request.lora is not None
+            and len(loras) >= limit
+            and request.lora.lora_id not in loras
+        )
 
     def update(self, step: Step) -> list[StepOutput]:
         """Apply a step that has run: each request whose context is now computed samples
