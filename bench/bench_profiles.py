@@ -52,6 +52,9 @@ FITTED: Final = ("overhead_s", "per_sequence_s", "memory_bytes_per_s", "compute_
 
 
 def workload(r: Reference) -> str:
+    if not isinstance(r.prompt_tokens, int) or not isinstance(r.output_tokens, int):
+        tokens_in, tokens_out = (sum(n) for n in zip(*r.requests(), strict=True))
+        return f"{r.batch} prompts, {tokens_in} in, {tokens_out} out in all"
     if r.batch == 1 and r.output_tokens == 1:
         return f"TTFT, one prompt of {r.prompt_tokens}"
     if r.output_tokens == 1:

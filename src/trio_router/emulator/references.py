@@ -59,17 +59,19 @@ async def _finish(generation: Generation) -> None:
 
 async def replay(profile: Profile, reference: Reference, step: StepCost | None = None) -> float:
     """Emulated seconds from submitting `reference`'s prompts at once (each its own token
-    ids) until the last has its last token, on one engine of `profile` (timed by `step` if
-    given)."""
+    ids and its number of tokens to generate) until the last has its last token, on one
+    engine of `profile` (timed by `step` if given)."""
     engine = EmulatedEngine(engine_config(profile, reference, step or profile.step))
-    params = SamplingParams(max_tokens=reference.output_tokens, temperature=0.0, ignore_eos=True)
     words = itertools.cycle(range(FIRST_ID, profile.engine.vocab_size))
     async with trio.open_nursery() as nursery:
         await nursery.start(engine.run)
         start = engine.now()
         generations = [
-            engine.submit([next(words) for _ in range(reference.prompt_tokens)], params)
-            for _ in range(reference.batch)
+            engine.submit(
+                [next(words) for _ in range(prompt)],
+                SamplingParams(max_tokens=output, temperature=0.0, ignore_eos=True),
+            )
+            for prompt, output in reference.requests()
         ]
         async with trio.open_nursery() as readers:
             for generation in generations:
