@@ -2,12 +2,18 @@
 
     python bench/bench_profiles.py [check] [--profile NAME ...] [--markdown]
     python bench/bench_profiles.py fit --profile NAME [--write]
+    python bench/bench_profiles.py predict [--profile NAME ...]
 
 `check` (the default): every `[[reference]]` of each profile (default: every shipped profile
 that has some) replayed by `trio_router.emulator.references` on one emulated engine of the
 profile, on Trio's MockClock (autojump: the figures are emulated seconds, the run takes what
 the machine needs): the published seconds, the emulated seconds and their ratio; exits 1 if a
 ratio is outside 1 +- `--tolerance` (0.10).
+
+`predict`: what each profile gives, emulated, for the points of the issue's goal: the time to
+first token of one prompt of 128 to 8,192 tokens alone (replayed, with the profile's own
+`max_num_batched_tokens`), and the decode step (the inter-token latency) of 1, 32 and 128
+sequences at 1,024 tokens of context each (the step's cost).
 
 `fit`: the profile's `overhead_s`, `per_sequence_s`, `memory_bytes_per_s` and
 `compute_flops_per_s` fitted to its references; the model's shape (`weight_bytes`,
@@ -190,9 +196,45 @@ def write(name: str, step: StepCost, command: str) -> None:
     path.write_text(text)
 
 
+TTFT_PROMPTS: Final = (128, 512, 1024, 2048, 4096, 8192)
+ITL_BATCHES: Final = (1, 32, 128)
+ITL_CONTEXT: Final = 1024
+
+
+def alone(profile: Profile, prompt: int) -> float:
+    """Emulated seconds to the first token of one prompt of `prompt` tokens alone."""
+    reference = Reference(seconds=1.0, batch=1, prompt_tokens=prompt, output_tokens=1,
+                          max_num_batched_tokens=profile.engine.max_num_batched_tokens,
+                          source="-", conditions="")  # fmt: skip
+
+    async def one() -> float:
+        return await references.replay(profile, reference)
+
+    return trio.run(one, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def decode(batch: int) -> StepShape:
+    """A decode step of `batch` sequences at ITL_CONTEXT tokens of context each."""
+    context = batch * ITL_CONTEXT
+    return StepShape(sequences=batch, tokens=batch, context_tokens=context,
+                     attention_pairs=context)  # fmt: skip
+
+
+def predict(names: Sequence[str]) -> int:
+    head = [f"TTFT {n}" for n in TTFT_PROMPTS] + [f"ITL batch {b}" for b in ITL_BATCHES]
+    print("| profile | " + " | ".join(head) + " |")
+    print("|---" * (1 + len(head)) + "|")
+    for name in names:
+        profile = load_profile(name)
+        cells = [f"{alone(profile, n) * 1000:.0f} ms" for n in TTFT_PROMPTS]
+        cells += [f"{profile.step.seconds(decode(b)) * 1000:.1f} ms" for b in ITL_BATCHES]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    return 0
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("command", nargs="?", choices=["check", "fit"], default="check")
+    parser.add_argument("command", nargs="?", choices=["check", "fit", "predict"], default="check")
     parser.add_argument("--profile", action="append", help="a profile (default: every one "
                         "with [[reference]] tables)")  # fmt: skip
     parser.add_argument("--tolerance", type=float, default=0.10)
@@ -206,6 +248,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     names = args.profile or [n for n in shipped_profiles() if load_profile(n).references]
     if args.command == "check":
         return check(names, args.tolerance, args.markdown)
+    if args.command == "predict":
+        return predict(names)
     for name in names:
         step = fit(load_profile(name))
         print(name, {term: float(f"{getattr(step, term):.4g}") for term in FITTED})
