@@ -181,7 +181,7 @@ class Reference:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Profile:
     """A named profile: the engine's defaults, the step's cost, and the published
-    measurements it reproduces (none for a derived profile)."""
+    measurements it reproduces (if it cites any)."""
 
     name: str
     description: str
