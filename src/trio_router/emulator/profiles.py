@@ -28,6 +28,18 @@ weights and the KV cache, prefill steps by computing. A profile file is:
     [step]                      # the terms above
     overhead_s = 0.001
     ...
+    [[reference]]               # a cited measurement the profile reproduces (any number)
+    seconds = 0.994             # from submitting `batch` prompts of `prompt_tokens` at once
+    batch = 1                   # until the last has `output_tokens` tokens (ignoring EOS)
+    prompt_tokens = 128         # or a list, one per prompt
+    output_tokens = 128         # likewise
+    max_num_batched_tokens = 8192   # the source's engine setting
+    source = "..."              # where the figure is published
+    conditions = "..."          # engine, precision, tool, what else the source says
+
+A profile's `[[reference]]` tables are the published measurements it reproduces (a fitted
+profile's `[step]` was fitted to them); `trio_router.emulator.references` replays each on the
+emulated engine.
 
 Unknown keys are errors, so a misspelt coefficient cannot silently fall back to a default.
 """
@@ -47,6 +59,7 @@ from ..errors import ConfigError
 __all__ = [
     "EngineDefaults",
     "Profile",
+    "Reference",
     "StepCost",
     "StepShape",
     "load_profile",
@@ -120,14 +133,62 @@ class EngineDefaults:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Reference:
+    """One published measurement: `batch` prompts submitted at once, each of `prompt_tokens`
+    tokens and generating `output_tokens` tokens whatever it samples (each a number for all,
+    or a list of one per prompt), took `seconds` until the last of them had its last token
+    (one prompt and one token: a time to first token). `max_num_batched_tokens` is the
+    measured engine's; `source` says where the figure is published and `conditions` how it
+    was measured."""
+
+    seconds: float
+    batch: int
+    prompt_tokens: int | tuple[int, ...]
+    output_tokens: int | tuple[int, ...]
+    max_num_batched_tokens: int
+    source: str
+    conditions: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.seconds, int | float) or not self.seconds > 0:
+            raise ConfigError(f"reference.seconds must be a positive number: {self.seconds!r}")
+        for name in ("batch", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"reference.{name} must be a positive integer: {value!r}")
+        for name in ("prompt_tokens", "output_tokens"):
+            value = getattr(self, name)
+            each = tuple(value) if isinstance(value, list | tuple) else (value,) * self.batch
+            if len(each) != self.batch or not all(isinstance(n, int) and n > 0 for n in each):
+                raise ConfigError(
+                    f"reference.{name} must be a positive integer or a list of one per "
+                    f"prompt ({self.batch}): {value!r}"
+                )
+            object.__setattr__(self, name, value if isinstance(value, int) else each)
+        if not (isinstance(self.source, str) and self.source):
+            raise ConfigError("reference.source must name where the figure is published")
+
+    def requests(self) -> list[tuple[int, int]]:
+        """Each prompt's (prompt tokens, output tokens)."""
+        prompts, outputs = self.prompt_tokens, self.output_tokens
+        if isinstance(prompts, int):
+            prompts = (prompts,) * self.batch
+        if isinstance(outputs, int):
+            outputs = (outputs,) * self.batch
+        return list(zip(prompts, outputs, strict=True))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Profile:
-    """A named profile: the engine's defaults and the step's cost."""
+    """A named profile: the engine's defaults, the step's cost, and the published
+    measurements it reproduces (if it cites any)."""
 
     name: str
     description: str
     status: str
     engine: EngineDefaults
     step: StepCost
+    references: tuple[Reference, ...] = ()
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
@@ -151,15 +212,19 @@ def parse_profile(name: str, text: str) -> Profile:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"profile {name}: {exc}") from None
-    if unknown := raw.keys() - {"description", "status", "engine", "step"}:
+    if unknown := raw.keys() - {"description", "status", "engine", "step", "reference"}:
         raise ConfigError(f"profile {name}: unknown key(s) {sorted(unknown)}")
+    references = raw.get("reference", [])
     try:
+        if not isinstance(references, list):
+            raise ConfigError("reference: expected [[reference]] tables")
         return Profile(
             name=name,
             description=str(raw.get("description", "")),
             status=str(raw.get("status", "")),
             engine=_section(EngineDefaults, raw.get("engine"), "engine"),
             step=_section(StepCost, raw.get("step"), "step"),
+            references=tuple(_section(Reference, r, "reference") for r in references),
         )
     except ConfigError as exc:
         raise ConfigError(f"profile {name}: {exc}") from None
