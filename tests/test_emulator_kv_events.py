@@ -10,9 +10,10 @@ Everything waits on the index (`BlockIndex.wait_changed`) or on answers, never o
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import struct
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any, Final
@@ -35,7 +36,7 @@ from trio_router.emulator.profiles import load_profile
 from trio_router.emulator.tokens import Vocabulary
 from trio_router.errors import ConfigError
 from trio_router.kv.events import BlockStored, decode_payload
-from trio_router.kv.index import BlockIndex, block_keys
+from trio_router.kv.index import BlockIndex, adapter_root, block_keys
 from trio_router.table import RoutingTable
 from trio_router.testing.harness import router_config
 from trio_router.testing.vllm_engines import free_ports
@@ -215,7 +216,9 @@ async def test_an_adapters_blocks_name_it_and_the_routers_decoder_reads_them() -
     decoded = decode_payload(b"kv", 0, answers[0][3])
     assert decoded.skipped == 0
     assert decoded.events == (
-        BlockStored(tuple(sql["block_hashes"]), None, tuple(prompt[:8]), 4, lora_id=1),
+        BlockStored(
+            tuple(sql["block_hashes"]), None, tuple(prompt[:8]), 4, lora_id=1, lora_name="sql"
+        ),
     )
     # The router's index keeps the adapter's blocks apart from the base model's.
     index, keys = BlockIndex(), block_keys(prompt, 4)
@@ -242,10 +245,11 @@ def words(prefix: str, n: int) -> str:
 
 @asynccontextmanager
 async def kv_router(
-    count: int, *, replay: bool = True, **flags: Any
+    count: int, *, replay: bool = True, loras: Sequence[LoraConfig] = (), **flags: Any
 ) -> AsyncIterator[tuple[httpx.AsyncClient, RoutingTable, BlockIndex, list[str], EngineConfig]]:
     """`count` emulated engines publishing their events (each on its own address, one port),
-    and the router in static mode with kv_aware routing subscribed to them."""
+    and the router in static mode with kv_aware routing subscribed to them; with `loras`,
+    engine i takes the LoRA flags `loras[i]`."""
     port, replay_port = free_ports(HOSTS[:count], 2)
     config = EngineConfig.from_profile(
         load_profile("h100"),
@@ -253,13 +257,14 @@ async def kv_router(
         kv_events=events_config(port, replay_port if replay else 0),
         **flags,
     )
+    configs = [dataclasses.replace(config, lora=lora) for lora in loras] or [config] * count
     addresses = fleet_addresses(HOSTS[0], 0, count, consecutive_ports=False)
     index, table = BlockIndex(), RoutingTable()
     routing = {"policy": "kv_aware", "kv_block_size": 16, "tokenize_timeout_s": 2.0}
     events = {"mode": "connect", "port": port, "replay_port": replay_port if replay else 0}
     with trio.fail_after(LIMIT):
         async with trio.open_nursery() as nursery:
-            urls = await nursery.start(serve_fleet, [config] * count, addresses)
+            urls = await nursery.start(serve_fleet, configs, addresses)
             run = partial(
                 server.run,
                 router_config(urls, routing=routing, kv_events=events),
@@ -275,10 +280,13 @@ async def kv_router(
             nursery.cancel_scope.cancel()
 
 
-def held(table: RoutingTable, index: BlockIndex, tokens: list[int]) -> dict[str, int]:
-    """Leading full blocks of `tokens` each engine holds, as its own events told the index
-    (decisions not yet confirmed by events do not count)."""
-    found = index.match(block_keys(tokens, 16), [e.uid for e in table], now=math.inf)
+def held(
+    table: RoutingTable, index: BlockIndex, tokens: list[int], adapter: str | None = None
+) -> dict[str, int]:
+    """Leading full blocks of `tokens` each engine holds (under `adapter`, if given), as its
+    own events told the index (decisions not yet confirmed by events do not count)."""
+    keys = block_keys(tokens, 16, parent=adapter_root(adapter))
+    found = index.match(keys, [e.uid for e in table], now=math.inf)
     return {e.url: found[e.uid] for e in table}
 
 
@@ -324,6 +332,48 @@ async def test_the_routers_index_follows_an_emulated_engines_cache() -> None:
             body = {"model": model, "prompt": words(f"filler{i}-", 400), "max_tokens": 1}
             assert (await client.post(f"{owner}/v1/completions", json=body)).status_code == 200
         await until(index, lambda: held(table, index, tokens)[owner] == 0)
+
+
+async def test_an_adapters_request_goes_where_its_prefix_is_cached_under_that_adapter() -> None:
+    """Three engines load the adapters `sql-lora` and `chat-lora`, the second in the other
+    order (there `sql-lora` has id 2). One prompt is cached on each, sent to them directly:
+    for the base model on the first, for `sql-lora` on the second, for `chat-lora` on the
+    third. A request for `sql-lora` through the router goes to the second, not to the holders
+    of the same prompt for the base model or the other adapter; and once the third caches it
+    for `sql-lora` too (id 1 there), the index finds it held under `sql-lora` on both."""
+    sql, chat_lora = LoraModule("sql-lora", "/adapters/sql"), LoraModule("chat-lora", "/a/chat")
+    orders = [(sql, chat_lora), (chat_lora, sql), (sql, chat_lora)]
+    loras = [LoraConfig(enable_lora=True, max_loras=2, modules=order) for order in orders]
+    async with kv_router(3, loras=loras, max_model_len=1024) as (
+        client,
+        table,
+        index,
+        urls,
+        config,
+    ):
+        vocab = Vocabulary(config.profile.engine.vocab_size)
+        system = words("doc", 120)
+        tokens = vocab.chat_ids(chat(system, "")["messages"][:1], add_generation_prompt=False)
+        blocks = len(tokens) // 16
+
+        async def cache(url: str, model: str, adapter: str | None) -> None:
+            body = {"model": model, **chat(system, "direct")}
+            reply = await client.post(f"{url}/v1/chat/completions", json=body)
+            assert reply.status_code == 200, reply.text
+            await until(index, lambda: held(table, index, tokens, adapter)[url] == blocks)
+
+        await cache(urls[0], config.served_model_name, None)
+        await cache(urls[1], "sql-lora", "sql-lora")
+        await cache(urls[2], "chat-lora", "chat-lora")
+        reply = await client.post(
+            "/v1/chat/completions", json={"model": "sql-lora", **chat(system, "routed")}
+        )
+        assert reply.status_code == 200, reply.text
+        routed = next(e.url for e in table if e.name == reply.headers["x-trio-router-engine"])
+        await cache(urls[2], "sql-lora", "sql-lora")
+        under_sql = held(table, index, tokens, "sql-lora")
+    assert blocks >= 7 and routed == urls[1]
+    assert under_sql == {urls[0]: 0, urls[1]: blocks, urls[2]: blocks}
 
 
 async def test_a_late_subscription_learns_the_cache_from_the_replay_socket() -> None:

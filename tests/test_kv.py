@@ -30,7 +30,7 @@ from trio_router.kv.events import (
     MalformedMessage,
     decode_message,
 )
-from trio_router.kv.index import BlockIndex, block_keys
+from trio_router.kv.index import BlockIndex, adapter_root, block_keys
 from trio_router.kv.subscriber import KvEvents
 from trio_router.table import Engine, RoutingTable
 from trio_router.testing import FakeEngine
@@ -116,6 +116,76 @@ def test_the_index_chains_an_engines_blocks_through_its_own_hashes() -> None:
     assert index.apply("c", [BlockStored((1,), 424242, tuple(tokens[:4]), B)]).skipped == 1
     index.apply("a", [AllBlocksCleared()])
     assert index.blocks("a") == 0 and index.blocks() == 0
+
+
+def test_an_adapters_name_and_id_are_decoded_from_either_encoding() -> None:
+    """vLLM 0.32 publishes an adapter's blocks with its name (`lora_name`) after its id
+    (`lora_id`, deprecated) and `medium`; older releases sent only the id. Each is read where
+    there is one, and a name that is not a string makes the event unreadable."""
+    tokens = list(range(8))
+    stored = {"type": "BlockStored", "parent_block_hash": None, "token_ids": tokens}
+    as_maps = [
+        stored
+        | {
+            "block_hashes": [1, 2],
+            "block_size": 4,
+            "lora_id": 1,
+            "medium": "GPU",
+            "lora_name": "sql-lora",
+            "extra_keys": [["sql-lora"], ["sql-lora"]],
+        },
+        stored | {"block_hashes": [3, 4], "block_size": 4, "lora_id": 2},  # no name: older
+        stored | {"block_hashes": [5, 6], "block_size": 4, "lora_name": "sql-lora"},
+        stored | {"block_hashes": [7, 8], "block_size": 4, "lora_id": 1, "lora_name": 7},
+    ]
+    as_arrays = [
+        ["BlockStored", [1, 2], None, tokens, 4, 2, "GPU", "sql-lora", [["sql-lora"]] * 2],
+        ["BlockStored", [3, 4], None, tokens, 4, 3],
+        ["BlockStored", [5, 6], None, tokens, 4, None, "GPU", None],
+    ]
+    maps = decode_message(message(as_maps))
+    arrays = decode_message(message(as_arrays))
+    assert maps.skipped == 1
+    assert [(e.lora_id, e.lora_name) for e in maps.events if isinstance(e, BlockStored)] == [
+        (1, "sql-lora"),
+        (2, None),
+        (None, "sql-lora"),
+    ]
+    assert arrays.skipped == 0
+    assert [(e.lora_id, e.lora_name) for e in arrays.events if isinstance(e, BlockStored)] == [
+        (2, "sql-lora"),
+        (3, None),
+        (None, None),
+    ]
+
+
+def test_an_adapters_blocks_are_keyed_by_its_name_whatever_its_id_on_each_engine() -> None:
+    """An adapter has the id of its load order on each engine: `sql-lora` is 1 on "a" and 2
+    on "b". Both hold the prompt under `sql-lora` (its name's root, chained on through the
+    engines' own hashes); neither holds it for the base model ("c" does) or for the adapter
+    "other" that has id 1 on "d"; an engine that publishes only the id ("e", older vLLM) has
+    its adapter blocks kept apart from everyone's."""
+    index = BlockIndex()
+    tokens = tuple(range(12))  # three blocks
+    for uid, lora_id, name in [
+        ("a", 1, "sql-lora"),
+        ("b", 2, "sql-lora"),
+        ("c", None, None),
+        ("d", 1, "other"),
+        ("e", 1, None),
+    ]:
+        index.apply(uid, [BlockStored((101, 102), None, tokens[:8], B, lora_id, name)])
+        index.apply(uid, [BlockStored((103,), 102, tokens[8:], B, lora_id, name)])
+    uids = ["a", "b", "c", "d", "e"]
+    sql = block_keys(tokens, B, parent=adapter_root("sql-lora"))
+    assert index.match(sql, uids, now=0.0) == {"a": 3, "b": 3, "c": 0, "d": 0, "e": 0}
+    base = block_keys(tokens, B)
+    assert block_keys(tokens, B, parent=adapter_root(None)) == base
+    assert index.match(base, uids, now=0.0) == {"a": 0, "b": 0, "c": 3, "d": 0, "e": 0}
+    other = block_keys(tokens, B, parent=adapter_root("other"))
+    assert index.match(other, uids, now=0.0) == {"a": 0, "b": 0, "c": 0, "d": 3, "e": 0}
+    index.apply("b", [BlockRemoved((103,))])
+    assert index.match(sql, uids, now=0.0)["b"] == 2
 
 
 def test_speculative_blocks_count_until_they_expire() -> None:

@@ -523,6 +523,42 @@ def test_prefix_hot_opening_spreads_under_load_and_returns() -> None:
     assert policy.choose(table.routable(MODEL), hot).engine is owner
 
 
+def test_prefix_places_an_adapters_requests_apart_from_the_base_models_and_others() -> None:
+    """vLLM shares no cached blocks between LoRA adapters, nor with their base model: the
+    same opening for two adapters, or for an adapter and the base model, is placed as two
+    openings are (by the adapter's name and the opening), each the same on every replica.
+    A base model's request is placed by its opening alone, whatever adapters its engines
+    list."""
+    adapters = ("sql-lora", "chat-lora")
+    engines = []
+    for i in range(8):
+        engine = make_engine(i)
+        engine.models += tuple(Model(a, parent=MODEL) for a in adapters)
+        engine.model_ids |= frozenset(adapters)
+        engines.append(engine)
+    table, plain = make_table(engines), make_table([make_engine(i) for i in range(8)])
+    policy, twin = make("prefix_aware", table), make("prefix_aware", table, seed=2)
+    base_only = make("prefix_aware", plain)
+    openings = [text(seed, 300) for seed in range(40)]
+    placed: dict[str, list[str]] = {}
+    for model in (MODEL, *adapters):
+        candidates = table.routable(model)
+        placed[model] = [
+            policy.choose(candidates, RequestInfo(model, opening=o)).engine.uid for o in openings
+        ]
+        assert placed[model] == [
+            twin.choose(candidates, RequestInfo(model, opening=o)).engine.uid for o in openings
+        ]
+    assert placed[MODEL] == [
+        base_only.choose(plain.routable(MODEL), RequestInfo(MODEL, opening=o)).engine.uid
+        for o in openings
+    ]
+    for first, second in [(MODEL, "sql-lora"), (MODEL, "chat-lora"), ("sql-lora", "chat-lora")]:
+        apart = sum(x != y for x, y in zip(placed[first], placed[second], strict=True))
+        assert apart >= len(openings) // 2, (first, second, apart)  # 7/8 expected
+    assert len(set(placed["sql-lora"])) >= 4
+
+
 def test_prefix_without_a_prompt_goes_to_the_least_loaded() -> None:
     engines = [make_engine(i) for i in range(2)]
     table = make_table(engines)

@@ -4,9 +4,15 @@ An engine started with `--kv-events-config` publishes, over ZMQ PUB, one message
 events: three frames, the topic, an 8-byte big-endian sequence number (per publisher, from 0,
 one per batch) and a msgpack payload `[timestamp, [event, ...], data_parallel_rank]`. vLLM
 0.32 encodes each event as a map with a "type" key; older releases sent positional arrays
-(`["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, ...]`).
-Both are read. Block hashes are uint64 integers by default (the low 8 bytes of the engine's
-digest) or byte strings; either is only an opaque name for a block here.
+(`["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
+lora_name, ...]`). Both are read. Block hashes are uint64 integers by default (the low 8
+bytes of the engine's digest) or byte strings; either is only an opaque name for a block.
+
+A LoRA adapter's blocks carry its name (`lora_name`, the name requests use as their model)
+and its id (`lora_id`, which vLLM 0.32 marks deprecated). The id is the engine's load order
+of its adapters, so one adapter can have different ids on two engines; the name is the same
+everywhere. Both are read; an event may carry either, both or neither (older releases sent
+only the id).
 
 `decode_message(frames)` returns the batch with its events, and how many events it skipped
 (malformed or of an unknown type): a bad event is skipped and counted, never fatal.
@@ -43,13 +49,15 @@ class MalformedMessage(ValueError):
 class BlockStored:
     """Blocks the engine has just filled and cached: `token_ids` holds the tokens of all of
     them, `block_size` each; `parent` is the engine's hash of the block before the first
-    (None: the first is the start of a sequence)."""
+    (None: the first is the start of a sequence). A LoRA adapter's blocks name it
+    (`lora_name`) and carry its id on that engine (`lora_id`); a base model's have neither."""
 
     block_hashes: tuple[BlockHash, ...]
     parent: BlockHash | None
     token_ids: tuple[int, ...]
     block_size: int
     lora_id: int | None = None
+    lora_name: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +146,7 @@ def _stored(fields: dict[str, Any]) -> BlockStored | None:
     size = fields.get("block_size")
     parent = fields.get("parent_block_hash")
     lora = fields.get("lora_id")
+    lora_name = fields.get("lora_name")
     if (
         hashes is None
         or not isinstance(tokens, list)
@@ -147,14 +156,24 @@ def _stored(fields: dict[str, Any]) -> BlockStored | None:
         or len(tokens) != len(hashes) * size
         or not (parent is None or isinstance(parent, int | bytes))
         or not (lora is None or isinstance(lora, int))
+        or not (lora_name is None or isinstance(lora_name, str))
     ):
         return None
-    return BlockStored(hashes, parent, tuple(tokens), size, lora)
+    return BlockStored(hashes, parent, tuple(tokens), size, lora, lora_name or None)
 
 
-# Field order of the positional (array-like) encoding of older vLLM releases.
+# Field order of the positional (array-like) encoding of older vLLM releases (vLLM's
+# `BlockStored` declares its fields in this order, `medium` and `lora_name` added later).
 _POSITIONAL: Final = {
-    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id"),
+    "BlockStored": (
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+    ),
     "BlockRemoved": ("block_hashes",),
     "AllBlocksCleared": (),
 }

@@ -4,6 +4,14 @@ Blocks are named by the router's own chained hash over token ids (`block_keys`):
 key is Python's 64-bit hash of its parent's key and its own tokens, so a key names a whole
 prefix. Keys are this process's own (Python salts its hash per process): nothing outside the
 process sees them, and every replica builds its index from the same events.
+A LoRA adapter's blocks are not the base model's, nor another adapter's (vLLM hashes the
+adapter into each block): a sequence's first block under an adapter chains from that
+adapter's own root (`adapter_root(name)`), from the name its events carry (`lora_name`),
+which is the name requests use as their model and the same on every engine. An engine that
+publishes only the adapter's id (releases before `lora_name`) has its adapter blocks filed
+under a root of the id (`lora_id_root`): kept apart from the base model's, but no request
+can name them (the id is the engine's load order, which the router does not know), so they
+give no affinity.
 The engines' block hashes are never reproduced (they depend on `PYTHONHASHSEED` and the
 engine's hash algorithm); each engine's events are translated through a map from its hash to
 the router's key, built as its `BlockStored` events arrive (the parent's key, then each
@@ -38,7 +46,7 @@ import trio
 
 from .events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, Event
 
-__all__ = ["BlockIndex", "block_keys"]
+__all__ = ["BlockIndex", "adapter_root", "block_keys"]
 
 _ROOT: Final = 0x9E3779B97F4A7C15  # the parent key of a sequence's first block
 _KEY: Final = struct.Struct("<Q")
@@ -58,10 +66,29 @@ def block_keys(tokens: Sequence[int], block_size: int, *, parent: int = _ROOT) -
     return keys
 
 
-def lora_root(lora_id: int) -> int:
-    """The parent key of a sequence's first block under LoRA adapter `lora_id`."""
-    digest = hashlib.blake2b(b"lora:%d" % lora_id, digest_size=8).digest()
+def adapter_root(name: str | None) -> int:
+    """The parent key of a sequence's first block under the LoRA adapter `name` (the name
+    requests use as their model), or of the base model's (None)."""
+    if name is None:
+        return _ROOT
+    digest = hashlib.blake2b(b"lora-name:" + name.encode("utf-8", "surrogatepass"), digest_size=8)
+    return int(_KEY.unpack(digest.digest())[0])
+
+
+def lora_id_root(lora_id: int) -> int:
+    """The parent key of a sequence's first block under the adapter an engine that publishes
+    no `lora_name` calls `lora_id` (see the module's docstring)."""
+    digest = hashlib.blake2b(b"lora-id:%d" % lora_id, digest_size=8).digest()
     return int(_KEY.unpack(digest)[0])
+
+
+def _root(event: BlockStored) -> int:
+    """The parent key of the first block of a sequence `event` starts."""
+    if event.lora_name is not None:
+        return adapter_root(event.lora_name)
+    if event.lora_id is not None:
+        return lora_id_root(event.lora_id)
+    return _ROOT
 
 
 @dataclass(slots=True)
@@ -122,15 +149,13 @@ class BlockIndex:
         return result
 
     def _stored(self, uid: str, engine: _Engine, event: BlockStored, result: ApplyResult) -> None:
-        if event.parent is None:
-            parent = _ROOT
+        if event.parent is None:  # an adapter's first block chains from its own root
+            parent = _root(event)
         elif (known := engine.keys.get(event.parent)) is not None:
             parent = known[0]
         else:  # the parent block was never announced (events lost): cannot be chained
             result.skipped += len(event.block_hashes)
             return
-        if event.lora_id is not None:  # an adapter's blocks are not the base model's
-            parent = lora_root(event.lora_id) if event.parent is None else parent
         size = event.block_size
         if engine.block_size != size:
             engine.block_size = size

@@ -16,7 +16,7 @@ from typing import Final
 
 from ..table import Engine
 from .balance import LeastLoadedPolicy, LoadGauge, View
-from .request import Decision, RequestInfo
+from .request import Decision, RequestInfo, is_adapter
 
 __all__ = ["PrefixAwarePolicy", "SessionPolicy", "key_hash", "opening_hash"]
 
@@ -157,11 +157,15 @@ class SessionPolicy:
 
     hash = staticmethod(key_hash)  # the key's place on the ring
 
+    def _key(self, request: RequestInfo, candidates: Sequence[Engine]) -> str | None:
+        """What the request is placed by among `candidates`."""
+        return self.key(request)
+
     def choose(
         self, candidates: Sequence[Engine], request: RequestInfo, exclude: Collection[str] = ()
     ) -> Decision:
         now = self._gauge.now()
-        key = self.key(request)
+        key = self._key(request, candidates)
         if key is None or not candidates:
             engine, load, how = self._fallback.pick(candidates, exclude, now, request.model)
             return Decision(engine, f"{self.name}: no key; least loaded ({how}): load {load:.3g}")
@@ -265,12 +269,21 @@ class PrefixAwarePolicy(SessionPolicy):
     it; and every replica, a restarted one included, picks that same engine. Requests with
     the same opening, a hot one, fill their owner up to the load bound and spill to the next
     engines on the ring, the same ones on every replica; they return as load falls. Without
-    a prompt: least_loaded."""
+    a prompt: least_loaded. A request for a LoRA adapter is placed by the adapter's name and
+    its opening: vLLM shares no cached blocks between adapters, or with the base model, so
+    the same prompt for two adapters has nothing to gain from one engine, and is spread as
+    two prompts are."""
 
     name = "prefix_aware"
 
     @staticmethod
     def key(request: RequestInfo) -> str | None:
         return request.opening
+
+    def _key(self, request: RequestInfo, candidates: Sequence[Engine]) -> str | None:
+        opening = request.opening
+        if opening is not None and is_adapter(request.model, candidates):
+            return f"{request.model}\0{opening}"
+        return opening
 
     hash = staticmethod(opening_hash)

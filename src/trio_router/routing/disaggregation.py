@@ -97,13 +97,13 @@ class Disaggregation:
     def needs_tokens(self) -> bool:
         return self.prefill_policy.needs_tokens or self.decode_policy.needs_tokens
 
-    def holds_most(self, engine: Engine, tokens: Sequence[int]) -> bool:
-        """Whether `engine` already holds at least `skip_cached_fraction` of the prompt's
-        blocks, as the KV-aware policy's index says (False without one)."""
+    def holds_most(self, engine: Engine, tokens: Sequence[int], model: str) -> bool:
+        """Whether `engine` already holds at least `skip_cached_fraction` of the blocks of
+        the prompt for `model`, as the KV-aware policy's index says (False without one)."""
         fraction = self.config.skip_cached_fraction
         for policy in (self.prefill_policy, self.decode_policy):
             if fraction and isinstance(policy, KvAwarePolicy):
-                return policy.cached_share(engine, tokens) >= fraction
+                return policy.cached_share(engine, tokens, model) >= fraction
         return False
 
     def skip_reason(self, path: str, payload: dict[str, Any], roles: Roles) -> str | None:

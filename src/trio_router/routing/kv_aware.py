@@ -3,6 +3,10 @@ engines' own KV-cache events say (`kv.index.BlockIndex`), unless waiting there c
 than prefilling it elsewhere.
 
 For every candidate the policy counts the leading blocks of the request's token ids it holds.
+A request for a LoRA adapter (a model the candidates' `/v1/models` list with a parent) counts
+the blocks they hold under that adapter (`kv.index.adapter_root`, keyed by the adapter's
+name, the same on every engine whatever id it has there): vLLM shares no blocks between
+adapters, or between an adapter and its base model.
 With `kv_cost = "ttft"` (the default) the holders of the most of the prompt whose fresh
 figures show no request waiting are the only contenders while there are any (an engine
 without a queue starts a request in its next step, as another would: moving would only lose
@@ -25,9 +29,9 @@ engine on every replica. The blocks of each decision are counted as held by its 
 with a new prefix agrees on one engine.
 
 A request without token ids (the engines were not asked in time, or it is not a chat or
-completions request) goes where the last decision on its opening's token ids went (a bounded
-memory of recent openings), else where `prefix_aware` places it. Pure and synchronous, like
-every policy.
+completions request) goes where the last decision on its opening's token ids for the same
+model went (a bounded memory of recent openings), else where `prefix_aware` places it. Pure
+and synchronous, like every policy.
 
 With more than `EXACT_SCAN_MAX` candidates the decision touches only the engines that hold the
 prompt's first block (the index's own lookup) and one engine that holds none of it: the one
@@ -47,11 +51,11 @@ from typing import Final
 
 from ..config import RoutingConfig
 from ..errors import NoEngineError
-from ..kv.index import BlockIndex, block_keys
+from ..kv.index import BlockIndex, adapter_root, block_keys
 from ..table import Engine
 from .affinity import PrefixAwarePolicy, opening_hash
 from .balance import EXACT_SCAN_MAX, LoadGauge, no_engine
-from .request import Decision, RequestInfo
+from .request import Decision, RequestInfo, is_adapter
 from .ttft import Estimate, Rates, TtftModel
 
 __all__ = ["KvAwarePolicy", "KvTuning"]
@@ -121,7 +125,7 @@ class KvAwarePolicy:
             raise no_engine(request.model, candidates)
         index = self._index
         block = index.block_size(e.uid for e in usable) or self._block_size
-        keys = block_keys(tokens, block)
+        keys = block_keys(tokens, block, parent=_root(request.model, candidates))
         now = self._gauge.now()
         matched = index.match(keys, (e.uid for e in usable), now)
         costs = self._costs(request.model, usable, matched, block, len(tokens), now)
@@ -145,7 +149,7 @@ class KvAwarePolicy:
         `prefix_aware` would pick among the others (see the module's docstring)."""
         index = self._index
         block = self._candidates_block_size(request.model, candidates)
-        keys = block_keys(tokens, block)
+        keys = block_keys(tokens, block, parent=_root(request.model, candidates))
         now = self._gauge.now()
         by_uid = self._ties.by_uid(request.model, candidates)
         holders = (
@@ -182,7 +186,7 @@ class KvAwarePolicy:
         """A request whose token ids are not known: to the engine the last decision for its
         opening chose (it holds what the conversation or shared prompt left there), if it is
         still a candidate; else where `prefix_aware` places it."""
-        if request.opening and (uid := self._openings.get(opening_hash(request.opening))):
+        if request.opening and (uid := self._openings.get(_opening_key(request))):
             engine = self._ties.by_uid(request.model, candidates).get(uid)
             if engine is not None and uid not in exclude:
                 return Decision(engine, "kv_aware: no tokens; where its opening last went")
@@ -193,7 +197,7 @@ class KvAwarePolicy:
         """`engine` is where the request's opening last went (`RECENT_OPENINGS` kept)."""
         if not request.opening:
             return
-        key = opening_hash(request.opening)
+        key = _opening_key(request)
         openings = self._openings
         openings[key] = engine.uid
         openings.move_to_end(key)
@@ -290,12 +294,13 @@ class KvAwarePolicy:
         self._block_sizes[model] = (candidates, learned, size)
         return size
 
-    def cached_share(self, engine: Engine, tokens: Sequence[int]) -> float:
-        """The share of the prompt `tokens` whose leading blocks `engine` holds (0..1)."""
+    def cached_share(self, engine: Engine, tokens: Sequence[int], model: str) -> float:
+        """The share of the prompt `tokens` for `model` whose leading blocks `engine` holds
+        (0..1); an adapter's, under that adapter."""
         if not tokens:
             return 0.0
         block = self._index.block_size([engine.uid]) or self._block_size
-        keys = block_keys(tokens, block)
+        keys = block_keys(tokens, block, parent=_root(model, [engine]))
         if not keys:
             return 0.0
         matched = self._index.match(keys, [engine.uid], self._gauge.now())[engine.uid]
@@ -305,6 +310,18 @@ class KvAwarePolicy:
         self._ties.forget(uid)
         if self._ttft is not None:
             self._ttft.forget(uid)
+
+
+def _root(model: str, candidates: Sequence[Engine]) -> int:
+    """The parent key of the first block of a request for `model` among `candidates`: the
+    adapter's root when `model` is a LoRA adapter there, else the base model's."""
+    return adapter_root(model if is_adapter(model, candidates) else None)
+
+
+def _opening_key(request: RequestInfo) -> int:
+    """The request's opening, for the model it names, as the memory of recent openings keys
+    it: one adapter's conversation holds nothing of another's, nor of the base model's."""
+    return opening_hash(f"{request.model}\0{request.opening}")
 
 
 def _base_model(model: str, engine: Engine) -> str:

@@ -4,7 +4,7 @@ it decides: `Decision`."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -12,7 +12,14 @@ from ..config import RoutingConfig
 from ..errors import BadRequestError
 from ..table import Engine
 
-__all__ = ["Decision", "RequestInfo", "render_opening", "request_info", "request_reads"]
+__all__ = [
+    "Decision",
+    "RequestInfo",
+    "is_adapter",
+    "render_opening",
+    "request_info",
+    "request_reads",
+]
 
 _ROLE_SEP, _MESSAGE_SEP = "\x1f", "\x1e"  # separators that do not occur in ordinary text
 _HEADER_ROLES: Final = frozenset({"system", "developer"})  # a conversation's shared header
@@ -42,6 +49,15 @@ class Decision:
     predicted_ttft: float | None = None  # kv_aware's time cost: seconds to a first token
     # ...and where to report how far off it was (seconds late; negative: early)
     observe_ttft: Callable[[float], None] | None = None
+
+
+def is_adapter(model: str, candidates: Sequence[Engine]) -> bool:
+    """Whether `model` is a LoRA adapter on `candidates`, the engines serving it: the first
+    of them lists it with a parent in its `/v1/models` (vLLM lists adapters so; a base model
+    has none)."""
+    if not candidates:
+        return False
+    return any(entry.id == model and entry.parent is not None for entry in candidates[0].models)
 
 
 def request_info(

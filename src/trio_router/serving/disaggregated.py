@@ -92,7 +92,7 @@ async def disaggregated(
     trail, decode = trail.then(chosen, record), chosen.engine
     try:
         tokens = prepared.info.tokens
-        if tokens is not None and pd.holds_most(decode, tokens):
+        if tokens is not None and pd.holds_most(decode, tokens, prepared.model):
             reason = "cached_on_decode"
         elif not [e for e in roles.prefill if e.uid != decode.uid]:
             reason = "same_engine"
