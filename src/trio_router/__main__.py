@@ -80,8 +80,8 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--profile",
         metavar="NAME|FILE",
-        help="emulated engines of this profile (h100, a100, a100-40gb, cpu-tiny or a TOML file) instead "
-        "of fake ones; the routing policies are compared on them first",
+        help="emulated engines of this profile (h100, a100, a100-40gb, cpu-tiny or a TOML "
+        "file) instead of fake ones; the routing policies are compared on them first",
     )
     demo.add_argument(
         "--time-scale",
