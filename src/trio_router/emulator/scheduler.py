@@ -16,7 +16,8 @@ without speculative decoding, KV connectors or LoRA:
   arrival, preempted ones in front; priority: (priority, arrival)) while the budget lasts
   and fewer than `max_num_seqs` run: each is looked up in the prefix cache (when it has
   computed nothing yet), given slots for its first chunk, and counted in the cache's
-  queries and hits; the first that does not fit stops admission.
+  queries and hits; the first whose whole sequence does not fit in the free blocks stops
+  admission (`scheduler_reserve_full_isl`, vLLM's default), even if its first chunk would.
 - A request's computed tokens advance when it is scheduled; it samples a token in the step
   where they reach its tokens (a partial prefill chunk samples nothing). It stops on its
   EOS token (unless ignored, and not before `min_tokens`), a stop token, `max_tokens`, or
@@ -259,7 +260,7 @@ class Scheduler:
             if looked_up:
                 computed, num_computed = self.cache.get_computed_blocks(request)
             n = min(request.num_tokens - num_computed, budget)
-            if not self.cache.allocate_slots(request, n, computed):
+            if not self.cache.allocate_slots(request, n, computed, full_sequence=True):
                 return
             if looked_up:
                 self.cache.record_lookup(request, num_computed)
