@@ -281,3 +281,20 @@ async def test_a_request_aborted_in_the_front_end_never_reaches_the_scheduler(
         later = engine.submit(list(range(16, 116)), GREEDY)  # the front end is free again
         _, reason, _ = await read_all(later)
     assert reason is FinishReason.LENGTH and engine.stats.successes[FinishReason.ABORT] == 0
+
+
+async def test_a_request_aborted_while_waiting_in_the_core_is_forgotten_by_the_front_end(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    profile = dataclasses.replace(load_profile("h100"), front_end=FrontEndCost(arrival_s=0.01))
+    config = EngineConfig.from_profile(profile, max_num_seqs=1)
+    long = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    async with running(config) as engine:
+        first = engine.submit(list(range(16, 116)), long)
+        second = engine.submit(list(range(16, 116)), GREEDY)
+        await trio.sleep(0.1)  # both reached the core; the second waits for a place
+        assert engine.front_end is not None and list(engine.front_end.reached) == ["1"]
+        engine.abort(second)
+        assert engine.front_end.reached == {}
+        _, reason, _ = await read_all(first)
+    assert reason is FinishReason.LENGTH and await second.wait() == ([], FinishReason.ABORT)

@@ -52,7 +52,9 @@ class FrontEnd:
         return self._arriving[0][0] if self._arriving else math.inf
 
     def remove(self, request: Request) -> bool:
-        """Drop a request not yet handed on (its client went away); False if it was."""
+        """Forget a request whose client went away: drop it if it is not yet handed on
+        (True), else forget when it reached the core (False)."""
+        self.reached.pop(request.request_id, None)
         for item in self._arriving:
             if item[1] is request:
                 self._arriving.remove(item)
