@@ -11,16 +11,30 @@ scale 1, each measured alone with the same requests (token-id prompts, greedy,
 `ignore_eos`): each request's time to first token from the engine's own histogram
 (`vllm:time_to_first_token_seconds`, the sum's growth over one request sent alone, not
 streamed) for prompts of `--lengths` tokens, and the mean inter-token latency
-(`vllm:inter_token_latency_seconds`) of `--batches` streamed requests decoding together (so
-that the step includes what streaming costs on a machine whose cores the engine shares with
-its API server and the client). The fit, from
+(`vllm:inter_token_latency_seconds`, the engine core's timestamps; median of `--repeats`) of
+`--batches` requests
+decoding together (not streamed: streamed requests sent at once reach the engine core spread
+out on this machine, and decode in smaller batches than sent; what streaming costs is the
+front end's, below). The fit, from
 the real engine's figures: the decode step as `a + b * batch` (least squares), the prefill
-step as `a + b + c * n + d * n(n+1)/2` (least squares over `c`, `d` >= 0); the profile's
+step as `a + b + c * n + d * n(n+1)/2` (least squares over `c`, `d` >= 0, with an intercept
+that is left out: vLLM's TTFT starts at the API server, so a request's own front-end work is in
+it); the profile's
 `overhead_s` is `a` less the step's memory term, `per_sequence_s` is `b` less a decoded
 token's compute, `compute_flops_per_s` makes a token's compute `c`, and
 `attention_flops_per_pair` makes a pair's `d`. `--write` writes them into the shipped
 cpu-tiny.toml (status "fitted", with this command and the date). The emulated engine's figures
 are printed beside the real engine's (with `--write`, on the new coefficients).
+
+The front end (the profile's `[front_end]`: vLLM's API server, a process of its own) is fitted
+from the API server's own CPU accounting: over streamed loads (32 one-token requests one at
+a time, one stream of 256 tokens, `--streams` streams of 128 tokens at once; each
+`--repeats` times) its main thread's CPU seconds (the kernel's schedstat) against the loads'
+requests, the engine's steps (`vllm:iteration_tokens_total`'s count) and output tokens, by
+least squares: `cpu = arrival * requests + per_output * steps + per_output_token * tokens`.
+Each coefficient is divided by the share of a CPU the thread got while it had work
+(ran / (ran + waited runnable), over all the loads), so that the terms are its wall time on
+this machine beside the engine core.
 
 `compare`: the same workload against one real engine and one emulated engine (cpu-tiny, the
 same block size and number of KV blocks: the real engine's, from its log, else from its KV
@@ -29,7 +43,10 @@ prefix of `--prefix-tokens` token ids, each request its own suffix and `--max-to
 greedy tokens, `--concurrency` streams in flight.
 Reports each engine's prefix-cache hit rate (its counters, in tokens), its preemptions
 (`vllm:num_preemptions_total`) and the client's TTFT p50 (streamed, wall seconds; the
-emulator runs at time scale 1).
+emulator runs at time scale 1); for the real engine also its steps
+(`vllm:iteration_tokens_total`'s count) and, from the kernel's schedstat, the CPU seconds its
+API server's loop and all its threads (API server, engine core, worker) ran and waited,
+runnable, for a CPU during the workload.
 
 At most one real engine runs at a time; every engine is stopped at the end.
 """
@@ -51,7 +68,7 @@ import httpx
 import trio
 
 from bench_emulator import open_emulator, percentile, scrape
-from trio_router.emulator.profiles import StepCost, StepShape, load_profile
+from trio_router.emulator.profiles import FrontEndCost, StepCost, StepShape, load_profile
 from trio_router.testing import vllm_engines
 
 MODEL: Final = vllm_engines.MODEL_NAME
@@ -90,9 +107,68 @@ async def stream_ttft(
 
 
 # -- fit ---------------------------------------------------------------------------------------
+def api_server_cpu(pid: int) -> tuple[float, float]:
+    """The API server's main thread (vLLM's asyncio loop): seconds it ran and seconds it
+    waited, runnable, for a CPU (the kernel's schedstat)."""
+    ran, waited, _ = Path(f"/proc/{pid}/schedstat").read_text().split()
+    return int(ran) / 1e9, int(waited) / 1e9
+
+
+async def front_end_load(
+    client: httpx.AsyncClient, url: str, pid: int, prompts: list[list[int]], max_tokens: int,
+    concurrency: int,
+) -> list[float]:  # fmt: skip
+    """Streamed requests against a real engine: [requests, engine steps, output tokens, API
+    server CPU seconds, its seconds waiting for a CPU]."""
+    limiter = trio.CapacityLimiter(concurrency)
+
+    async def one(prompt: list[int]) -> None:
+        async with limiter:
+            await stream_ttft(client, url, prompt, max_tokens)
+
+    before, (ran, waited) = await scrape(client, [url]), api_server_cpu(pid)
+    async with trio.open_nursery() as nursery:
+        for prompt in prompts:
+            nursery.start_soon(one, prompt)
+    after, (ran2, waited2) = await scrape(client, [url]), api_server_cpu(pid)
+    steps, tokens = "vllm:iteration_tokens_total_count", "vllm:generation_tokens_total"
+    return [len(prompts), after[steps] - before[steps], after[tokens] - before[tokens],
+            ran2 - ran, waited2 - waited]  # fmt: skip
+
+
+async def measure_front_end(url: str, pid: int, args: argparse.Namespace) -> dict[str, Any]:
+    """The API server's CPU time over streamed workloads (requests of one token one at a
+    time, one long stream, `--streams` streams at once), each `--repeats` times."""
+    rng = random.Random(args.seed + 1)
+    loads = []
+    async with httpx.AsyncClient(timeout=300.0) as client:
+        for _ in range(args.repeats):
+            arrivals = [token_ids(rng, 64) for _ in range(32)]
+            loads.append(await front_end_load(client, url, pid, arrivals, 1, 1))
+            loads.append(await front_end_load(client, url, pid, [token_ids(rng, 32)], 256, 1))
+            streams = [token_ids(rng, 32) for _ in range(args.streams)]
+            loads.append(await front_end_load(client, url, pid, streams, 128, args.streams))
+    return {"loads": loads}
+
+
+def fit_front_end(measured: dict[str, Any]) -> FrontEndCost:
+    """The front end's terms from the API server's CPU time: `cpu = arrival * requests +
+    per_output * steps + per_output_token * tokens` (least squares), each divided by the share
+    of a CPU its loop got while it had work (ran / (ran + waited), over all the loads): the
+    front end's wall time per piece of work on this machine, under the engine's own load."""
+    loads = measured["loads"]
+    coefficients = least_squares([load[:3] for load in loads], [load[3] for load in loads])
+    ran, waited = sum(load[3] for load in loads), sum(load[4] for load in loads)
+    share = ran / (ran + waited)
+    arrival, per_output, per_token = (max(0.0, c) / share for c in coefficients)
+    return FrontEndCost(arrival_s=round(arrival, 6), per_output_s=round(per_output, 6),
+                        per_output_token_s=round(per_token, 7))  # fmt: skip
+
+
 async def measure_steps(url: str, args: argparse.Namespace) -> dict[str, Any]:
     """TTFT per prompt length (median of `--repeats`, each request alone) and the mean
-    inter-token latency per batch, from the engine's own histograms."""
+    inter-token latency per batch (median of `--repeats`), from the engine's own
+    histograms."""
     rng = random.Random(args.seed)
     ttft: dict[int, float] = {}
     itl: dict[str, float] = {}  # "BATCHxPROMPT": seconds
@@ -108,16 +184,20 @@ async def measure_steps(url: str, args: argparse.Namespace) -> dict[str, Any]:
                 seen.append(after[key] - before[key])
             ttft[length] = sorted(seen)[len(seen) // 2]
         for batch, prompt in args.batches:
-            before = await scrape(client, [url])
-            async with trio.open_nursery() as nursery:
-                for _ in range(batch):
-                    ids = token_ids(rng, prompt)
-                    nursery.start_soon(stream_ttft, client, url, ids, args.decode)
-            after = await scrape(client, [url])
-            total = "vllm:inter_token_latency_seconds_sum"
-            count = "vllm:inter_token_latency_seconds_count"
-            mean = (after[total] - before[total]) / max(1.0, after[count] - before[count])
-            itl[f"{batch}x{prompt}"] = mean
+            means = []
+            for _ in range(args.repeats):
+                before = await scrape(client, [url])
+                async with trio.open_nursery() as nursery:
+                    for _ in range(batch):
+                        ids = token_ids(rng, prompt)
+                        nursery.start_soon(complete, client, url, ids, args.decode)
+                after = await scrape(client, [url])
+                total = "vllm:inter_token_latency_seconds_sum"
+                count = "vllm:inter_token_latency_seconds_count"
+                means.append(
+                    (after[total] - before[total]) / max(1.0, after[count] - before[count])
+                )
+            itl[f"{batch}x{prompt}"] = sorted(means)[len(means) // 2]
     return {"ttft_s": ttft, "itl_s": itl}
 
 
@@ -155,9 +235,10 @@ def fit_step(measured: dict[str, Any], base: StepCost, args_decode: int) -> Step
     memory_bytes_per_s = base.kv_bytes_per_token / e if e > 0 else base.memory_bytes_per_s
     lengths = sorted(measured["ttft_s"])
     rest = [measured["ttft_s"][n] - a - b for n in lengths]
-    c, d = least_squares([[n, n * (n + 1) / 2] for n in lengths], rest)
+    # The intercept is what a request costs besides its prefill step: the front end's.
+    _, c, d = least_squares([[1.0, n, n * (n + 1) / 2] for n in lengths], rest)
     if d < 0:  # no measurable quadratic term: the linear one alone
-        c, d = least_squares([[n] for n in lengths], rest)[0], 0.0
+        c, d = least_squares([[1.0, n] for n in lengths], rest)[1], 0.0
     c = max(c, 1e-9)
     flops = base.flops_per_token / c
     memory = base.weight_bytes / memory_bytes_per_s
@@ -188,7 +269,7 @@ def predicted(step: StepCost, measured: dict[str, Any], decode: int) -> dict[str
     return {"ttft_s": ttft, "itl_s": itl}
 
 
-def write_profile(step: StepCost, command: str) -> None:
+def write_profile(step: StepCost, front_end: FrontEndCost, command: str) -> None:
     """The fitted coefficients into the shipped cpu-tiny.toml, with what produced them."""
     text = PROFILE_FILE.read_text()
     head = text[: text.index("\n[step]\n") + 1]
@@ -197,22 +278,25 @@ def write_profile(step: StepCost, command: str) -> None:
     lines = [f"[step]\n# Fitted on {today} by `{command}`\n"]
     for name in StepCost.__dataclass_fields__:
         lines.append(f"{name} = {getattr(step, name)!r}\n")
+    lines.append("\n[front_end]\n")
+    for name in FrontEndCost.__dataclass_fields__:
+        lines.append(f"{name} = {getattr(front_end, name)!r}\n")
     PROFILE_FILE.write_text(head + "".join(lines))
 
 
 def run_real(
-    args: argparse.Namespace, kv_cache_bytes: int, body: Callable[[str], Any]
+    args: argparse.Namespace, kv_cache_bytes: int, body: Callable[[str, int], Any]
 ) -> tuple[Any, int]:
-    """`body(url)` (an async function) against one real engine; its result and the engine's
-    number of KV blocks (from its log)."""
+    """`body(url, pid)` (an async function; pid: the API server's) against one real engine;
+    its result and the engine's number of KV blocks (from its log)."""
     env = vllm_engines.ensure_environment(log=print)
     port = vllm_engines.free_port([REAL_HOST])
     spec = vllm_engines.EngineSpec(
         host=REAL_HOST, port=port, kv_cache_bytes=kv_cache_bytes, block_size=args.block_size
     )
     with tempfile.TemporaryDirectory() as logs:
-        with vllm_engines.running_engines(env, [spec], log_dir=Path(logs)):
-            result = trio.run(body, spec.url)
+        with vllm_engines.running_engines(env, [spec], log_dir=Path(logs)) as engines:
+            result = trio.run(body, spec.url, engines[0].process.pid)
         log = next(Path(logs).glob("*.log")).read_text()
     found = _BLOCKS.search(log)
     tokens = int(found.group(1).replace(",", "")) if found else kv_cache_bytes // 512
@@ -233,27 +317,51 @@ def run_emulated(args: argparse.Namespace, blocks: int, body: Callable[[str], An
 
 
 def fit(args: argparse.Namespace) -> dict[str, Any]:
+    async def measure_real(url: str, pid: int) -> Any:
+        return await measure_steps(url, args) | await measure_front_end(url, pid, args)
+
     def measure(url: str) -> Any:
         return measure_steps(url, args)
 
-    real, blocks = run_real(args, 16 << 20, measure)
+    real, blocks = run_real(args, 16 << 20, measure_real)
     print(json.dumps({"real": real, "blocks": blocks}), flush=True)
     base = load_profile("cpu-tiny").step
-    step = fit_step(real, base, args.decode)
+    step, front_end = fit_step(real, base, args.decode), fit_front_end(real)
     if args.write:
-        write_profile(step, "python bench/bench_fidelity.py " + " ".join(sys.argv[1:]))
+        command = "python bench/bench_fidelity.py " + " ".join(sys.argv[1:])
+        write_profile(step, front_end, command)
     emulated = run_emulated(args, blocks, measure)
     return {
         "real": real,
         "emulated": emulated,
         "fitted": {name: getattr(step, name) for name in StepCost.__dataclass_fields__},
+        "fitted_front_end": {n: getattr(front_end, n) for n in FrontEndCost.__dataclass_fields__},
         "fitted_predicts": predicted(step, real, args.decode),
     }
 
 
 # -- compare -----------------------------------------------------------------------------------
-async def shared_prefix(url: str, args: argparse.Namespace) -> dict[str, Any]:
-    """The shared-prefix workload against one engine: hit rate, preemptions, TTFT p50."""
+def engine_cpu(pid: int) -> tuple[float, float]:
+    """Every thread of an engine's processes (API server, engine core, worker: its process
+    group): CPU seconds they ran, and seconds they waited, runnable, for a CPU."""
+    ran = waited = 0
+    for task in Path("/proc").glob("[0-9]*/task/[0-9]*"):
+        try:
+            if int((task / "stat").read_text().rsplit(")", 1)[1].split()[2]) != pid:
+                continue  # the 5th field: the process group
+            run, wait, _ = (task / "schedstat").read_text().split()
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        ran, waited = ran + int(run), waited + int(wait)
+    return ran / 1e9, waited / 1e9
+
+
+async def shared_prefix(
+    url: str, args: argparse.Namespace, pid: int | None = None
+) -> dict[str, Any]:
+    """The shared-prefix workload against one engine: hit rate, preemptions, TTFT p50; for a
+    real engine (`pid`: its API server's), the engine's steps, and the CPU its API server's
+    loop and all its threads ran and waited for."""
     rng = random.Random(args.seed)
     prefixes = [token_ids(rng, args.prefix_tokens) for _ in range(args.groups)]
     prompts = [
@@ -264,6 +372,8 @@ async def shared_prefix(url: str, args: argparse.Namespace) -> dict[str, Any]:
     limiter = trio.CapacityLimiter(args.concurrency)
     async with httpx.AsyncClient(timeout=600.0) as client:
         before = await scrape(client, [url])
+        cpu = (api_server_cpu(pid), engine_cpu(pid)) if pid is not None else None
+        cpu_s: dict[str, float] = {}
 
         async def one(prompt: list[int]) -> None:
             async with limiter:
@@ -275,6 +385,15 @@ async def shared_prefix(url: str, args: argparse.Namespace) -> dict[str, Any]:
                 nursery.start_soon(one, prompt)
                 await trio.lowlevel.checkpoint()
         seconds = trio.current_time() - started
+        if cpu is not None and pid is not None:
+            (ran, waited), (all_ran, all_waited) = cpu
+            (ran2, waited2), (all_ran2, all_waited2) = api_server_cpu(pid), engine_cpu(pid)
+            cpu_s = {
+                "api_server_ran_s": round(ran2 - ran, 2),
+                "api_server_waited_s": round(waited2 - waited, 2),
+                "engine_ran_s": round(all_ran2 - all_ran, 2),
+                "engine_waited_s": round(all_waited2 - all_waited, 2),
+            }
         after = await scrape(client, [url])
 
     def delta(name: str) -> float:
@@ -294,12 +413,12 @@ async def shared_prefix(url: str, args: argparse.Namespace) -> dict[str, Any]:
             1,
         ),
         "wall_s": round(seconds, 1),
-    }
+    } | ({"steps": delta("vllm:iteration_tokens_total_count")} | cpu_s if cpu_s else {})
 
 
 def compare(args: argparse.Namespace) -> dict[str, Any]:
-    def workload(url: str) -> Any:
-        return shared_prefix(url, args)
+    def workload(url: str, pid: int | None = None) -> Any:
+        return shared_prefix(url, args, pid)
 
     real, blocks = run_real(args, args.kv_cache_bytes, workload)
     print(json.dumps({"real": real, "blocks": blocks}), flush=True)
@@ -323,6 +442,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     fitting.add_argument("--repeats", type=int, default=5)
     fitting.add_argument("--decode", type=int, default=64, help="tokens per decode request")
+    fitting.add_argument("--streams", type=int, default=16, help="streams at once (front end)")
     fitting.add_argument("--write", action="store_true", help="write cpu-tiny.toml")
     comparing = commands.add_parser("compare", help="one shared-prefix workload on both")
     comparing.add_argument("--kv-cache-bytes", type=int, default=4 << 20)

@@ -6,6 +6,7 @@ max_loras wait for a step with room for theirs."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -22,7 +23,7 @@ from trio_router.emulator.engine import (
     SamplingParams,
 )
 from trio_router.emulator.lora import LoraConfig, LoraModule
-from trio_router.emulator.profiles import StepShape, load_profile
+from trio_router.emulator.profiles import FrontEndCost, Profile, StepShape, load_profile
 from trio_router.emulator.request import FinishReason
 from trio_router.errors import ConfigError
 
@@ -256,3 +257,91 @@ async def test_an_aborted_request_leaves_the_lora_gauge(
         assert list(engine.lora_activity.series) == ["sql", ""]
         metrics = engine.metrics_text()
     assert 'vllm:lora_requests_info{max_lora="1",waiting_lora_adapters="",' in metrics
+
+
+def with_front_end(time_scale: float = 1.0, **cost: float) -> EngineConfig:
+    profile = load_profile("h100")
+    profile = dataclasses.replace(profile, front_end=FrontEndCost(**cost))
+    return EngineConfig.from_profile(profile, time_scale=time_scale)
+
+
+def prefill_and_decodes(profile: Profile, prompt: int, tokens: int) -> list[float]:
+    """The ends of a lone request's steps (emulated seconds from its first step)."""
+    cost = profile.step
+    t = cost.seconds(
+        StepShape(sequences=1, tokens=prompt, context_tokens=prompt,
+                  attention_pairs=prompt * (prompt + 1) // 2)
+    )  # fmt: skip
+    ends = [t]
+    for computed in range(prompt, prompt + tokens - 1):
+        c = computed + 1
+        t += cost.seconds(StepShape(sequences=1, tokens=1, context_tokens=c, attention_pairs=c))
+        ends.append(t)
+    return ends
+
+
+@pytest.mark.parametrize("time_scale", [1.0, 0.25])
+async def test_a_front_end_delays_arrivals_and_tokens_not_steps(
+    autojump_clock: trio.testing.MockClock, time_scale: float
+) -> None:
+    config = with_front_end(time_scale, arrival_s=0.01, per_output_s=0.002,
+                            per_output_token_s=0.001)  # fmt: skip
+    async with running(config) as engine:
+        start = trio.current_time()
+        tokens, reason, times = await read_all(engine.submit(list(range(16, 1016)), GREEDY))
+    assert (len(tokens), reason) == (5, FinishReason.LENGTH)
+    ends = prefill_and_decodes(config.profile, 1000, 5)  # each decode step outlasts 3 ms
+    expected = [0.01 + end + 0.003 for end in ends]
+    assert [(x - start) * time_scale for x in times] == pytest.approx(expected)
+    stats = engine.stats
+    assert stats.ttft.sum == pytest.approx(expected[0])  # vLLM's TTFT: the front end's
+    assert stats.e2e.sum == pytest.approx(expected[-1])
+    assert stats.queue.sum == pytest.approx(0.0)  # from reaching the engine core
+    assert stats.inter_token.sum == pytest.approx(ends[-1] - ends[0])  # the core's steps
+
+
+async def test_a_busy_front_end_falls_behind_the_steps(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    config = with_front_end(per_output_s=0.05)  # far longer than a decode step
+    async with running(config) as engine:
+        start = trio.current_time()
+        _, _, times = await read_all(engine.submit(list(range(16, 1016)), GREEDY))
+        steps_done = engine.steps
+    ends = prefill_and_decodes(config.profile, 1000, 5)
+    assert [x - start for x in times] == pytest.approx([ends[0] + 0.05 * k for k in range(1, 6)])
+    assert steps_done == 5
+    assert engine.stats.inter_token.sum == pytest.approx(ends[-1] - ends[0])
+
+
+async def test_a_request_aborted_in_the_front_end_never_reaches_the_scheduler(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with running(with_front_end(arrival_s=1.0)) as engine:
+        generation = engine.submit(list(range(16, 116)), GREEDY)
+        await trio.sleep(0.5)
+        assert not engine.scheduler.has_work()
+        engine.abort(generation)
+        assert await generation.wait() == ([], FinishReason.ABORT)
+        await trio.sleep(1.0)
+        assert not engine.scheduler.has_work() and engine.steps == 0
+        later = engine.submit(list(range(16, 116)), GREEDY)  # the front end is free again
+        _, reason, _ = await read_all(later)
+    assert reason is FinishReason.LENGTH and engine.stats.successes[FinishReason.ABORT] == 0
+
+
+async def test_a_request_aborted_while_waiting_in_the_core_is_forgotten_by_the_front_end(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    profile = dataclasses.replace(load_profile("h100"), front_end=FrontEndCost(arrival_s=0.01))
+    config = EngineConfig.from_profile(profile, max_num_seqs=1)
+    long = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    async with running(config) as engine:
+        first = engine.submit(list(range(16, 116)), long)
+        second = engine.submit(list(range(16, 116)), GREEDY)
+        await trio.sleep(0.1)  # both reached the core; the second waits for a place
+        assert engine.front_end is not None and list(engine.front_end.reached) == ["1"]
+        engine.abort(second)
+        assert engine.front_end.reached == {}
+        _, reason, _ = await read_all(first)
+    assert reason is FinishReason.LENGTH and await second.wait() == ([], FinishReason.ABORT)

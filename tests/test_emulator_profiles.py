@@ -9,7 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from trio_router.emulator.profiles import StepShape, load_profile, shipped_profiles
+from trio_router.emulator.profiles import (
+    FrontEndCost,
+    StepShape,
+    load_profile,
+    shipped_profiles,
+)
 from trio_router.errors import ConfigError
 
 
@@ -137,3 +142,24 @@ def test_a_profiles_references_are_read_strictly(tmp_path: Path) -> None:
     per_prompt = text.replace("batch = 16", "batch = 2", 1)
     mine.write_text(per_prompt.replace("prompt_tokens = 1024", "prompt_tokens = [1024, 1]", 1))
     assert load_profile(str(mine)).references[0].requests() == [(1024, 1), (1, 1)]
+
+
+def test_the_front_end_is_optional_and_read_strictly(tmp_path: Path) -> None:
+    h100 = load_profile("h100")
+    assert h100.front_end == FrontEndCost() and not h100.front_end  # none: no front end
+    assert h100.front_end.output_seconds(16) == 0.0
+    text = (
+        Path(__file__).parent.parent / "src/trio_router/emulator/profiles/h100.toml"
+    ).read_text()
+    mine = tmp_path / "mine.toml"
+    mine.write_text(text + "\n[front_end]\narrival_s = 0.002\nper_output_token_s = 0.0001\n")
+    front_end = load_profile(str(mine)).front_end
+    assert front_end == FrontEndCost(arrival_s=0.002, per_output_token_s=0.0001)
+    assert front_end.output_seconds(16) == pytest.approx(0.0016)
+    assert front_end.output_seconds(0) == 0.0  # a step that sampled nothing
+    mine.write_text(text + "\n[front_end]\narrival = 0.002\n")
+    with pytest.raises(ConfigError, match=r"\[front_end\]: unknown key\(s\) \['arrival'\]"):
+        load_profile(str(mine))
+    mine.write_text(text + "\n[front_end]\nper_output_s = -1\n")
+    with pytest.raises(ConfigError, match=r"front_end\.per_output_s must be a non-negative"):
+        load_profile(str(mine))

@@ -266,3 +266,20 @@ def test_skipped_requests_keep_their_priority_order() -> None:
     step, _ = run(s)
     assert shape(step) == [("high", 0, 2)]
     assert [r.request_id for r in s.waiting] == ["mid", "low"]
+
+
+def test_a_request_is_admitted_only_if_its_whole_prompt_fits() -> None:
+    """vLLM's `scheduler_reserve_full_isl` (on by default): admission checks the blocks of the
+    whole prompt, not only of the chunk the budget leaves, so a long prompt waits rather than
+    start and then preempt."""
+    s = make(num_blocks=6, max_num_batched_tokens=8)  # 5 usable blocks of 4 tokens
+    add(s, "a", list(range(8)))  # 2 blocks
+    run(s)
+    add(s, "b", list(range(100, 116)))  # 4 blocks: its first chunk (7 tokens, 2 blocks) fits
+    step, _ = run(s)
+    assert shape(step) == [("a", 8, 1)]  # only a's decode: b waits whole
+    assert [r.request_id for r in s.running] == ["a"] and len(s.waiting) == 1
+    assert s.cache.num_free_blocks == 2  # a holds 3 blocks (9 tokens after its decode)
+    s.abort("a")
+    step, _ = run(s)
+    assert shape(step) == [("b", 0, 8)]  # with a gone it fits: the first chunk

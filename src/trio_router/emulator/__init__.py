@@ -4,7 +4,11 @@ Trio's MockClock in tests). A module each:
 
 - `request`: a request inside the engine; `kv_cache`: the block pool and prefix cache;
   `scheduler`: the engine core's scheduler, one step at a time (pure, no clock).
-- `profiles`: a step's duration on some hardware (TOML files, shipped in `profiles/`).
+- `profiles`: a step's duration on some hardware (TOML files, shipped in `profiles/`);
+  `references`: the published measurements a profile reproduces, replayed on an engine.
+- `front_end`: the API server's own work before the engine core has a request and before
+  readers have a step's tokens (a profile's optional `[front_end]`).
+- `lora`: LoRA adapters (`--lora-modules`, `max_loras`, the runtime load and unload).
 - `tokens`: the deterministic tokenizer, chat template and next-token function.
 - `engine`: one engine on Trio's clock (`EmulatedEngine.run` steps it); `metrics`: its
   counters and GET /metrics in vLLM's format.

@@ -2,6 +2,9 @@
 its steps, each sleeping the duration the profile gives it, then hands each request its new
 tokens.
 
+A profile with a `[front_end]` puts vLLM's API server in front (`front_end`): requests reach
+the scheduler, and tokens their readers, once it has processed them.
+
 Time: `time_scale` emulated seconds pass per second of Trio's clock, so a step of `d`
 emulated seconds sleeps `d / time_scale`; on Trio's MockClock (autojump) a test runs hours of
 emulated traffic in moments. Metrics and latencies are emulated seconds.
@@ -14,6 +17,7 @@ at run time; a restarted engine starts again from the flag's. A request runs wit
 from __future__ import annotations
 
 import itertools
+import math
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -24,6 +28,7 @@ import trio
 
 from ..errors import ConfigError
 from .faults import Faults
+from .front_end import FrontEnd
 from .kv_cache import KVCache
 from .kv_events import KVCacheEvent, KvEventsConfig
 from .lora import NO_LORA, LoraActivity, LoraAdapter, LoraConfig, LoraRegistry
@@ -190,6 +195,11 @@ class EmulatedEngine:
         self._generations: dict[str, Generation] = {}
         self._ids = itertools.count()
         self._work = trio.Event()
+        cost = config.profile.front_end
+        self.front_end = FrontEnd(cost, config.time_scale) if cost else None
+        # Each step's outputs and when the front end has them ready for their readers.
+        channel = trio.open_memory_channel[tuple[float, list[StepOutput]]](math.inf)
+        self._outputs_in, self._outputs = channel
 
     def now(self) -> float:
         """Emulated seconds (since the epoch of Trio's clock, scaled)."""
@@ -218,15 +228,19 @@ class EmulatedEngine:
             lora=lora,
         )
         generation = self._generations[request.request_id] = Generation(request)
-        self.scheduler.add_request(request)
+        if self.front_end is not None:
+            self.front_end.arrive(request, trio.current_time())
+        else:
+            self.scheduler.add_request(request)
         self._notify()
         return generation
 
     def abort(self, generation: Generation) -> None:
         """Stop a request whose client went away (nothing if it has finished)."""
-        if (request := self.scheduler.abort(generation.request_id)) is not None:
+        arriving = self.front_end is not None and self.front_end.remove(generation.request)
+        if arriving or self.scheduler.abort(generation.request_id) is not None:
             self._generations.pop(generation.request_id, None)
-            self._lora_event(request, finished=True)
+            self._lora_event(generation.request, finished=True)
             generation.push(None, FinishReason.ABORT)
             self._notify()
 
@@ -266,7 +280,13 @@ class EmulatedEngine:
         delayed by the other engines of the process (by less than a step) does not lengthen
         the emulated time. A longer delay is not made up: the step starts late, and the
         latencies show it. A step never starts before the requests it admits arrived."""
-        task_status.started()
+        async with trio.open_nursery() as nursery:
+            if self.front_end is not None:
+                nursery.start_soon(self._hand_out)
+            task_status.started()
+            await self._step_forever(publish)
+
+    async def _step_forever(self, publish: Callable[[list[KVCacheEvent]], None] | None) -> None:
         step_cost, faults = self.config.profile.step, self.faults
         timeline = trio.current_time()  # when the last step ended (Trio's clock)
         while True:
@@ -274,12 +294,13 @@ class EmulatedEngine:
                 await faults.wait_answering()
                 timeline = trio.current_time()
                 continue
+            self._take_arrived()
             step = self.scheduler.schedule() if self.scheduler.has_work() else Step()
             if not step.scheduled:
                 if step.preempted:  # a step of preemptions only: schedule again at once
                     await trio.lowlevel.checkpoint()
                 else:
-                    await self._work.wait()
+                    await self._idle()
                     timeline = trio.current_time()  # idle until now
                 continue
             duration = step_cost.seconds(step_shape(step)) * faults.slow_factor
@@ -288,11 +309,36 @@ class EmulatedEngine:
             timeline = start + duration / self.config.time_scale
             await trio.sleep_until(timeline)
             self.steps += 1
-            self._deliver(self.scheduler.update(step), timeline * self.config.time_scale)
+            outputs = self.scheduler.update(step)
+            if self.front_end is None:
+                self._deliver(outputs, timeline * self.config.time_scale)
+            elif outputs:
+                ready = self.front_end.output(timeline, len(outputs))
+                self._record_core(outputs, timeline * self.config.time_scale)
+                self._outputs_in.send_nowait((ready, outputs))
             if self.lora_activity is not None:
                 self.lora_activity.record(time.time())  # vLLM's gauge: the wall clock
             if (events := self.cache.take_events()) and publish is not None:
                 publish(events)
+
+    def _take_arrived(self) -> None:
+        """Requests the front end has handed on by now go to the scheduler."""
+        if self.front_end is not None:
+            for request in self.front_end.arrived(trio.current_time()):
+                self.scheduler.add_request(request)
+
+    async def _idle(self) -> None:
+        """Wait for a request, or for the front end to hand one on."""
+        arrival = self.front_end.next_arrival() if self.front_end is not None else math.inf
+        with trio.move_on_at(arrival):
+            await self._work.wait()
+
+    async def _hand_out(self) -> None:
+        """The front end's side: each step's tokens to their readers once it has processed
+        them (vLLM measures TTFT and end-to-end latency there)."""
+        async for ready, outputs in self._outputs:
+            await trio.sleep_until(ready)
+            self._deliver(outputs, ready * self.config.time_scale, core=False)
 
     def _start_of(self, step: Step, timeline: float, duration: float) -> float:
         """When `step` starts on Trio's clock (see `run`): at `timeline` unless this task
@@ -300,7 +346,7 @@ class EmulatedEngine:
         now = trio.current_time()
         start = timeline if now - timeline < duration else now
         if step.admitted:
-            newest = max(request.arrival_time for request in step.admitted)
+            newest = max(self._reached(request) for request in step.admitted)
             start = max(start, newest / self.config.time_scale)
         return start
 
@@ -309,10 +355,31 @@ class EmulatedEngine:
             generation = self._generations.get(request.request_id)
             if generation is not None and not generation.scheduled:
                 generation.scheduled = True
-                self.stats.queue.observe(now - request.arrival_time)
+                self.stats.queue.observe(now - self._reached(request))
+                if self.front_end is not None:
+                    self.front_end.reached.pop(request.request_id, None)
 
-    def _deliver(self, outputs: list[StepOutput], now: float) -> None:
-        """Hand each request its token at `now` (emulated seconds: the step's end)."""
+    def _reached(self, request: Request) -> float:
+        """When a request reached the engine core (emulated seconds)."""
+        if self.front_end is None:
+            return request.arrival_time
+        return self.front_end.reached.get(request.request_id, request.arrival_time)
+
+    def _record_core(self, outputs: list[StepOutput], now: float) -> None:
+        """The engine core's side of a step's outputs when a front end hands them out:
+        inter-token latency between steps (vLLM takes it from the core's timestamps)."""
+        for output in outputs:
+            generation = self._generations.get(output.request.request_id)
+            if generation is None:
+                continue
+            if generation.last_token_time is not None:
+                self.stats.inter_token.observe(now - generation.last_token_time)
+            generation.last_token_time = now
+
+    def _deliver(self, outputs: list[StepOutput], now: float, *, core: bool = True) -> None:
+        """Hand each request its token at `now` (emulated seconds: the step's end, or with
+        a front end, when it has processed the step's output: then `core` is False and the
+        inter-token latency was recorded at the step's end)."""
         stats = self.stats
         for output in outputs:
             request = output.request
@@ -324,9 +391,10 @@ class EmulatedEngine:
                 stats.ttft.observe(now - request.arrival_time)
                 stats.prompt_tokens += request.num_prompt_tokens
                 self._lora_event(request, finished=False)
-            elif generation.last_token_time is not None:
+            elif core and generation.last_token_time is not None:
                 stats.inter_token.observe(now - generation.last_token_time)
-            generation.last_token_time = now
+            if core:
+                generation.last_token_time = now
             stats.generation_tokens += 1
             if output.finish_reason is not None:
                 self._lora_event(request, finished=True)

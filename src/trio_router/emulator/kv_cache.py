@@ -183,12 +183,16 @@ class KVCache:
         request: Request,
         num_new_tokens: int,
         computed: Sequence[Block] = (),
+        *,
+        full_sequence: bool = False,
     ) -> bool:
         """Give `request` slots for `num_new_tokens` more tokens after its computed ones and
         the `computed` blocks of a prefix hit (adopted here); cache the blocks that are full
         once these tokens are computed. False, with nothing changed, when the free blocks do
         not suffice (evictable hit blocks count as used: adopting them takes them out of the
-        free queue)."""
+        free queue); with `full_sequence`, also when they would not suffice for all of the
+        request's tokens (vLLM's `scheduler_reserve_full_isl`, on by default, checks that
+        when it admits a request)."""
         rid = request.request_id
         held = self._req_blocks.setdefault(rid, [])
         total_computed = min(request.num_computed_tokens + len(computed) * self.block_size,
@@ -200,7 +204,10 @@ class KVCache:
             )
             return True
         evictable = sum(1 for b in computed if b.ref_cnt == 0)
-        if max(need - len(held) - len(computed), 0) + evictable > len(self._free):
+        check = need  # with full_sequence, the blocks of the whole sequence, not of this chunk
+        if full_sequence:
+            check = max(need, _cdiv(min(request.num_tokens, self.max_model_len), self.block_size))
+        if max(check - len(held) - len(computed), 0) + evictable > len(self._free):
             if not held:
                 del self._req_blocks[rid]
             return False

@@ -13,7 +13,15 @@ where `sequences` are the requests in the step, `tokens` the tokens it computes,
 `context_tokens` the tokens whose KV it reads (each request's computed tokens and its new
 ones), and `attention_pairs` the (query, key) pairs its attention computes (a chunk of `n`
 tokens after `c` computed ones: `n*c + n*(n+1)/2`). Decode steps are bound by reading the
-weights and the KV cache, prefill steps by computing. A profile file is:
+weights and the KV cache, prefill steps by computing.
+
+The optional `[front_end]` table prices vLLM's API server, a process of its own beside the
+engine core: `arrival_s` per request before the engine core has it (HTTP, validation,
+processing), and per step's output `per_output_s + per_output_token_s * tokens`
+(detokenizing, framing and writing each stream's event) before its readers have the tokens.
+It works on one timeline of its own, first come first served, beside the steps: a loaded front
+end delays arrivals and tokens, not the engine's steps. All default to 0 (no front end). A
+profile file is:
 
     description = "..."
     status = "derived"          # placeholder | derived | fitted
@@ -28,6 +36,10 @@ weights and the KV cache, prefill steps by computing. A profile file is:
     [step]                      # the terms above
     overhead_s = 0.001
     ...
+    [front_end]                 # optional, each key defaults to 0
+    arrival_s = 0.001
+    per_output_s = 0.0002
+    per_output_token_s = 0.00005
     [[reference]]               # a cited measurement the profile reproduces (any number)
     seconds = 0.994             # from submitting `batch` prompts of `prompt_tokens` at once
     batch = 1                   # until the last has `output_tokens` tokens (ignoring EOS)
@@ -58,6 +70,7 @@ from ..errors import ConfigError
 
 __all__ = [
     "EngineDefaults",
+    "FrontEndCost",
     "Profile",
     "Reference",
     "StepCost",
@@ -111,6 +124,28 @@ class StepCost:
             + self.attention_flops_per_pair * shape.attention_pairs
         ) / self.compute_flops_per_s
         return self.overhead_s + self.per_sequence_s * shape.sequences + max(memory, compute)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FrontEndCost:
+    """The API server's work (see the module), in emulated seconds; all non-negative."""
+
+    arrival_s: float = 0.0
+    per_output_s: float = 0.0
+    per_output_token_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, int | float) or value < 0:
+                raise ConfigError(f"front_end.{f.name} must be a non-negative number: {value!r}")
+
+    def output_seconds(self, tokens: int) -> float:
+        """The front end's time for one step's output of `tokens` tokens."""
+        return self.per_output_s + self.per_output_token_s * tokens if tokens else 0.0
+
+    def __bool__(self) -> bool:
+        return bool(self.arrival_s or self.per_output_s or self.per_output_token_s)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -189,19 +224,20 @@ class Profile:
     engine: EngineDefaults
     step: StepCost
     references: tuple[Reference, ...] = ()
+    front_end: FrontEndCost = FrontEndCost()
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
             raise ConfigError(f"status must be one of {', '.join(STATUSES)}: {self.status!r}")
 
 
-def _section(cls: type[Any], raw: Any, where: str) -> Any:
+def _section(cls: type[Any], raw: Any, where: str, *, optional: bool = False) -> Any:
     if not isinstance(raw, dict):
         raise ConfigError(f"[{where}]: expected a table")
     hints = typing.get_type_hints(cls)
     if unknown := raw.keys() - hints.keys():
         raise ConfigError(f"[{where}]: unknown key(s) {sorted(unknown)}; expected {sorted(hints)}")
-    if missing := hints.keys() - raw.keys():
+    if (missing := hints.keys() - raw.keys()) and not optional:
         raise ConfigError(f"[{where}]: missing key(s) {sorted(missing)}")
     return cls(**raw)
 
@@ -212,7 +248,14 @@ def parse_profile(name: str, text: str) -> Profile:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"profile {name}: {exc}") from None
-    if unknown := raw.keys() - {"description", "status", "engine", "step", "reference"}:
+    if unknown := raw.keys() - {
+        "description",
+        "status",
+        "engine",
+        "step",
+        "reference",
+        "front_end",
+    }:
         raise ConfigError(f"profile {name}: unknown key(s) {sorted(unknown)}")
     references = raw.get("reference", [])
     try:
@@ -225,6 +268,7 @@ def parse_profile(name: str, text: str) -> Profile:
             engine=_section(EngineDefaults, raw.get("engine"), "engine"),
             step=_section(StepCost, raw.get("step"), "step"),
             references=tuple(_section(Reference, r, "reference") for r in references),
+            front_end=_section(FrontEndCost, raw.get("front_end", {}), "front_end", optional=True),
         )
     except ConfigError as exc:
         raise ConfigError(f"profile {name}: {exc}") from None

@@ -16,7 +16,8 @@ without speculative decoding or KV connectors:
   arrival, preempted ones in front; priority: (priority, arrival)) while the budget lasts
   and fewer than `max_num_seqs` run: each is looked up in the prefix cache (when it has
   computed nothing yet), given slots for its first chunk, and counted in the cache's
-  queries and hits; the first that does not fit stops admission.
+  queries and hits; the first whose whole sequence does not fit in the free blocks stops
+  admission (`scheduler_reserve_full_isl`, vLLM's default), even if its first chunk would.
 - With LoRA (`max_loras` set), a step holds at most `max_loras` distinct adapters: the
   adapters of the running requests scheduled in it count first; a waiting request of
   another adapter while that many are held is skipped (not admitted, and put back where it
@@ -279,7 +280,7 @@ class Scheduler:
             if looked_up:
                 computed, num_computed = self.cache.get_computed_blocks(request)
             n = min(request.num_tokens - num_computed, budget)
-            if not self.cache.allocate_slots(request, n, computed):
+            if not self.cache.allocate_slots(request, n, computed, full_sequence=True):
                 break
             if looked_up:
                 self.cache.record_lookup(request, num_computed)

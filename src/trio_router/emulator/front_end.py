@@ -1,0 +1,67 @@
+"""The API server in front of an emulated engine core: vLLM V1 runs it as a process of its own
+(HTTP, request processing, detokenizing and writing every stream's events), beside the engine
+core that steps the model, and on a small CPU machine its work delays what a client sees.
+
+`FrontEnd` keeps its timeline (Trio's clock): each piece of work starts when the last one
+ended or when it comes, whichever is later, and lasts what the profile's `[front_end]` says
+(`profiles.FrontEndCost`, emulated seconds scaled by the engine's time scale). A request
+reaches the engine core when its arrival is processed; a step's tokens reach their readers
+when its output is. The engine core's steps do not wait for it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+from .profiles import FrontEndCost
+from .request import Request
+
+__all__ = ["FrontEnd"]
+
+
+class FrontEnd:
+    """One engine's API server: its timeline and the requests it has not yet handed on."""
+
+    def __init__(self, cost: FrontEndCost, time_scale: float) -> None:
+        self.cost, self._scale = cost, time_scale
+        self._free_at = -math.inf  # when its last piece of work ends (Trio's clock)
+        self._arriving: deque[tuple[float, Request]] = deque()  # in order of readiness
+        self.reached: dict[str, float] = {}  # request id -> reached the core (emulated s)
+
+    def _work(self, now: float, seconds: float) -> float:
+        """Queue `seconds` of work at `now`; when it ends (Trio's clock)."""
+        self._free_at = max(now, self._free_at) + seconds / self._scale
+        return self._free_at
+
+    def arrive(self, request: Request, now: float) -> None:
+        """A request has come (Trio's clock `now`): it reaches the core once processed."""
+        self._arriving.append((self._work(now, self.cost.arrival_s), request))
+
+    def arrived(self, now: float) -> list[Request]:
+        """The requests processed by `now`, in order; each leaves the front end."""
+        out = []
+        while self._arriving and self._arriving[0][0] <= now:
+            ready, request = self._arriving.popleft()
+            self.reached[request.request_id] = ready * self._scale
+            out.append(request)
+        return out
+
+    def next_arrival(self) -> float:
+        """When the next request reaches the core (Trio's clock; inf: none is coming)."""
+        return self._arriving[0][0] if self._arriving else math.inf
+
+    def remove(self, request: Request) -> bool:
+        """Forget a request whose client went away: drop it if it is not yet handed on
+        (True), else forget when it reached the core (False)."""
+        self.reached.pop(request.request_id, None)
+        for item in self._arriving:
+            if item[1] is request:
+                self._arriving.remove(item)
+                return True
+        return False
+
+    def output(self, step_end: float, tokens: int) -> float:
+        """When a step that ended at `step_end` (Trio's clock) has its `tokens` tokens at
+        their readers."""
+        return self._work(step_end, self.cost.output_seconds(tokens))
