@@ -21,8 +21,8 @@ import trio
 
 from bench_picker import tree_cpu
 from emulator_fleet import FIRST_HOST, MODEL, START_S, WORDS, open_emulator, percentile, scrape
-from peers import available, open_router
-from trio_router.testing.processes import open_command, router_url
+from peers import available, open_router, wait_routing
+from trio_router.testing.processes import open_command
 from trio_router.testing.vllm_engines import free_ports
 
 # Each peer's policies, in its own words: its round robin, then its best cache-aware one that
@@ -195,9 +195,15 @@ async def open_contender(
     config = workdir / f"trio-{contender.policy}.toml"
     config.write_text(router_toml(contender.policy, port, urls, kv))
     command = [sys.executable, "-m", "trio_router", "--config", str(config)]
-    async with open_command(command) as (process, _, stderr):
+    async with (
+        open_command(command) as (process, _, stderr),
+        httpx.AsyncClient(timeout=10.0) as client,
+    ):
         with trio.fail_after(START_S):
-            url = await router_url(stderr, engines=len(urls))
+            # Its /engines, not `router_url`: that one's pattern, repeated once per engine,
+            # backtracks for minutes at 64 engines while not all are routable yet.
+            url = (await stderr.wait_for(r"Running on (http://\S+)")).group(1)
+            await wait_routing(client, url, MODEL, len(urls))
         yield url, process.pid
 
 
