@@ -13,11 +13,44 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Final
 
+import httpx
+import trio
+
 import bench_flow as flow
 from emulator_fleet import MODEL, open_emulator
 from peers import available
 
 PEERS: Final = ("production-stack", "vllm-router-rs")
+
+
+async def calibrate(urls: Sequence[str], workload: flow.Workload, seconds: float) -> float:
+    """The fleet's capacity in requests per second: engines x capacity streams back to back
+    straight to the engines for `seconds`, answers counted over the last 3/4 (bench_flow's
+    calibration). A stream whose keep-alive connection the engine closed as it was reused
+    (idle past the engines' 5 s, uvicorn's) is sent again and not counted."""
+    finished: list[float] = []
+    body = {"model": workload.model, "max_tokens": workload.tokens, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "calibration: say something"}],
+            "stream": True}  # fmt: skip
+    limits = httpx.Limits(max_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0), limits=limits) as c:
+
+        async def back_to_back(url: str) -> None:
+            while True:
+                try:
+                    async with c.stream("POST", f"{url}{flow.CHAT}", json=body) as response:
+                        async for _ in response.aiter_raw():
+                            pass
+                except httpx.TransportError:
+                    continue
+                finished.append(trio.current_time())
+
+        t0 = trio.current_time()
+        with trio.move_on_after(seconds):
+            async with trio.open_nursery() as nursery:
+                for index in range(len(urls) * workload.capacity):
+                    nursery.start_soon(back_to_back, urls[index % len(urls)])
+    return sum(t >= t0 + seconds / 4 for t in finished) / (seconds * 3 / 4)
 
 
 def flow_routers(text: str) -> tuple[list[str], dict[str, str]]:
@@ -94,7 +127,7 @@ async def bench_flow(args: argparse.Namespace) -> dict[str, Any]:
             tokens=args.max_tokens, deadline_s=args.deadline_ms / 1000 * wall,
             drain_s=args.drain, reserve=args.reserve, model=MODEL, upstreams=tuple(urls),
         )  # fmt: skip
-        rps = await flow.calibrate(urls, workload, args.calibrate)
+        rps = await calibrate(urls, workload, args.calibrate)
         workload = replace(workload, measured_rps=rps)
         print(json.dumps({"capacity_rps_wall": round(rps, 2)}), flush=True)
         light = flow.arrivals(args.unloaded_load * rps, args.unloaded_duration, 1.0, args.seed,
