@@ -34,6 +34,9 @@ PEER_POLICIES: Final = {
 }
 
 
+SLOWEST: Final = 8  # the slowest requests reported (the p99 of 512 is the sixth slowest)
+
+
 @dataclass(frozen=True)
 class Contender:
     """A router and the routing policy it runs (in that router's own words)."""
@@ -121,26 +124,32 @@ async def stream_chat(
     return ttft, "".join(parts)
 
 
+Timed = tuple[float, int, str]  # a TTFT (wall seconds), the request's place in the order, what
+
+
 async def run_skewed(
     args: argparse.Namespace, client: httpx.AsyncClient, url: str
-) -> tuple[list[float], int]:
+) -> tuple[list[Timed], int]:
     """The workload through the router at `url`, `concurrency` at a time, in order; each
-    request's TTFT (wall seconds) and the errors."""
+    request's TTFT (wall seconds) with its place and what it was ("group G #N": the Nth
+    request of group G; "chat C turn T"), and the errors."""
     groups, conversations, order = skewed_workload(args)
-    ttfts: list[float] = []
+    ttfts: list[Timed] = []
     errors, asked = 0, [0] * len(groups)
     limiter = trio.CapacityLimiter(args.concurrency)
 
-    async def one(kind: str, which: int) -> None:
+    async def one(place: int, kind: str, which: int) -> None:
         nonlocal errors
         async with limiter:
             if kind == "group":
                 system, questions = groups[which]
                 asked[which] += 1
+                what = f"group {which} #{asked[which]}"
                 messages = [{"role": "system", "content": system},
                             {"role": "user", "content": questions[asked[which] % 8]}]  # fmt: skip
                 try:
-                    ttfts.append((await stream_chat(client, url, messages, args.max_tokens))[0])
+                    ttft = (await stream_chat(client, url, messages, args.max_tokens))[0]
+                    ttfts.append((ttft, place, what))
                 except (httpx.HTTPError, RuntimeError):
                     errors += 1
                 return
@@ -152,14 +161,14 @@ async def run_skewed(
                     ttft, text = await stream_chat(
                         client, url, list(talk.messages), args.max_tokens
                     )
-                    ttfts.append(ttft)
+                    ttfts.append((ttft, place, f"chat {which} turn {turn + 1}"))
                 except (httpx.HTTPError, RuntimeError):
                     errors, text = errors + 1, ""
                 talk.messages.append({"role": "assistant", "content": text})
 
     async with trio.open_nursery() as nursery:
-        for kind, which in order:
-            nursery.start_soon(one, kind, which)
+        for place, (kind, which) in enumerate(order):
+            nursery.start_soon(one, place, kind, which)
             await trio.lowlevel.checkpoint()  # in order: the limiter serves first come first
     return ttfts, errors
 
@@ -214,16 +223,18 @@ def counted(before: dict[str, float], after: dict[str, float], name: str) -> flo
 
 def figures(
     args: argparse.Namespace, metrics: tuple[dict[str, float], dict[str, float]],
-    ttfts: Sequence[float], errors: int,
+    ttfts: Sequence[Timed], errors: int,
 ) -> dict[str, Any]:  # fmt: skip
-    """Hit rate (the engines' tokens), TTFT p50/p99 (emulated ms), the engines' mean TTFT."""
+    """Hit rate (the engines' tokens), TTFT p50/p99 (emulated ms), the engines' mean TTFT,
+    and the slowest requests (emulated ms, place in the order, what), the p99's among them."""
     before, after = metrics
     queries = counted(before, after, "vllm:prefix_cache_queries_total")
     hits = counted(before, after, "vllm:prefix_cache_hits_total")
     engine_ttft = counted(before, after, "vllm:time_to_first_token_seconds_sum") / max(
         1.0, counted(before, after, "vllm:time_to_first_token_seconds_count")
     )
-    emulated = sorted(t * args.time_scale for t in ttfts if t == t)
+    emulated = sorted(t * args.time_scale for t, _, _ in ttfts if t == t)
+    slowest = sorted((t for t in ttfts if t[0] == t[0]), reverse=True)[:SLOWEST]
     return {
         "requests": len(ttfts) + errors,
         "errors": errors,
@@ -232,6 +243,9 @@ def figures(
         "ttft_p99_ms": round(percentile(emulated, 99) * 1000, 1),
         "engine_ttft_mean_ms": round(engine_ttft * 1000, 1),
         "generated_tokens": round(counted(before, after, "vllm:generation_tokens_total")),
+        "slowest": [
+            [round(t * args.time_scale * 1000, 1), place, what] for t, place, what in slowest
+        ],
     }
 
 
