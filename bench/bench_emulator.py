@@ -39,7 +39,8 @@ else listed as skipped. Reports for each: the prefix-cache hit rate (the engines
 counters, in tokens), the client's TTFT p50 and p99 (streamed, converted to emulated seconds:
 the router's and this client's own time is in them, scaled the same way), the engines' own
 mean TTFT (`vllm:time_to_first_token_seconds`, emulated: from arrival at the engine), the
-errors, and the CPU (cores) of the router, the emulator, this client and every other process.
+errors, the slowest requests (which group request or conversation turn, and where in the
+order), and the CPU (cores) of the router, the emulator, this client and every other process.
 
 `flow` (bench/emulator_flow.py): issue 35's workload (bench_flow.py's load and tenants) at
 `--engines` emulated H100s scheduling by priority (`--engine-max-num-seqs`, 0: the profile's
