@@ -4,9 +4,11 @@ it.
     python bench/bench_emulator.py scale [--engines 64] [--streams 1000] [--time-scale 0.25]
                                          [--seconds 20] [--profile-out FILE]
     python bench/bench_emulator.py routing [--engines 16] [--policies round_robin,...]
+                                           [--routers trio,production-stack,vllm-router-rs]
                                            [--concurrency 64] [--json-out FILE]
     python bench/bench_emulator.py flow [--engines 16] [--load 1.5] [--capacity 16]
                                         [--reserve 4] [--engine-max-num-seqs 0]
+                                        [--routers trio,production-stack,vllm-router-rs]
 
 `scale`: one `trio-router emulate` process serving `--engines` H100s on 127.0.1.1, .2, ...
 at `--time-scale`, and `--streams` streamed completions kept in flight straight to the
@@ -24,27 +26,35 @@ allows. `--profile-out` runs the
 emulator under cProfile instead and writes its statistics there (slower: for finding where
 the time goes, not for the figures).
 
-`routing`: issue 37's skewed workload (bench_engines.py's shape: `--groups` groups sharing a
-long system prompt, popularity 1/rank^`--skew`, plus multi-turn conversations, `--concurrency`
-requests in flight) through one `trio-router` process per policy in front of `--engines`
-fresh emulated engines (a new `emulate` process per policy, its engines publishing their
-KV-cache events for `kv_aware`). Reports each policy's prefix-cache hit rate (the engines' own
-counters, in tokens), the client's TTFT p50 and p99 (streamed, converted to emulated
-seconds: the router's and this client's own time is in them, scaled the same way) and the
-engines' own mean TTFT (`vllm:time_to_first_token_seconds`, emulated: from arrival at the
-engine). Peers (production-stack's router, the Rust vllm-router) are named by
-`--peers` when their environment is set up as `../shared/bench` describes; not here.
+`routing` (bench/emulator_routing.py): issue 37's skewed workload (bench_engines.py's shape:
+`--groups` groups sharing a long system prompt, popularity 1/rank^`--skew`, plus multi-turn
+conversations, `--concurrency` requests in flight) through each router and policy of
+`--routers` in front of `--engines` fresh emulated engines (a new `emulate` process per
+router and policy, its engines publishing their KV-cache events for trio_router's
+`kv_aware`). `--routers`: `trio` (each policy of `--policies`), `production-stack` (its
+`roundrobin` and `prefixaware`), `vllm-router-rs` (its `round_robin` and `cache_aware`), or
+ROUTER:POLICY for one; the peers are started by bench/peers.py when their environment is set
+up as `../shared/bench`'s README describes (`PEER_PS_PYTHON` + `PEER_PS_SRC`, `PEER_VR_BIN`),
+else listed as skipped. Reports for each: the prefix-cache hit rate (the engines' own
+counters, in tokens), the client's TTFT p50 and p99 (streamed, converted to emulated seconds:
+the router's and this client's own time is in them, scaled the same way), the engines' own
+mean TTFT (`vllm:time_to_first_token_seconds`, emulated: from arrival at the engine), the
+errors, the slowest requests (which group request or conversation turn, and where in the
+order), and the CPU (cores) of the router, the emulator, this client and every other process.
 
-`flow`: issue 35's workload (bench_flow.py's load, tenants and trio-flow router) at
+`flow` (bench/emulator_flow.py): issue 35's workload (bench_flow.py's load and tenants) at
 `--engines` emulated H100s scheduling by priority (`--engine-max-num-seqs`, 0: the profile's
-1024). trio_router (`round_robin`, `max_in_flight_per_engine` = `--capacity`, the top band
-`--reserve` past it, `priority_to_engines`; tenants `interactive`, priority 10 with a
-first-token deadline of `--deadline-ms` emulated, and `batch`, priority 0) in front of one
-`emulate` process. The fleet's capacity is measured first (engines x capacity streams back to
-back, straight to the engines); then interactive requests alone at `--unloaded-load` x it,
-and the mix (`--interactive-share` interactive) at `--load` x it, Poisson, `--duration` wall
-seconds. Reports the interactive TTFT p99, unloaded and loaded (emulated: wall x the time
-scale), their ratio, and what the router refused (shed, queue full, deadline) per tenant.
+1024), one `emulate` process for every router of `--routers`. `trio`: bench_flow's trio-flow
+router (`round_robin`, `max_in_flight_per_engine` = `--capacity`, the top band `--reserve` past
+it, `priority_to_engines`; tenants `interactive`, priority 10 with a first-token deadline of
+`--deadline-ms` emulated, and `batch`, priority 0); `production-stack`, `vllm-router-rs`: the
+peers (round robin; no flow control, the same load). The fleet's capacity is measured first
+(engines x capacity streams back to back, straight to the engines); then through each router
+interactive requests alone at `--unloaded-load` x it, and the mix (`--interactive-share`
+interactive) at `--load` x it, Poisson, `--duration` wall seconds. Reports per router the
+interactive TTFT p99, unloaded and loaded (emulated: wall x the time scale), their ratio, what
+the router refused (shed, queue full, deadline) per tenant, and the interactive requests whose
+clients gave up at the deadline.
 
 Loopback only; every process is killed at the end; every load is bounded in time.
 """
@@ -55,77 +65,19 @@ import argparse
 import json
 import os
 import random
-import re
-import signal
 import sys
-import tempfile
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
-from dataclasses import dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Any
 
 import httpx
 import trio
 
-import bench_flow as flow
+from emulator_fleet import MODEL, WORDS, cpu_seconds, open_emulator, scrape
+from emulator_flow import bench_flow
+from emulator_routing import bench_routing
 from trio_router.emulator.profiles import StepShape, load_profile
-from trio_router.testing.processes import Output, open_command, router_url
-from trio_router.testing.vllm_engines import free_ports
-
-FIRST_HOST: Final = "127.0.1.1"
-MODEL: Final = "meta-llama/Llama-3.1-8B-Instruct"
-START_S: Final = 120.0
-CLK_TCK: Final = os.sysconf("SC_CLK_TCK")
-_SAMPLE: Final = re.compile(rb"^(vllm:[a-z_]+)(?:\{[^}]*\})? ([-+0-9.e]+)$", re.M)
-_WORDS: Final = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel",
-                 "india", "juliett", "kilo", "lima", "mike", "oscar", "papa")  # fmt: skip
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process `pid` (all its threads) so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
-@asynccontextmanager
-async def open_emulator(
-    engines: int, time_scale: float, *extra: str, profile_out: str = ""
-) -> AsyncIterator[tuple[trio.Process, list[str], Output]]:
-    """`trio-router emulate` as a process of its own; yields it, its engines' URLs and its
-    stderr once every engine serves."""
-    command = [sys.executable]
-    if profile_out:
-        command += ["-m", "cProfile", "-o", profile_out]
-    command += ["-m", "trio_router", "emulate", "--engines", str(engines), "--host", FIRST_HOST]
-    command += ["--port", "0", "--time-scale", str(time_scale), *extra]
-    async with open_command(command) as (process, stdout, stderr):
-        with trio.fail_after(START_S):
-            await stdout.wait_for(rf"(?:http://\S+\n){{{engines}}}")
-        try:
-            yield process, stdout.text.split(), stderr
-        finally:
-            if process.returncode is not None:
-                print(f"the emulator exited with {process.returncode}:\n{stderr.text[-3000:]}")
-        process.send_signal(signal.SIGINT)  # a clean exit: cProfile writes its statistics
-        with trio.move_on_after(30):
-            await process.wait()
-
-
-async def scrape(client: httpx.AsyncClient, urls: Sequence[str]) -> dict[str, float]:
-    """The engines' vLLM metrics (samples of one name summed over engines)."""
-    total: dict[str, float] = {}
-
-    async def one(url: str) -> None:
-        body = (await client.get(f"{url}/metrics")).content
-        for name, value in _SAMPLE.findall(body):
-            key = name.decode()
-            total[key] = total.get(key, 0.0) + float(value)
-
-    async with trio.open_nursery() as nursery:
-        for url in urls:
-            nursery.start_soon(one, url)
-    return total
 
 
 # -- scale -------------------------------------------------------------------------------------
@@ -163,7 +115,7 @@ async def keep_streams(
     async def worker(i: int) -> None:
         url = urls[i % len(urls)]
         while True:
-            prompt = " ".join(rng.choice(_WORDS) for _ in range(64))
+            prompt = " ".join(rng.choice(WORDS) for _ in range(64))
             request = {"model": MODEL, "prompt": f"{i} {prompt}", "max_tokens": max_tokens}
             body = json.dumps(request | {"ignore_eos": True, "stream": True}).encode()
             try:
@@ -241,248 +193,6 @@ async def bench_scale(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-# -- routing ------------------------------------------------------------------------------------
-@dataclass
-class Conversation:
-    messages: list[dict[str, str]]
-    questions: list[str]
-    lock: trio.Lock = field(default_factory=trio.Lock)  # one turn at a time
-
-
-def words(rng: random.Random, count: int) -> str:
-    return " ".join(rng.choice(_WORDS) + str(rng.randrange(100)) for _ in range(count))
-
-
-def skewed_workload(
-    args: argparse.Namespace,
-) -> tuple[list[tuple[str, list[str]]], list[Conversation], list[tuple[str, int]]]:
-    """Issue 37's shape (bench_engines.py's `make_workload`): groups sharing a long system
-    prompt, drawn with weight 1/(rank+1)^skew, and multi-turn conversations, shuffled."""
-    rng = random.Random(args.seed)
-    groups = [
-        (f"group {g}: {words(rng, args.system_words)}", [f"{words(rng, 20)}?" for _ in range(8)])
-        for g in range(args.groups)
-    ]
-    conversations = [
-        Conversation(
-            [{"role": "system", "content": words(rng, 40)}],
-            [words(rng, rng.randrange(30, 60)) for _ in range(args.turns)],
-        )
-        for _ in range(args.conversations)
-    ]
-    weights = [1 / (rank + 1) ** args.skew for rank in range(args.groups)]
-    drawn = rng.choices(range(args.groups), weights, k=args.groups * args.per_group)
-    order = [("group", g) for g in drawn]
-    order += [("chat", c) for c in range(args.conversations) for _ in range(args.turns)]
-    rng.shuffle(order)
-    return groups, conversations, order
-
-
-async def stream_chat(
-    client: httpx.AsyncClient, url: str, messages: list[dict[str, str]], max_tokens: int
-) -> tuple[float, str]:
-    """One streamed chat through the router: seconds to its first token, and its text."""
-    body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
-    started, ttft = trio.current_time(), float("nan")
-    parts: list[str] = []
-    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as answer:
-        if answer.status_code != 200:
-            raise RuntimeError(f"HTTP {answer.status_code}: {(await answer.aread())!r}")
-        async for line in answer.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            for choice in json.loads(line[6:]).get("choices", []):
-                if content := choice.get("delta", {}).get("content"):
-                    if not parts:
-                        ttft = trio.current_time() - started
-                    parts.append(content)
-    return ttft, "".join(parts)
-
-
-async def run_skewed(
-    args: argparse.Namespace, client: httpx.AsyncClient, url: str
-) -> tuple[list[float], int]:
-    """The workload through the router at `url`, `concurrency` at a time, in order; each
-    request's TTFT (wall seconds) and the errors."""
-    groups, conversations, order = skewed_workload(args)
-    ttfts: list[float] = []
-    errors, asked = 0, [0] * len(groups)
-    limiter = trio.CapacityLimiter(args.concurrency)
-
-    async def one(kind: str, which: int) -> None:
-        nonlocal errors
-        async with limiter:
-            if kind == "group":
-                system, questions = groups[which]
-                asked[which] += 1
-                messages = [{"role": "system", "content": system},
-                            {"role": "user", "content": questions[asked[which] % 8]}]  # fmt: skip
-                try:
-                    ttfts.append((await stream_chat(client, url, messages, args.max_tokens))[0])
-                except (httpx.HTTPError, RuntimeError):
-                    errors += 1
-                return
-            talk = conversations[which]
-            async with talk.lock:
-                turn = len(talk.messages) // 2
-                talk.messages.append({"role": "user", "content": talk.questions[turn]})
-                try:
-                    ttft, text = await stream_chat(
-                        client, url, list(talk.messages), args.max_tokens
-                    )
-                    ttfts.append(ttft)
-                except (httpx.HTTPError, RuntimeError):
-                    errors, text = errors + 1, ""
-                talk.messages.append({"role": "assistant", "content": text})
-
-    async with trio.open_nursery() as nursery:
-        for kind, which in order:
-            nursery.start_soon(one, kind, which)
-            await trio.lowlevel.checkpoint()  # in order: the limiter serves first come first
-    return ttfts, errors
-
-
-def router_toml(policy: str, port: int, urls: Sequence[str], kv: tuple[int, int]) -> str:
-    listed = ", ".join(f'"{u}"' for u in urls)
-    text = (
-        f'[server]\nbind = "127.0.0.1:{port}"\ndrain_s = 1.0\naccess_log = false\n'
-        f'[routing]\npolicy = "{policy}"\nkv_block_size = 16\n'
-        f'[discovery]\nmode = "static"\n[discovery.static]\nurls = [{listed}]\n'
-        "[stats]\ninterval_s = 1.0\n"
-    )
-    if policy == "kv_aware":
-        text += f'[kv_events]\nmode = "connect"\nport = {kv[0]}\nreplay_port = {kv[1]}\n'
-    return text
-
-
-async def bench_policy(args: argparse.Namespace, policy: str, workdir: Path) -> dict[str, Any]:
-    """One policy in front of fresh emulated engines: hit rate and TTFT."""
-    port, kv_port, replay_port = free_ports(["127.0.0.1", FIRST_HOST], 3)
-    events = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{kv_port}",
-              "replay_endpoint": f"tcp://*:{replay_port}"}  # fmt: skip
-    extra = ["--kv-events-config", json.dumps(events)]
-    async with open_emulator(args.engines, args.time_scale, *extra) as (_, urls, _):
-        config = workdir / f"{policy}.toml"
-        config.write_text(router_toml(policy, port, urls, (kv_port, replay_port)))
-        command = [sys.executable, "-m", "trio_router", "--config", str(config)]
-        async with (
-            open_command(command) as (_, _, stderr),
-            httpx.AsyncClient(timeout=120.0) as client,
-        ):
-            with trio.fail_after(START_S):
-                url = await router_url(stderr, engines=args.engines)
-            before = await scrape(client, urls)
-            started = trio.current_time()
-            ttfts, errors = await run_skewed(args, client, url)
-            seconds = trio.current_time() - started
-            after = await scrape(client, urls)
-    hits = after["vllm:prefix_cache_hits_total"] - before.get("vllm:prefix_cache_hits_total", 0)
-    queries = after["vllm:prefix_cache_queries_total"] - before.get(
-        "vllm:prefix_cache_queries_total", 0
-    )
-    engine_ttft = (
-        after["vllm:time_to_first_token_seconds_sum"]
-        - before.get("vllm:time_to_first_token_seconds_sum", 0)
-    ) / max(
-        1.0,
-        after["vllm:time_to_first_token_seconds_count"]
-        - before.get("vllm:time_to_first_token_seconds_count", 0),
-    )
-    emulated = sorted(t * args.time_scale for t in ttfts if t == t)
-    return {
-        "policy": policy,
-        "requests": len(ttfts) + errors,
-        "errors": errors,
-        "hit_rate": round(hits / queries, 4) if queries else None,
-        "ttft_p50_ms": round(percentile(emulated, 50) * 1000, 1),
-        "ttft_p99_ms": round(percentile(emulated, 99) * 1000, 1),
-        "engine_ttft_mean_ms": round(engine_ttft * 1000, 1),
-        "wall_s": round(seconds, 1),
-    }
-
-
-def percentile(ordered: Sequence[float], p: float) -> float:
-    if not ordered:
-        return float("nan")
-    return ordered[max(0, min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1))))]
-
-
-async def bench_routing(args: argparse.Namespace) -> dict[str, Any]:
-    results = []
-    with tempfile.TemporaryDirectory() as workdir:
-        for policy in args.policies.split(","):
-            results.append(await bench_policy(args, policy, Path(workdir)))
-            print(json.dumps(results[-1]), flush=True)
-    return {"engines": args.engines, "time_scale": args.time_scale, "results": results}
-
-
-# -- flow ---------------------------------------------------------------------------------------
-async def flow_run(
-    workload: flow.Workload,
-    schedule: Sequence[flow.Arrival],
-    window_s: float,
-    workdir: Path,
-    emulator_pid: int,
-) -> dict[str, Any]:
-    """bench_flow's trio-flow router (tenants, bands, deadline) in front of the emulated
-    engines, and `schedule` sent through it; its figures (wall milliseconds)."""
-    await flow.wait_idle(workload.upstreams)
-    async with flow.open_trio("trio-flow", workload.upstreams, workload, workdir) as running:
-        pids = running.pids | {"emulator": emulator_pid}
-        load = await flow.run_load(running.url, schedule, window_s, workload, pids)
-    return {
-        "interactive": flow.interactive_figures(load.sent, workload.deadline_s),
-        "batch": flow.batch_figures(load.sent, load.window_s),
-        "cpu": {role: round(cores, 3) for role, cores in load.cpu.items()},
-    }
-
-
-async def bench_flow(args: argparse.Namespace) -> dict[str, Any]:
-    """Issue 35's workload (bench_flow.py's) at `--load` x the emulated fleet's capacity."""
-    wall = 1 / args.time_scale  # wall seconds per emulated second
-    extra = ["--scheduling-policy", "priority"]
-    if args.engine_max_num_seqs:
-        extra += ["--max-num-seqs", str(args.engine_max_num_seqs)]
-    async with open_emulator(args.engines, args.time_scale, *extra) as (process, urls, _):
-        workload = flow.Workload(
-            engines=args.engines, capacity=args.capacity, prefill_s=0.0, itl_s=0.0,
-            tokens=args.max_tokens, deadline_s=args.deadline_ms / 1000 * wall,
-            drain_s=args.drain, reserve=args.reserve, model=MODEL, upstreams=tuple(urls),
-        )  # fmt: skip
-        rps = await flow.calibrate(urls, workload, args.calibrate)
-        workload = replace(workload, measured_rps=rps)
-        print(json.dumps({"capacity_rps_wall": round(rps, 2)}), flush=True)
-        light = flow.arrivals(args.unloaded_load * rps, args.unloaded_duration, 1.0, args.seed,
-                              workload)  # fmt: skip
-        heavy = flow.arrivals(args.load * rps, args.duration, args.interactive_share,
-                              args.seed, workload)  # fmt: skip
-        with tempfile.TemporaryDirectory() as workdir:
-            unloaded = await flow_run(
-                workload, light, args.unloaded_duration, Path(workdir), process.pid
-            )
-            print(json.dumps({"unloaded": unloaded}), flush=True)
-            loaded = await flow_run(workload, heavy, args.duration, Path(workdir), process.pid)
-    quiet, busy = unloaded["interactive"]["ttft_p99_ms"], loaded["interactive"]["ttft_p99_ms"]
-    refused = {
-        tenant: sum(loaded[tenant]["refused"].values()) for tenant in ("interactive", "batch")
-    }
-    return {
-        "engines": args.engines,
-        "time_scale": args.time_scale,
-        "capacity_rps_emulated": round(rps / args.time_scale, 1),
-        "load": args.load,
-        "interactive_ttft_p99_ms_emulated": {
-            "unloaded": None if quiet is None else round(quiet * args.time_scale, 2),
-            "loaded": None if busy is None else round(busy * args.time_scale, 2),
-        },
-        "ratio": round(busy / quiet, 2) if quiet and busy else None,
-        "refused": refused,
-        "unloaded": unloaded,
-        "loaded": loaded,
-    }
-
-
 # -- the command -------------------------------------------------------------------------------
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -499,6 +209,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     routing.add_argument("--engines", type=int, default=16)
     routing.add_argument("--time-scale", type=float, default=0.5)
     routing.add_argument("--policies", default="round_robin,least_loaded,prefix_aware,kv_aware")
+    routing.add_argument("--routers", default="trio", help="trio, production-stack, ...")
     routing.add_argument("--groups", type=int, default=8)
     routing.add_argument("--per-group", type=int, default=48)
     routing.add_argument("--skew", type=float, default=1.2)
@@ -528,6 +239,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     flows.add_argument("--unloaded-duration", type=float, default=15.0)
     flows.add_argument("--calibrate", type=float, default=20.0, help="wall seconds")
     flows.add_argument("--seed", type=int, default=0)
+    flows.add_argument("--routers", default="trio", help="trio, production-stack, ...")
     for command in (scale, routing, flows):
         command.add_argument("--json-out", type=Path)
     return parser.parse_args(argv)

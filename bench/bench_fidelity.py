@@ -67,7 +67,7 @@ from typing import Any, Final
 import httpx
 import trio
 
-from bench_emulator import open_emulator, percentile, scrape
+from emulator_fleet import open_emulator, percentile, scrape
 from trio_router.emulator.profiles import FrontEndCost, StepCost, StepShape, load_profile
 from trio_router.testing import vllm_engines
 

@@ -230,11 +230,18 @@ async def _process(
 
 @asynccontextmanager
 async def open_router(
-    name: str, urls: Sequence[str], workdir: Path, model: str, *, python: Sequence[str] = ()
+    name: str,
+    urls: Sequence[str],
+    workdir: Path,
+    model: str,
+    *,
+    python: Sequence[str] = (),
+    policy: str = "",
 ) -> AsyncIterator[Running]:
     """Router `name` (see the module's docstring) in front of `urls`; yields once it answers
     a chat of `model`. `python`: the interpreter's command for trio_router (a profiler's
-    before it, say)."""
+    before it, say); `policy`: a peer's routing policy in its own words (production-stack's
+    `--routing-logic`, the Rust vllm-router's `--policy`) instead of its round robin."""
     port = free_port()
     running = Running(name, f"http://127.0.0.1:{port}")
     env: dict[str, str] = {}
@@ -247,7 +254,8 @@ async def open_router(
             yield gateway
         return
     else:
-        command, env = router_command(ROUTERS[name], port, Fleet(urls, 0, 0, 0), workdir, 0)
+        spec = RouterSpec(name, policy) if policy else ROUTERS[name]
+        command, env = router_command(spec, port, Fleet(urls, 0, 0, 0), workdir, 0)
         if "--static-models" in command:  # production-stack: the engines' model
             command[command.index("--static-models") + 1] = ",".join([model] * len(urls))
     async with _process(running, "router", command, env, workdir) as process:

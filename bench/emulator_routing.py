@@ -1,0 +1,294 @@
+"""bench_emulator.py's `routing`: issue 37's skewed workload through trio_router's policies and
+the peers' (production-stack's router, the Rust vllm-router), each in front of its own fresh
+emulated fleet; hit rate, TTFT and what each process spent."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import resource
+import sys
+import tempfile
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+import httpx
+import trio
+
+from bench_picker import tree_cpu
+from emulator_fleet import FIRST_HOST, MODEL, START_S, WORDS, open_emulator, percentile, scrape
+from peers import available, open_router, wait_routing
+from trio_router.testing.processes import open_command
+from trio_router.testing.vllm_engines import free_ports
+
+# Each peer's policies, in its own words: its round robin, then its best cache-aware one that
+# needs nothing beyond the engines (production-stack's `kvaware` needs an LMCache controller,
+# `session` a session header the workload's group requests do not carry).
+PEER_POLICIES: Final = {
+    "production-stack": ("roundrobin", "prefixaware"),
+    "vllm-router-rs": ("round_robin", "cache_aware"),
+}
+
+
+SLOWEST: Final = 8  # the slowest requests reported (the p99 of 512 is the sixth slowest)
+
+
+@dataclass(frozen=True)
+class Contender:
+    """A router and the routing policy it runs (in that router's own words)."""
+
+    router: str  # trio | production-stack | vllm-router-rs
+    policy: str
+
+
+def contenders(routers: str, policies: str) -> tuple[list[Contender], dict[str, str]]:
+    """`--routers` (ROUTER or ROUTER:POLICY, comma-separated; a bare `trio` runs `--policies`,
+    a bare peer PEER_POLICIES) as contenders, and the routers that cannot run here, with why."""
+    chosen: list[Contender] = []
+    skipped: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in routers.split(","))):
+        router, _, policy = item.partition(":")
+        if router == "trio":
+            names = [policy] if policy else policies.split(",")
+        elif router in PEER_POLICIES:
+            names = [policy] if policy else list(PEER_POLICIES[router])
+            if why := available(router):
+                skipped[router] = why
+                continue
+        else:
+            raise SystemExit(f"--routers: unknown router {router!r}")
+        chosen += [Contender(router, name) for name in names]
+    return chosen, skipped
+
+
+# -- the workload -------------------------------------------------------------------------------
+@dataclass
+class Conversation:
+    messages: list[dict[str, str]]
+    questions: list[str]
+    lock: trio.Lock = field(default_factory=trio.Lock)  # one turn at a time
+
+
+def words(rng: random.Random, count: int) -> str:
+    return " ".join(rng.choice(WORDS) + str(rng.randrange(100)) for _ in range(count))
+
+
+def skewed_workload(
+    args: argparse.Namespace,
+) -> tuple[list[tuple[str, list[str]]], list[Conversation], list[tuple[str, int]]]:
+    """Issue 37's shape (bench_engines.py's `make_workload`): groups sharing a long system
+    prompt, drawn with weight 1/(rank+1)^skew, and multi-turn conversations, shuffled."""
+    rng = random.Random(args.seed)
+    groups = [
+        (f"group {g}: {words(rng, args.system_words)}", [f"{words(rng, 20)}?" for _ in range(8)])
+        for g in range(args.groups)
+    ]
+    conversations = [
+        Conversation(
+            [{"role": "system", "content": words(rng, 40)}],
+            [words(rng, rng.randrange(30, 60)) for _ in range(args.turns)],
+        )
+        for _ in range(args.conversations)
+    ]
+    weights = [1 / (rank + 1) ** args.skew for rank in range(args.groups)]
+    drawn = rng.choices(range(args.groups), weights, k=args.groups * args.per_group)
+    order = [("group", g) for g in drawn]
+    order += [("chat", c) for c in range(args.conversations) for _ in range(args.turns)]
+    rng.shuffle(order)
+    return groups, conversations, order
+
+
+async def stream_chat(
+    client: httpx.AsyncClient, url: str, messages: list[dict[str, str]], max_tokens: int
+) -> tuple[float, str]:
+    """One streamed chat through the router: seconds to its first token, and its text."""
+    body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+    started, ttft = trio.current_time(), float("nan")
+    parts: list[str] = []
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as answer:
+        if answer.status_code != 200:
+            raise RuntimeError(f"HTTP {answer.status_code}: {(await answer.aread())!r}")
+        async for line in answer.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            for choice in json.loads(line[6:]).get("choices", []):
+                if content := choice.get("delta", {}).get("content"):
+                    if not parts:
+                        ttft = trio.current_time() - started
+                    parts.append(content)
+    return ttft, "".join(parts)
+
+
+Timed = tuple[float, int, str]  # a TTFT (wall seconds), the request's place in the order, what
+
+
+async def run_skewed(
+    args: argparse.Namespace, client: httpx.AsyncClient, url: str
+) -> tuple[list[Timed], int]:
+    """The workload through the router at `url`, `concurrency` at a time, in order; each
+    request's TTFT (wall seconds) with its place and what it was ("group G #N": the Nth
+    request of group G; "chat C turn T"), and the errors."""
+    groups, conversations, order = skewed_workload(args)
+    ttfts: list[Timed] = []
+    errors, asked = 0, [0] * len(groups)
+    limiter = trio.CapacityLimiter(args.concurrency)
+
+    async def one(place: int, kind: str, which: int) -> None:
+        nonlocal errors
+        async with limiter:
+            if kind == "group":
+                system, questions = groups[which]
+                asked[which] += 1
+                what = f"group {which} #{asked[which]}"
+                messages = [{"role": "system", "content": system},
+                            {"role": "user", "content": questions[asked[which] % 8]}]  # fmt: skip
+                try:
+                    ttft = (await stream_chat(client, url, messages, args.max_tokens))[0]
+                    ttfts.append((ttft, place, what))
+                except (httpx.HTTPError, RuntimeError):
+                    errors += 1
+                return
+            talk = conversations[which]
+            async with talk.lock:
+                turn = len(talk.messages) // 2
+                talk.messages.append({"role": "user", "content": talk.questions[turn]})
+                try:
+                    ttft, text = await stream_chat(
+                        client, url, list(talk.messages), args.max_tokens
+                    )
+                    ttfts.append((ttft, place, f"chat {which} turn {turn + 1}"))
+                except (httpx.HTTPError, RuntimeError):
+                    errors, text = errors + 1, ""
+                talk.messages.append({"role": "assistant", "content": text})
+
+    async with trio.open_nursery() as nursery:
+        for place, (kind, which) in enumerate(order):
+            nursery.start_soon(one, place, kind, which)
+            await trio.lowlevel.checkpoint()  # in order: the limiter serves first come first
+    return ttfts, errors
+
+
+# -- the routers --------------------------------------------------------------------------------
+def router_toml(policy: str, port: int, urls: Sequence[str], kv: tuple[int, int]) -> str:
+    listed = ", ".join(f'"{u}"' for u in urls)
+    text = (
+        f'[server]\nbind = "127.0.0.1:{port}"\ndrain_s = 1.0\naccess_log = false\n'
+        f'[routing]\npolicy = "{policy}"\nkv_block_size = 16\n'
+        f'[discovery]\nmode = "static"\n[discovery.static]\nurls = [{listed}]\n'
+        "[stats]\ninterval_s = 1.0\n"
+    )
+    if policy == "kv_aware":
+        text += f'[kv_events]\nmode = "connect"\nport = {kv[0]}\nreplay_port = {kv[1]}\n'
+    return text
+
+
+@asynccontextmanager
+async def open_contender(
+    contender: Contender, urls: Sequence[str], kv: tuple[int, int], workdir: Path
+) -> AsyncIterator[tuple[str, int]]:
+    """The contender's router in front of `urls`; yields its URL and process id once it
+    routes. trio_router subscribes to the engines' KV events (`kv`: their ports) for
+    `kv_aware`; a peer is started by bench/peers.py with its policy."""
+    if contender.router != "trio":
+        async with open_router(
+            contender.router, urls, workdir, MODEL, policy=contender.policy
+        ) as running:
+            yield running.url, running.pids["router"]
+        return
+    port = free_ports(["127.0.0.1"], 1)[0]
+    config = workdir / f"trio-{contender.policy}.toml"
+    config.write_text(router_toml(contender.policy, port, urls, kv))
+    command = [sys.executable, "-m", "trio_router", "--config", str(config)]
+    async with (
+        open_command(command) as (process, _, stderr),
+        httpx.AsyncClient(timeout=10.0) as client,
+    ):
+        with trio.fail_after(START_S):
+            # Its /engines, not `router_url`: that one's pattern, repeated once per engine,
+            # backtracks for minutes at 64 engines while not all are routable yet.
+            url = (await stderr.wait_for(r"Running on (http://\S+)")).group(1)
+            await wait_routing(client, url, MODEL, len(urls))
+        yield url, process.pid
+
+
+def counted(before: dict[str, float], after: dict[str, float], name: str) -> float:
+    """How much the engines' counter `name` grew between the two scrapes."""
+    return after.get(name, 0.0) - before.get(name, 0.0)
+
+
+def figures(
+    args: argparse.Namespace, metrics: tuple[dict[str, float], dict[str, float]],
+    ttfts: Sequence[Timed], errors: int,
+) -> dict[str, Any]:  # fmt: skip
+    """Hit rate (the engines' tokens), TTFT p50/p99 (emulated ms), the engines' mean TTFT,
+    and the slowest requests (emulated ms, place in the order, what), the p99's among them."""
+    before, after = metrics
+    queries = counted(before, after, "vllm:prefix_cache_queries_total")
+    hits = counted(before, after, "vllm:prefix_cache_hits_total")
+    engine_ttft = counted(before, after, "vllm:time_to_first_token_seconds_sum") / max(
+        1.0, counted(before, after, "vllm:time_to_first_token_seconds_count")
+    )
+    emulated = sorted(t * args.time_scale for t, _, _ in ttfts if t == t)
+    slowest = sorted((t for t in ttfts if t[0] == t[0]), reverse=True)[:SLOWEST]
+    return {
+        "requests": len(ttfts) + errors,
+        "errors": errors,
+        "hit_rate": round(hits / queries, 4) if queries else None,
+        "ttft_p50_ms": round(percentile(emulated, 50) * 1000, 1),
+        "ttft_p99_ms": round(percentile(emulated, 99) * 1000, 1),
+        "engine_ttft_mean_ms": round(engine_ttft * 1000, 1),
+        "generated_tokens": round(counted(before, after, "vllm:generation_tokens_total")),
+        "slowest": [
+            [round(t * args.time_scale * 1000, 1), place, what] for t, place, what in slowest
+        ],
+    }
+
+
+async def bench_contender(
+    args: argparse.Namespace, contender: Contender, workdir: Path
+) -> dict[str, Any]:
+    """One router and policy in front of fresh emulated engines: hit rate, TTFT, and the CPU
+    (cores) of the router, the emulator, this client and everything else over the run."""
+    kv_port, replay_port = free_ports(["127.0.0.1", FIRST_HOST], 2)
+    events = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{kv_port}",
+              "replay_endpoint": f"tcp://*:{replay_port}"}  # fmt: skip
+    extra = ["--kv-events-config", json.dumps(events)]
+    async with (
+        open_emulator(args.engines, args.time_scale, *extra) as (emulator, urls, _),
+        open_contender(contender, urls, (kv_port, replay_port), workdir) as (url, pid),
+        httpx.AsyncClient(timeout=120.0) as client,
+    ):
+        pids = {"router": pid, "emulator": emulator.pid}
+        before = await scrape(client, urls)
+        cpu0, own0 = tree_cpu(pids), resource.getrusage(resource.RUSAGE_SELF)
+        started = trio.current_time()
+        ttfts, errors = await run_skewed(args, client, url)
+        seconds = trio.current_time() - started
+        cpu1, own1 = tree_cpu(pids), resource.getrusage(resource.RUSAGE_SELF)
+        after = await scrape(client, urls)
+    cores = {role: (cpu1[role] - cpu0[role]) / seconds for role in cpu0}
+    cores["client"] = (own1.ru_utime + own1.ru_stime - own0.ru_utime - own0.ru_stime) / seconds
+    cores["others"] = cores.pop("all") - cores["router"] - cores["emulator"] - cores["client"]
+    return {
+        "router": contender.router,
+        "policy": contender.policy,
+        **figures(args, (before, after), ttfts, errors),
+        "wall_s": round(seconds, 1),
+        "cores": {role: round(value, 2) for role, value in cores.items()},
+    }
+
+
+async def bench_routing(args: argparse.Namespace) -> dict[str, Any]:
+    chosen, skipped = contenders(args.routers, args.policies)
+    results = []
+    with tempfile.TemporaryDirectory() as workdir:
+        for contender in chosen:
+            results.append(await bench_contender(args, contender, Path(workdir)))
+            print(json.dumps(results[-1]), flush=True)
+    return {"engines": args.engines, "time_scale": args.time_scale, "concurrency":
+            args.concurrency, "results": results, "skipped": skipped}  # fmt: skip
