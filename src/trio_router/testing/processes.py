@@ -43,6 +43,14 @@ class Output:
             await self._changed.wait()
         return match
 
+    async def wait_count(self, text: str, count: int) -> None:
+        """Wait until `text` has appeared `count` times in the output; AssertionError (with
+        the output) if the pipe closes first. A count, not a repeated pattern: a regular
+        expression repeating a lazy group backtracks without end while the count falls short."""
+        while self.text.count(text) < count:
+            assert not self.closed, f"output ended with fewer than {count} {text!r}:\n{self.text}"
+            await self._changed.wait()
+
 
 @asynccontextmanager
 async def open_command(
@@ -94,5 +102,5 @@ async def router_url(stderr: Output, *, engines: int = 1) -> str:
     """The URL of a router process (`open_process`) from what it writes, once `engines`
     engines are routable."""
     url = (await stderr.wait_for(r"Running on (http://\S+)")).group(1)
-    await stderr.wait_for(rf"(?:[\s\S]*?is routable){{{engines}}}")
+    await stderr.wait_count("is routable", engines)
     return url
