@@ -24,21 +24,22 @@ import trio
 
 import bench_emulator
 import bench_flow
+import emulator_flow
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = bench_emulator.parse_args(["flow", *(sys.argv[1:] if argv is None else argv)])
     if not args.engine_max_num_seqs:
         raise SystemExit("--engine-max-num-seqs is required: the capacity is measured at it")
-    measure = bench_flow.calibrate
+    measure = emulator_flow.calibrate
 
     async def calibrate(
         urls: Sequence[str], workload: bench_flow.Workload, seconds: float
     ) -> float:
         return await measure(urls, replace(workload, capacity=args.engine_max_num_seqs), seconds)
 
-    bench_flow.calibrate = calibrate  # bench_emulator calls it as bench_flow's
-    result = trio.run(bench_emulator.bench_flow, args)
+    emulator_flow.calibrate = calibrate  # emulator_flow.bench_flow calls it by its name
+    result = trio.run(emulator_flow.bench_flow, args)
     print(json.dumps(result, indent=2))
     if args.json_out:
         args.json_out.write_text(json.dumps(result, indent=2))
