@@ -6,6 +6,8 @@ pod."""
 
 from __future__ import annotations
 
+import argparse
+import math
 import re
 import signal
 from functools import partial
@@ -17,7 +19,11 @@ import pytest
 import trio
 
 from trio_router import server
-from trio_router.emulator.kubernetes import engine_addresses
+from trio_router.emulator.command import add_emulate_parser, emulate
+from trio_router.emulator.engine import EngineConfig
+from trio_router.emulator.fleet import fleet_addresses, open_fleet
+from trio_router.emulator.kubernetes import engine_addresses, serve_pods
+from trio_router.emulator.profiles import load_profile
 from trio_router.errors import ConfigError
 from trio_router.table import RoutingTable
 from trio_router.testing.harness import kubernetes_config
@@ -71,3 +77,63 @@ def test_pods_need_an_address_each_on_one_port() -> None:
     assert engine_addresses(hosts) == (["127.0.1.1", "127.0.1.2"], 8000)
     with pytest.raises(ConfigError, match="one address per engine"):
         engine_addresses(["http://127.0.0.1:8000", "http://127.0.0.1:8001"])
+
+
+async def pod_states(client: httpx.AsyncClient) -> dict[str, tuple[bool, int]]:
+    """Each pod's container: (ready, restart count), as the API server lists them."""
+    reply = await client.get("/api/v1/namespaces/default/pods")
+    assert reply.status_code == 200, reply.text
+    states = {}
+    for pod in reply.json()["items"]:
+        (container,) = pod["status"]["containerStatuses"]
+        states[pod["metadata"]["name"]] = (container["ready"], container["restartCount"])
+    return states
+
+
+async def test_pods_follow_kills_and_restarts_a_kubelet_delay_later(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    config = EngineConfig.from_profile(load_profile("h100"), time_scale=100)
+    addresses = fleet_addresses("127.0.1.1", 0, 2, consecutive_ports=False)
+    async with open_fleet([config] * 2, addresses) as fleet, trio.open_nursery() as nursery:
+        serve = partial(serve_pods, fleet.urls, follow=fleet, kubelet_delay_s=2.0)
+        pods = await nursery.start(serve)
+        async with httpx.AsyncClient(base_url=pods.api_url) as client:
+            ready = {"engine-0": (True, 0), "engine-1": (True, 0)}
+            assert await pod_states(client) == ready
+            fleet.kill(1)
+            await trio.sleep(1.5)
+            assert await pod_states(client) == ready  # the kubelet has not noticed yet
+            await trio.sleep(1.0)
+            assert await pod_states(client) == {**ready, "engine-1": (False, 0)}
+            await fleet.restart(1)
+            await trio.sleep(2.5)
+            assert await pod_states(client) == {**ready, "engine-1": (True, 1)}
+            fleet.kill(0)  # killed and restarted within the delay: seen restarted
+            await fleet.restart(0)
+            await trio.sleep(2.5)
+            assert await pod_states(client) == {"engine-0": (True, 1), "engine-1": (True, 1)}
+        nursery.cancel_scope.cancel()
+
+
+async def test_pods_stay_ready_with_an_infinite_kubelet_delay(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    config = EngineConfig.from_profile(load_profile("h100"), time_scale=100)
+    addresses = fleet_addresses("127.0.1.1", 0, 1, consecutive_ports=False)
+    async with open_fleet([config], addresses) as fleet, trio.open_nursery() as nursery:
+        serve = partial(serve_pods, fleet.urls, follow=fleet, kubelet_delay_s=math.inf)
+        pods = await nursery.start(serve)
+        fleet.kill(0)
+        await trio.sleep(60)
+        async with httpx.AsyncClient(base_url=pods.api_url) as client:
+            assert await pod_states(client) == {"engine-0": (True, 0)}
+        nursery.cancel_scope.cancel()
+
+
+def test_a_negative_kubelet_delay_is_refused() -> None:
+    parser = argparse.ArgumentParser()
+    add_emulate_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["emulate", "--kubernetes", "--kubelet-delay", "-1"])
+    with pytest.raises(ConfigError, match=r"--kubelet-delay must be 0 or more seconds"):
+        trio.run(emulate, args)

@@ -67,6 +67,15 @@ def add_emulate_parser(commands: Any) -> None:
         metavar="FILE",
         help="write the kubeconfig here (default: a temporary file, removed on exit)",
     )
+    kubernetes.add_argument(
+        "--kubelet-delay",
+        type=float,
+        default=1.0,
+        metavar="S",
+        help="a killed engine's pod turns NotReady, a restarted one's Ready (its restart "
+        "count one higher), S wall seconds later, as a kubelet notices; inf: pods stay "
+        "Ready (default: 1)",
+    )
 
 
 def _add_fleet_flags(fleet: Any) -> None:
@@ -208,6 +217,8 @@ async def emulate(args: argparse.Namespace) -> None:
     )
     if args.kubernetes and args.consecutive_ports:
         raise ConfigError("--kubernetes needs one address per engine (not --consecutive-ports)")
+    if not args.kubelet_delay >= 0:  # NaN too
+        raise ConfigError(f"--kubelet-delay must be 0 or more seconds, not {args.kubelet_delay}")
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         fleet_of = open_fleet(
             [config] * len(addresses), addresses, consecutive_ports=args.consecutive_ports
@@ -220,7 +231,12 @@ async def emulate(args: argparse.Namespace) -> None:
                 print(f"fault control at {control}/emulator/fault", file=sys.stderr, flush=True)
             if args.kubernetes:
                 serve = partial(
-                    serve_pods, fleet.urls, namespace=args.namespace, kubeconfig=args.kubeconfig
+                    serve_pods,
+                    fleet.urls,
+                    namespace=args.namespace,
+                    kubeconfig=args.kubeconfig,
+                    follow=fleet,
+                    kubelet_delay_s=args.kubelet_delay,
                 )
                 pods = await nursery.start(serve)
                 print(pods.describe(), file=sys.stderr, flush=True)

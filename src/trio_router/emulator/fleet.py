@@ -75,6 +75,11 @@ class Fleet:
     ) -> None:
         self._nursery, self._context = nursery, context
         self._slots: list[_Slot] = []
+        self._listeners: list[Callable[[int, bool], None]] = []
+
+    def on_change(self, listener: Callable[[int, bool], None]) -> None:
+        """Call `listener(index, alive)` after each kill (False) and restart (True)."""
+        self._listeners.append(listener)
 
     @property
     def urls(self) -> list[str]:
@@ -103,6 +108,8 @@ class Fleet:
             slot.scope.cancel(reason=f"engine {index} killed")
         slot.scope = slot.engine = None
         logger.info("engine %d at %s killed", index, slot.url)
+        for listener in self._listeners:
+            listener(index, False)
 
     async def restart(self, index: int) -> None:
         """Serve a fresh engine (an empty cache, counters at 0) where engine `index` was
@@ -111,6 +118,8 @@ class Fleet:
         if slot.engine is None:
             await self._start(slot)
             logger.info("engine %d at %s restarted", index, slot.url)
+            for listener in self._listeners:
+                listener(index, True)
 
     async def _start(self, slot: _Slot) -> None:
         engine = EmulatedEngine(slot.config, rng=random.Random())

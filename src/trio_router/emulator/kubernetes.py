@@ -8,22 +8,31 @@ its pod IP the engine's address. It writes a kubeconfig whose current context is
 and namespace. The engines must each have their own address and share one port, as a
 Deployment's pods do.
 
-Pods stay Ready through injected faults: a killed engine is an engine dead behind a Ready
-pod, as in the moments after a crash before the kubelet notices.
+With a fleet to follow, the pods follow its kills and restarts as a kubelet would, a delay
+later (`kubelet_delay_s`, wall seconds; infinite: never, the pods stay Ready): a killed
+engine's pod turns NotReady (its container not ready), a restarted one's Ready again with its
+container's restart count one higher. Until then a killed engine is an engine dead behind a
+Ready pod, as in the moments after a crash before the kubelet notices. Other faults (hang,
+slow, 5xx) leave the pod as it is: an engine's readiness probe is the operator's.
 """
 
 from __future__ import annotations
 
+import math
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import trio
 
 from ..errors import ConfigError
 from ..testing.fake_apiserver import FakeApiServer
+
+if TYPE_CHECKING:
+    from .fleet import Fleet
 
 __all__ = ["Pods", "pod_name", "serve_pods"]
 
@@ -70,12 +79,15 @@ async def serve_pods(
     *,
     namespace: str = "default",
     kubeconfig: Path | None = None,
+    follow: Fleet | None = None,
+    kubelet_delay_s: float = 1.0,
     task_status: trio.TaskStatus[Pods] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the fake API server with a Ready pod per engine at `urls` until cancelled;
     reports where once it accepts connections. The kubeconfig is written to `kubeconfig`
-    (kept), or to a temporary directory removed on cancellation. Raises ConfigError for
-    engines that cannot be pods (see `engine_addresses`)."""
+    (kept), or to a temporary directory removed on cancellation. With `follow` (the fleet
+    serving `urls`), the pods follow its kills and restarts `kubelet_delay_s` later (see the
+    module). Raises ConfigError for engines that cannot be pods (see `engine_addresses`)."""
     hosts, port = engine_addresses(urls)
     apiserver = FakeApiServer(namespace=namespace)
     for i, host in enumerate(hosts):
@@ -85,4 +97,33 @@ async def serve_pods(
         async with trio.open_nursery() as nursery:
             await nursery.start(apiserver.serve)
             apiserver.write_kubeconfig(path)
+            if follow is not None and math.isfinite(kubelet_delay_s):
+                kubelet = _Kubelet(apiserver, follow, kubelet_delay_s, nursery)
+                follow.on_change(kubelet.changed)
             task_status.started(Pods(apiserver.url, path, namespace, port))
+
+
+class _Kubelet:
+    """The pods' side of a fleet's kills and restarts: each pod brought to its engine's state
+    (alive: Ready; killed: NotReady) a delay after a change, its restart count one higher for
+    each restart."""
+
+    def __init__(
+        self, apiserver: FakeApiServer, fleet: Fleet, delay_s: float, nursery: trio.Nursery
+    ) -> None:
+        self._apiserver, self._fleet, self._delay_s = apiserver, fleet, delay_s
+        self._nursery = nursery
+        self._restarts = [0] * len(fleet)
+
+    def changed(self, index: int, alive: bool) -> None:
+        if alive:
+            self._restarts[index] += 1
+        self._nursery.start_soon(self._follow, index)
+
+    async def _follow(self, index: int) -> None:
+        await trio.sleep(self._delay_s)
+        ready = self._fleet.engine(index) is not None  # the state then, not at the change
+        restarts = self._restarts[index]
+        (container,) = self._apiserver.pod(pod_name(index))["status"]["containerStatuses"]
+        if (container["ready"], container["restartCount"]) != (ready, restarts):
+            self._apiserver.modify_pod(pod_name(index), ready=ready, restarts=restarts)
