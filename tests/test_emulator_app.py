@@ -14,6 +14,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
+import pytest
 import trio
 
 from trio_router.discovery.stats import parse_vllm_metrics
@@ -296,3 +297,44 @@ async def test_loading_without_enable_lora_fails_as_vllms_engine_does() -> None:
     assert load.status_code == 500 and load.json()["error"]["type"] == "InternalServerError"
     assert "LoRA is not enabled. Use --enable-lora to enable LoRA." in load.text
     assert [m["id"] for m in models] == [MODEL]
+
+
+async def test_a_chat_streams_head_at_once_and_its_role_with_the_first_token(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """As vLLM's server: the response's head at once, the role event only with the first
+    token (its chat stream writes the role on its first output, after the prefill)."""
+    words = " ".join(f"w{i}" for i in range(3000))  # a prefill of some emulated milliseconds
+    body = json.dumps(
+        {"model": MODEL, "messages": [{"role": "user", "content": words}], "stream": True,
+         **GREEDY}
+    ).encode()  # fmt: skip
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: engine\r\n"
+        b"content-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body)
+    )
+    config = EngineConfig.from_profile(load_profile("h100"), time_scale=1.0)
+    engine = EmulatedEngine(config)
+    with trio.fail_after(LIMIT):
+        async with trio.open_nursery() as nursery:
+            url = await nursery.start(serve_engine, engine, "127.0.1.1", 0)
+            host, port = url.removeprefix("http://").split(":")
+            async with await trio.open_tcp_stream(host, int(port)) as stream:
+                start = trio.current_time()
+                await stream.send_all(head + body)
+                received = b""
+                while b"\r\n\r\n" not in received:
+                    received += await stream.receive_some()
+                head_at, role_at = trio.current_time(), None
+                assert received.endswith(b"\r\n\r\n")  # the head alone
+                while received.count(b"data: ") < 2:  # the role event and the first token's
+                    received += await stream.receive_some()
+                    if b"data: " in received and role_at is None:
+                        role_at = trio.current_time()
+                token_at = trio.current_time()
+            nursery.cancel_scope.cancel()
+    assert head_at == start  # no step before the head
+    assert role_at == token_at > start  # the role with the first token, after the prefill
+    role, token = [e for e in received.split(b"\r\n") if e.startswith(b"data: ")][:2]
+    assert b'"role":"assistant"' in role and b'"role"' not in token
+    assert engine.stats.ttft.sum == pytest.approx(token_at - start)

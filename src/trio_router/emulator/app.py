@@ -258,13 +258,19 @@ class EngineApp:
     @staticmethod
     async def _stream(generation: Generation, answer: Answer, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+        # The head goes out at once, as from vLLM's server; a chat's role event only with the
+        # first token, as vLLM's chat stream writes it on its first output.
+        await send({"type": "http.response.body", "body": b"", "more_body": True})
         chunk = partial(send_chunk, send)
-        if (first := answer.first_event()) is not None:
-            await chunk(first)
+        first = answer.first_event()
         while True:
             new, finish = await generation.wait()
+            if first is not None:
+                await chunk(first)
+                first = None
             reason = None if finish is None else finish.value
             await chunk(answer.chunk(new, reason))
+            answer.opened = True  # later tokens may take the fast path
             if finish is not None:
                 break
         if answer.prepared.include_usage:
@@ -315,8 +321,9 @@ def _lora_body(scope: Scope, raw: bytes, required: tuple[str, ...]) -> dict[str,
 
 def _write_now(direct: Any, answer: Answer, tokens: list[int]) -> bool:
     """A stream's fast path (`Generation.take_now`): its event written at once, if its
-    connection can take it."""
-    if not direct.ready_now():
+    connection can take it and its first token (with a chat's role event before it) went
+    the slow way."""
+    if not (answer.opened and direct.ready_now()):
         return False
     direct.write_now(answer.chunk(tokens, None))
     return True

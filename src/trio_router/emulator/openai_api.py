@@ -211,6 +211,7 @@ class Answer:
             "model": prepared.model,
         }
         self._started = False  # some text was sent: the next words need a space first
+        self.opened = False  # a stream's first token was written (its role event before it)
         self._prompt_sent = False
         self.output: list[int] = []
         # A stream's middle events differ only in their text (and token ids): the bytes
