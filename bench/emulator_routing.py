@@ -203,10 +203,19 @@ async def run_skewed(
 
 
 # -- the routers --------------------------------------------------------------------------------
-def router_toml(policy: str, port: int, urls: Sequence[str], kv: tuple[int, int]) -> str:
+def router_toml(
+    policy: str, port: int, urls: Sequence[str], kv: tuple[int, int], time_scale: float
+) -> str:
+    """trio_router's config in front of `urls`. The emulated engines send a chat stream's
+    first event (the role) when the request arrives, where vLLM sends it with the first
+    token, so a wait in an engine's queue would count as a stall of a stream that has begun:
+    the stall bound is the default ceiling (30 s), in emulated seconds (/ `time_scale`), from
+    the first byte on, as the wait for a first token is bounded with vLLM's engines."""
     listed = ", ".join(f'"{u}"' for u in urls)
+    stall = 30.0 / time_scale
     text = (
         f'[server]\nbind = "127.0.0.1:{port}"\ndrain_s = 1.0\naccess_log = false\n'
+        f"[proxy]\nstall_floor_s = {stall}\nstall_timeout_s = {stall}\n"
         f'[routing]\npolicy = "{policy}"\nkv_block_size = 16\n'
         f'[discovery]\nmode = "static"\n[discovery.static]\nurls = [{listed}]\n'
         "[stats]\ninterval_s = 1.0\n"
@@ -218,11 +227,15 @@ def router_toml(policy: str, port: int, urls: Sequence[str], kv: tuple[int, int]
 
 @asynccontextmanager
 async def open_contender(
-    contender: Contender, urls: Sequence[str], kv: tuple[int, int], workdir: Path
+    contender: Contender,
+    urls: Sequence[str],
+    kv: tuple[int, int],
+    workdir: Path,
+    time_scale: float,
 ) -> AsyncIterator[tuple[str, int]]:
-    """The contender's router in front of `urls`; yields its URL and process id once it
-    routes. trio_router subscribes to the engines' KV events (`kv`: their ports) for
-    `kv_aware`; a peer is started by bench/peers.py with its policy."""
+    """The contender's router in front of `urls` (engines at `time_scale`); yields its URL
+    and process id once it routes. trio_router subscribes to the engines' KV events (`kv`:
+    their ports) for `kv_aware`; a peer is started by bench/peers.py with its policy."""
     if contender.router != "trio":
         async with open_router(
             contender.router, urls, workdir, MODEL, policy=contender.policy
@@ -231,7 +244,7 @@ async def open_contender(
         return
     port = free_ports(["127.0.0.1"], 1)[0]
     config = workdir / f"trio-{contender.policy}.toml"
-    config.write_text(router_toml(contender.policy, port, urls, kv))
+    config.write_text(router_toml(contender.policy, port, urls, kv, time_scale))
     command = [sys.executable, "-m", "trio_router", "--config", str(config)]
     async with (
         open_command(command) as (process, _, stderr),
@@ -354,7 +367,7 @@ async def bench_contender(
     async with (
         open_emulator(args.engines, args.time_scale, *emulator_extra(args, kv)) as (
             emulator, urls, _),
-        open_contender(contender, urls, kv, workdir) as (url, pid),
+        open_contender(contender, urls, kv, workdir, args.time_scale) as (url, pid),
         httpx.AsyncClient(timeout=600.0, limits=LIMITS) as client,
     ):  # fmt: skip
         pids = {"router": pid, "emulator": emulator.pid}
