@@ -53,7 +53,12 @@ calibrated first on fresh engines (the workload sent straight to them in turn wi
 `--engine-max-num-seqs` caps each engine's running sequences (the rest wait in its queue), so
 that the fleet fills at a stream count this client can keep; `--warmup N` leaves the first N
 requests of the order (the cold start) out of the TTFT percentiles and reports their p99
-apart. The hit rate counts the whole run.
+apart. The hit rate counts the whole run. `--slowdown K` runs engines K times as slow as the
+h100 profile (a profile file written for it) and reports every time divided by K, in H100
+seconds: at `--time-scale 1` the engines' clock is then the router's, as kv_aware's
+predicted waits need (they add the engines' own figures to the router's clock, and learn
+their error from first tokens timed by it), where a time scale below 1 puts the engines' time
+and the router's apart by that factor.
 
 `flow` (bench/emulator_flow.py): issue 35's workload (bench_flow.py's load and tenants) at
 `--engines` emulated H100s scheduling by priority (`--engine-max-num-seqs`, 0: the profile's
@@ -238,6 +243,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     routing.add_argument("--calibrate-streams", type=int, default=24, help="per engine")
     routing.add_argument("--engine-max-num-seqs", type=int, default=0, help="0: the profile's")
     routing.add_argument("--warmup", type=int, default=0, help="first requests not measured")
+    routing.add_argument("--slowdown", type=float, default=1.0, help="h100 this many x slower")
     flows = commands.add_parser("flow", help="flow control at 150 % load (issue 35's workload)")
     flows.add_argument("--engines", type=int, default=16)
     flows.add_argument("--time-scale", type=float, default=0.05)

@@ -13,6 +13,7 @@ import tempfile
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any, Final
 
@@ -145,7 +146,7 @@ def arrivals(args: argparse.Namespace, count: int) -> list[float]:
         return [0.0] * count
     rng, rate, now, times = random.Random(args.seed + 1), args.load * args.capacity_rps, 0.0, []
     for _ in range(count):
-        now += rng.expovariate(rate * args.time_scale)
+        now += rng.expovariate(rate * emulated_scale(args))
         times.append(now)
     return times
 
@@ -278,8 +279,9 @@ def figures(
     )
     answered = [t for t in ttfts if t.ttft == t.ttft]
     measured = [t for t in answered if t.place >= args.warmup]
-    emulated = sorted(t.ttft * args.time_scale for t in measured)
-    warm = sorted(t.ttft * args.time_scale for t in answered if t.place < args.warmup)
+    scale = emulated_scale(args)
+    emulated = sorted(t.ttft * scale for t in measured)
+    warm = sorted(t.ttft * scale for t in answered if t.place < args.warmup)
     slowest = sorted(measured, key=lambda t: t.ttft, reverse=True)[:SLOWEST]
     return {
         "requests": len(ttfts) + errors,
@@ -289,11 +291,9 @@ def figures(
         "ttft_p50_ms": round(percentile(emulated, 50) * 1000, 1),
         "ttft_p99_ms": round(percentile(emulated, 99) * 1000, 1),
         "warmup_ttft_p99_ms": round(percentile(warm, 99) * 1000, 1) if warm else None,
-        "engine_ttft_mean_ms": round(engine_ttft * 1000, 1),
+        "engine_ttft_mean_ms": round(engine_ttft / args.slowdown * 1000, 1),
         "generated_tokens": round(counted(before, after, "vllm:generation_tokens_total")),
-        "slowest": [
-            [round(t.ttft * args.time_scale * 1000, 1), t.place, t.what, t.engine] for t in slowest
-        ],
+        "slowest": [[round(t.ttft * scale * 1000, 1), t.place, t.what, t.engine] for t in slowest],
         "hot_group_engines": spread(measured, "group 0 #"),
     }
 
@@ -319,12 +319,41 @@ async def busiest_share(
     return now, round(max(grown) / mean, 2) if mean else 0.0
 
 
+def emulated_scale(args: argparse.Namespace) -> float:
+    """H100 seconds per wall second: the engines' time scale over `--slowdown`."""
+    return float(args.time_scale / args.slowdown)
+
+
+SLOWED: Final = ("overhead_s", "per_sequence_s")  # the h100 step's durations...
+QUICKENED: Final = ("memory_bytes_per_s", "compute_flops_per_s")  # ...and rates
+
+
+def slowed_h100(slowdown: float) -> Path:
+    """A profile file: h100 with every step `slowdown` times as long (its durations times
+    it, its rates over it), the rest the same."""
+    lines = resources.files("trio_router.emulator").joinpath("profiles", "h100.toml")
+    out = []
+    for line in lines.read_text().splitlines():
+        key, sep, value = line.partition(" = ")
+        if sep and key in SLOWED:
+            line = f"{key} = {float(value.split()[0]) * slowdown!r}"
+        elif sep and key in QUICKENED:
+            line = f"{key} = {float(value.split()[0]) / slowdown!r}"
+        out.append(line)
+    path = Path(tempfile.gettempdir()) / f"h100-slowed-{slowdown:g}.toml"
+    path.write_text("\n".join(out) + "\n")
+    return path
+
+
 def emulator_extra(args: argparse.Namespace, kv: tuple[int, int]) -> list[str]:
-    """`emulate`'s options beyond the fleet's size: KV events on ports `kv`, and the engines'
-    `--max-num-seqs` when `--engine-max-num-seqs` is set."""
+    """`emulate`'s options beyond the fleet's size: KV events on ports `kv`, the engines'
+    `--max-num-seqs` when `--engine-max-num-seqs` is set, and h100 `--slowdown` times as slow
+    when that is not 1."""
     events = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{kv[0]}",
               "replay_endpoint": f"tcp://*:{kv[1]}"}  # fmt: skip
     extra = ["--kv-events-config", json.dumps(events)]
+    if args.slowdown != 1:
+        extra += ["--profile", str(slowed_h100(args.slowdown))]
     if args.engine_max_num_seqs:
         extra += ["--max-num-seqs", str(args.engine_max_num_seqs)]
     return extra
@@ -354,7 +383,7 @@ async def calibrate(args: argparse.Namespace) -> float:
         after = await scrape(client, urls)
         nursery.cancel_scope.cancel()
     tokens = counted(before, after, "vllm:generation_tokens_total")
-    return float(tokens / args.max_tokens / (args.calibrate * args.time_scale))
+    return float(tokens / args.max_tokens / (args.calibrate * emulated_scale(args)))
 
 
 async def bench_contender(
@@ -367,7 +396,7 @@ async def bench_contender(
     async with (
         open_emulator(args.engines, args.time_scale, *emulator_extra(args, kv)) as (
             emulator, urls, _),
-        open_contender(contender, urls, kv, workdir, args.time_scale) as (url, pid),
+        open_contender(contender, urls, kv, workdir, emulated_scale(args)) as (url, pid),
         httpx.AsyncClient(timeout=600.0, limits=LIMITS) as client,
     ):  # fmt: skip
         pids = {"router": pid, "emulator": emulator.pid}
@@ -401,7 +430,8 @@ async def bench_routing(args: argparse.Namespace) -> dict[str, Any]:
         for contender in chosen:
             results.append(await bench_contender(args, contender, Path(workdir)))
             print(json.dumps(results[-1]), flush=True)
-    return {"engines": args.engines, "time_scale": args.time_scale, "concurrency":
+    return {"engines": args.engines, "time_scale": args.time_scale, "slowdown": args.slowdown,
+            "concurrency":
             args.concurrency, "engine_max_num_seqs": args.engine_max_num_seqs,
             "load": args.load, "capacity_rps_emulated": args.capacity_rps,
             "warmup": args.warmup, "results": results, "skipped": skipped}  # fmt: skip
