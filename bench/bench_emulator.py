@@ -6,6 +6,8 @@ it.
     python bench/bench_emulator.py routing [--engines 16] [--policies round_robin,...]
                                            [--routers trio,production-stack,vllm-router-rs]
                                            [--concurrency 64] [--json-out FILE]
+                                           [--load 0.8 [--capacity-rps R]] [--warmup 200]
+                                           [--engine-max-num-seqs 16]
     python bench/bench_emulator.py flow [--engines 16] [--load 1.5] [--capacity 16]
                                         [--reserve 4] [--engine-max-num-seqs 0]
                                         [--routers trio,production-stack,vllm-router-rs]
@@ -39,8 +41,24 @@ else listed as skipped. Reports for each: the prefix-cache hit rate (the engines
 counters, in tokens), the client's TTFT p50 and p99 (streamed, converted to emulated seconds:
 the router's and this client's own time is in them, scaled the same way), the engines' own
 mean TTFT (`vllm:time_to_first_token_seconds`, emulated: from arrival at the engine), the
-errors, the slowest requests (which group request or conversation turn, and where in the
-order), and the CPU (cores) of the router, the emulator, this client and every other process.
+errors, the slowest requests (which group request or conversation turn, where in the order,
+and the engine trio_router named in its `x-trio-router-engine` header), how many of the
+hottest group's requests each engine got (trio_router only), the busiest engine's generated
+tokens over the mean engine's, and the CPU (cores) of the router, the emulator, this client
+and every other process. By default the requests go out `--concurrency` at a time (a closed
+loop); with `--load L` they arrive open loop, Poisson at L x the fleet's throughput, so that
+a busy fleet can be judged: `--capacity-rps` (emulated requests a second) or, when 0, as
+calibrated first on fresh engines (the workload sent straight to them in turn with
+`--calibrate-streams` per engine in flight, answers counted over `--calibrate` wall seconds).
+`--engine-max-num-seqs` caps each engine's running sequences (the rest wait in its queue), so
+that the fleet fills at a stream count this client can keep; `--warmup N` leaves the first N
+requests of the order (the cold start) out of the TTFT percentiles and reports their p99
+apart. The hit rate counts the whole run. `--slowdown K` runs engines K times as slow as the
+h100 profile (a profile file written for it) and reports every time divided by K, in H100
+seconds: at `--time-scale 1` the engines' clock is then the router's, as kv_aware's
+predicted waits need (they add the engines' own figures to the router's clock, and learn
+their error from first tokens timed by it), where a time scale below 1 puts the engines' time
+and the router's apart by that factor.
 
 `flow` (bench/emulator_flow.py): issue 35's workload (bench_flow.py's load and tenants) at
 `--engines` emulated H100s scheduling by priority (`--engine-max-num-seqs`, 0: the profile's
@@ -219,6 +237,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     routing.add_argument("--concurrency", type=int, default=64)
     routing.add_argument("--max-tokens", type=int, default=64)
     routing.add_argument("--seed", type=int, default=0)
+    routing.add_argument("--load", type=float, default=0.0, help="x capacity; 0: closed loop")
+    routing.add_argument("--capacity-rps", type=float, default=0.0, help="0: calibrate")
+    routing.add_argument("--calibrate", type=float, default=20.0, help="wall seconds")
+    routing.add_argument("--calibrate-streams", type=int, default=24, help="per engine")
+    routing.add_argument("--engine-max-num-seqs", type=int, default=0, help="0: the profile's")
+    routing.add_argument("--warmup", type=int, default=0, help="first requests not measured")
+    routing.add_argument("--slowdown", type=float, default=1.0, help="h100 this many x slower")
     flows = commands.add_parser("flow", help="flow control at 150 % load (issue 35's workload)")
     flows.add_argument("--engines", type=int, default=16)
     flows.add_argument("--time-scale", type=float, default=0.05)
