@@ -28,6 +28,7 @@ import trio
 import zmq
 
 from ..asgi import Receive, Scope, Send, answer_lifespan
+from ..testing.fake_engine import model_permission
 from .engine import EmulatedEngine, Generation
 from .http_server import DIRECT_WRITE, serve_asgi
 from .kv_events import KvEndpoints
@@ -134,10 +135,10 @@ class EngineApp:
             "root": name,
             "parent": None,
             "max_model_len": config.max_model_len,
-            "permission": [_permission(f"modelperm-{name}", created)],
+            "permission": [model_permission(f"modelperm-{name}", created)],
         }
         adapters = self.engine.loras.cards(
-            created, lambda: _permission(f"modelperm-{uuid.uuid4().hex}", created)
+            created, lambda: model_permission(f"modelperm-{uuid.uuid4().hex}", created)
         )
         return {"object": "list", "data": [card, *adapters]}
 
@@ -277,24 +278,6 @@ class EngineApp:
             await chunk(answer.usage_event())
         await chunk(b"data: [DONE]\n\n")
         await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-def _permission(perm_id: str, created: int) -> dict[str, Any]:
-    """vLLM's `ModelPermission` of a model card."""
-    return {
-        "id": perm_id,
-        "object": "model_permission",
-        "created": created,
-        "allow_create_engine": False,
-        "allow_sampling": True,
-        "allow_logprobs": True,
-        "allow_search_indices": False,
-        "allow_view": True,
-        "allow_fine_tuning": False,
-        "organization": "*",
-        "group": None,
-        "is_blocking": False,
-    }
 
 
 def _lora_body(scope: Scope, raw: bytes, required: tuple[str, ...]) -> dict[str, Any] | LoraError:

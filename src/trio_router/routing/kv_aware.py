@@ -55,7 +55,7 @@ from ..kv.index import BlockIndex, adapter_root, block_keys
 from ..table import Engine
 from .affinity import PrefixAwarePolicy, opening_hash
 from .balance import EXACT_SCAN_MAX, LoadGauge, no_engine
-from .request import Decision, RequestInfo, is_adapter
+from .request import Decision, RequestInfo, adapter_of, is_adapter
 from .ttft import Estimate, Rates, TtftModel
 
 __all__ = ["KvAwarePolicy", "KvTuning"]
@@ -110,7 +110,7 @@ class KvAwarePolicy:
         self._block_sizes: dict[str, tuple[Sequence[Engine], int, int]] = {}
         # The engine each recent opening's last decision on token ids chose (oldest first):
         # where a request of that opening without token ids goes.
-        self._openings: OrderedDict[int, str] = OrderedDict()
+        self._openings: OrderedDict[tuple[str, int], str] = OrderedDict()
 
     def choose(
         self, candidates: Sequence[Engine], request: RequestInfo, exclude: Collection[str] = ()
@@ -220,7 +220,7 @@ class KvAwarePolicy:
         model = self._ttft
         keep = model is not None  # the time cost: a holder without a queue keeps its prompt
         if model is not None:  # adapters run on their base model's weights: one fit
-            model_name = _base_model(model_name, contenders[0])
+            model_name = adapter_of(model_name, contenders[0]) or model_name
         rates = model.rates(model_name, contenders) if model is not None else None
         if model is not None and rates is not None:
             estimates = {
@@ -318,18 +318,11 @@ def _root(model: str, candidates: Sequence[Engine]) -> int:
     return adapter_root(model if is_adapter(model, candidates) else None)
 
 
-def _opening_key(request: RequestInfo) -> int:
+def _opening_key(request: RequestInfo) -> tuple[str, int]:
     """The request's opening, for the model it names, as the memory of recent openings keys
     it: one adapter's conversation holds nothing of another's, nor of the base model's."""
-    return opening_hash(f"{request.model}\0{request.opening}")
-
-
-def _base_model(model: str, engine: Engine) -> str:
-    """`model`, or the base model it is an adapter of on `engine`."""
-    for entry in engine.models:
-        if entry.id == model:
-            return entry.parent or model
-    return model
+    assert request.opening is not None
+    return request.model, opening_hash(request.opening)
 
 
 @dataclass(frozen=True, slots=True)

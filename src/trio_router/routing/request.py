@@ -15,6 +15,7 @@ from ..table import Engine
 __all__ = [
     "Decision",
     "RequestInfo",
+    "adapter_of",
     "is_adapter",
     "render_opening",
     "request_info",
@@ -51,13 +52,19 @@ class Decision:
     observe_ttft: Callable[[float], None] | None = None
 
 
+def adapter_of(model: str, engine: Engine) -> str | None:
+    """The base model `model` is a LoRA adapter of on `engine` (its parent in the engine's
+    `/v1/models`: vLLM lists adapters so), or None (a base model, or not served there)."""
+    for entry in engine.models:
+        if entry.id == model:
+            return entry.parent
+    return None
+
+
 def is_adapter(model: str, candidates: Sequence[Engine]) -> bool:
-    """Whether `model` is a LoRA adapter on `candidates`, the engines serving it: the first
-    of them lists it with a parent in its `/v1/models` (vLLM lists adapters so; a base model
-    has none)."""
-    if not candidates:
-        return False
-    return any(entry.id == model and entry.parent is not None for entry in candidates[0].models)
+    """Whether `model` is a LoRA adapter on `candidates`, the engines serving it (as the
+    first of them lists it)."""
+    return bool(candidates) and adapter_of(model, candidates[0]) is not None
 
 
 def request_info(

@@ -31,7 +31,7 @@ import trio
 from .fake_kv import FakeKvCache
 from .fake_pd import FakeKvTransfer
 
-__all__ = ["FakeEngine", "SeenRequest"]
+__all__ = ["FakeEngine", "SeenRequest", "model_permission"]
 
 
 @dataclass(slots=True)
@@ -163,20 +163,7 @@ class FakeEngine:
                 "parent": parent,
                 "max_model_len": max_len,
                 "permission": [
-                    {
-                        "id": f"modelperm-{zlib.crc32(model_id.encode()):08x}",
-                        "object": "model_permission",
-                        "created": created,
-                        "allow_create_engine": False,
-                        "allow_sampling": True,
-                        "allow_logprobs": True,
-                        "allow_search_indices": False,
-                        "allow_view": True,
-                        "allow_fine_tuning": False,
-                        "organization": "*",
-                        "group": None,
-                        "is_blocking": False,
-                    }
+                    model_permission(f"modelperm-{zlib.crc32(model_id.encode()):08x}", created)
                 ],
             }
 
@@ -292,3 +279,21 @@ class FakeEngine:
                 for m in self.models
             ),
         ]
+
+
+def model_permission(perm_id: str, created: int) -> dict[str, Any]:
+    """vLLM's `ModelPermission` of a `/v1/models` card."""
+    return {
+        "id": perm_id,
+        "object": "model_permission",
+        "created": created,
+        "allow_create_engine": False,
+        "allow_sampling": True,
+        "allow_logprobs": True,
+        "allow_search_indices": False,
+        "allow_view": True,
+        "allow_fine_tuning": False,
+        "organization": "*",
+        "group": None,
+        "is_blocking": False,
+    }
