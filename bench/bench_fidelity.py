@@ -67,6 +67,7 @@ from typing import Any, Final
 import httpx
 import trio
 
+import fidelity_host
 from emulator_fleet import open_emulator, percentile, scrape
 from trio_router.emulator.profiles import FrontEndCost, StepCost, StepShape, load_profile
 from trio_router.testing import vllm_engines
@@ -77,6 +78,10 @@ PROFILE_FILE: Final = (
     Path(__file__).resolve().parent.parent / "src/trio_router/emulator/profiles/cpu-tiny.toml"
 )
 _BLOCKS: Final = re.compile(r"(?:GPU|CPU) KV cache size: ([\d,]+) tokens")
+PHASES: Final = {
+    "queue": "request_queue_time_seconds", "prefill": "request_prefill_time_seconds",
+    "decode": "request_decode_time_seconds", "inter_token": "inter_token_latency_seconds",
+}  # fmt: skip
 FIRST_ID, LAST_ID = 16, 4000  # token ids that are ordinary words in both vocabularies
 
 
@@ -89,21 +94,6 @@ async def complete(client: httpx.AsyncClient, url: str, prompt: list[int], max_t
             "ignore_eos": True}  # fmt: skip
     answer = await client.post(f"{url}/v1/completions", json=body)
     answer.raise_for_status()
-
-
-async def stream_ttft(
-    client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int
-) -> float:
-    """One streamed completion read to its end: wall seconds to its first token event."""
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True}  # fmt: skip
-    started, ttft = trio.current_time(), float("nan")
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as answer:
-        answer.raise_for_status()
-        async for line in answer.aiter_lines():
-            if ttft != ttft and line.startswith("data: {") and '"text"' in line:
-                ttft = trio.current_time() - started
-    return ttft
 
 
 # -- fit ---------------------------------------------------------------------------------------
@@ -124,7 +114,7 @@ async def front_end_load(
 
     async def one(prompt: list[int]) -> None:
         async with limiter:
-            await stream_ttft(client, url, prompt, max_tokens)
+            await fidelity_host.stream_ttft(url, MODEL, prompt, max_tokens)
 
     before, (ran, waited) = await scrape(client, [url]), api_server_cpu(pid)
     async with trio.open_nursery() as nursery:
@@ -294,13 +284,28 @@ def run_real(
     spec = vllm_engines.EngineSpec(
         host=REAL_HOST, port=port, kv_cache_bytes=kv_cache_bytes, block_size=args.block_size
     )
+
+    async def prepared(url: str, pid: int) -> Any:
+        print(f"the engine's CPU group: {fidelity_host.raise_priority(pid)}", flush=True)
+        if args.placement == "split" and not fidelity_host.place(pid):
+            print("one CPU: the engine's processes left where they are", flush=True)
+        await warmed(args, url)
+        return await body(url, pid)
+
     with tempfile.TemporaryDirectory() as logs:
         with vllm_engines.running_engines(env, [spec], log_dir=Path(logs)) as engines:
-            result = trio.run(body, spec.url, engines[0].process.pid)
+            result = trio.run(prepared, spec.url, engines[0].process.pid)
         log = next(Path(logs).glob("*.log")).read_text()
     found = _BLOCKS.search(log)
     tokens = int(found.group(1).replace(",", "")) if found else kv_cache_bytes // 512
     return result, tokens // args.block_size
+
+
+async def warmed(args: argparse.Namespace, url: str) -> None:
+    """Every prompt length up to `--warm-up` run once on the engine at `url` (both engines
+    get the same requests; only the real one's kernels need them)."""
+    if args.warm_up:
+        await fidelity_host.warm_up(url, MODEL, args.warm_up, token_ids)
 
 
 def run_emulated(args: argparse.Namespace, blocks: int, body: Callable[[str], Any]) -> Any:
@@ -310,7 +315,9 @@ def run_emulated(args: argparse.Namespace, blocks: int, body: Callable[[str], An
     async def main() -> Any:
         extra = ["--profile", "cpu-tiny", "--block-size", str(args.block_size),
                  "--num-gpu-blocks-override", str(blocks)]  # fmt: skip
-        async with open_emulator(1, 1.0, *extra) as (_, urls, _):
+        async with open_emulator(1, 1.0, *extra) as (process, urls, _):
+            print(f"the emulator's CPU group: {fidelity_host.raise_priority(process.pid)}")
+            await warmed(args, urls[0])
             return await body(urls[0])
 
     return trio.run(main)
@@ -377,7 +384,7 @@ async def shared_prefix(
 
         async def one(prompt: list[int]) -> None:
             async with limiter:
-                ttfts.append(await stream_ttft(client, url, prompt, args.max_tokens))
+                ttfts.append(await fidelity_host.stream_ttft(url, MODEL, prompt, args.max_tokens))
 
         started = trio.current_time()
         async with trio.open_nursery() as nursery:
@@ -413,7 +420,14 @@ async def shared_prefix(
             1,
         ),
         "wall_s": round(seconds, 1),
-    } | ({"steps": delta("vllm:iteration_tokens_total_count")} | cpu_s if cpu_s else {})
+        "phases_ms": {  # the engine's own means: vLLM's request phases, its inter-token
+            phase: round(
+                delta(f"vllm:{name}_sum") / max(1.0, delta(f"vllm:{name}_count")) * 1000, 2
+            )
+            for phase, name in PHASES.items()
+        },
+        "steps": delta("vllm:iteration_tokens_total_count"),
+    } | cpu_s
 
 
 def compare(args: argparse.Namespace) -> dict[str, Any]:
@@ -454,6 +468,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     comparing.add_argument("--max-tokens", type=int, default=96)
     for command in (fitting, comparing):
         command.add_argument("--block-size", type=int, default=128)
+        command.add_argument(
+            "--placement", choices=["split", "as-started"], default="split",
+            help="split: the real engine's core and worker on core 0, its API server and "
+            "this client on core 1 (fidelity_host.place)",
+        )  # fmt: skip
+        command.add_argument(
+            "--warm-up", type=int, default=2047, metavar="TOKENS",
+            help="run every prompt length up to TOKENS once first (0: none)",
+        )  # fmt: skip
         command.add_argument("--seed", type=int, default=0)
         command.add_argument("--json-out", type=Path)
     return parser.parse_args(argv)
@@ -461,6 +484,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    print(f"this session's CPU group: {fidelity_host.raise_priority()}", flush=True)
     result = fit(args) if args.command == "fit" else compare(args)
     print(json.dumps(result, indent=2))
     if args.json_out:

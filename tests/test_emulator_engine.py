@@ -77,6 +77,11 @@ async def test_each_step_takes_the_profiles_time(
     assert engine.stats.ttft.sum == pytest.approx(prefill)
     assert engine.stats.e2e.sum == pytest.approx(expected[-1])
     assert engine.stats.inter_token.count == 4 and engine.steps == 5
+    assert engine.stats.prefill.sum == pytest.approx(prefill)
+    # vLLM's tokens per step: the prompt computed with its first token, then one a step
+    assert engine.stats.iteration_tokens.count == 5
+    assert engine.stats.iteration_tokens.sum == 1000 + 5
+    assert engine.stats.decode.sum == pytest.approx(expected[-1] - prefill)
 
 
 async def test_requests_share_steps(autojump_clock: trio.testing.MockClock) -> None:
@@ -298,6 +303,11 @@ async def test_a_front_end_delays_arrivals_and_tokens_not_steps(
     assert stats.e2e.sum == pytest.approx(expected[-1])
     assert stats.queue.sum == pytest.approx(0.0)  # from reaching the engine core
     assert stats.inter_token.sum == pytest.approx(ends[-1] - ends[0])  # the core's steps
+    # vLLM's phases, from the core's timestamps: scheduled as it reached the core
+    assert stats.prefill.sum == pytest.approx(ends[0])
+    assert stats.decode.sum == pytest.approx(ends[-1] - ends[0])
+    assert stats.inference.sum == pytest.approx(ends[-1])
+    assert (stats.prefill.count, stats.decode.count, stats.inference.count) == (1, 1, 1)
 
 
 async def test_a_busy_front_end_falls_behind_the_steps(

@@ -120,7 +120,8 @@ class Generation:
         self.take_now: Callable[[list[int]], bool] | None = None
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
-        self.scheduled = False
+        self.scheduled_time: float | None = None  # when the engine core first scheduled it
+        self.first_core_time: float | None = None  # the step that made its first token ended
 
     @property
     def request_id(self) -> str:
@@ -309,7 +310,9 @@ class EmulatedEngine:
             timeline = start + duration / self.config.time_scale
             await trio.sleep_until(timeline)
             self.steps += 1
+            prompt_tokens = sum(s.num_new_tokens for s in step.scheduled if not s.is_decode)
             outputs = self.scheduler.update(step)
+            self.stats.iteration_tokens.observe(prompt_tokens + len(outputs))
             if self.front_end is None:
                 self._deliver(outputs, timeline * self.config.time_scale)
             elif outputs:
@@ -353,8 +356,8 @@ class EmulatedEngine:
     def _record_scheduled(self, step: Step, now: float) -> None:
         for request in step.admitted:
             generation = self._generations.get(request.request_id)
-            if generation is not None and not generation.scheduled:
-                generation.scheduled = True
+            if generation is not None and generation.scheduled_time is None:
+                generation.scheduled_time = now
                 self.stats.queue.observe(now - self._reached(request))
                 if self.front_end is not None:
                     self.front_end.reached.pop(request.request_id, None)
@@ -374,6 +377,8 @@ class EmulatedEngine:
                 continue
             if generation.last_token_time is not None:
                 self.stats.inter_token.observe(now - generation.last_token_time)
+            else:
+                generation.first_core_time = now
             generation.last_token_time = now
 
     def _deliver(self, outputs: list[StepOutput], now: float, *, core: bool = True) -> None:
@@ -394,12 +399,16 @@ class EmulatedEngine:
             elif core and generation.last_token_time is not None:
                 stats.inter_token.observe(now - generation.last_token_time)
             if core:
+                if generation.first_core_time is None:
+                    generation.first_core_time = now
                 generation.last_token_time = now
             stats.generation_tokens += 1
             if output.finish_reason is not None:
                 self._lora_event(request, finished=True)
                 del self._generations[request.request_id]
                 stats.e2e.observe(now - request.arrival_time)
+                core_times = generation.first_core_time, generation.last_token_time
+                stats.observe_phases(generation.scheduled_time, *core_times)
                 stats.successes[output.finish_reason] += 1
             generation.push(output.token_id, output.finish_reason)
 

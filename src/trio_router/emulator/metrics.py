@@ -25,6 +25,7 @@ TTFT_BUCKETS: Final = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.
                        2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
 INTER_TOKEN_BUCKETS: Final = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                               1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+ITERATION_TOKENS_BUCKETS: Final = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 REQUEST_LATENCY_BUCKETS: Final = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
                                   30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0,
                                   7680.0)  # fmt: skip
@@ -66,6 +67,23 @@ class EngineStats:
     inter_token: Histogram = field(default_factory=lambda: Histogram(INTER_TOKEN_BUCKETS))
     e2e: Histogram = field(default_factory=lambda: Histogram(REQUEST_LATENCY_BUCKETS))
     queue: Histogram = field(default_factory=lambda: Histogram(REQUEST_LATENCY_BUCKETS))
+    inference: Histogram = field(default_factory=lambda: Histogram(REQUEST_LATENCY_BUCKETS))
+    prefill: Histogram = field(default_factory=lambda: Histogram(REQUEST_LATENCY_BUCKETS))
+    decode: Histogram = field(default_factory=lambda: Histogram(REQUEST_LATENCY_BUCKETS))
+    # per step: the prompt tokens it computed and the tokens it generated, as vLLM counts
+    iteration_tokens: Histogram = field(default_factory=lambda: Histogram(ITERATION_TOKENS_BUCKETS))
+
+    def observe_phases(
+        self, scheduled: float | None, first_token: float | None, last_token: float | None
+    ) -> None:
+        """A finished request's time running, prefilling and decoding, as vLLM takes them
+        from the engine core's timestamps: from its first scheduling (a preemption does not
+        restart it) to the step that made its first token, and on to its last."""
+        if scheduled is None or first_token is None or last_token is None:
+            return
+        self.inference.observe(last_token - scheduled)
+        self.prefill.observe(first_token - scheduled)
+        self.decode.observe(last_token - first_token)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -129,6 +147,14 @@ def _histograms(stats: EngineStats) -> list[tuple[str, str, Histogram]]:
          "Histogram of e2e request latency in seconds.", stats.e2e),
         ("vllm:request_queue_time_seconds",
          "Histogram of time spent in WAITING phase for request.", stats.queue),
+        ("vllm:request_inference_time_seconds",
+         "Histogram of time spent in RUNNING phase for request.", stats.inference),
+        ("vllm:request_prefill_time_seconds",
+         "Histogram of time spent in PREFILL phase for request.", stats.prefill),
+        ("vllm:request_decode_time_seconds",
+         "Histogram of time spent in DECODE phase for request.", stats.decode),
+        ("vllm:iteration_tokens_total",
+         "Histogram of number of tokens per engine_step.", stats.iteration_tokens),
     ]  # fmt: skip
 
 
