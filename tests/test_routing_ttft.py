@@ -1,8 +1,10 @@
 """kv_aware's time cost (`routing.ttft`): the fit of an engine's prefill time from its own
 counters, the predicted wait on made-up engine states (a hot engine with a queue loses to a
-cold one exactly when the numbers say it should), a hot prefix replicated when its holder's
-backlog exceeds prefilling it elsewhere, and the learning end to end on the autojump clock: a
-scraper reading an engine whose counters grow as a known prefill time says."""
+cold one exactly when the numbers say it should), the queue for a sequence slot (the
+requests waiting and those sent since the scrape, at the engine's time per freed slot), a hot
+prefix replicated when its holder's backlog or queue exceeds prefilling it elsewhere, and the
+learning end to end on the autojump clock: a scraper reading an engine whose counters grow as
+a known prefill time says."""
 
 from __future__ import annotations
 
@@ -48,6 +50,9 @@ class Counters:
     queue_sum: float = 0.0
     queue_count: float = 0.0
     waiting: float = 0.0
+    running: float = 1.0
+    e2e_sum: float = 0.0  # exported once a request finished (`finish`)
+    e2e_count: float = 0.0
 
     def serve(self, sizes: list[tuple[int, int]], queue: float = 0.0) -> None:
         """Requests of (prompt tokens, of which cached) got their first token."""
@@ -59,11 +64,26 @@ class Counters:
             self.queue_sum += queue
             self.queue_count += 1
 
+    def finish(self, requests: int, slot: float, queue: float = 0.0) -> None:
+        """`requests` requests finished, each `slot` seconds in a sequence slot after
+        `queue` seconds in the queue."""
+        self.e2e_sum += requests * (queue + slot)
+        self.e2e_count += requests
+
     def text(self) -> str:
+        e2e = (
+            [
+                ("vllm:e2e_request_latency_seconds_sum", self.e2e_sum),
+                ("vllm:e2e_request_latency_seconds_count", self.e2e_count),
+            ]
+            if self.e2e_count
+            else []
+        )
         return "".join(
             f"{name} {value!r}\n"
             for name, value in (
-                ("vllm:num_requests_running", 1.0),
+                *e2e,
+                ("vllm:num_requests_running", self.running),
                 ("vllm:num_requests_waiting", self.waiting),
                 ("vllm:prompt_tokens_total", self.prompt),
                 ("vllm:prefix_cache_hits_total", self.hits),
@@ -264,6 +284,117 @@ def test_a_holder_without_a_queue_keeps_its_prefix_whatever_the_backlog() -> Non
     assert all(d.cached_tokens == 1024 for d in chosen)
     last = chosen[-1].predicted_ttft
     assert last is not None and last > BASE + PER_TOKEN * 1056 + SLACK  # dearer, and kept
+
+
+SLOT: Final = 0.8  # seconds a request holds a sequence slot (arrival to last token, less queue)
+SLOTS: Final = 16.0  # an engine's cap on sequences (max_num_seqs), as a full batch shows it
+
+
+def scrape(
+    engine: Engine, counters: Counters, now: float, *, running: float, waiting: float
+) -> None:
+    """A scrape at `now` of an interval in which 16 requests got their first token after
+    0.3 s in the queue and 16 finished after SLOT seconds in a slot (and that queue)."""
+    counters.running, counters.waiting = running, waiting
+    counters.serve([(100, 0)] * 16, queue=0.3)
+    counters.finish(16, SLOT, queue=0.3)
+    engine.stats = counters.stats(now)
+
+
+def test_the_queue_is_the_requests_ahead_at_the_engines_time_per_freed_slot() -> None:
+    """An engine that has shown a full batch of 16, its requests holding a slot 0.8 s, frees
+    one every 0.05 s: each request ahead of a new one, reported waiting or sent by this
+    replica since the scrape, adds 0.05 s, and the slots freed since the scrape are taken
+    off. While the scrape's free slots outnumber the requests sent since, the queue is empty
+    (and the engine free); the next request waits for one slot."""
+    model, engine, counters = TtftModel(), make_engine(0), Counters()
+    now = 1000.0
+    fit(engine, counters, now, model)
+    per_slot = SLOT / SLOTS
+    for _ in range(2):  # the second interval tells the time in a slot (the first lacks it)
+        now += 1
+        scrape(engine, counters, now, running=SLOTS, waiting=4)
+        rates = model.rates(MODEL, [engine])
+    assert rates is not None
+    estimate = model.estimate(engine, 0, now, rates)
+    assert estimate.queue == pytest.approx(5 * per_slot) and not estimate.free
+    assert estimate.seconds == pytest.approx(5 * per_slot + BASE)
+    for _ in range(3):
+        model.sent(engine, 0, now, rates)
+    assert model.estimate(engine, 0, now, rates).queue == pytest.approx(8 * per_slot)
+    assert model.estimate(engine, 0, now + 0.1, rates).queue == pytest.approx(6 * per_slot)
+    # The next scrape counts what was sent: the count starts again. 12 running of 16, none
+    # waiting: four free slots.
+    now += 1
+    scrape(engine, counters, now, running=12, waiting=0)
+    rates = model.rates(MODEL, [engine])
+    assert rates is not None
+    for _ in range(4):
+        estimate = model.estimate(engine, 0, now, rates)
+        assert estimate.queue == 0.0 and estimate.free
+        model.sent(engine, 0, now, rates)
+    estimate = model.estimate(engine, 0, now, rates)
+    assert estimate.queue == pytest.approx(per_slot) and not estimate.free
+    assert model.estimate(engine, 0, now + 2 * per_slot, rates).free  # a slot freed since
+
+
+def test_an_engine_that_never_queued_has_no_queue_whatever_was_sent_to_it() -> None:
+    """Its cap is not known until it reports requests waiting (vLLM does not export it), so
+    the requests sent since a scrape add nothing: at light load the prediction is as it
+    was, the prefill alone."""
+    model, engine, counters = TtftModel(), make_engine(0), Counters()
+    now = 1000.0
+    fit(engine, counters, now, model)
+    for _ in range(2):
+        now += 1
+        scrape(engine, counters, now, running=3, waiting=0)
+        rates = model.rates(MODEL, [engine])
+    assert rates is not None
+    for _ in range(100):
+        model.sent(engine, 0, now, rates)
+    estimate = model.estimate(engine, 0, now, rates)
+    assert estimate.queue == 0.0 and estimate.free
+    assert estimate.seconds == pytest.approx(BASE)
+
+
+def test_a_burst_of_hits_leaves_its_holder_once_the_wait_for_a_slot_exceeds_a_cold_prefill() -> (
+    None
+):
+    """The holder of a 1,024-token prompt last reported a full batch (16 running, none
+    waiting; it has queued before, so 16 is its cap), its requests holding a slot 0.8 s:
+    every request sent there since is one more ahead of the next, 0.05 s further back. A
+    burst of that prompt, all of it cached there (so no prefill backlog grows), stays while
+    the wait there is within the slack (50 ms) of a cold prefill elsewhere, and then moves:
+    the n-th (from 0) waits (n + 1) x 50 ms for a slot and 50 ms of prefill, against
+    1,074 ms on an engine with free slots; it stays while n <= 20."""
+    clock, index = [1000.0], BlockIndex()
+    policy = kv_policy(clock, index)
+    engines = [make_engine(i) for i in range(3)]
+    counters = [Counters() for _ in engines]
+    for engine, its in zip(engines, counters, strict=True):
+        fit(engine, its, clock[0], policy)
+    holder, prefix = engines[0], tuple(range(1024))
+    for waiting in (2.0, 0.0):  # a queue once (its cap), then a full batch, none waiting
+        clock[0] += 1
+        for engine, its in zip(engines, counters, strict=True):
+            busy = engine is holder
+            scrape(engine, its, clock[0], running=SLOTS if busy else 8, waiting=waiting * busy)
+        policy.choose(engines, RequestInfo(MODEL, opening="look", tokens=(2,) * BLOCK))
+    clock[0] += 1
+    for engine, its in zip(engines, counters, strict=True):  # as last scraped, a second on
+        engine.stats = its.stats(clock[0])
+    index.speculate(holder.uid, block_keys(prefix, BLOCK), now=clock[0], until=math.inf)
+    chosen = [
+        policy.choose(engines, RequestInfo(MODEL, opening=f"agent {n}", tokens=prefix))
+        for n in range(30)
+    ]
+    stays = 21
+    assert [d.engine for d in chosen[:stays]] == [holder] * stays
+    assert chosen[stays - 1].predicted_ttft == pytest.approx(BASE + stays * SLOT / SLOTS)
+    replica = chosen[stays].engine
+    assert replica is not holder and chosen[stays].cached_tokens == 0  # prefilled there
+    # The replica holds it now and has free slots: the rest of the burst goes there.
+    assert [d.engine for d in chosen[stays:]] == [replica] * (30 - stays)
 
 
 def test_waits_closer_than_the_predictions_error_are_not_told_apart() -> None:

@@ -14,19 +14,45 @@
   (adapters share their base model's): the engines run the same weights, and a fit per
   engine would make an engine look cheap for a while on a few lucky figures, and draw a
   herd. Older intervals weigh less (`DECAY` per interval).
-- `queue(e)`: while the engine reports requests waiting (its batch is full), the mean time
-  its recent requests spent waiting.
+- `queue(e)`: the wait for a free sequence slot. An engine runs at most so many sequences at
+  once (vLLM's `max_num_seqs`, or fewer when its KV cache is full); a request beyond them
+  waits in its queue until a running one finishes. The requests ahead of this one are those
+  the engine reported waiting at its last scrape (`vllm:num_requests_waiting`) and those
+  this replica sent it since that scrape beyond the free slots the scrape showed (its slots
+  less `vllm:num_requests_running`): each is priced at the engine's time per freed slot,
+  and the slots freed since the scrape (the time since it, at that rate) are taken off:
+
+      queue(e) = max(0, (waiting + max(0, sent - free) + 1) * slot / slots - since scrape)
+
+  (0 while `sent < free` and none wait: a free slot takes the request at once). `slot` is
+  the mean time the engine's requests hold a slot, from arrival to the last token less the
+  time they waited (`vllm:e2e_request_latency_seconds` less
+  `vllm:request_queue_time_seconds`, per request, over the same intervals, decayed as the
+  fit is); with `slots` sequences held that long, one is freed every `slot / slots` seconds
+  on average (Little's law: the batch's departures are its occupants over their mean stay),
+  and every freed slot goes to the head of the queue, first come first served. vLLM does
+  not export `max_num_seqs`, so `slots` is the most requests the engine has reported
+  running: its cap once it has reported requests waiting (a queue forms only when the
+  batch is full). Until then, or before it has finished a request (or when it exports no
+  end-to-end latency histogram), `queue(e)` is, while it reports requests waiting, the mean
+  time its recent requests spent in its queue, and the requests this replica sent count
+  only through the next scrape. So at light load, where no engine queues, the term is 0
+  as it always was.
 - `backlog(e)`: the prefill this replica sent the engine that, by the fit, it has not done
   yet: each decision adds `per_token * u`; it drains in real time.
 
-The backlog is this replica's own and immediate; the fit and the queue are the engines' and
-a scrape old. How far the predictions are off is learned too: at first from the scatter of
+The backlog, and the requests sent since the last scrape, are this replica's own and
+immediate; the fit, the time per slot and the queue it reported are the engines' and a scrape
+old. How far the predictions are off is learned too: at first from the scatter of
 the engines' intervals around the fit, then from each first token against its prediction
 (`observed`); `kv_aware` does not tell apart waits closer than about that error. Until the
 engines' figures have fitted the model (`MIN_FIT_REQUESTS` first tokens), `rates` is None and
-`kv_aware` decides as with `kv_cost = "load"`. Pure and synchronous: it learns when a
-decision looks at an engine whose figures changed (the counters are cumulative, so no scrape
-is missed); memory is a few floats per engine and per model.
+`kv_aware` decides as with `kv_cost = "load"`. An engine whose predicted queue is empty
+(fresh figures with none waiting, and no more requests sent since than it had free slots)
+is `free`: `kv_aware` keeps a prompt on such a holder (docs/routing.md, "When a hot prefix
+moves"). Pure and synchronous: it learns when a decision looks at an engine whose figures
+changed (the counters are cumulative, so no scrape is missed); memory is a few floats per
+engine and per model.
 """
 
 from __future__ import annotations
@@ -62,6 +88,7 @@ class Estimate:
     queue: float
     backlog: float
     prefill: float  # base + per_token * uncached
+    free: bool = False  # its predicted queue is empty: a free slot takes the request at once
 
 
 @dataclass(slots=True)
@@ -69,6 +96,55 @@ class _Engine:
     last: EngineStats | None = None  # the figures the last interval ended with
     queue_mean: float = 0.0  # mean queue time of its recent queued requests
     busy_until: float = -math.inf  # this replica's backlog there ends then
+    slots: float = 0.0  # the most requests it has reported running...
+    capped: bool = False  # ...its cap, once it has reported requests waiting
+    slot_seconds: float = 0.0  # decayed sum of its finished requests' time in a slot...
+    finished: float = 0.0  # ...and their decayed count
+    sent: int = 0  # requests this replica sent it since the figures `sent_since`
+    sent_since: EngineStats | None = None
+
+    def learn(self, last: EngineStats | None, stats: EngineStats) -> None:
+        """The slots, from new figures `stats`, and the time a request holds one, from
+        those that followed `last` (arrival to last token less the queue, of the requests
+        that finished between the two)."""
+        if stats.running is not None:
+            self.slots = max(self.slots, stats.running)
+            self.capped = self.capped or bool(stats.waiting)
+        if last is None:
+            return
+        grown = [
+            after - before
+            for before, after in (
+                (last.e2e_sum, stats.e2e_sum),
+                (last.e2e_count, stats.e2e_count),
+                (last.queue_sum, stats.queue_sum),
+                (last.queue_count, stats.queue_count),
+            )
+            if before is not None and after is not None and after >= before
+        ]
+        if len(grown) < 4 or not grown[1]:
+            return  # unknown, restarted, or no request finished
+        e2e, finished, queue_time, queued = grown
+        mean_queue = queue_time / queued if queued else 0.0
+        self.slot_seconds = DECAY * self.slot_seconds + max(0.0, e2e - mean_queue * finished)
+        self.finished = DECAY * self.finished + finished
+
+    def queue(self, stats: EngineStats, now: float) -> tuple[float, bool]:
+        """The predicted wait for a free slot, and whether a slot is free now (see the
+        module's docstring, `queue(e)`)."""
+        if not stats.fresh(now):
+            return 0.0, False
+        waiting = stats.waiting
+        if not self.capped or self.finished < MIN_REQUESTS or stats.running is None:
+            return (self.queue_mean if waiting else 0.0), waiting == 0
+        sent = self.sent if self.sent_since is stats else 0
+        free = 0.0 if waiting else max(0.0, self.slots - stats.running)
+        if sent < free:
+            return 0.0, True
+        ahead = (waiting or 0.0) + max(0.0, sent - free)
+        per_slot = self.slot_seconds / self.finished / max(1.0, self.slots)
+        wait = max(0.0, (ahead + 1) * per_slot - (now - stats.scraped_at))
+        return wait, wait == 0.0 and waiting == 0
 
 
 @dataclass(slots=True)
@@ -169,6 +245,7 @@ class TtftModel:
             if stats is state.last or stats.scraped_at == -math.inf:
                 continue
             last, state.last = state.last, stats
+            state.learn(last, stats)
             if last is None or (found := _interval(last, stats)) is None:
                 continue
             requests, tokens, prefill, queued, queue_time = found
@@ -182,16 +259,19 @@ class TtftModel:
         """`engine`'s predicted wait for a request with `uncached` tokens to prefill (after
         `rates` over the candidates)."""
         state = self._engines[engine.uid]
-        stats = engine.stats
-        queue = state.queue_mean if stats.fresh(now) and stats.waiting else 0.0
+        queue, free = state.queue(engine.stats, now)
         backlog = max(0.0, state.busy_until - now)
         prefill = rates.base + rates.per_token * uncached
-        return Estimate(queue + backlog + prefill, queue, backlog, prefill)
+        return Estimate(queue + backlog + prefill, queue, backlog, prefill, free)
 
     def sent(self, engine: Engine, uncached: float, now: float, rates: Rates) -> None:
-        """A request with `uncached` tokens to prefill went to `engine`: its backlog grows."""
+        """A request with `uncached` tokens to prefill went to `engine`: its backlog grows,
+        and it is one more request sent there since its last scrape."""
         state = self._engines[engine.uid]
         state.busy_until = max(now, state.busy_until) + rates.per_token * uncached
+        if state.sent_since is not engine.stats:
+            state.sent, state.sent_since = 0, engine.stats
+        state.sent += 1
 
     def observed(self, model: str, error: float) -> None:
         """A first token came `error` seconds after (or before) one of `model`'s
