@@ -33,11 +33,13 @@
   and every freed slot goes to the head of the queue, first come first served. vLLM does
   not export `max_num_seqs`, so `slots` is the most requests the engine has reported
   running: its cap once it has reported requests waiting (a queue forms only when the
-  batch is full). Until then, or before it has finished a request (or when it exports no
-  end-to-end latency histogram), `queue(e)` is, while it reports requests waiting, the mean
-  time its recent requests spent in its queue, and the requests this replica sent count
-  only through the next scrape. So at light load, where no engine queues, the term is 0
-  as it always was.
+  batch is full). Before any of its requests has finished, `slot` is at least the time
+  since the first scrape that showed it running requests (a lower bound that grows until a
+  first request ends: the batch that filled it first holds its slots that long). Until it
+  has reported requests waiting (or when it exports no end-to-end latency histogram),
+  `queue(e)` is, while it reports requests waiting, the mean time its recent requests
+  spent in its queue, and the requests this replica sent count only through the next
+  scrape. So at light load, where no engine queues, the term is 0 as it always was.
 - `backlog(e)`: the prefill this replica sent the engine that, by the fit, it has not done
   yet: each decision adds `per_token * u`; it drains in real time.
 
@@ -100,6 +102,7 @@ class _Engine:
     capped: bool = False  # ...its cap, once it has reported requests waiting
     slot_seconds: float = 0.0  # decayed sum of its finished requests' time in a slot...
     finished: float = 0.0  # ...and their decayed count
+    running_since: float | None = None  # the first scrape showing it running, router time
     sent: int = 0  # requests this replica sent it since the figures `sent_since`
     sent_since: EngineStats | None = None
 
@@ -110,6 +113,8 @@ class _Engine:
         if stats.running is not None:
             self.slots = max(self.slots, stats.running)
             self.capped = self.capped or bool(stats.waiting)
+            if self.running_since is None and stats.running:
+                self.running_since = stats.scraped_at
         if last is None:
             return
         grown = [
@@ -135,14 +140,20 @@ class _Engine:
         if not stats.fresh(now):
             return 0.0, False
         waiting = stats.waiting
-        if not self.capped or self.finished < MIN_REQUESTS or stats.running is None:
+        if self.finished >= MIN_REQUESTS:
+            slot = self.slot_seconds / self.finished
+        elif self.running_since is not None and stats.e2e_count is not None:
+            slot = now - self.running_since  # none finished yet: at least this long
+        else:
+            slot = None
+        if not self.capped or slot is None or stats.running is None:
             return (self.queue_mean if waiting else 0.0), waiting == 0
         sent = self.sent if self.sent_since is stats else 0
         free = 0.0 if waiting else max(0.0, self.slots - stats.running)
         if sent < free:
             return 0.0, True
         ahead = (waiting or 0.0) + max(0.0, sent - free)
-        per_slot = self.slot_seconds / self.finished / max(1.0, self.slots)
+        per_slot = slot / max(1.0, self.slots)
         wait = max(0.0, (ahead + 1) * per_slot - (now - stats.scraped_at))
         return wait, wait == 0.0 and waiting == 0
 
