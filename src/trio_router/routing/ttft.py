@@ -136,26 +136,31 @@ class _Engine:
 
     def queue(self, stats: EngineStats, now: float) -> tuple[float, bool]:
         """The predicted wait for a free slot, and whether a slot is free now (see the
-        module's docstring, `queue(e)`)."""
-        if not stats.fresh(now):
+        module's docstring, `queue(e)`). On every candidate of every decision: kept lean."""
+        if now > stats.expires:  # not fresh
             return 0.0, False
         waiting = stats.waiting
+        running = stats.running
+        if not self.capped or running is None:  # light load: the previous rule
+            return (self.queue_mean if waiting else 0.0), waiting == 0
         if self.finished >= MIN_REQUESTS:
             slot = self.slot_seconds / self.finished
         elif self.running_since is not None and stats.e2e_count is not None:
             slot = now - self.running_since  # none finished yet: at least this long
         else:
-            slot = None
-        if not self.capped or slot is None or stats.running is None:
             return (self.queue_mean if waiting else 0.0), waiting == 0
         sent = self.sent if self.sent_since is stats else 0
-        free = 0.0 if waiting else max(0.0, self.slots - stats.running)
-        if sent < free:
-            return 0.0, True
-        ahead = (waiting or 0.0) + max(0.0, sent - free)
-        per_slot = slot / max(1.0, self.slots)
-        wait = max(0.0, (ahead + 1) * per_slot - (now - stats.scraped_at))
-        return wait, wait == 0.0 and waiting == 0
+        if waiting:
+            ahead = waiting + sent
+        else:
+            free = self.slots - running  # slots: the most it reported running, so >= 0
+            if sent < free:
+                return 0.0, True
+            ahead = sent - free
+        wait = (ahead + 1) * slot / (self.slots or 1.0) - (now - stats.scraped_at)
+        if wait > 0:
+            return wait, False
+        return 0.0, waiting == 0
 
 
 @dataclass(slots=True)
@@ -270,8 +275,15 @@ class TtftModel:
         """`engine`'s predicted wait for a request with `uncached` tokens to prefill (after
         `rates` over the candidates)."""
         state = self._engines[engine.uid]
-        queue, free = state.queue(engine.stats, now)
-        backlog = max(0.0, state.busy_until - now)
+        stats = engine.stats
+        if state.capped and now <= stats.expires:
+            queue, free = state.queue(stats, now)
+        else:  # no queue for a slot seen yet, or figures not fresh: the previous rule
+            waiting = stats.waiting if now <= stats.expires else None
+            queue, free = (state.queue_mean if waiting else 0.0), waiting == 0
+        backlog = state.busy_until - now
+        if backlog < 0.0:
+            backlog = 0.0
         prefill = rates.base + rates.per_token * uncached
         return Estimate(queue + backlog + prefill, queue, backlog, prefill, free)
 
