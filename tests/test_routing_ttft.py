@@ -20,6 +20,8 @@ import trio.testing
 
 from trio_router.config import RoutingConfig, StatsConfig, parse_config
 from trio_router.discovery.stats import parse_vllm_metrics, run_stats_scraper
+from trio_router.emulator.engine import EmulatedEngine, EngineConfig, SamplingParams
+from trio_router.emulator.profiles import load_profile
 from trio_router.errors import ConfigError
 from trio_router.http import UpstreamPool
 from trio_router.kv.index import BlockIndex, block_keys
@@ -51,8 +53,7 @@ class Counters:
     queue_count: float = 0.0
     waiting: float = 0.0
     running: float = 1.0
-    e2e_sum: float = 0.0  # exported once a request finished (`finish`)
-    e2e_count: float = 0.0
+    finished: float = 0.0  # exported once a request finished (`finish`)
 
     def serve(self, sizes: list[tuple[int, int]], queue: float = 0.0) -> None:
         """Requests of (prompt tokens, of which cached) got their first token."""
@@ -64,21 +65,8 @@ class Counters:
             self.queue_sum += queue
             self.queue_count += 1
 
-    def finish(self, requests: int, slot: float, queue: float = 0.0) -> None:
-        """`requests` requests finished, each `slot` seconds in a sequence slot after
-        `queue` seconds in the queue."""
-        self.e2e_sum += requests * (queue + slot)
-        self.e2e_count += requests
-
     def text(self) -> str:
-        e2e = (
-            [
-                ("vllm:e2e_request_latency_seconds_sum", self.e2e_sum),
-                ("vllm:e2e_request_latency_seconds_count", self.e2e_count),
-            ]
-            if self.e2e_count
-            else []
-        )
+        e2e = [("vllm:e2e_request_latency_seconds_count", self.finished)] if self.finished else []
         return "".join(
             f"{name} {value!r}\n"
             for name, value in (
@@ -293,11 +281,12 @@ SLOTS: Final = 16.0  # an engine's cap on sequences (max_num_seqs), as a full ba
 def scrape(
     engine: Engine, counters: Counters, now: float, *, running: float, waiting: float
 ) -> None:
-    """A scrape at `now` of an interval in which 16 requests got their first token after
-    0.3 s in the queue and 16 finished after SLOT seconds in a slot (and that queue)."""
+    """A scrape at `now`, a second after the last, of an engine whose requests hold a slot
+    SLOT seconds: as many finished in that second as the slots it held then (the mean of
+    the two scrapes' running requests) allow; 16 got their first token after 0.3 s queued."""
+    counters.finished += (counters.running + running) / 2 / SLOT
     counters.running, counters.waiting = running, waiting
     counters.serve([(100, 0)] * 16, queue=0.3)
-    counters.finish(16, SLOT, queue=0.3)
     engine.stats = counters.stats(now)
 
 
@@ -348,7 +337,7 @@ def test_before_a_request_finishes_a_slot_is_held_at_least_since_the_engine_ran(
 
     def scraped(running: float, waiting: float) -> None:  # it exports e2e: none finished
         counters.running, counters.waiting = running, waiting
-        figures = {**parse_vllm_metrics(counters.text()), "e2e_sum": 0.0, "e2e_count": 0.0}
+        figures = {**parse_vllm_metrics(counters.text()), "e2e_count": 0.0}
         engine.stats = EngineStats.scraped(figures, now=now, stale_after=15.0)
         model.rates(MODEL, [engine])
 
@@ -400,15 +389,13 @@ def test_a_burst_of_hits_leaves_its_holder_once_the_wait_for_a_slot_exceeds_a_co
     for engine, its in zip(engines, counters, strict=True):
         fit(engine, its, clock[0], policy)
     holder, prefix = engines[0], tuple(range(1024))
-    for waiting in (2.0, 0.0):  # a queue once (its cap), then a full batch, none waiting
-        clock[0] += 1
+    for waiting in (2.0, 0.0, 0.0):  # a queue once (its cap), then a full batch, none waiting
+        clock[0] += 1  # the last look's backlog drained
         for engine, its in zip(engines, counters, strict=True):
             busy = engine is holder
             scrape(engine, its, clock[0], running=SLOTS if busy else 8, waiting=waiting * busy)
-        policy.choose(engines, RequestInfo(MODEL, opening="look", tokens=(2,) * BLOCK))
-    clock[0] += 1
-    for engine, its in zip(engines, counters, strict=True):  # as last scraped, a second on
-        engine.stats = its.stats(clock[0])
+        if waiting:  # the model learns from what it sees when it decides: look now
+            policy.choose(engines, RequestInfo(MODEL, opening="look", tokens=(2,) * BLOCK))
     index.speculate(holder.uid, block_keys(prefix, BLOCK), now=clock[0], until=math.inf)
     chosen = [
         policy.choose(engines, RequestInfo(MODEL, opening=f"agent {n}", tokens=prefix))
@@ -554,3 +541,51 @@ async def test_rates_are_learned_from_scrapes_and_the_backlog_drains_in_time(
         assert third.predicted_ttft == pytest.approx(alone + 0.5, rel=0.01)
         pool.close()
         nursery.cancel_scope.cancel()
+
+
+async def test_an_emulated_engines_own_figures_predict_its_wait_for_a_slot(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """An emulated H100 capped at 4 sequences, sent requests faster than it serves them and
+    scraped every 0.1 s: from its own /metrics alone (running, waiting, and its latency
+    histograms), the queue predicted for the next request is the wait that request then has
+    for its first token, to within a quarter."""
+    config = EngineConfig.from_profile(load_profile("h100"), max_num_seqs=4)
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    model, engine = TtftModel(), make_engine(0)
+    emulated = EmulatedEngine(config)
+    first_token = trio.Event()
+
+    async def request(n: int, told: trio.Event | None = None) -> None:
+        generation = emulated.submit(list(range(1000 * n, 1000 * n + 64)), params)
+        while True:
+            tokens, reason = await generation.wait()
+            if tokens and told is not None:
+                told.set()
+            if reason is not None:
+                return
+
+    async def scrape_every(seconds: float) -> None:
+        while True:
+            figures = parse_vllm_metrics(emulated.metrics_text())
+            engine.stats = EngineStats.scraped(figures, now=trio.current_time(), stale_after=1)
+            model.rates(MODEL, [engine])
+            await trio.sleep(seconds)
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(emulated.run)
+        nursery.start_soon(scrape_every, 0.1)
+        for n in range(60):  # about 1.5 times what it serves
+            nursery.start_soon(request, n)
+            await trio.sleep(1 / 24)
+        figures = parse_vllm_metrics(emulated.metrics_text())
+        now = trio.current_time()
+        engine.stats = EngineStats.scraped(figures, now=now, stale_after=1)
+        rates = model.rates(MODEL, [engine])
+        assert rates is not None and figures["waiting"] >= 10
+        predicted = model.estimate(engine, 64, now, rates).seconds
+        nursery.start_soon(request, 60, first_token)
+        await first_token.wait()
+        waited = trio.current_time() - now
+        nursery.cancel_scope.cancel()
+    assert waited == pytest.approx(predicted, rel=0.25)

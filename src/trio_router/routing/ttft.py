@@ -25,13 +25,17 @@
       queue(e) = max(0, (waiting + max(0, sent - free) + 1) * slot / slots - since scrape)
 
   (0 while `sent < free` and none wait: a free slot takes the request at once). `slot` is
-  the mean time the engine's requests hold a slot, from arrival to the last token less the
-  time they waited (`vllm:e2e_request_latency_seconds` less
-  `vllm:request_queue_time_seconds`, per request, over the same intervals, decayed as the
-  fit is); with `slots` sequences held that long, one is freed every `slot / slots` seconds
-  on average (Little's law: the batch's departures are its occupants over their mean stay),
-  and every freed slot goes to the head of the queue, first come first served. vLLM does
-  not export `max_num_seqs`, so `slots` is the most requests the engine has reported
+  the mean time the engine's requests hold a slot, by Little's law over its running batch:
+  the slots it held between two scrapes (the mean of their `vllm:num_requests_running`,
+  times the time between them) over the requests that finished meanwhile (the growth of
+  `vllm:e2e_request_latency_seconds_count`), both summed over intervals decayed as the fit
+  is. With `slots` sequences held that long one is freed every `slot / slots` seconds on
+  average, and each goes to the head of the queue, first come first served; while the batch
+  is full that is just the time between two finishing requests, the rate at which the queue
+  drains. (Not each request's own time in a slot, end-to-end latency less queue time: the
+  requests that finish in an interval are not those that left the queue in it, and while a
+  queue grows the difference of their means falls short of a slot's time.) vLLM does not
+  export `max_num_seqs`, so `slots` is the most requests the engine has reported
   running: its cap once it has reported requests waiting (a queue forms only when the
   batch is full). Before any of its requests has finished, `slot` is at least the time
   since the first scrape that showed it running requests (a lower bound that grows until a
@@ -100,39 +104,31 @@ class _Engine:
     busy_until: float = -math.inf  # this replica's backlog there ends then
     slots: float = 0.0  # the most requests it has reported running...
     capped: bool = False  # ...its cap, once it has reported requests waiting
-    slot_seconds: float = 0.0  # decayed sum of its finished requests' time in a slot...
-    finished: float = 0.0  # ...and their decayed count
+    slot_seconds: float = 0.0  # decayed sum of the slots it held, times how long...
+    finished: float = 0.0  # ...and of the requests that finished meanwhile
     running_since: float | None = None  # the first scrape showing it running, router time
     sent: int = 0  # requests this replica sent it since the figures `sent_since`
     sent_since: EngineStats | None = None
 
     def learn(self, last: EngineStats | None, stats: EngineStats) -> None:
         """The slots, from new figures `stats`, and the time a request holds one, from
-        those that followed `last` (arrival to last token less the queue, of the requests
-        that finished between the two)."""
-        if stats.running is not None:
-            self.slots = max(self.slots, stats.running)
-            self.capped = self.capped or bool(stats.waiting)
-            if self.running_since is None and stats.running:
-                self.running_since = stats.scraped_at
-        if last is None:
+        those that followed `last`: the slots held over the interval (the mean of the two
+        scrapes' running requests times its length) over the requests that finished in it
+        (Little's law), both summed over intervals, older ones weighing less."""
+        running = stats.running
+        if running is None:
             return
-        grown = [
-            after - before
-            for before, after in (
-                (last.e2e_sum, stats.e2e_sum),
-                (last.e2e_count, stats.e2e_count),
-                (last.queue_sum, stats.queue_sum),
-                (last.queue_count, stats.queue_count),
-            )
-            if before is not None and after is not None and after >= before
-        ]
-        if len(grown) < 4 or not grown[1]:
-            return  # unknown, restarted, or no request finished
-        e2e, finished, queue_time, queued = grown
-        mean_queue = queue_time / queued if queued else 0.0
-        self.slot_seconds = DECAY * self.slot_seconds + max(0.0, e2e - mean_queue * finished)
-        self.finished = DECAY * self.finished + finished
+        self.slots = max(self.slots, running)
+        self.capped = self.capped or bool(stats.waiting)
+        if self.running_since is None and running:
+            self.running_since = stats.scraped_at
+        if last is None or last.running is None or last.e2e_count is None:
+            return
+        if stats.e2e_count is None or stats.e2e_count < last.e2e_count:
+            return  # not exported, or restarted
+        held = (last.running + running) / 2 * (stats.scraped_at - last.scraped_at)
+        self.slot_seconds = DECAY * self.slot_seconds + held
+        self.finished = DECAY * self.finished + stats.e2e_count - last.e2e_count
 
     def queue(self, stats: EngineStats, now: float) -> tuple[float, bool]:
         """The predicted wait for a free slot, and whether a slot is free now (see the
