@@ -279,14 +279,21 @@ SLOTS: Final = 16.0  # an engine's cap on sequences (max_num_seqs), as a full ba
 
 
 def scrape(
-    engine: Engine, counters: Counters, now: float, *, running: float, waiting: float
+    engine: Engine,
+    counters: Counters,
+    now: float,
+    *,
+    running: float,
+    waiting: float,
+    queue: float = 0.3,
 ) -> None:
     """A scrape at `now`, a second after the last, of an engine whose requests hold a slot
     SLOT seconds: as many finished in that second as the slots it held then (the mean of
-    the two scrapes' running requests) allow; 16 got their first token after 0.3 s queued."""
+    the two scrapes' running requests) allow; 16 of 100 tokens got their first token after
+    `queue` seconds queued (longer than their prefill, BASE + 0.1 s: a full batch)."""
     counters.finished += (counters.running + running) / 2 / SLOT
     counters.running, counters.waiting = running, waiting
-    counters.serve([(100, 0)] * 16, queue=0.3)
+    counters.serve([(100, 0)] * 16, queue=queue)
     engine.stats = counters.stats(now)
 
 
@@ -337,6 +344,7 @@ def test_before_a_request_finishes_a_slot_is_held_at_least_since_the_engine_ran(
 
     def scraped(running: float, waiting: float) -> None:  # it exports e2e: none finished
         counters.running, counters.waiting = running, waiting
+        counters.serve([(100, 0)] * 4, queue=0.3 if waiting else 0.0)
         figures = {**parse_vllm_metrics(counters.text()), "e2e_count": 0.0}
         engine.stats = EngineStats.scraped(figures, now=now, stale_after=15.0)
         model.rates(MODEL, [engine])
@@ -354,19 +362,26 @@ def test_before_a_request_finishes_a_slot_is_held_at_least_since_the_engine_ran(
 
 
 def test_an_engine_that_never_queued_has_no_queue_whatever_was_sent_to_it() -> None:
-    """Its cap is not known until it reports requests waiting (vLLM does not export it), so
-    the requests sent since a scrape add nothing: at light load the prediction is as it
-    was, the prefill alone."""
+    """Its cap is not known until its batch is seen full (vLLM does not export it), so the
+    requests sent since a scrape add nothing: at light load the prediction is as it was, the
+    prefill alone. A request waiting at a scrape while requests waited less than a prefill
+    takes is one waiting for the next step, not for room: it does not make the batch full."""
     model, engine, counters = TtftModel(), make_engine(0), Counters()
     now = 1000.0
     fit(engine, counters, now, model)
-    for _ in range(2):
+    for waiting in (0, 1, 1):
         now += 1
-        scrape(engine, counters, now, running=3, waiting=0)
+        scrape(engine, counters, now, running=3, waiting=waiting, queue=0.01)
         rates = model.rates(MODEL, [engine])
     assert rates is not None
     for _ in range(100):
         model.sent(engine, 0, now, rates)
+    estimate = model.estimate(engine, 0, now, rates)
+    assert estimate.queue == pytest.approx(0.01) and not estimate.free  # the previous rule
+    assert estimate.seconds == pytest.approx(BASE + 0.01)
+    now += 1
+    scrape(engine, counters, now, running=3, waiting=0, queue=0.01)
+    model.rates(MODEL, [engine])
     estimate = model.estimate(engine, 0, now, rates)
     assert estimate.queue == 0.0 and estimate.free
     assert estimate.seconds == pytest.approx(BASE)

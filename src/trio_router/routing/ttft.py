@@ -36,11 +36,14 @@
   requests that finish in an interval are not those that left the queue in it, and while a
   queue grows the difference of their means falls short of a slot's time.) vLLM does not
   export `max_num_seqs`, so `slots` is the most requests the engine has reported
-  running: its cap once it has reported requests waiting (a queue forms only when the
-  batch is full). Before any of its requests has finished, `slot` is at least the time
+  running: its cap once its batch has been seen full, a scrape reporting requests waiting
+  after an interval in which its requests waited longer in its queue, on average, than
+  their prefill took. (A request also waits for the next step when it arrives, so a request
+  or two waiting now and then does not mean a full batch; a wait longer than a prefill,
+  which takes at least a step, does.) Before any of its requests has finished, `slot` is at least the time
   since the first scrape that showed it running requests (a lower bound that grows until a
-  first request ends: the batch that filled it first holds its slots that long). Until it
-  has reported requests waiting (or when it exports no end-to-end latency histogram),
+  first request ends: the batch that filled it first holds its slots that long). Until its
+  batch has been seen full (or when it exports no end-to-end latency histogram),
   `queue(e)` is, while it reports requests waiting, the mean time its recent requests
   spent in its queue, and the requests this replica sent count only through the next
   scrape. So at light load, where no engine queues, the term is 0 as it always was.
@@ -103,7 +106,7 @@ class _Engine:
     queue_mean: float = 0.0  # mean queue time of its recent queued requests
     busy_until: float = -math.inf  # this replica's backlog there ends then
     slots: float = 0.0  # the most requests it has reported running...
-    capped: bool = False  # ...its cap, once it has reported requests waiting
+    capped: bool = False  # ...its cap, once its batch was seen full (see `rates`)
     slot_seconds: float = 0.0  # decayed sum of the slots it held, times how long...
     finished: float = 0.0  # ...and of the requests that finished meanwhile
     running_since: float | None = None  # the first scrape showing it running, router time
@@ -119,7 +122,6 @@ class _Engine:
         if running is None:
             return
         self.slots = max(self.slots, running)
-        self.capped = self.capped or bool(stats.waiting)
         if self.running_since is None and running:
             self.running_since = stats.scraped_at
         if last is None or last.running is None or last.e2e_count is None:
@@ -263,6 +265,10 @@ class TtftModel:
             requests, tokens, prefill, queued, queue_time = found
             if queued >= MIN_REQUESTS:
                 state.queue_mean = queue_time / queued
+                # Waiting longer than a prefill takes (at least a step) is waiting for room
+                # in the batch, not for the next step: the engine's batch was full.
+                if stats.waiting and requests and state.queue_mean > prefill / requests:
+                    state.capped = True
             if requests >= MIN_REQUESTS:
                 fit.add(requests, tokens, prefill)
         return fit.rates
