@@ -35,18 +35,18 @@
   drains. (Not each request's own time in a slot, end-to-end latency less queue time: the
   requests that finish in an interval are not those that left the queue in it, and while a
   queue grows the difference of their means falls short of a slot's time.) vLLM does not
-  export `max_num_seqs`, so `slots` is the most requests the engine has reported
-  running: its cap once its batch has been seen full, a scrape reporting requests waiting
-  after an interval in which its requests waited longer in its queue, on average, than
-  their prefill took. (A request also waits for the next step when it arrives, so a request
-  or two waiting now and then does not mean a full batch; a wait longer than a prefill,
-  which takes at least a step, does.) Before any of its requests has finished, `slot` is at least the time
-  since the first scrape that showed it running requests (a lower bound that grows until a
-  first request ends: the batch that filled it first holds its slots that long). Until its
-  batch has been seen full (or when it exports no end-to-end latency histogram),
-  `queue(e)` is, while it reports requests waiting, the mean time its recent requests
-  spent in its queue, and the requests this replica sent count only through the next
-  scrape. So at light load, where no engine queues, the term is 0 as it always was.
+  export `max_num_seqs`, so `slots` is the most requests the engine has reported running:
+  its cap once its batch has been seen full, a scrape reporting requests waiting after an
+  interval in which its requests waited longer in its queue, on average, than their
+  prefill took. (A request also waits for the next step when it arrives, so a request or
+  two waiting now and then does not mean a full batch; a wait longer than a prefill, which
+  takes at least a step, does.) Before any of its requests has finished, `slot` is at
+  least the time since the first scrape that showed it running requests (a lower bound
+  that grows until a first request ends: the batch that filled it first holds its slots
+  that long). Until its batch has been seen full (or when it exports no end-to-end latency
+  histogram), `queue(e)` is, while it reports requests waiting, the mean time its recent
+  requests spent in its queue, and the requests this replica sent count only through the
+  next scrape. So at light load, where no engine queues, the term is 0 as it always was.
 - `backlog(e)`: the prefill this replica sent the engine that, by the fit, it has not done
   yet: each decision adds `per_token * u`; it drains in real time.
 
