@@ -335,30 +335,34 @@ def test_the_queue_is_the_requests_ahead_at_the_engines_time_per_freed_slot() ->
 
 
 def test_before_a_request_finishes_a_slot_is_held_at_least_since_the_engine_ran() -> None:
-    """An engine whose batch filled (16 running, 4 waiting) before any of its requests
-    finished: its requests have held their slots at least since the first scrape that showed
-    it running, so the time per slot grows from that lower bound until one finishes."""
+    """An engine whose batch filled (16 running, requests waiting) before any of its
+    requests finished, as at start-up under load: once its queue has not moved over an
+    interval (requests waiting at both ends, none left) its batch is full, and its requests
+    have held their slots at least since the first scrape that showed it running, so the
+    time per slot grows from that lower bound until one finishes."""
     model, engine, counters = TtftModel(), make_engine(0), Counters()
     now = 1000.0
     fit(engine, counters, now, model)
 
     def scraped(running: float, waiting: float) -> None:  # it exports e2e: none finished
         counters.running, counters.waiting = running, waiting
-        counters.serve([(100, 0)] * 4, queue=0.3 if waiting else 0.0)
         figures = {**parse_vllm_metrics(counters.text()), "e2e_count": 0.0}
         engine.stats = EngineStats.scraped(figures, now=now, stale_after=15.0)
         model.rates(MODEL, [engine])
 
     scraped(3, 0)
-    now += 0.4
-    scraped(SLOTS, 4)
+    now += 0.2
+    scraped(SLOTS, 4)  # requests waiting: for room, or for the next step?
     rates = model.rates(MODEL, [engine])
     assert rates is not None
-    assert model.estimate(engine, 0, now, rates).queue == pytest.approx(5 * 0.4 / SLOTS)
+    assert model.estimate(engine, 0, now, rates).queue == 0.0  # not told yet
+    now += 0.2
+    scraped(SLOTS, 6)  # still waiting, none left the queue: the batch is full
+    assert model.estimate(engine, 0, now, rates).queue == pytest.approx(7 * 0.4 / SLOTS)
     # 0.1 s later the same figures say more: held 0.5 s at least, less the slots freed
     # since the scrape at that rate.
     later = model.estimate(engine, 0, now + 0.1, rates).queue
-    assert later == pytest.approx(5 * 0.5 / SLOTS - 0.1)
+    assert later == pytest.approx(7 * 0.5 / SLOTS - 0.1)
 
 
 def test_an_engine_that_never_queued_has_no_queue_whatever_was_sent_to_it() -> None:

@@ -37,16 +37,17 @@
   queue grows the difference of their means falls short of a slot's time.) vLLM does not
   export `max_num_seqs`, so `slots` is the most requests the engine has reported running:
   its cap once its batch has been seen full, a scrape reporting requests waiting after an
-  interval in which its requests waited longer in its queue, on average, than their
-  prefill took. (A request also waits for the next step when it arrives, so a request or
-  two waiting now and then does not mean a full batch; a wait longer than a prefill, which
-  takes at least a step, does.) Before any of its requests has finished, `slot` is at
-  least the time since the first scrape that showed it running requests (a lower bound
-  that grows until a first request ends: the batch that filled it first holds its slots
-  that long). Until its batch has been seen full (or when it exports no end-to-end latency
-  histogram), `queue(e)` is, while it reports requests waiting, the mean time its recent
-  requests spent in its queue, and the requests this replica sent count only through the
-  next scrape. So at light load, where no engine queues, the term is 0 as it always was.
+  interval in which its queue did not move (requests waiting at both ends, none left), or
+  its requests waited longer in it, on average, than their prefill took. (A request also
+  waits for the next step when it arrives, so a request or two waiting now and then does not
+  mean a full batch; a wait longer than a prefill, which takes at least a step, does.)
+  Before any of its requests has finished, `slot` is at least the time since the first
+  scrape that showed it running requests (a lower bound that grows until a first request
+  ends: the batch that filled it first holds its slots that long). Until its batch has been
+  seen full (or when it exports no end-to-end latency histogram), `queue(e)` is, while it
+  reports requests waiting, the mean time its recent requests spent in its queue, and the
+  requests this replica sent count only through the next scrape. So at light load, where no
+  engine queues, the term is 0 as it always was.
 - `backlog(e)`: the prefill this replica sent the engine that, by the fit, it has not done
   yet: each decision adds `per_token * u`; it drains in real time.
 
@@ -217,6 +218,18 @@ def _solve(nn: float, nt: float, tt: float, ny: float, ty: float) -> Rates:
     return Rates(max(0.0, by_request), 0.0)
 
 
+def _full(last: EngineStats, requests: float, prefill: float, queued: float, wait: float) -> bool:
+    """Whether an engine reporting requests waiting had a full batch over the interval
+    after figures `last`, in which `requests` first tokens took `prefill` seconds after the
+    queue and `queued` requests left it after `wait` seconds in all: its queue did not move
+    (it reported requests waiting at both ends and none left), or they waited longer, on
+    average, than a prefill takes (at least a step: a wait for room, not for the next step,
+    which a request arriving at any load has)."""
+    if queued < MIN_REQUESTS:
+        return bool(last.waiting)
+    return requests >= MIN_REQUESTS and wait / queued > prefill / requests
+
+
 def _interval(a: EngineStats, b: EngineStats) -> tuple[float, float, float, float, float] | None:
     """(first tokens, tokens prefilled, their prefill time, requests that left the queue,
     their queue time) between figures `a` and `b`; None if any is unknown or went back (a
@@ -265,10 +278,8 @@ class TtftModel:
             requests, tokens, prefill, queued, queue_time = found
             if queued >= MIN_REQUESTS:
                 state.queue_mean = queue_time / queued
-                # Waiting longer than a prefill takes (at least a step) is waiting for room
-                # in the batch, not for the next step: the engine's batch was full.
-                if stats.waiting and requests and state.queue_mean > prefill / requests:
-                    state.capped = True
+            if stats.waiting and not state.capped:
+                state.capped = _full(last, requests, prefill, queued, queue_time)
             if requests >= MIN_REQUESTS:
                 fit.add(requests, tokens, prefill)
         return fit.rates
