@@ -336,10 +336,10 @@ def test_the_queue_is_the_requests_ahead_at_the_engines_time_per_freed_slot() ->
 
 def test_before_a_request_finishes_a_slot_is_held_at_least_since_the_engine_ran() -> None:
     """An engine whose batch filled (16 running, requests waiting) before any of its
-    requests finished, as at start-up under load: once its queue has not moved over an
-    interval (requests waiting at both ends, none left) its batch is full, and its requests
-    have held their slots at least since the first scrape that showed it running, so the
-    time per slot grows from that lower bound until one finishes."""
+    requests finished, as at start-up under load: once it has reported requests waiting at
+    two scrapes in a row its batch is full, and its requests have held their slots at least
+    since the first scrape that showed it running, so the time per slot grows from that
+    lower bound until one finishes."""
     model, engine, counters = TtftModel(), make_engine(0), Counters()
     now = 1000.0
     fit(engine, counters, now, model)
@@ -357,7 +357,7 @@ def test_before_a_request_finishes_a_slot_is_held_at_least_since_the_engine_ran(
     assert rates is not None
     assert model.estimate(engine, 0, now, rates).queue == 0.0  # not told yet
     now += 0.2
-    scraped(SLOTS, 6)  # still waiting, none left the queue: the batch is full
+    scraped(SLOTS, 6)  # still waiting: the batch is full
     assert model.estimate(engine, 0, now, rates).queue == pytest.approx(7 * 0.4 / SLOTS)
     # 0.1 s later the same figures say more: held 0.5 s at least, less the slots freed
     # since the scrape at that rate.
@@ -368,12 +368,12 @@ def test_before_a_request_finishes_a_slot_is_held_at_least_since_the_engine_ran(
 def test_an_engine_that_never_queued_has_no_queue_whatever_was_sent_to_it() -> None:
     """Its cap is not known until its batch is seen full (vLLM does not export it), so the
     requests sent since a scrape add nothing: at light load the prediction is as it was, the
-    prefill alone. A request waiting at a scrape while requests waited less than a prefill
+    prefill alone. A request waiting at one scrape while requests waited less than a prefill
     takes is one waiting for the next step, not for room: it does not make the batch full."""
     model, engine, counters = TtftModel(), make_engine(0), Counters()
     now = 1000.0
     fit(engine, counters, now, model)
-    for waiting in (0, 1, 1):
+    for waiting in (0, 1):
         now += 1
         scrape(engine, counters, now, running=3, waiting=waiting, queue=0.01)
         rates = model.rates(MODEL, [engine])

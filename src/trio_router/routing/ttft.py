@@ -36,11 +36,11 @@
   requests that finish in an interval are not those that left the queue in it, and while a
   queue grows the difference of their means falls short of a slot's time.) vLLM does not
   export `max_num_seqs`, so `slots` is the most requests the engine has reported running:
-  its cap once its batch has been seen full, a scrape reporting requests waiting after an
-  interval in which its queue did not move (requests waiting at both ends, none left), or
-  its requests waited longer in it, on average, than their prefill took. (A request also
-  waits for the next step when it arrives, so a request or two waiting now and then does not
-  mean a full batch; a wait longer than a prefill, which takes at least a step, does.)
+  its cap once its batch has been seen full: two scrapes in a row reporting requests
+  waiting, or one after an interval in which its requests waited longer in its queue, on
+  average, than their prefill took. (A request also waits for the next step when it
+  arrives, so a request or two waiting at one scrape does not mean a full batch; waiting
+  at two scrapes, or longer than a prefill, which takes at least a step, does.)
   Before any of its requests has finished, `slot` is at least the time since the first
   scrape that showed it running requests (a lower bound that grows until a first request
   ends: the batch that filled it first holds its slots that long). Until its batch has been
@@ -221,13 +221,15 @@ def _solve(nn: float, nt: float, tt: float, ny: float, ty: float) -> Rates:
 def _full(last: EngineStats, requests: float, prefill: float, queued: float, wait: float) -> bool:
     """Whether an engine reporting requests waiting had a full batch over the interval
     after figures `last`, in which `requests` first tokens took `prefill` seconds after the
-    queue and `queued` requests left it after `wait` seconds in all: its queue did not move
-    (it reported requests waiting at both ends and none left), or they waited longer, on
-    average, than a prefill takes (at least a step: a wait for room, not for the next step,
-    which a request arriving at any load has)."""
-    if queued < MIN_REQUESTS:
-        return bool(last.waiting)
-    return requests >= MIN_REQUESTS and wait / queued > prefill / requests
+    queue and `queued` requests left it after `wait` seconds in all: it reported requests
+    waiting at both ends (a request waiting only for the next step, as one arriving at any
+    load does, is gone a step later), or they waited longer, on average, than a prefill
+    takes (at least a step: a wait for room, not for the next step)."""
+    if last.waiting:
+        return True
+    if queued < MIN_REQUESTS or requests < MIN_REQUESTS:
+        return False
+    return wait / queued > prefill / requests
 
 
 def _interval(a: EngineStats, b: EngineStats) -> tuple[float, float, float, float, float] | None:
