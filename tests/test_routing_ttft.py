@@ -334,6 +334,28 @@ def test_the_queue_is_the_requests_ahead_at_the_engines_time_per_freed_slot() ->
     assert model.estimate(engine, 0, now + 2 * per_slot, rates).free  # a slot freed since
 
 
+def test_an_idle_spell_keeps_the_time_per_slot() -> None:
+    """A full engine that then idles, scraped all along: its time in a slot is what its
+    requests took when it last served some, however long ago (the intervals without any
+    weigh nothing), so a burst sent to it later queues behind its free slots at that rate."""
+    model, engine, counters = TtftModel(), make_engine(0), Counters()
+    now = 1000.0
+    fit(engine, counters, now, model)
+    for _ in range(3):
+        now += 1
+        scrape(engine, counters, now, running=SLOTS, waiting=4)
+        rates = model.rates(MODEL, [engine])
+    for _ in range(100):
+        now += 1
+        scrape(engine, counters, now, running=0, waiting=0)
+        rates = model.rates(MODEL, [engine])
+    assert rates is not None
+    for _ in range(20):  # 16 free slots, then 4 ahead of the next
+        model.sent(engine, 0, now, rates)
+    queue = model.estimate(engine, 0, now, rates).queue
+    assert queue == pytest.approx(5 * SLOT / SLOTS, rel=0.01)
+
+
 def test_before_a_request_finishes_a_slot_is_held_at_least_since_the_engine_ran() -> None:
     """An engine whose batch filled (16 running, requests waiting) before any of its
     requests finished, as at start-up under load: once it has reported requests waiting at

@@ -142,7 +142,7 @@ class _Engine:
         running = stats.running
         if not self.capped or running is None:  # light load: the previous rule
             return (self.queue_mean if waiting else 0.0), waiting == 0
-        if self.finished >= MIN_REQUESTS:
+        if self.finished > 0.0:  # (both sums decay alike: an idle spell keeps the ratio)
             slot = self.slot_seconds / self.finished
         elif self.running_since is not None and stats.e2e_count is not None:
             slot = now - self.running_since  # none finished yet: at least this long
