@@ -40,6 +40,7 @@ KEYS = {
     "ttft_count",
     "queue_sum",
     "queue_count",
+    "e2e_count",
 }
 
 
@@ -77,6 +78,7 @@ def test_parses_the_vllm_fixture() -> None:
         "ttft_count": 1937.0,
         "queue_sum": pytest.approx(38.41199207305908),
         "queue_count": 1937.0,
+        "e2e_count": 1937.0,
     }
 
 

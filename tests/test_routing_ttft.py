@@ -1,8 +1,10 @@
 """kv_aware's time cost (`routing.ttft`): the fit of an engine's prefill time from its own
 counters, the predicted wait on made-up engine states (a hot engine with a queue loses to a
-cold one exactly when the numbers say it should), a hot prefix replicated when its holder's
-backlog exceeds prefilling it elsewhere, and the learning end to end on the autojump clock: a
-scraper reading an engine whose counters grow as a known prefill time says."""
+cold one exactly when the numbers say it should), the queue for a sequence slot (the
+requests waiting and those sent since the scrape, at the engine's time per freed slot), a hot
+prefix replicated when its holder's backlog or queue exceeds prefilling it elsewhere, and the
+learning end to end on the autojump clock: a scraper reading an engine whose counters grow as
+a known prefill time says."""
 
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ import trio.testing
 
 from trio_router.config import RoutingConfig, StatsConfig, parse_config
 from trio_router.discovery.stats import parse_vllm_metrics, run_stats_scraper
+from trio_router.emulator.engine import EmulatedEngine, EngineConfig, SamplingParams
+from trio_router.emulator.profiles import load_profile
 from trio_router.errors import ConfigError
 from trio_router.http import UpstreamPool
 from trio_router.kv.index import BlockIndex, block_keys
@@ -48,6 +52,8 @@ class Counters:
     queue_sum: float = 0.0
     queue_count: float = 0.0
     waiting: float = 0.0
+    running: float = 1.0
+    finished: float = 0.0  # exported once a request finished (`finish`)
 
     def serve(self, sizes: list[tuple[int, int]], queue: float = 0.0) -> None:
         """Requests of (prompt tokens, of which cached) got their first token."""
@@ -60,10 +66,12 @@ class Counters:
             self.queue_count += 1
 
     def text(self) -> str:
+        e2e = [("vllm:e2e_request_latency_seconds_count", self.finished)] if self.finished else []
         return "".join(
             f"{name} {value!r}\n"
             for name, value in (
-                ("vllm:num_requests_running", 1.0),
+                *e2e,
+                ("vllm:num_requests_running", self.running),
                 ("vllm:num_requests_waiting", self.waiting),
                 ("vllm:prompt_tokens_total", self.prompt),
                 ("vllm:prefix_cache_hits_total", self.hits),
@@ -266,6 +274,183 @@ def test_a_holder_without_a_queue_keeps_its_prefix_whatever_the_backlog() -> Non
     assert last is not None and last > BASE + PER_TOKEN * 1056 + SLACK  # dearer, and kept
 
 
+SLOT: Final = 0.8  # seconds a request holds a sequence slot (arrival to last token, less queue)
+SLOTS: Final = 16.0  # an engine's cap on sequences (max_num_seqs), as a full batch shows it
+
+
+def scrape(
+    engine: Engine,
+    counters: Counters,
+    now: float,
+    *,
+    running: float,
+    waiting: float,
+    queue: float = 0.3,
+) -> None:
+    """A scrape at `now`, a second after the last, of an engine whose requests hold a slot
+    SLOT seconds: as many finished in that second as the slots it held then (the mean of
+    the two scrapes' running requests) allow; 16 of 100 tokens got their first token after
+    `queue` seconds queued (longer than their prefill, BASE + 0.1 s: a full batch)."""
+    counters.finished += (counters.running + running) / 2 / SLOT
+    counters.running, counters.waiting = running, waiting
+    counters.serve([(100, 0)] * 16, queue=queue)
+    engine.stats = counters.stats(now)
+
+
+def test_the_queue_is_the_requests_ahead_at_the_engines_time_per_freed_slot() -> None:
+    """An engine that has shown a full batch of 16, its requests holding a slot 0.8 s, frees
+    one every 0.05 s: each request ahead of a new one, reported waiting or sent by this
+    replica since the scrape, adds 0.05 s, and the slots freed since the scrape are taken
+    off. While the scrape's free slots outnumber the requests sent since, the queue is empty
+    (and the engine free); the next request waits for one slot."""
+    model, engine, counters = TtftModel(), make_engine(0), Counters()
+    now = 1000.0
+    fit(engine, counters, now, model)
+    per_slot = SLOT / SLOTS
+    for _ in range(2):  # the second interval tells the time in a slot (the first lacks it)
+        now += 1
+        scrape(engine, counters, now, running=SLOTS, waiting=4)
+        rates = model.rates(MODEL, [engine])
+    assert rates is not None
+    estimate = model.estimate(engine, 0, now, rates)
+    assert estimate.queue == pytest.approx(5 * per_slot) and not estimate.free
+    assert estimate.seconds == pytest.approx(5 * per_slot + BASE)
+    for _ in range(3):
+        model.sent(engine, 0, now, rates)
+    assert model.estimate(engine, 0, now, rates).queue == pytest.approx(8 * per_slot)
+    assert model.estimate(engine, 0, now + 0.1, rates).queue == pytest.approx(6 * per_slot)
+    # The next scrape counts what was sent: the count starts again. 12 running of 16, none
+    # waiting: four free slots.
+    now += 1
+    scrape(engine, counters, now, running=12, waiting=0)
+    rates = model.rates(MODEL, [engine])
+    assert rates is not None
+    for _ in range(4):
+        estimate = model.estimate(engine, 0, now, rates)
+        assert estimate.queue == 0.0 and estimate.free
+        model.sent(engine, 0, now, rates)
+    estimate = model.estimate(engine, 0, now, rates)
+    assert estimate.queue == pytest.approx(per_slot) and not estimate.free
+    assert model.estimate(engine, 0, now + 2 * per_slot, rates).free  # a slot freed since
+
+
+def test_an_idle_spell_keeps_the_time_per_slot() -> None:
+    """A full engine that then idles, scraped all along: its time in a slot is what its
+    requests took when it last served some, however long ago (the intervals without any
+    weigh nothing), so a burst sent to it later queues behind its free slots at that rate."""
+    model, engine, counters = TtftModel(), make_engine(0), Counters()
+    now = 1000.0
+    fit(engine, counters, now, model)
+    for _ in range(3):
+        now += 1
+        scrape(engine, counters, now, running=SLOTS, waiting=4)
+        rates = model.rates(MODEL, [engine])
+    for _ in range(100):
+        now += 1
+        scrape(engine, counters, now, running=0, waiting=0)
+        rates = model.rates(MODEL, [engine])
+    assert rates is not None
+    for _ in range(20):  # 16 free slots, then 4 ahead of the next
+        model.sent(engine, 0, now, rates)
+    queue = model.estimate(engine, 0, now, rates).queue
+    assert queue == pytest.approx(5 * SLOT / SLOTS, rel=0.01)
+
+
+def test_before_a_request_finishes_a_slot_is_held_at_least_since_the_engine_ran() -> None:
+    """An engine whose batch filled (16 running, requests waiting) before any of its
+    requests finished, as at start-up under load: once it has reported requests waiting at
+    two scrapes in a row its batch is full, and its requests have held their slots at least
+    since the first scrape that showed it running, so the time per slot grows from that
+    lower bound until one finishes."""
+    model, engine, counters = TtftModel(), make_engine(0), Counters()
+    now = 1000.0
+    fit(engine, counters, now, model)
+
+    def scraped(running: float, waiting: float) -> None:  # it exports e2e: none finished
+        counters.running, counters.waiting = running, waiting
+        figures = {**parse_vllm_metrics(counters.text()), "e2e_count": 0.0}
+        engine.stats = EngineStats.scraped(figures, now=now, stale_after=15.0)
+        model.rates(MODEL, [engine])
+
+    scraped(3, 0)
+    now += 0.2
+    scraped(SLOTS, 4)  # requests waiting: for room, or for the next step?
+    rates = model.rates(MODEL, [engine])
+    assert rates is not None
+    assert model.estimate(engine, 0, now, rates).queue == 0.0  # not told yet
+    now += 0.2
+    scraped(SLOTS, 6)  # still waiting: the batch is full
+    assert model.estimate(engine, 0, now, rates).queue == pytest.approx(7 * 0.4 / SLOTS)
+    # 0.1 s later the same figures say more: held 0.5 s at least, less the slots freed
+    # since the scrape at that rate.
+    later = model.estimate(engine, 0, now + 0.1, rates).queue
+    assert later == pytest.approx(7 * 0.5 / SLOTS - 0.1)
+
+
+def test_an_engine_that_never_queued_has_no_queue_whatever_was_sent_to_it() -> None:
+    """Its cap is not known until its batch is seen full (vLLM does not export it), so the
+    requests sent since a scrape add nothing: at light load the prediction is as it was, the
+    prefill alone. A request waiting at one scrape while requests waited less than a prefill
+    takes is one waiting for the next step, not for room: it does not make the batch full."""
+    model, engine, counters = TtftModel(), make_engine(0), Counters()
+    now = 1000.0
+    fit(engine, counters, now, model)
+    for waiting in (0, 1):
+        now += 1
+        scrape(engine, counters, now, running=3, waiting=waiting, queue=0.01)
+        rates = model.rates(MODEL, [engine])
+    assert rates is not None
+    for _ in range(100):
+        model.sent(engine, 0, now, rates)
+    estimate = model.estimate(engine, 0, now, rates)
+    assert estimate.queue == pytest.approx(0.01) and not estimate.free  # the previous rule
+    assert estimate.seconds == pytest.approx(BASE + 0.01)
+    now += 1
+    scrape(engine, counters, now, running=3, waiting=0, queue=0.01)
+    model.rates(MODEL, [engine])
+    estimate = model.estimate(engine, 0, now, rates)
+    assert estimate.queue == 0.0 and estimate.free
+    assert estimate.seconds == pytest.approx(BASE)
+
+
+def test_a_burst_of_hits_leaves_its_holder_once_the_wait_for_a_slot_exceeds_a_cold_prefill() -> (
+    None
+):
+    """The holder of a 1,024-token prompt last reported a full batch (16 running, none
+    waiting; it has queued before, so 16 is its cap), its requests holding a slot 0.8 s:
+    every request sent there since is one more ahead of the next, 0.05 s further back. A
+    burst of that prompt, all of it cached there (so no prefill backlog grows), stays while
+    the wait there is within the slack (50 ms) of a cold prefill elsewhere, and then moves:
+    the n-th (from 0) waits (n + 1) x 50 ms for a slot and 50 ms of prefill, against
+    1,074 ms on an engine with free slots; it stays while n <= 20."""
+    clock, index = [1000.0], BlockIndex()
+    policy = kv_policy(clock, index)
+    engines = [make_engine(i) for i in range(3)]
+    counters = [Counters() for _ in engines]
+    for engine, its in zip(engines, counters, strict=True):
+        fit(engine, its, clock[0], policy)
+    holder, prefix = engines[0], tuple(range(1024))
+    for waiting in (2.0, 0.0, 0.0):  # a queue once (its cap), then a full batch, none waiting
+        clock[0] += 1  # the last look's backlog drained
+        for engine, its in zip(engines, counters, strict=True):
+            busy = engine is holder
+            scrape(engine, its, clock[0], running=SLOTS if busy else 8, waiting=waiting * busy)
+        if waiting:  # the model learns from what it sees when it decides: look now
+            policy.choose(engines, RequestInfo(MODEL, opening="look", tokens=(2,) * BLOCK))
+    index.speculate(holder.uid, block_keys(prefix, BLOCK), now=clock[0], until=math.inf)
+    chosen = [
+        policy.choose(engines, RequestInfo(MODEL, opening=f"agent {n}", tokens=prefix))
+        for n in range(30)
+    ]
+    stays = 21
+    assert [d.engine for d in chosen[:stays]] == [holder] * stays
+    assert chosen[stays - 1].predicted_ttft == pytest.approx(BASE + stays * SLOT / SLOTS)
+    replica = chosen[stays].engine
+    assert replica is not holder and chosen[stays].cached_tokens == 0  # prefilled there
+    # The replica holds it now and has free slots: the rest of the burst goes there.
+    assert [d.engine for d in chosen[stays:]] == [replica] * (30 - stays)
+
+
 def test_waits_closer_than_the_predictions_error_are_not_told_apart() -> None:
     """Once first tokens come on average 0.4 s off their predictions, a holder (reporting
     requests waiting) predicted 0.5 s slower than a cold engine keeps its prefix (the model
@@ -397,3 +582,51 @@ async def test_rates_are_learned_from_scrapes_and_the_backlog_drains_in_time(
         assert third.predicted_ttft == pytest.approx(alone + 0.5, rel=0.01)
         pool.close()
         nursery.cancel_scope.cancel()
+
+
+async def test_an_emulated_engines_own_figures_predict_its_wait_for_a_slot(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """An emulated H100 capped at 4 sequences, sent requests faster than it serves them and
+    scraped every 0.1 s: from its own /metrics alone (running, waiting, and its latency
+    histograms), the queue predicted for the next request is the wait that request then has
+    for its first token, to within a quarter."""
+    config = EngineConfig.from_profile(load_profile("h100"), max_num_seqs=4)
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    model, engine = TtftModel(), make_engine(0)
+    emulated = EmulatedEngine(config)
+    first_token = trio.Event()
+
+    async def request(n: int, told: trio.Event | None = None) -> None:
+        generation = emulated.submit(list(range(1000 * n, 1000 * n + 64)), params)
+        while True:
+            tokens, reason = await generation.wait()
+            if tokens and told is not None:
+                told.set()
+            if reason is not None:
+                return
+
+    async def scrape_every(seconds: float) -> None:
+        while True:
+            figures = parse_vllm_metrics(emulated.metrics_text())
+            engine.stats = EngineStats.scraped(figures, now=trio.current_time(), stale_after=1)
+            model.rates(MODEL, [engine])
+            await trio.sleep(seconds)
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(emulated.run)
+        nursery.start_soon(scrape_every, 0.1)
+        for n in range(60):  # about 1.5 times what it serves
+            nursery.start_soon(request, n)
+            await trio.sleep(1 / 24)
+        figures = parse_vllm_metrics(emulated.metrics_text())
+        now = trio.current_time()
+        engine.stats = EngineStats.scraped(figures, now=now, stale_after=1)
+        rates = model.rates(MODEL, [engine])
+        assert rates is not None and figures["waiting"] >= 10
+        predicted = model.estimate(engine, 64, now, rates).seconds
+        nursery.start_soon(request, 60, first_token)
+        await first_token.wait()
+        waited = trio.current_time() - now
+        nursery.cancel_scope.cancel()
+    assert waited == pytest.approx(predicted, rel=0.25)

@@ -178,12 +178,14 @@ class EngineStats:
     prefix_cache_hits: float | None = None  # tokens, since the engine started
     prefix_cache_queries: float | None = None
     # Counters `kv_aware` learns its rates from (`routing.ttft`), since the engine started:
-    # prompt tokens, and the sums and counts of its time-to-first-token and queue histograms.
+    # prompt tokens, the sums and counts of its time-to-first-token and queue histograms,
+    # and the count of its end-to-end latency histogram (the requests that finished).
     prompt_tokens: float | None = None
     ttft_sum: float | None = None
     ttft_count: float | None = None
     queue_sum: float | None = None
     queue_count: float | None = None
+    e2e_count: float | None = None
     scraped_at: float = -math.inf
     expires: float = -math.inf
 
@@ -202,6 +204,7 @@ class EngineStats:
             ttft_count=gauges.get("ttft_count"),
             queue_sum=gauges.get("queue_sum"),
             queue_count=gauges.get("queue_count"),
+            e2e_count=gauges.get("e2e_count"),
             scraped_at=now,
             expires=now + stale_after,
         )

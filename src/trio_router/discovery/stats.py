@@ -34,13 +34,15 @@ _COUNTS: Final = {
     b"vllm:num_requests_waiting": "waiting",
     b"vllm:prefix_cache_hits_total": "prefix_cache_hits",
     b"vllm:prefix_cache_queries_total": "prefix_cache_queries",
-    # What `kv_aware` learns its rates from (`routing.ttft`): prompt tokens and the time to
-    # a first token and in the queue, summed over requests since the engine started.
+    # What `kv_aware` learns its rates from (`routing.ttft`): prompt tokens, the time to a
+    # first token and in the queue, summed over requests since the engine started, and the
+    # requests that finished.
     b"vllm:prompt_tokens_total": "prompt_tokens",
     b"vllm:time_to_first_token_seconds_sum": "ttft_sum",
     b"vllm:time_to_first_token_seconds_count": "ttft_count",
     b"vllm:request_queue_time_seconds_sum": "queue_sum",
     b"vllm:request_queue_time_seconds_count": "queue_count",
+    b"vllm:e2e_request_latency_seconds_count": "e2e_count",
 }
 _KV_USAGE: Final = (b"vllm:kv_cache_usage_perc", b"vllm:gpu_cache_usage_perc")  # newest first
 _NAMES: Final = (*_COUNTS, *_KV_USAGE)
@@ -81,8 +83,9 @@ def parse_vllm_metrics(text: str | bytes) -> dict[str, float]:
     """vLLM's load gauges from a /metrics page: "running" and "waiting" (request counts,
     summed over label sets such as data-parallel ranks), "prefix_cache_hits" and
     "prefix_cache_queries" (its prefix-cache counters, in tokens, summed likewise),
-    "prompt_tokens", "ttft_sum", "ttft_count", "queue_sum" and "queue_count" (its prompt
-    tokens, and its time-to-first-token and queue-time histograms' sums and counts) and
+    "prompt_tokens", "ttft_sum", "ttft_count", "queue_sum", "queue_count" and "e2e_count"
+    (its prompt tokens, its time-to-first-token and queue-time histograms' sums and counts,
+    and its end-to-end latency histogram's count: the requests that finished) and
     "kv_cache_usage" (0..1, the mean over label sets, from `vllm:kv_cache_usage_perc`, else
     the older `vllm:gpu_cache_usage_perc`). Absent gauges are absent keys; non-finite
     samples are skipped. A page with a malformed sample line of one of these gauges yields

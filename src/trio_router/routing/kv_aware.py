@@ -7,12 +7,15 @@ A request for a LoRA adapter (a model the candidates' `/v1/models` list with a p
 the blocks they hold under that adapter (`kv.index.adapter_root`, keyed by the adapter's
 name, the same on every engine whatever id it has there): vLLM shares no blocks between
 adapters, or between an adapter and its base model.
-With `kv_cost = "ttft"` (the default) the holders of the most of the prompt whose fresh
-figures show no request waiting are the only contenders while there are any (an engine
-without a queue starts a request in its next step, as another would: moving would only lose
-the hits). Each contender's cost is its predicted wait for the request's first token
-(`routing.ttft`: queue, this replica's backlog there, and the prefill of the tokens it does
-not hold, at rates fitted from the engines' own figures); waits closer than the predictions'
+With `kv_cost = "ttft"` (the default) the holders of the most of the prompt with a free
+sequence slot (fresh figures showing no request waiting, and this replica having sent them
+since fewer requests than they had free slots, `routing.ttft`) are the only contenders while
+there are any (an engine without a queue starts a request in its next step, as another
+would: moving would only lose the hits). Each contender's cost is its predicted wait for the
+request's first token (`routing.ttft`: its queue, the requests waiting there and those this
+replica sent it since its last scrape, each at the engine's time per freed slot; this
+replica's prefill backlog there; and the prefill of the tokens it does not hold, at rates
+fitted from the engines' own figures); waits closer than the predictions'
 error (or `kv_ttft_slack_s`) are tied, and a tie goes to the engine holding the most of the
 prompt. Until the rates are fitted, and with `kv_cost = "load"`:
 
@@ -329,7 +332,7 @@ def _opening_key(request: RequestInfo) -> tuple[str, int]:
 class _Costs:
     """The contenders' costs, by uid, and what the decision reports of them. Costs within
     `tolerance` of the cheapest are tied. With the time cost (`keep_holders`), a holder of the
-    most of the prompt whose engine's fresh figures show no request waiting keeps it."""
+    most of the prompt with a free slot keeps it."""
 
     by_uid: dict[str, float]
     tolerance: float
@@ -345,20 +348,26 @@ class _Costs:
         """The contenders within `tolerance` of the cheapest; with the time cost, of those,
         the ones holding the most of the prompt (the model cannot tell their waits apart:
         keep the cache hits). With the time cost, only the holders of the most of the prompt
-        whose fresh figures show no request waiting contend, if there are any: an engine
-        without a queue takes a request into its next step, as any other engine would, so
-        leaving it would only lose the hits (docs/routing.md, "When a hot prefix moves")."""
-        matched, by_uid = self.matched, self.by_uid
+        with a free slot (`Estimate.free`; before the fit, fresh figures showing no request
+        waiting) contend, if there are any: an engine without a queue takes a request into
+        its next step, as any other engine would, so leaving it would only lose the hits
+        (docs/routing.md, "When a hot prefix moves")."""
+        matched, by_uid, estimates = self.matched, self.by_uid, self.estimates
         if self.keep_holders and (most := max(matched.get(e.uid, 0) for e in contenders)):
             free = [
                 e
                 for e in contenders
-                if matched.get(e.uid, 0) == most and e.stats.waiting == 0 and e.stats.fresh(now)
+                if matched.get(e.uid, 0) == most
+                and (
+                    estimates[e.uid].free
+                    if estimates
+                    else e.stats.waiting == 0 and e.stats.fresh(now)
+                )
             ]
             contenders = free or contenders
         best = min(by_uid[e.uid] for e in contenders)
         tied = [e for e in contenders if by_uid[e.uid] <= best + self.tolerance]
-        if self.estimates:
+        if estimates:
             most = max(matched.get(e.uid, 0) for e in tied)
             tied = [e for e in tied if matched.get(e.uid, 0) == most]
         return tied

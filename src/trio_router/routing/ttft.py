@@ -14,19 +14,55 @@
   (adapters share their base model's): the engines run the same weights, and a fit per
   engine would make an engine look cheap for a while on a few lucky figures, and draw a
   herd. Older intervals weigh less (`DECAY` per interval).
-- `queue(e)`: while the engine reports requests waiting (its batch is full), the mean time
-  its recent requests spent waiting.
+- `queue(e)`: the wait for a free sequence slot. An engine runs at most so many sequences at
+  once (vLLM's `max_num_seqs`, or fewer when its KV cache is full); a request beyond them
+  waits in its queue until a running one finishes. The requests ahead of this one are those
+  the engine reported waiting at its last scrape (`vllm:num_requests_waiting`) and those
+  this replica sent it since that scrape beyond the free slots the scrape showed (its slots
+  less `vllm:num_requests_running`): each is priced at the engine's time per freed slot,
+  and the slots freed since the scrape (the time since it, at that rate) are taken off:
+
+      queue(e) = max(0, (waiting + max(0, sent - free) + 1) * slot / slots - since scrape)
+
+  (0 while `sent < free` and none wait: a free slot takes the request at once). `slot` is
+  the mean time the engine's requests hold a slot, by Little's law over its running batch:
+  the slots it held between two scrapes (the mean of their `vllm:num_requests_running`,
+  times the time between them) over the requests that finished meanwhile (the growth of
+  `vllm:e2e_request_latency_seconds_count`), both summed over intervals decayed as the fit
+  is. With `slots` sequences held that long one is freed every `slot / slots` seconds on
+  average, and each goes to the head of the queue, first come first served; while the batch
+  is full that is just the time between two finishing requests, the rate at which the queue
+  drains. (Not each request's own time in a slot, end-to-end latency less queue time: the
+  requests that finish in an interval are not those that left the queue in it, and while a
+  queue grows the difference of their means falls short of a slot's time.) vLLM does not
+  export `max_num_seqs`, so `slots` is the most requests the engine has reported running:
+  its cap once its batch has been seen full: two scrapes in a row reporting requests
+  waiting, or one after an interval in which its requests waited longer in its queue, on
+  average, than their prefill took. (A request also waits for the next step when it
+  arrives, so a request or two waiting at one scrape does not mean a full batch; waiting
+  at two scrapes, or longer than a prefill, which takes at least a step, does.)
+  Before any of its requests has finished, `slot` is at least the time since the first
+  scrape that showed it running requests (a lower bound that grows until a first request
+  ends: the batch that filled it first holds its slots that long). Until its batch has been
+  seen full (or when it exports no end-to-end latency histogram), `queue(e)` is, while it
+  reports requests waiting, the mean time its recent requests spent in its queue, and the
+  requests this replica sent count only through the next scrape. So at light load, where no
+  engine queues, the term is 0 as it always was.
 - `backlog(e)`: the prefill this replica sent the engine that, by the fit, it has not done
   yet: each decision adds `per_token * u`; it drains in real time.
 
-The backlog is this replica's own and immediate; the fit and the queue are the engines' and
-a scrape old. How far the predictions are off is learned too: at first from the scatter of
+The backlog, and the requests sent since the last scrape, are this replica's own and
+immediate; the fit, the time per slot and the queue it reported are the engines' and a scrape
+old. How far the predictions are off is learned too: at first from the scatter of
 the engines' intervals around the fit, then from each first token against its prediction
 (`observed`); `kv_aware` does not tell apart waits closer than about that error. Until the
 engines' figures have fitted the model (`MIN_FIT_REQUESTS` first tokens), `rates` is None and
-`kv_aware` decides as with `kv_cost = "load"`. Pure and synchronous: it learns when a
-decision looks at an engine whose figures changed (the counters are cumulative, so no scrape
-is missed); memory is a few floats per engine and per model.
+`kv_aware` decides as with `kv_cost = "load"`. An engine whose predicted queue is empty
+(fresh figures with none waiting, and no more requests sent since than it had free slots)
+is `free`: `kv_aware` keeps a prompt on such a holder (docs/routing.md, "When a hot prefix
+moves"). Pure and synchronous: it learns when a decision looks at an engine whose figures
+changed (the counters are cumulative, so no scrape is missed); memory is a few floats per
+engine and per model.
 """
 
 from __future__ import annotations
@@ -62,6 +98,7 @@ class Estimate:
     queue: float
     backlog: float
     prefill: float  # base + per_token * uncached
+    free: bool = False  # its predicted queue is empty: a free slot takes the request at once
 
 
 @dataclass(slots=True)
@@ -69,6 +106,60 @@ class _Engine:
     last: EngineStats | None = None  # the figures the last interval ended with
     queue_mean: float = 0.0  # mean queue time of its recent queued requests
     busy_until: float = -math.inf  # this replica's backlog there ends then
+    slots: float = 0.0  # the most requests it has reported running...
+    capped: bool = False  # ...its cap, once its batch was seen full (see `rates`)
+    slot_seconds: float = 0.0  # decayed sum of the slots it held, times how long...
+    finished: float = 0.0  # ...and of the requests that finished meanwhile
+    running_since: float | None = None  # the first scrape showing it running, router time
+    sent: int = 0  # requests this replica sent it since the figures `sent_since`
+    sent_since: EngineStats | None = None
+
+    def learn(self, last: EngineStats | None, stats: EngineStats) -> None:
+        """The slots, from new figures `stats`, and the time a request holds one, from
+        those that followed `last`: the slots held over the interval (the mean of the two
+        scrapes' running requests times its length) over the requests that finished in it
+        (Little's law), both summed over intervals, older ones weighing less."""
+        running = stats.running
+        if running is None:
+            return
+        self.slots = max(self.slots, running)
+        if self.running_since is None and running:
+            self.running_since = stats.scraped_at
+        if last is None or last.running is None or last.e2e_count is None:
+            return
+        if stats.e2e_count is None or stats.e2e_count < last.e2e_count:
+            return  # not exported, or restarted
+        held = (last.running + running) / 2 * (stats.scraped_at - last.scraped_at)
+        self.slot_seconds = DECAY * self.slot_seconds + held
+        self.finished = DECAY * self.finished + stats.e2e_count - last.e2e_count
+
+    def queue(self, stats: EngineStats, now: float) -> tuple[float, bool]:
+        """The predicted wait for a free slot, and whether a slot is free now (see the
+        module's docstring, `queue(e)`). On every candidate of every decision: kept lean."""
+        if now > stats.expires:  # not fresh
+            return 0.0, False
+        waiting = stats.waiting
+        running = stats.running
+        if not self.capped or running is None:  # light load: the previous rule
+            return (self.queue_mean if waiting else 0.0), waiting == 0
+        if self.finished > 0.0:  # (both sums decay alike: an idle spell keeps the ratio)
+            slot = self.slot_seconds / self.finished
+        elif self.running_since is not None and stats.e2e_count is not None:
+            slot = now - self.running_since  # none finished yet: at least this long
+        else:
+            return (self.queue_mean if waiting else 0.0), waiting == 0
+        sent = self.sent if self.sent_since is stats else 0
+        if waiting:
+            ahead = waiting + sent
+        else:
+            free = self.slots - running  # slots: the most it reported running, so >= 0
+            if sent < free:
+                return 0.0, True
+            ahead = sent - free
+        wait = (ahead + 1) * slot / (self.slots or 1.0) - (now - stats.scraped_at)
+        if wait > 0:
+            return wait, False
+        return 0.0, waiting == 0
 
 
 @dataclass(slots=True)
@@ -127,6 +218,20 @@ def _solve(nn: float, nt: float, tt: float, ny: float, ty: float) -> Rates:
     return Rates(max(0.0, by_request), 0.0)
 
 
+def _full(last: EngineStats, requests: float, prefill: float, queued: float, wait: float) -> bool:
+    """Whether an engine reporting requests waiting had a full batch over the interval
+    after figures `last`, in which `requests` first tokens took `prefill` seconds after the
+    queue and `queued` requests left it after `wait` seconds in all: it reported requests
+    waiting at both ends (a request waiting only for the next step, as one arriving at any
+    load does, is gone a step later), or they waited longer, on average, than a prefill
+    takes (at least a step: a wait for room, not for the next step)."""
+    if last.waiting:
+        return True
+    if queued < MIN_REQUESTS or requests < MIN_REQUESTS:
+        return False
+    return wait / queued > prefill / requests
+
+
 def _interval(a: EngineStats, b: EngineStats) -> tuple[float, float, float, float, float] | None:
     """(first tokens, tokens prefilled, their prefill time, requests that left the queue,
     their queue time) between figures `a` and `b`; None if any is unknown or went back (a
@@ -169,11 +274,14 @@ class TtftModel:
             if stats is state.last or stats.scraped_at == -math.inf:
                 continue
             last, state.last = state.last, stats
+            state.learn(last, stats)
             if last is None or (found := _interval(last, stats)) is None:
                 continue
             requests, tokens, prefill, queued, queue_time = found
             if queued >= MIN_REQUESTS:
                 state.queue_mean = queue_time / queued
+            if stats.waiting and not state.capped:
+                state.capped = _full(last, requests, prefill, queued, queue_time)
             if requests >= MIN_REQUESTS:
                 fit.add(requests, tokens, prefill)
         return fit.rates
@@ -183,15 +291,25 @@ class TtftModel:
         `rates` over the candidates)."""
         state = self._engines[engine.uid]
         stats = engine.stats
-        queue = state.queue_mean if stats.fresh(now) and stats.waiting else 0.0
-        backlog = max(0.0, state.busy_until - now)
+        if state.capped and now <= stats.expires:
+            queue, free = state.queue(stats, now)
+        else:  # no queue for a slot seen yet, or figures not fresh: the previous rule
+            waiting = stats.waiting if now <= stats.expires else None
+            queue, free = (state.queue_mean if waiting else 0.0), waiting == 0
+        backlog = state.busy_until - now
+        if backlog < 0.0:
+            backlog = 0.0
         prefill = rates.base + rates.per_token * uncached
-        return Estimate(queue + backlog + prefill, queue, backlog, prefill)
+        return Estimate(queue + backlog + prefill, queue, backlog, prefill, free)
 
     def sent(self, engine: Engine, uncached: float, now: float, rates: Rates) -> None:
-        """A request with `uncached` tokens to prefill went to `engine`: its backlog grows."""
+        """A request with `uncached` tokens to prefill went to `engine`: its backlog grows,
+        and it is one more request sent there since its last scrape."""
         state = self._engines[engine.uid]
         state.busy_until = max(now, state.busy_until) + rates.per_token * uncached
+        if state.sent_since is not engine.stats:
+            state.sent, state.sent_since = 0, engine.stats
+        state.sent += 1
 
     def observed(self, model: str, error: float) -> None:
         """A first token came `error` seconds after (or before) one of `model`'s
