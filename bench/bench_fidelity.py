@@ -3,6 +3,7 @@ emulator's fidelity checked on one shared-prefix workload.
 
     python bench/bench_fidelity.py fit [--write] [--json-out FILE]
     python bench/bench_fidelity.py compare [--kv-cache-bytes 4194304] [--block-size 128]
+                                           [--placement split] [--warm-up 2047]
                                            [--json-out FILE]
 
 `fit`: one real engine (`trio_router.testing.vllm_engines`: the tiny model, the real tier's
@@ -47,6 +48,12 @@ emulator runs at time scale 1); for the real engine also its steps
 (`vllm:iteration_tokens_total`'s count) and, from the kernel's schedstat, the CPU seconds its
 API server's loop and all its threads (API server, engine core, worker) ran and waited,
 runnable, for a CPU during the workload.
+
+Both commands first raise this process's and the engines' CPU priority, place the real
+engine's processes (`--placement split`: engine core and worker on core 0, API server and
+this client on core 1) and run every prompt length up to `--warm-up` tokens once on each
+engine: `fidelity_host` says why. `compare` also reports each engine's steps and its own
+means of vLLM's request phases (queue, prefill, decode) and inter-token latency.
 
 At most one real engine runs at a time; every engine is stopped at the end.
 """
