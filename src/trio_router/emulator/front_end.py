@@ -7,6 +7,14 @@ ended or when it comes, whichever is later, and lasts what the profile's `[front
 (`profiles.FrontEndCost`, emulated seconds scaled by the engine's time scale). A request
 reaches the engine core when its arrival is processed; a step's tokens reach their readers
 when its output is. The engine core's steps do not wait for it.
+
+Arrivals are handled in rounds: a request that comes while the front end is still handling
+earlier arrivals (and nothing else was queued after them) joins them, and the round's
+requests all reach the engine core when its work is done. vLLM's API server interleaves the
+requests on its event loop, so a burst of them progresses together and is handed on nearly
+together; handed on one after another, a burst would reach the engine core spread out and be
+prefilled over more, smaller steps than vLLM's (docs/performance.md, "cpu-tiny against the
+real vLLM CPU engine").
 """
 
 from __future__ import annotations
@@ -28,6 +36,8 @@ class FrontEnd:
         self._free_at = -math.inf  # when its last piece of work ends (Trio's clock)
         self._arriving: deque[tuple[float, Request]] = deque()  # in order of readiness
         self.reached: dict[str, float] = {}  # request id -> reached the core (emulated s)
+        self._round = 0
+        self._round_end = -math.inf
 
     def _work(self, now: float, seconds: float) -> float:
         """Queue `seconds` of work at `now`; when it ends (Trio's clock)."""
@@ -36,7 +46,16 @@ class FrontEnd:
 
     def arrive(self, request: Request, now: float) -> None:
         """A request has come (Trio's clock `now`): it reaches the core once processed."""
-        self._arriving.append((self._work(now, self.cost.arrival_s), request))
+        joined = self._round and now < self._free_at and self._free_at == self._round_end
+        ready = self._work(now, self.cost.arrival_s)
+        if joined:
+            for i in range(len(self._arriving) - self._round, len(self._arriving)):
+                self._arriving[i] = (ready, self._arriving[i][1])
+            self._round += 1
+        else:
+            self._round = 1
+        self._round_end = ready
+        self._arriving.append((ready, request))
 
     def arrived(self, now: float) -> list[Request]:
         """The requests processed by `now`, in order; each leaves the front end."""
@@ -55,9 +74,11 @@ class FrontEnd:
         """Forget a request whose client went away: drop it if it is not yet handed on
         (True), else forget when it reached the core (False)."""
         self.reached.pop(request.request_id, None)
-        for item in self._arriving:
+        for index, item in enumerate(self._arriving):
             if item[1] is request:
-                self._arriving.remove(item)
+                if index >= len(self._arriving) - self._round:
+                    self._round -= 1  # it was in the open round
+                del self._arriving[index]
                 return True
         return False
 
