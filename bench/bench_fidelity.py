@@ -63,6 +63,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import random
 import re
 import sys
@@ -370,6 +371,34 @@ def engine_cpu(pid: int) -> tuple[float, float]:
     return ran / 1e9, waited / 1e9
 
 
+_TTFT_BUCKET: Final = re.compile(
+    rb'^vllm:time_to_first_token_seconds_bucket\{[^}]*le="([^"]+)"[^}]*\} (\S+)$', re.M
+)
+
+
+async def ttft_buckets(client: httpx.AsyncClient, url: str) -> dict[float, float]:
+    """The engine's TTFT histogram: cumulative count per upper bound."""
+    body = (await client.get(f"{url}/metrics")).content
+    return {float(le): float(count) for le, count in _TTFT_BUCKET.findall(body)}
+
+
+def histogram_quantile(q: float, before: dict[float, float], after: dict[float, float]) -> float:
+    """The `q` quantile of what a histogram gained between two scrapes, as Prometheus's
+    `histogram_quantile` computes it: linear within the bucket that holds it."""
+    bounds = sorted(after)
+    counts = [after[b] - before.get(b, 0.0) for b in bounds]
+    if not counts or counts[-1] <= 0:
+        return float("nan")
+    rank, lower, below = q * counts[-1], 0.0, 0.0
+    for bound, count in zip(bounds, counts, strict=True):
+        if count >= rank:
+            if math.isinf(bound):
+                return lower  # Prometheus answers the highest finite bound
+            return lower + (bound - lower) * (rank - below) / (count - below)
+        lower, below = bound, count
+    return float("nan")
+
+
 async def shared_prefix(
     url: str, args: argparse.Namespace, pid: int | None = None
 ) -> dict[str, Any]:
@@ -386,6 +415,7 @@ async def shared_prefix(
     limiter = trio.CapacityLimiter(args.concurrency)
     async with httpx.AsyncClient(timeout=600.0) as client:
         before = await scrape(client, [url])
+        buckets = await ttft_buckets(client, url)
         cpu = (api_server_cpu(pid), engine_cpu(pid)) if pid is not None else None
         cpu_s: dict[str, float] = {}
 
@@ -409,6 +439,7 @@ async def shared_prefix(
                 "engine_waited_s": round(all_waited2 - all_waited, 2),
             }
         after = await scrape(client, [url])
+        ttft_reported = histogram_quantile(0.5, buckets, await ttft_buckets(client, url))
 
     def delta(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)
@@ -420,6 +451,7 @@ async def shared_prefix(
         "preemptions": delta("vllm:num_preemptions_total"),
         "ttft_p50_ms": round(percentile(sorted(ttfts), 50) * 1000, 1),
         "ttft_p90_ms": round(percentile(sorted(ttfts), 90) * 1000, 1),
+        "engine_ttft_p50_ms": round(ttft_reported * 1000, 1),
         "engine_ttft_mean_ms": round(
             delta("vllm:time_to_first_token_seconds_sum")
             / max(1.0, delta("vllm:time_to_first_token_seconds_count"))

@@ -16,6 +16,7 @@ import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any, Final
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -184,3 +185,15 @@ async def test_the_command_serves_the_control_api() -> None:
             code = await process.wait()
     assert code == 0, stderr.text
     assert re.search(r"Traceback", stderr.text) is None
+
+
+async def test_a_killed_engine_refuses_connections_before_its_tasks_next_run() -> None:
+    # kill() closes the listener itself: a connection made in the same step as the kill
+    # (as when the control API's answer reaches its client first) is refused, not accepted
+    # by the kernel and reset once the engine's tasks unwind.
+    async with controlled() as (fleet, _):
+        parts = urlsplit(fleet.urls[1])
+        assert parts.hostname is not None and parts.port is not None
+        fleet.kill(1)
+        with trio.socket.socket() as sock, pytest.raises(ConnectionRefusedError):
+            await sock.connect((parts.hostname, parts.port))

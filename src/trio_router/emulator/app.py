@@ -331,6 +331,7 @@ async def serve_engine(
     *,
     kv_endpoints: KvEndpoints | None = None,
     zmq_context: zmq.Context[zmq.Socket[bytes]] | None = None,
+    listening: list[trio.SocketListener] | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run `engine` and serve it over HTTP/1.1 (`http_server`) until cancelled. Reports the
@@ -338,7 +339,8 @@ async def serve_engine(
     closes the listener and every connection. With KV-cache events in its config, they are
     published at `kv_endpoints` (by default the config's endpoints as given) on sockets of
     `zmq_context` (a fleet shares one; by default one of its own, closed with it); an
-    endpoint that cannot be bound raises OSError."""
+    endpoint that cannot be bound raises OSError. Its HTTP listeners are added to
+    `listening`, if given (`http_server.serve_asgi`)."""
     app: Any = EngineApp(engine)  # plain-dict ASGI typing, not hypercorn's TypedDicts
     async with AsyncExitStack() as stack:
         publish = None
@@ -351,5 +353,5 @@ async def serve_engine(
             publish = kv.publish
         async with trio.open_nursery() as nursery:
             await nursery.start(partial(engine.run, publish=publish))
-            url = await nursery.start(serve_asgi, app, host, port)
+            url = await nursery.start(partial(serve_asgi, listening=listening), app, host, port)
             task_status.started(url)

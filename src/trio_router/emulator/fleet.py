@@ -13,7 +13,7 @@ import logging
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import ExitStack, asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from urllib.parse import urlsplit
 
@@ -64,6 +64,7 @@ class _Slot:
     url: str = ""
     engine: EmulatedEngine | None = None  # None: killed
     scope: trio.CancelScope | None = None
+    listening: list[trio.SocketListener] = field(default_factory=list)  # its HTTP listeners
 
 
 class Fleet:
@@ -106,6 +107,9 @@ class Fleet:
         slot = self._slots[index]
         if slot.scope is not None:
             slot.scope.cancel(reason=f"engine {index} killed")
+        for http_listener in slot.listening:  # now: a connection from here on is refused
+            http_listener.socket.close()
+        slot.listening.clear()
         slot.scope = slot.engine = None
         logger.info("engine %d at %s killed", index, slot.url)
         for listener in self._listeners:
@@ -124,7 +128,8 @@ class Fleet:
     async def _start(self, slot: _Slot) -> None:
         engine = EmulatedEngine(slot.config, rng=random.Random())
         scope = trio.CancelScope()
-        serve = partial(serve_engine, kv_endpoints=slot.kv_endpoints, zmq_context=self._context)
+        serve = partial(serve_engine, kv_endpoints=slot.kv_endpoints, zmq_context=self._context,
+                        listening=slot.listening)  # fmt: skip
         slot.url = await self._nursery.start(_in_scope, scope, serve, engine, slot.host, slot.port)
         slot.port = urlsplit(slot.url).port or slot.port
         slot.engine, slot.scope = engine, scope

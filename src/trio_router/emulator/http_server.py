@@ -53,12 +53,17 @@ async def serve_asgi(
     port: int,
     *,
     keep_alive_s: float = KEEP_ALIVE_S,
+    listening: list[trio.SocketListener] | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve `app` on host:port until cancelled; reports the bound URL once listening. A
-    connection idle for `keep_alive_s` between requests is closed. Raises OSError if the
-    address is taken."""
+    connection idle for `keep_alive_s` between requests is closed. Its listeners are added
+    to `listening`, if given, so that their owner can close them at once (cancelling only
+    closes them when this task next runs, and a connection made meanwhile is accepted by
+    the kernel, then reset). Raises OSError if the address is taken."""
     listeners = await trio.open_tcp_listeners(port, host=host, backlog=BACKLOG)
+    if listening is not None:
+        listening.extend(listeners)
     bound_host, bound_port = listeners[0].socket.getsockname()[:2]
     shown = f"[{bound_host}]" if ":" in bound_host else bound_host
     task_status.started(f"http://{shown}:{bound_port}")
