@@ -300,6 +300,20 @@ class Envoy:
     stderr: Output
 
 
+async def _accepting(port: int) -> None:
+    """Return once Envoy's listener on `port` accepts a connection. Its workers open their
+    listeners after it writes "starting workers", and it writes nothing once they have, so
+    this polls (the caller bounds it)."""
+    while True:
+        try:
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+        except OSError:
+            await trio.sleep(0.02)
+            continue
+        await stream.aclose()
+        return
+
+
 @asynccontextmanager
 async def open_envoy(
     gateway: Gateway, workdir: Path, *, concurrency: int = 1
@@ -326,4 +340,5 @@ async def open_envoy(
     async with open_command(command) as (_, _, stderr):
         with trio.fail_after(START_S):
             await stderr.wait_for(r"starting workers")
+            await _accepting(port)
         yield Envoy(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}", stderr)
