@@ -64,6 +64,7 @@ class FrontEnd:
             ready, request = self._arriving.popleft()
             self.reached[request.request_id] = ready * self._scale
             out.append(request)
+        self._round = min(self._round, len(self._arriving))  # those handed on leave it
         return out
 
     def next_arrival(self) -> float:
