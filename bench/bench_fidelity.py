@@ -310,10 +310,14 @@ def run_real(
 
 
 async def warmed(args: argparse.Namespace, url: str) -> None:
-    """Every prompt length up to `--warm-up` run once on the engine at `url` (both engines
-    get the same requests; only the real one's kernels need them)."""
-    if args.warm_up:
-        await fidelity_host.warm_up(url, MODEL, args.warm_up, token_ids)
+    """One request of each prompt length up to `--warm-up` tokens, one at a time, each a step
+    of that many tokens (its own prompt: nothing cached), on the engine at `url`: vLLM's CPU
+    build pays once for each step size it has not run (`fidelity_host`). Both engines get
+    the same requests."""
+    rng = random.Random(-1)
+    async with httpx.AsyncClient(timeout=60.0) as client:
+        for length in range(1, args.warm_up + 1):
+            await complete(client, url, token_ids(rng, length), 1)
 
 
 def run_emulated(args: argparse.Namespace, blocks: int, body: Callable[[str], Any]) -> Any:
@@ -360,12 +364,10 @@ def engine_cpu(pid: int) -> tuple[float, float]:
     """Every thread of an engine's processes (API server, engine core, worker: its process
     group): CPU seconds they ran, and seconds they waited, runnable, for a CPU."""
     ran = waited = 0
-    for task in Path("/proc").glob("[0-9]*/task/[0-9]*"):
+    for process, thread in fidelity_host.threads(pid):
         try:
-            if int((task / "stat").read_text().rsplit(")", 1)[1].split()[2]) != pid:
-                continue  # the 5th field: the process group
-            run, wait, _ = (task / "schedstat").read_text().split()
-        except (OSError, IndexError, ValueError):
+            run, wait, _ = Path(f"/proc/{process}/task/{thread}/schedstat").read_text().split()
+        except (OSError, ValueError):
             continue  # gone meanwhile
         ran, waited = ran + int(run), waited + int(wait)
     return ran / 1e9, waited / 1e9

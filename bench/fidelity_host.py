@@ -13,26 +13,23 @@ CPU engine", has what each of these changed).
   the engine core and the worker on core 0 (the worker is already pinned there) and the API
   server and this client on core 1, so that the front end does not wait behind the
   busy-loops.
-- `warm_up`: vLLM's CPU build pays once for every batch size in tokens it has not run
-  before (its kernels are set up per shape); an engine in service has run them all. One
-  request of each prompt length, before the workload, does the same here.
+- A warm engine: vLLM's CPU build pays once for every batch size in tokens it has not run
+  before (its kernels are set up per shape); an engine in service has run them all.
+  `bench_fidelity.warmed` runs one request of each prompt length before the workload.
 - `stream_ttft`: a streamed completion read from a raw socket: the time to its first token
   event, the rest drained unparsed, so that the client costs the shared core little.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import random
-from collections.abc import Callable
 from pathlib import Path
-from urllib.parse import urlsplit
 
-import httpx
 import trio
 
-__all__ = ["place", "raise_priority", "stream_ttft", "warm_up"]
+from trio_router.testing import harness
+
+__all__ = ["place", "raise_priority", "stream_ttft", "threads"]
 
 ENGINE_CORE, FRONT_CORE = 0, 1
 
@@ -48,15 +45,15 @@ def raise_priority(pid: int | str = "self") -> str:
     return group.read_text().strip()
 
 
-def _threads(group: int) -> list[tuple[int, int]]:
+def threads(group: int) -> list[tuple[int, int]]:
     """(process id, thread id) of every thread in process group `group`."""
     found = []
     for task in Path("/proc").glob("[0-9]*/task/[0-9]*"):
         try:
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
+            in_group = int((task / "stat").read_text().rsplit(")", 1)[1].split()[2]) == group
+        except (OSError, IndexError, ValueError):
             continue  # gone meanwhile
-        if int(fields[2]) == group:
+        if in_group:  # the 5th field: the process group
             found.append((int(task.parent.parent.name), int(task.name)))
     return found
 
@@ -67,7 +64,7 @@ def place(api_server: int) -> bool:
     and nothing changed, on a machine with fewer than two CPUs."""
     if len(os.sched_getaffinity(0)) < 2:
         return False
-    for process, thread in _threads(api_server):
+    for process, thread in threads(api_server):
         try:
             os.sched_setaffinity(thread, {FRONT_CORE if process == api_server else ENGINE_CORE})
         except OSError:
@@ -76,33 +73,14 @@ def place(api_server: int) -> bool:
     return True
 
 
-async def warm_up(
-    url: str, model: str, longest: int, token_ids: Callable[[random.Random, int], list[int]]
-) -> None:
-    """One request of each prompt length from 1 to `longest` tokens, one at a time, each a
-    step of that many tokens (its own prompt: nothing cached)."""
-    rng = random.Random(-1)
-    async with httpx.AsyncClient(timeout=60.0) as client:
-        for length in range(1, longest + 1):
-            body = {"model": model, "prompt": token_ids(rng, length), "max_tokens": 1}
-            (await client.post(f"{url}/v1/completions", json=body)).raise_for_status()
-
-
 async def stream_ttft(url: str, model: str, prompt: list[int], max_tokens: int) -> float:
     """One streamed completion (greedy, `ignore_eos`) over a connection of its own, read to
     its end: wall seconds to its first token event."""
-    parts = urlsplit(url)
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens,
-                       "temperature": 0, "ignore_eos": True, "stream": True}).encode()  # fmt: skip
-    head = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: {parts.netloc}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-        "Connection: close\r\n\r\n"
-    ).encode()
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
     started, ttft, seen = trio.current_time(), None, b""
-    assert parts.hostname is not None and parts.port is not None
-    async with await trio.open_tcp_stream(parts.hostname, parts.port) as stream:
-        await stream.send_all(head + body)
+    async with await harness.open_raw(url) as stream:
+        await harness.send_request(stream, "/v1/completions", body, {"connection": "close"})
         while data := await stream.receive_some(65536):
             if ttft is None:
                 seen += data

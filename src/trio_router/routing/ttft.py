@@ -133,21 +133,22 @@ class _Engine:
         self.slot_seconds = DECAY * self.slot_seconds + held
         self.finished = DECAY * self.finished + stats.e2e_count - last.e2e_count
 
-    def queue(self, stats: EngineStats, now: float) -> tuple[float, bool]:
-        """The predicted wait for a free slot, and whether a slot is free now (see the
-        module's docstring, `queue(e)`). On every candidate of every decision: kept lean."""
-        if now > stats.expires:  # not fresh
-            return 0.0, False
-        waiting = stats.waiting
+    def queue(self, stats: EngineStats, now: float) -> tuple[float, bool] | None:
+        """For an engine whose batch has been seen full (`capped`), with fresh figures `stats`:
+        the predicted wait for a free slot, and whether a slot is free now (see the module's
+        docstring, `queue(e)`); None while it cannot be priced (no time in a slot known yet,
+        or no running count): the previous rule applies. On every candidate of every
+        decision: kept lean."""
         running = stats.running
-        if not self.capped or running is None:  # light load: the previous rule
-            return (self.queue_mean if waiting else 0.0), waiting == 0
+        if running is None:
+            return None
         if self.finished > 0.0:  # (both sums decay alike: an idle spell keeps the ratio)
             slot = self.slot_seconds / self.finished
         elif self.running_since is not None and stats.e2e_count is not None:
             slot = now - self.running_since  # none finished yet: at least this long
         else:
-            return (self.queue_mean if waiting else 0.0), waiting == 0
+            return None
+        waiting = stats.waiting
         sent = self.sent if self.sent_since is stats else 0
         if waiting:
             ahead = waiting + sent
@@ -291,11 +292,13 @@ class TtftModel:
         `rates` over the candidates)."""
         state = self._engines[engine.uid]
         stats = engine.stats
-        if state.capped and now <= stats.expires:
-            queue, free = state.queue(stats, now)
-        else:  # no queue for a slot seen yet, or figures not fresh: the previous rule
-            waiting = stats.waiting if now <= stats.expires else None
+        fresh = now <= stats.expires
+        priced = state.queue(stats, now) if state.capped and fresh else None
+        if priced is None:  # no queue for a slot seen, not priced, or not fresh: as before
+            waiting = stats.waiting if fresh else None
             queue, free = (state.queue_mean if waiting else 0.0), waiting == 0
+        else:
+            queue, free = priced
         backlog = state.busy_until - now
         if backlog < 0.0:
             backlog = 0.0
