@@ -537,3 +537,76 @@ async def test_a_replay_ends_on_the_engines_silence_not_its_length(
 
 def has_blocks(index: BlockIndex, count: int) -> bool:
     return index.blocks("e") == count
+
+
+async def until_either(engines: list[FakeEngine], predicate: Callable[[], bool]) -> None:
+    """Until `predicate()` holds, re-checked whenever any of `engines` observes something."""
+    async with trio.open_nursery() as nursery:
+
+        async def watch(engine: FakeEngine) -> None:
+            await engine.wait_until(predicate)
+            nursery.cancel_scope.cancel()
+
+        for engine in engines:
+            nursery.start_soon(watch, engine)
+
+
+async def test_an_engine_prefilling_a_new_prompt_is_passed_over_until_its_answer_begins() -> None:
+    """Both engines hold their answers (a gate each), so no prefill the router sent has begun
+    to answer: new prompts go to the engine not busy with the long one, a request sharing the
+    long prompt's prefix goes to the engine prefilling it, and once that engine's answers are
+    out (their first bytes passed on) a new prompt goes there again."""
+    port = free_port(HOSTS[:2])
+    caches = [FakeKvCache(port=port, replay_port=0, block_size=B, capacity=256) for _ in "ab"]
+    gates = [trio.Event(), trio.Event()]
+    engines = [
+        FakeEngine(name=f"e{i}", kv=cache, gate=gate, gate_tokenizer=False)
+        for i, (cache, gate) in enumerate(zip(caches, gates, strict=True))
+    ]
+    answered = {name: trio.Event() for name in ("long", "follower")}
+    engine_of: dict[str, str] = {}
+
+    async def ask(name: str, body: dict[str, Any]) -> None:
+        engine_of[name] = await send(router, body)
+        if name in answered:
+            answered[name].set()
+
+    def chats() -> list[int]:  # the chats each engine was sent (held at its gate)
+        return [len(e.requests_to(CHAT)) for e in engines]
+
+    def sent(count: int) -> bool:
+        return sum(chats()) == count
+
+    with trio.fail_after(LIMIT):
+        async with (
+            open_router(
+                engines,
+                kv_index=BlockIndex(),
+                routing={"policy": "kv_aware", "kv_block_size": B},
+                kv_events={"mode": "connect", "port": port, "replay_port": 0},
+                stats={"interval_s": 0.0},
+            ) as router,
+            trio.open_nursery() as nursery,
+        ):
+            system = words("long", 200)
+            nursery.start_soon(ask, "long", chat(system))
+            await until_either(engines, partial(sent, 1))
+            busy = chats().index(1)
+            for k in range(3):
+                nursery.start_soon(ask, f"short {k}", chat(words(f"short{k}-", 20)))
+                await until_either(engines, partial(sent, 2 + k))
+            spread = chats()
+            nursery.start_soon(ask, "follower", chat(system, "another question"))
+            await until_either(engines, partial(sent, 5))
+            followed = chats()[busy]
+            gates[busy].set()  # its answers go out: its prefill is done
+            for event in answered.values():
+                await event.wait()
+            nursery.start_soon(ask, "after", chat(words("after", 100)))
+            await until_either(engines, partial(sent, 6))
+            after = chats()[busy]
+            gates[1 - busy].set()
+    assert spread[busy] == 1 and spread[1 - busy] == 3  # the new prompts: to the idle engine
+    assert followed == 2  # the long prompt's prefix: to the engine prefilling it
+    assert after == 3  # its prefill done, the engine takes a new prompt again
+    assert engine_of["follower"] == engine_of["long"] == engine_of["after"]

@@ -765,3 +765,78 @@ def test_kv_aware_sends_a_request_without_tokens_where_its_opening_last_went() -
     assert policy.choose(candidates, opening, exclude={holder.uid}).engine is not holder
     other = RequestInfo(MODEL, opening="agent B")
     assert policy.choose(candidates, other).engine is prefix.choose(candidates, other).engine
+
+
+def test_kv_aware_spreads_a_burst_of_new_prompts_over_engines_without_pending_prefill() -> None:
+    """Before the engines' figures say anything (the start of a burst: in-flight counts level
+    within the slack), `kv_aware` counts the prefill it sent each engine that has not begun
+    to answer (`routing.pending`): new prompts whose `prefix_aware` owner is one engine go
+    to others while that one still prefills the first, a request sharing the first's prefix
+    still goes to it (the prefix in prefill is its own), and once the first answer's first
+    bytes are out (the decision's `started`), or `kv_speculative_ttl_s` later, the engine
+    counts as free again."""
+    clock = Clock()
+    engines = [make_engine(i) for i in range(4)]
+    candidates = make_table(engines).routable(MODEL)
+    index = BlockIndex()
+    policy = make_policy(
+        RoutingConfig(policy="kv_aware", kv_cost="load"),
+        clock=clock,
+        rng=random.Random(1),
+        kv_index=index,
+    )
+    prefix = make_policy(RoutingConfig(policy="prefix_aware"), clock=clock, rng=random.Random(1))
+
+    def prompt(seed: int, size: int = 64 * 16) -> RequestInfo:
+        start = seed * 10**6
+        return RequestInfo(
+            MODEL, opening=f"prompt {seed}", tokens=tuple(range(start, start + size))
+        )
+
+    # New prompts that prefix_aware places on one engine: the first, then three more.
+    first = prompt(0)
+    assert first.tokens is not None
+    owner = prefix.choose(candidates, first).engine
+    same_owner = [
+        p for p in map(prompt, range(1, 400)) if prefix.choose(candidates, p).engine is owner
+    ]
+    assert len(same_owner) >= 3
+    decided = policy.choose(candidates, first)
+    assert decided.engine is owner and decided.started is not None
+    spread = [policy.choose(candidates, p).engine for p in same_owner[:3]]
+    assert owner not in spread and len(set(spread)) == 3  # one idle engine each
+    # The first prompt's prefix with another question: to the engine prefilling it.
+    follower = RequestInfo(MODEL, opening="prompt 0", tokens=(*first.tokens, 7, 8, 9))
+    assert policy.choose(candidates, follower).engine is owner
+
+    decided.started()  # the first answer's first bytes are out: its engine is free again
+    decided.started()  # (once counts)
+    clock.now += 0.5
+    assert policy.choose(candidates, same_owner[3]).engine is owner
+    clock.now += 2.0  # kv_speculative_ttl_s later: nothing of the burst is pending any more
+    assert policy.choose(candidates, same_owner[4]).engine is owner
+
+
+def test_kv_aware_among_many_engines_passes_a_new_prompt_over_an_engine_in_prefill() -> None:
+    """Beyond EXACT_SCAN_MAX candidates a prompt no engine holds goes where `prefix_aware`
+    places it unless that engine has prefill pending: then to the next engine `prefix_aware`
+    would pick, which has none."""
+    clock = Clock()
+    engines = [make_engine(i) for i in range(200)]
+    candidates = make_table(engines).routable(MODEL)
+    policy = make_policy(
+        RoutingConfig(policy="kv_aware"), clock=clock, rng=random.Random(1), kv_index=BlockIndex()
+    )
+    prefix = make_policy(RoutingConfig(policy="prefix_aware"), clock=clock, rng=random.Random(1))
+
+    def prompt(seed: int) -> RequestInfo:
+        return RequestInfo(MODEL, opening=f"prompt {seed}", tokens=tuple(range(seed, seed + 640)))
+
+    first = prompt(0)
+    owner = prefix.choose(candidates, first).engine
+    others = (prompt(seed * 10**6) for seed in range(1, 10**5))
+    other = next(p for p in others if prefix.choose(candidates, p).engine is owner)
+    assert policy.choose(candidates, first).engine is owner
+    moved = policy.choose(candidates, other)
+    assert moved.engine is not owner
+    assert moved.engine is prefix.choose(candidates, other, exclude={owner.uid}).engine

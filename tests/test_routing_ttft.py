@@ -507,6 +507,34 @@ def test_until_the_engines_figures_fit_kv_aware_decides_on_load() -> None:
     assert "load" in decision.reason and decision.predicted_ttft is None
 
 
+def test_before_the_fit_a_holder_keeps_its_prefix_until_two_scrapes_show_a_queue() -> None:
+    """Before the rates are fitted, the load cost would move a prompt off a holder with 12
+    requests in flight (4 above the least loaded + 8: 4 x 256 tokens dearer than prefilling
+    its 960 tokens elsewhere). A holder with fresh figures keeps it while they show no queue:
+    none waiting, or requests waiting at one scrape (those that arrived during a step wait
+    for the next one); waiting at two scrapes in a row is a queue, and the cost decides."""
+    clock, index = [1000.0], BlockIndex()
+    policy = kv_policy(clock, index)
+    holder, other = make_engine(0), make_engine(1)
+    tokens = tuple(range(960))
+    request = RequestInfo(MODEL, opening="agent", tokens=tokens)
+    holder.in_flight = 12
+    counters = Counters(running=12)
+
+    def decide(waiting: float) -> Engine:
+        clock[0] += 1.0
+        # Held, as its events say (a decision's own speculation expires in 2 s).
+        index.speculate(holder.uid, block_keys(tokens, BLOCK), now=clock[0], until=math.inf)
+        counters.waiting = waiting
+        holder.stats = counters.stats(clock[0])
+        return policy.choose([holder, other], request).engine
+
+    assert decide(0) is holder
+    assert decide(3) is holder  # waiting at one scrape: still free
+    assert decide(3) is other  # and at the next: a queue, and the load cost moves it
+    assert decide(0) is holder
+
+
 def test_the_time_cost_knobs_are_validated() -> None:
     with pytest.raises(ConfigError, match=r"routing\.kv_cost"):
         parse_config({"routing": {"kv_cost": "fast"}})

@@ -58,7 +58,7 @@ class RoutingConfig:
     kv_load_tokens: float = 256.0
     kv_load_slack: float = 8.0
     kv_block_size: int = 16  # block size assumed until the engines' events tell theirs
-    kv_speculative_ttl_s: float = 2.0  # blocks just sent count as cached for this long
+    kv_speculative_ttl_s: float = 2.0  # blocks just sent count as cached, their prefill pending
     tokenize_timeout_s: float = 0.1  # kv_aware: deadline of asking an engine for the tokens
     # kv_aware: the model's tokenizer folder (tokenizer.json, tokenizer_config.json): token
     # ids computed in process; "": asked of the engines (/tokenize).

@@ -19,11 +19,16 @@ fitted from the engines' own figures); waits closer than the predictions'
 error (or `kv_ttft_slack_s`) are tied, and a tie goes to the engine holding the most of the
 prompt. Until the rates are fitted, and with `kv_cost = "load"`:
 
-    cost = uncached prompt tokens + kv_load_tokens * max(0, load - least load - kv_load_slack)
+    cost = uncached prompt tokens + max(0, pending - cached)
+           + kv_load_tokens * max(0, load - least load - kv_load_slack)
 
 where load is the router's usual figure (in-flight requests, and the engine's own running
 and waiting requests and KV-cache usage while they are fresh): small load differences cost
-nothing, so replicas, which see different in-flight counts, still agree. Either way a hot
+nothing, so replicas, which see different in-flight counts, still agree; and `pending` the
+prefill this replica sent the engine that has not begun to answer (`routing.pending`), less
+the prompt tokens the engine holds for this request (a prefix it is computing for an earlier
+request is one this request needs anyway): at the start of a burst, before any engine has
+reported a figure, it spreads new prompts over the engines not prefilling one. Either way a hot
 prefix stays on its engine until waiting there costs more than prefilling it again, and then
 the next engine takes it and holds it too. Remaining ties, among them every request whose
 prefix no engine holds, are broken by `prefix_aware` on the request's opening: the same
@@ -39,7 +44,8 @@ and synchronous, like every policy.
 With more than `EXACT_SCAN_MAX` candidates the decision touches only the engines that hold the
 prompt's first block (the index's own lookup) and one engine that holds none of it: the one
 `prefix_aware` places the request on (its ring and load bound), which is where the exact rule
-sends an uncached prompt when loads are level. The cost of a decision is then the same at 20
+sends an uncached prompt when loads are level, and when that one has prefill pending the next
+one `prefix_aware` would pick. The cost of a decision is then the same at 20
 engines as at 5,000. Ties among holders go to the holder that rendezvous hashing of the
 request's opening picks, the same on every replica.
 """
@@ -58,6 +64,7 @@ from ..kv.index import BlockIndex, adapter_root, block_keys
 from ..table import Engine
 from .affinity import PrefixAwarePolicy, opening_hash
 from .balance import EXACT_SCAN_MAX, LoadGauge, no_engine
+from .pending import Pending
 from .request import Decision, RequestInfo, adapter_of, is_adapter
 from .ttft import Estimate, Rates, TtftModel
 
@@ -109,6 +116,7 @@ class KvAwarePolicy:
         self._block_size, self._ttl = tuning.block_size, tuning.speculative_ttl_s
         self._ttft = TtftModel() if tuning.cost == "ttft" else None
         self._ttft_slack = tuning.ttft_slack_s
+        self._pending = Pending()  # the prefill each engine was sent and has not begun to answer
         # model -> (its candidates, index.block_sizes_learned, their block size)
         self._block_sizes: dict[str, tuple[Sequence[Engine], int, int]] = {}
         # The engine each recent opening's last decision on token ids chose (oldest first):
@@ -160,20 +168,16 @@ class KvAwarePolicy:
         )
         holders = [e for e in holders if e.uid not in exclude]
         held = {e.uid for e in holders}
-        try:
-            fresh: Engine | None = self._ties.choose(
-                candidates, request, _Either(exclude, held)
-            ).engine
-        except NoEngineError:
-            fresh = None
-        if fresh is None and not holders:
+        fresh = self._fresh(candidates, request, _Either(exclude, held), now)
+        if not fresh and not holders:
             raise no_engine(request.model, candidates)
         matched = index.match(keys, held, now) if holders else {}
-        contenders = holders if fresh is None else [*holders, fresh]
+        contenders = [*holders, *fresh]
         costs = self._costs(request.model, contenders, matched, block, len(tokens), now)
         tied = costs.tied(contenders, now)
-        if fresh is not None and fresh in tied:
-            engine, how = fresh, "nothing cheaper cached: prefix_aware"
+        if fresh_tied := [e for e in fresh if e in tied]:
+            engine = min(fresh_tied, key=lambda e: costs.by_uid[e.uid])
+            how = "nothing cheaper cached: prefix_aware"
         elif len(tied) == 1:
             engine, how = tied[0], "cheapest"
         else:
@@ -182,6 +186,30 @@ class KvAwarePolicy:
             how = f"{len(tied)} tied: rendezvous"
         how = f"{how}; {len(holders)} holder(s) of {len(candidates)}"
         return self._decided(request, engine, keys, block, costs, how, now)
+
+    def _fresh(
+        self,
+        candidates: Sequence[Engine],
+        request: RequestInfo,
+        exclude: Collection[str],
+        now: float,
+    ) -> list[Engine]:
+        """The engines holding none of the prompt that a decision among many candidates
+        weighs: the one `prefix_aware` places the request on and, when that one has prefill
+        pending (`routing.pending`), the next one it would (the costs choose: a burst of new
+        prompts spreads over idle engines, as the exact rule spreads it)."""
+        ties = self._ties
+        try:
+            first = ties.choose(candidates, request, exclude).engine
+        except NoEngineError:
+            return []
+        if not self._pending.of(first.uid, now):
+            return [first]
+        try:
+            second = ties.choose(candidates, request, _Either(exclude, (first.uid,))).engine
+        except NoEngineError:
+            return [first]
+        return [first, second]
 
     def _without_tokens(
         self, candidates: Sequence[Engine], request: RequestInfo, exclude: Collection[str]
@@ -233,16 +261,19 @@ class KvAwarePolicy:
             by_uid = {uid: estimate.seconds for uid, estimate in estimates.items()}
             tolerance = max(self._ttft_slack, ERROR_MARGIN * model.error(model_name))
             return _Costs(by_uid, tolerance, prompt, matched, keep, estimates, rates, model_name)
-        load_of = self._gauge.of
+        load_of, pending = self._gauge.of, self._pending.of
         loads = {e.uid: load_of(e, now) for e in contenders}
         floor = min(loads.values()) + self._slack
-        by_uid = {
-            e.uid: prompt
-            - matched.get(e.uid, 0) * block
-            + self._load_tokens * max(0.0, loads[e.uid] - floor)
-            for e in contenders
-        }
-        return _Costs(by_uid, 0.0, prompt, matched, keep, loads=loads)
+        by_uid = {}
+        for e in contenders:
+            cached = min(prompt, matched.get(e.uid, 0) * block)
+            # the prefill sent there and not begun to answer, beyond this prompt's own prefix
+            # (which a holder may be computing: the request waits for that anywhere)
+            ahead = max(0, pending(e.uid, now) - cached)
+            load = self._load_tokens * max(0.0, loads[e.uid] - floor)
+            by_uid[e.uid] = prompt - cached + ahead + load
+        queued = frozenset(e.uid for e in contenders if model is not None and model.queued(e.uid))
+        return _Costs(by_uid, 0.0, prompt, matched, keep, loads=loads, queued=queued)
 
     def _decided(
         self,
@@ -262,6 +293,7 @@ class KvAwarePolicy:
         blocks = costs.matched.get(engine.uid, 0)
         prompt = costs.prompt
         cached = min(blocks * block, prompt)
+        started = self._pending.add(engine.uid, prompt - cached, now=now, until=now + self._ttl)
         estimate = costs.estimates.get(engine.uid)
         if estimate is not None and self._ttft is not None and costs.rates is not None:
             self._ttft.sent(engine, prompt - cached, now, costs.rates)
@@ -284,6 +316,7 @@ class KvAwarePolicy:
                 if estimate is None or self._ttft is None
                 else partial(self._ttft.observed, costs.model)
             ),
+            started=started,
         )
 
     def _candidates_block_size(self, model: str, candidates: Sequence[Engine]) -> int:
@@ -311,6 +344,7 @@ class KvAwarePolicy:
 
     def forget(self, uid: str) -> None:
         self._ties.forget(uid)
+        self._pending.forget(uid)
         if self._ttft is not None:
             self._ttft.forget(uid)
 
@@ -343,15 +377,16 @@ class _Costs:
     rates: Rates | None = None  # the time cost's fitted rates
     model: str = ""  # ...of this model
     loads: dict[str, float] = field(default_factory=dict)  # the load cost's loads
+    queued: frozenset[str] = frozenset()  # before the fit: whose last two scrapes had a queue
 
     def tied(self, contenders: Sequence[Engine], now: float) -> list[Engine]:
         """The contenders within `tolerance` of the cheapest; with the time cost, of those,
         the ones holding the most of the prompt (the model cannot tell their waits apart:
         keep the cache hits). With the time cost, only the holders of the most of the prompt
-        with a free slot (`Estimate.free`; before the fit, fresh figures showing no request
-        waiting) contend, if there are any: an engine without a queue takes a request into
-        its next step, as any other engine would, so leaving it would only lose the hits
-        (docs/routing.md, "When a hot prefix moves")."""
+        with a free slot (`Estimate.free`; before the fit, fresh figures, not the second in
+        a row to show requests waiting) contend, if there are any: an engine without a
+        queue takes a request into its next step, as any other engine would, so leaving it
+        would only lose the hits (docs/routing.md, "When a hot prefix moves")."""
         matched, by_uid, estimates = self.matched, self.by_uid, self.estimates
         if self.keep_holders and (most := max(matched.get(e.uid, 0) for e in contenders)):
             free = [
@@ -361,7 +396,7 @@ class _Costs:
                 and (
                     estimates[e.uid].free
                     if estimates
-                    else e.stats.waiting == 0 and e.stats.fresh(now)
+                    else e.stats.fresh(now) and e.uid not in self.queued
                 )
             ]
             contenders = free or contenders

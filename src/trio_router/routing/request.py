@@ -50,6 +50,8 @@ class Decision:
     predicted_ttft: float | None = None  # kv_aware's time cost: seconds to a first token
     # ...and where to report how far off it was (seconds late; negative: early)
     observe_ttft: Callable[[float], None] | None = None
+    # called once the answer's first bytes reach the client (kv_aware: its prefill is done)
+    started: Callable[[], None] | None = None
 
 
 def adapter_of(model: str, engine: Engine) -> str | None:

@@ -113,6 +113,7 @@ class _Engine:
     running_since: float | None = None  # the first scrape showing it running, router time
     sent: int = 0  # requests this replica sent it since the figures `sent_since`
     sent_since: EngineStats | None = None
+    queued: bool = False  # its last two scrapes both reported requests waiting
 
     def learn(self, last: EngineStats | None, stats: EngineStats) -> None:
         """The slots, from new figures `stats`, and the time a request holds one, from
@@ -275,6 +276,7 @@ class TtftModel:
             if stats is state.last or stats.scraped_at == -math.inf:
                 continue
             last, state.last = state.last, stats
+            state.queued = bool(stats.waiting) and last is not None and bool(last.waiting)
             state.learn(last, stats)
             if last is None or (found := _interval(last, stats)) is None:
                 continue
@@ -326,6 +328,13 @@ class TtftModel:
         """The mean absolute error of `model`'s recent predictions (0 until observed)."""
         fit = self._fits.get(model)
         return 0.0 if fit is None else fit.error
+
+    def queued(self, uid: str) -> bool:
+        """Whether the engine's last two scrapes (as `rates` last learned them) both reported
+        requests waiting: a queue, not requests waiting for the next step, as any that
+        arrive do."""
+        state = self._engines.get(uid)
+        return state is not None and state.queued
 
     def forget(self, uid: str) -> None:
         self._engines.pop(uid, None)

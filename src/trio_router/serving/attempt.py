@@ -86,13 +86,15 @@ class Choice:
     `number`, which of the request's attempts it is (0: a prefill step, not one of them);
     `prefilled_by`, the prefill engine whose work the body sent carries ("": none); for a
     streamed request whose policy timed it (kv_aware), when its first token is expected
-    (`first_token`, Trio time) and who learns how far off that was (`observe_ttft`)."""
+    (`first_token`, Trio time) and who learns how far off that was (`observe_ttft`); who
+    learns when the answer's first bytes reach the client (`started`, the policy's)."""
 
     engine: Engine
     number: int = 0
     prefilled_by: str = ""
     first_token: float | None = None
     observe_ttft: Callable[[float], None] | None = None
+    started: Callable[[], None] | None = None
 
 
 class Take(Protocol):

@@ -148,6 +148,8 @@ class Deliver:
         off the engine's predicted first token was (told to the policy that predicted it)."""
         self.first_byte = now
         self._record.first_byte(now, self._prepared.model)
+        if choice.started is not None:
+            choice.started()
         if choice.first_token is not None:
             error = now - choice.first_token
             self._rt.services.metrics.ttft_prediction(choice.engine.name, error)

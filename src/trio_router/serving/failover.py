@@ -135,13 +135,25 @@ async def choose(
         services.metrics.routed(policy.name, route.phase, engine.name)
         return Choice(engine)
     services.metrics.routed(policy.name, "failover" if made else "first", engine.name)
-    # A streamed answer's first bytes are its first token: only there is a prediction timed
-    # (a whole answer's first bytes come after its last token).
-    streamed = prepared.payload.get("stream") is True
-    if chosen is not None and chosen.predicted_ttft is not None and streamed:
-        first_token = trio.current_time() + chosen.predicted_ttft
-        return Choice(engine, made + 1, first_token=first_token, observe_ttft=chosen.observe_ttft)
-    return Choice(engine, made + 1)
+    return _choice(engine, made + 1, chosen, streamed=prepared.payload.get("stream") is True)
+
+
+def _choice(engine: Engine, number: int, chosen: Decision | None, *, streamed: bool) -> Choice:
+    """Attempt `number`'s choice of `engine`, with what the policy's decision (`chosen`)
+    wants to hear of its answer: when its first bytes pass on (`started`) and, for a
+    streamed answer, how far off its predicted first token was (a streamed answer's first
+    bytes are its first token; a whole answer's come after its last)."""
+    if chosen is None:
+        return Choice(engine, number)
+    if chosen.predicted_ttft is None or not streamed:
+        return Choice(engine, number, started=chosen.started)
+    return Choice(
+        engine,
+        number,
+        first_token=trio.current_time() + chosen.predicted_ttft,
+        observe_ttft=chosen.observe_ttft,
+        started=chosen.started,
+    )
 
 
 def _falls_back(exc: RequestError, prepared: Prepared, rt: Runtime) -> bool:

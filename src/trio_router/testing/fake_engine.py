@@ -92,6 +92,9 @@ class FakeEngine:
     # Until this event is set, streams hold after their first event and non-streamed
     # replies wait before answering.
     gate: trio.Event | None = None
+    # False: /tokenize and /detokenize answer whatever the gate (as vLLM's tokenizer
+    # endpoints answer whatever its engine core is doing)
+    gate_tokenizer: bool = True
     num_requests_running: float | None = None  # None: the number of requests in progress
     num_requests_waiting: float = 0.0
     kv_cache_usage_perc: float = 0.0

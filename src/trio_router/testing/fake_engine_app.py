@@ -48,6 +48,7 @@ __all__ = [
 ]
 
 _GENERATION: Final = frozenset({"/v1/chat/completions", "/v1/completions"})
+_TOKENIZER: Final = frozenset({"/tokenize", "/detokenize"})
 _AUDIO: Final = {"/v1/audio/transcriptions": False, "/v1/audio/translations": True}
 _STORED: Final = re.compile(r"/v1/responses/([^/]+)(/cancel)?")
 _SSE_HEADERS: Final = [
@@ -197,7 +198,9 @@ class FakeEngineApp:
                 return await self._kv_transfer(engine.pd, scope, send, request, str(model), rid)
             reply = POST_HANDLERS[path](engine, request, str(model), rid)
         if reply.events is None:
-            await self._delay_whole_reply(reply)
+            await self._delay_whole_reply(
+                reply, gated=engine.gate_tokenizer or path not in _TOKENIZER
+            )
             if engine.break_whole_replies and reply.status == 200:
                 return await self._send_half(send, reply.payload)
             await self._send_json(send, reply.status, reply.payload)
@@ -330,7 +333,9 @@ class FakeEngineApp:
             return Reply(400, error_body(400, message, param="max_tokens"))
         return None
 
-    async def _delay_whole_reply(self, reply: Reply) -> None:
+    async def _delay_whole_reply(self, reply: Reply, *, gated: bool = True) -> None:
+        """A whole reply's delays: the engine's TTFT (and a generation's inter-token delays,
+        added up), then its gate if `gated`."""
         engine = self.engine
         delay = engine.ttft_s
         if isinstance(reply.payload, dict) and reply.payload.get("object") in (
@@ -341,7 +346,7 @@ class FakeEngineApp:
             delay += engine.inter_token_s * max(0, engine.tokens - 1)
         if delay > 0:
             await trio.sleep(delay)
-        if engine.gate is not None:
+        if gated and engine.gate is not None:
             await engine.gate.wait()
 
     async def _stream(self, send: Send, events: list[bytes]) -> bool:
