@@ -256,7 +256,20 @@ async def open_contender(
             # backtracks for minutes at 64 engines while not all are routable yet.
             url = (await stderr.wait_for(r"Running on (http://\S+)")).group(1)
             await wait_routing(client, url, MODEL, len(urls))
+            await wait_scraped(client, url, len(urls))
         yield url, process.pid
+
+
+async def wait_scraped(client: httpx.AsyncClient, url: str, engines: int) -> None:
+    """Until trio_router's /engines shows figures scraped from all `engines`: the state it
+    runs in before traffic comes, as in production (a router taking a burst before its first
+    scrape knows no engine's queue: `kv_aware` keeps a prefix on its holder only once the
+    holder's figures show it has none). Asked every 0.2 s."""
+    while True:
+        shown = (await client.get(f"{url}/engines")).json()["engines"]
+        if sum(bool(e["stats"]) for e in shown) >= engines:
+            return
+        await trio.sleep(0.2)
 
 
 def counted(before: dict[str, float], after: dict[str, float], name: str) -> float:
