@@ -32,10 +32,14 @@ from the API server's own CPU accounting: over streamed loads (32 one-token requ
 a time, one stream of 256 tokens, `--streams` streams of 128 tokens at once; each
 `--repeats` times) its main thread's CPU seconds (the kernel's schedstat) against the loads'
 requests, the engine's steps (`vllm:iteration_tokens_total`'s count) and output tokens, by
-least squares: `cpu = arrival * requests + per_output * steps + per_output_token * tokens`.
+least squares: `cpu = request * requests + per_output * steps + per_output_token * tokens`.
 Each coefficient is divided by the share of a CPU the thread got while it had work
 (ran / (ran + waited runnable), over all the loads), so that the terms are its wall time on
-this machine beside the engine core.
+this machine beside the engine core. A request's work is split at the engine core: the part
+before the core has it (`arrival_s`) is what a lone request's TTFT has beyond its queue and
+prefill phases (vLLM's `request_queue_time` and `request_prefill_time` histograms, which the
+engine core times), less its first output's work; the rest (`finish_s`) comes after its
+last token.
 
 `compare`: the same workload against one real engine and one emulated engine (cpu-tiny, the
 same block size and number of KV blocks: the real engine's, from its log, else from its KV
@@ -150,25 +154,32 @@ async def measure_front_end(url: str, pid: int, args: argparse.Namespace) -> dic
 
 
 def fit_front_end(measured: dict[str, Any]) -> FrontEndCost:
-    """The front end's terms from the API server's CPU time: `cpu = arrival * requests +
+    """The front end's terms from the API server's CPU time: `cpu = request * requests +
     per_output * steps + per_output_token * tokens` (least squares), each divided by the share
     of a CPU its loop got while it had work (ran / (ran + waited), over all the loads): the
-    front end's wall time per piece of work on this machine, under the engine's own load."""
+    front end's wall time per piece of work on this machine, under the engine's own load.
+    A request's work is split at the engine core: `arrival_s` is the part before the core has
+    it (the median lone request's TTFT less its queue and prefill phases, less its first
+    output's work), `finish_s` the rest, which comes after its last token."""
     loads = measured["loads"]
     coefficients = least_squares([load[:3] for load in loads], [load[3] for load in loads])
     ran, waited = sum(load[3] for load in loads), sum(load[4] for load in loads)
     share = ran / (ran + waited)
-    arrival, per_output, per_token = (max(0.0, c) / share for c in coefficients)
-    return FrontEndCost(arrival_s=round(arrival, 6), per_output_s=round(per_output, 6),
-                        per_output_token_s=round(per_token, 7))  # fmt: skip
+    request, per_output, per_token = (max(0.0, c) / share for c in coefficients)
+    before = min(request, max(0.0, measured["front_s"] - per_output - per_token))
+    return FrontEndCost(arrival_s=round(before, 6), per_output_s=round(per_output, 6),
+                        per_output_token_s=round(per_token, 7),
+                        finish_s=round(request - before, 6))  # fmt: skip
 
 
 async def measure_steps(url: str, args: argparse.Namespace) -> dict[str, Any]:
     """TTFT per prompt length (median of `--repeats`, each request alone) and the mean
     inter-token latency per batch (median of `--repeats`), from the engine's own
-    histograms."""
+    histograms; and each lone request's TTFT less its queue and prefill phases (the front
+    end's part of it: its arrival's work and its first output's), the median."""
     rng = random.Random(args.seed)
     ttft: dict[int, float] = {}
+    fronts: list[float] = []
     itl: dict[str, float] = {}  # "BATCHxPROMPT": seconds
     async with httpx.AsyncClient(timeout=300.0) as client:
         await complete(client, url, token_ids(rng, 16), 4)  # warm-up
@@ -180,6 +191,9 @@ async def measure_steps(url: str, args: argparse.Namespace) -> dict[str, Any]:
                 after = await scrape(client, [url])
                 key = "vllm:time_to_first_token_seconds_sum"
                 seen.append(after[key] - before[key])
+                phases = ("vllm:request_queue_time_seconds_sum",
+                          "vllm:request_prefill_time_seconds_sum")  # fmt: skip
+                fronts.append(seen[-1] - sum(after[p] - before[p] for p in phases))
             ttft[length] = sorted(seen)[len(seen) // 2]
         for batch, prompt in args.batches:
             means = []
@@ -196,7 +210,7 @@ async def measure_steps(url: str, args: argparse.Namespace) -> dict[str, Any]:
                     (after[total] - before[total]) / max(1.0, after[count] - before[count])
                 )
             itl[f"{batch}x{prompt}"] = sorted(means)[len(means) // 2]
-    return {"ttft_s": ttft, "itl_s": itl}
+    return {"ttft_s": ttft, "itl_s": itl, "front_s": sorted(fronts)[len(fronts) // 2]}
 
 
 def least_squares(rows: Sequence[Sequence[float]], ys: Sequence[float]) -> list[float]:

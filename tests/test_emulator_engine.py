@@ -290,13 +290,13 @@ async def test_a_front_end_delays_arrivals_and_tokens_not_steps(
     autojump_clock: trio.testing.MockClock, time_scale: float
 ) -> None:
     config = with_front_end(time_scale, arrival_s=0.01, per_output_s=0.002,
-                            per_output_token_s=0.001)  # fmt: skip
+                            per_output_token_s=0.001, finish_s=0.004)  # fmt: skip
     async with running(config) as engine:
         start = trio.current_time()
         tokens, reason, times = await read_all(engine.submit(list(range(16, 1016)), GREEDY))
     assert (len(tokens), reason) == (5, FinishReason.LENGTH)
     ends = prefill_and_decodes(config.profile, 1000, 5)  # each decode step outlasts 3 ms
-    expected = [0.01 + end + 0.003 for end in ends]
+    expected = [0.01 + end + 0.003 for end in ends]  # (the request's end comes after)
     assert [(x - start) * time_scale for x in times] == pytest.approx(expected)
     stats = engine.stats
     assert stats.ttft.sum == pytest.approx(expected[0])  # vLLM's TTFT: the front end's

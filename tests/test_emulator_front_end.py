@@ -72,3 +72,17 @@ def test_a_request_given_up_in_its_round_leaves_the_others_together() -> None:
     assert front.next_arrival() == pytest.approx(1.006)  # the round's work was queued
     assert [r.request_id for r in front.arrived(1.006)] == ["b", "c"]
     assert not front.remove(first)
+
+
+def test_a_step_that_finishes_requests_costs_their_ends_too() -> None:
+    """`finish_s` per request a step's output ends (the end of its response), worked on
+    once the step's tokens are out: what is queued after it waits for it."""
+    cost = FrontEndCost(per_output_s=0.001, per_output_token_s=0.0001, finish_s=0.002)
+    front = FrontEnd(cost, time_scale=1.0)
+    assert front.output(1.0, tokens=4) == pytest.approx(1.0014)
+    assert front.output(1.01, tokens=4, finished=3) == pytest.approx(1.0114)
+    front.arrive(request("a"), 1.012)  # behind the three ends' work (no arrival cost)
+    assert front.next_arrival() == pytest.approx(1.0174)
+    assert front.output(1.013, tokens=1) == pytest.approx(1.0174 + 0.0011)
+    assert FrontEndCost(finish_s=0.001)  # a front end of its own
+    assert not FrontEndCost()

@@ -316,7 +316,8 @@ class EmulatedEngine:
             if self.front_end is None:
                 self._deliver(outputs, timeline * self.config.time_scale)
             elif outputs:
-                ready = self.front_end.output(timeline, len(outputs))
+                finished = sum(o.finish_reason is not None for o in outputs)
+                ready = self.front_end.output(timeline, len(outputs), finished)
                 self._record_core(outputs, timeline * self.config.time_scale)
                 self._outputs_in.send_nowait((ready, outputs))
             if self.lora_activity is not None:

@@ -83,7 +83,11 @@ class FrontEnd:
                 return True
         return False
 
-    def output(self, step_end: float, tokens: int) -> float:
+    def output(self, step_end: float, tokens: int, finished: int = 0) -> float:
         """When a step that ended at `step_end` (Trio's clock) has its `tokens` tokens at
-        their readers."""
-        return self._work(step_end, self.cost.output_seconds(tokens))
+        their readers; the ends of the `finished` requests among them are worked on after
+        that."""
+        ready = self._work(step_end, self.cost.output_seconds(tokens))
+        if finished:
+            self._work(ready, self.cost.finish_s * finished)
+        return ready

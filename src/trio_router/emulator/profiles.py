@@ -17,8 +17,10 @@ weights and the KV cache, prefill steps by computing.
 
 The optional `[front_end]` table prices vLLM's API server, a process of its own beside the
 engine core: `arrival_s` per request before the engine core has it (HTTP, validation,
-processing), and per step's output `per_output_s + per_output_token_s * tokens`
-(detokenizing, framing and writing each stream's event) before its readers have the tokens.
+processing), per step's output `per_output_s + per_output_token_s * tokens` (detokenizing,
+framing and writing each stream's event) before its readers have the tokens, and after
+them `finish_s` per request that step finished (the end of its response: work that delays
+what comes after it, not its own last token).
 It works on one timeline of its own, first come first served, beside the steps: a loaded front
 end delays arrivals and tokens, not the engine's steps. All default to 0 (no front end). A
 profile file is:
@@ -40,6 +42,7 @@ profile file is:
     arrival_s = 0.001
     per_output_s = 0.0002
     per_output_token_s = 0.00005
+    finish_s = 0.001
     [[reference]]               # a cited measurement the profile reproduces (any number)
     seconds = 0.994             # from submitting `batch` prompts of `prompt_tokens` at once
     batch = 1                   # until the last has `output_tokens` tokens (ignoring EOS)
@@ -133,6 +136,7 @@ class FrontEndCost:
     arrival_s: float = 0.0
     per_output_s: float = 0.0
     per_output_token_s: float = 0.0
+    finish_s: float = 0.0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -145,7 +149,7 @@ class FrontEndCost:
         return self.per_output_s + self.per_output_token_s * tokens if tokens else 0.0
 
     def __bool__(self) -> bool:
-        return bool(self.arrival_s or self.per_output_s or self.per_output_token_s)
+        return bool(self.arrival_s or self.per_output_s or self.per_output_token_s or self.finish_s)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
