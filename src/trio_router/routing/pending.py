@@ -9,8 +9,9 @@ ends by itself. Before the engines' figures have fitted their prefill times (`ro
 these tokens are the only sign of an engine busy with a long prefill: a burst of requests for
 new prompts arrives before any engine reports one, and its in-flight counts are level.
 
-Pure and synchronous; memory: one entry per request awaiting its first byte, pruned lazily
-(every call drops the entries past their end first).
+Pure and synchronous; memory: an entry per request awaiting its first byte, and a heap item
+per decision of the last `until - now` (each decision's span), dropped once past its end
+(every call drops those first).
 """
 
 from __future__ import annotations
@@ -48,11 +49,6 @@ class Pending:
         """The tokens pending on `uid` at `now`."""
         self._prune(now)
         return self._tokens.get(uid, 0)
-
-    def busy(self, now: float) -> dict[str, int]:
-        """The engines with tokens pending at `now`, and theirs (a view: do not keep it)."""
-        self._prune(now)
-        return self._tokens
 
     def forget(self, uid: str) -> None:
         """`uid` is gone: its entries count no more."""
