@@ -53,7 +53,7 @@ request's opening picks, the same on every replica.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Final
@@ -272,7 +272,7 @@ class KvAwarePolicy:
             ahead = max(0, pending(e.uid, now) - cached)
             load = self._load_tokens * max(0.0, loads[e.uid] - floor)
             by_uid[e.uid] = prompt - cached + ahead + load
-        queued = frozenset(e.uid for e in contenders if model is not None and model.queued(e.uid))
+        queued = model.queued if model is not None else _never
         return _Costs(by_uid, 0.0, prompt, matched, keep, loads=loads, queued=queued)
 
     def _decided(
@@ -349,6 +349,11 @@ class KvAwarePolicy:
             self._ttft.forget(uid)
 
 
+def _never(uid: str) -> bool:
+    """No engine is known to queue (`kv_cost = "load"`: no scrapes are learned from)."""
+    return False
+
+
 def _root(model: str, candidates: Sequence[Engine]) -> int:
     """The parent key of the first block of a request for `model` among `candidates`: the
     adapter's root when `model` is a LoRA adapter there, else the base model's."""
@@ -377,7 +382,8 @@ class _Costs:
     rates: Rates | None = None  # the time cost's fitted rates
     model: str = ""  # ...of this model
     loads: dict[str, float] = field(default_factory=dict)  # the load cost's loads
-    queued: frozenset[str] = frozenset()  # before the fit: whose last two scrapes had a queue
+    # before the fit: whether an engine's last two scrapes showed a queue (by uid)
+    queued: Callable[[str], bool] = _never
 
     def tied(self, contenders: Sequence[Engine], now: float) -> list[Engine]:
         """The contenders within `tolerance` of the cheapest; with the time cost, of those,
@@ -396,7 +402,7 @@ class _Costs:
                 and (
                     estimates[e.uid].free
                     if estimates
-                    else e.stats.fresh(now) and e.uid not in self.queued
+                    else e.stats.fresh(now) and not self.queued(e.uid)
                 )
             ]
             contenders = free or contenders

@@ -220,15 +220,11 @@ def _solve(nn: float, nt: float, tt: float, ny: float, ty: float) -> Rates:
     return Rates(max(0.0, by_request), 0.0)
 
 
-def _full(last: EngineStats, requests: float, prefill: float, queued: float, wait: float) -> bool:
-    """Whether an engine reporting requests waiting had a full batch over the interval
-    after figures `last`, in which `requests` first tokens took `prefill` seconds after the
-    queue and `queued` requests left it after `wait` seconds in all: it reported requests
-    waiting at both ends (a request waiting only for the next step, as one arriving at any
-    load does, is gone a step later), or they waited longer, on average, than a prefill
-    takes (at least a step: a wait for room, not for the next step)."""
-    if last.waiting:
-        return True
+def _waited_for_room(requests: float, prefill: float, queued: float, wait: float) -> bool:
+    """Whether, over an interval in which `requests` first tokens took `prefill` seconds
+    after the queue and `queued` requests left it after `wait` seconds in all, they waited
+    longer, on average, than a prefill takes (at least a step: a wait for room in a full
+    batch, not for the next step)."""
     if queued < MIN_REQUESTS or requests < MIN_REQUESTS:
         return False
     return wait / queued > prefill / requests
@@ -283,8 +279,12 @@ class TtftModel:
             requests, tokens, prefill, queued, queue_time = found
             if queued >= MIN_REQUESTS:
                 state.queue_mean = queue_time / queued
+            # A full batch: requests waiting at two scrapes in a row (one waiting only for
+            # the next step, as one arriving at any load does, is gone a step later), or
+            # waiting longer than a prefill takes.
             if stats.waiting and not state.capped:
-                state.capped = _full(last, requests, prefill, queued, queue_time)
+                waited = _waited_for_room(requests, prefill, queued, queue_time)
+                state.capped = state.queued or waited
             if requests >= MIN_REQUESTS:
                 fit.add(requests, tokens, prefill)
         return fit.rates
