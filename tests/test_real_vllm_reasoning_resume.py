@@ -56,8 +56,8 @@ HOSTS: Final = ("127.0.1.21", "127.0.1.22")  # not the tier's (.11, .12) nor .31
 CHAT: Final = "/v1/chat/completions"
 END_THINK: Final = 4097  # the thinking model's `</think>`
 EOS: Final = 2  # `<|im_end|>`
-REASONING: Final = 500  # tokens of reasoning before the reasoning stream's script ends it
-CALL_AFTER: Final = 100  # ... and before the tool-call stream's script (far fewer in all)
+REASONING: Final = 1200  # tokens of reasoning before the reasoning stream's script ends it
+CALL_AFTER: Final = 200  # ... and before the tool-call stream's script (fewer in all)
 ATTEMPTS: Final = 3  # trials a busy machine may spoil (see the test)
 USAGE_COUNTS: Final = ("prompt_tokens", "completion_tokens", "total_tokens")
 SESSION: Final = "handover"  # the body's `user`: the session policy's key
@@ -80,9 +80,11 @@ TOOLS: Final = [
     }
 ]
 SENTENCE: Final = " the water is good"  # the reasoning stream's content
-# The call's arguments: long enough (about 250 tokens) that the engine is still writing them
-# when the client has their beginning, however late a busy machine lets the client see it.
-NOTES: Final = " ".join(WORDS[i % 40] for i in range(240))
+# The call's arguments: long enough (about 750 tokens) that the engine is still writing them
+# when the client has their beginning, however late a busy machine lets the client see it
+# (and the reasoning stream has begun by then); the reasoning stream's script ends after the
+# call's, so that it is still reasoning when the engine is stopped.
+NOTES: Final = " ".join(WORDS[i % 40] for i in range(720))
 ARGUMENTS: Final = json.dumps({"city": "Paris", "notes": NOTES})
 CALL: Final = (
     '</think>ok <tool_call>\n{"name": "get_weather", "arguments": ' + ARGUMENTS + "}\n</tool_call>"
@@ -148,7 +150,7 @@ async def requests(client: httpx.AsyncClient, engine: EngineProcess) -> tuple[An
     calling = common | {
         "tools": TOOLS,
         "tool_choice": "auto",
-        "max_tokens": CALL_AFTER + 400,
+        "max_tokens": CALL_AFTER + len(call) + 40,
         "vllm_xargs": {
             "script_at": await prompt_length(tools=TOOLS) + CALL_AFTER,
             "script": [*call, EOS],

@@ -28,6 +28,7 @@ pytestmark = pytest.mark.real_vllm
 TOKENS: Final = 1900
 KILL_AFTER: Final = 20  # tokens received before the engine is stopped
 ATTEMPTS: Final = 3  # trials a busy machine may spoil (see the test)
+_LAST_CHUNK: Final = b"0\r\n\r\n"
 
 
 def request() -> dict[str, Any]:
@@ -80,6 +81,14 @@ class Events:
         data = event.removeprefix(b"data: ")
         return "[DONE]" if data == b"[DONE]" else json.loads(data)
 
+    async def end(self) -> None:
+        """Read the body's last (empty) chunk, which follows [DONE]: the router has then
+        settled its account of the answer (a client leaving at [DONE] is counted too, but
+        once the router has seen it go)."""
+        while len(self._buffer) < len(_LAST_CHUNK):
+            self._buffer += await self._receive()
+        assert (self._body, self._buffer) == (b"", _LAST_CHUNK), (self._body, self._buffer)
+
     async def _receive(self) -> bytes:
         data = await self._stream.receive_some()
         assert data, "the router closed the connection mid-stream"
@@ -128,6 +137,7 @@ async def stop_mid_answer(engines: list[EngineProcess], how: signal.Signals, tri
                 if len(trial.got) >= KILL_AFTER and trial.killed_at is None:
                     os.killpg(trial.stopped.process.pid, how)
                     trial.killed_at = len(trial.got)
+            await events.end()
         async with httpx.AsyncClient() as client:
             text = (await client.get(f"{url}/metrics")).text
     for line in text.splitlines():

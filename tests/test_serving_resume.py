@@ -13,6 +13,7 @@ import httpx
 import pytest
 import trio
 
+from test_serving_hardening import AccessRecords
 from trio_router.http import MalformedResponseError
 from trio_router.serving.resume import MAX_EVENT_BYTES, Track
 from trio_router.testing import FakeEngine
@@ -249,6 +250,38 @@ async def test_a_client_leaving_during_a_continuation_aborts_it() -> None:
                 await other.wait_until(lambda: other.in_flight == 1)
             await other.wait_until(lambda: other.disconnects == 1)
             assert other.completed == 0
+
+
+async def test_a_client_leaving_once_it_has_the_carried_on_answer_counts_it_resumed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The continuation's engine holds its body's end after [DONE]; the client leaves as
+    soon as it has [DONE]: the answer reached it whole, and the resume is counted and logged
+    as one, though the client left before the router had read the engine's end."""
+    caplog.set_level(logging.INFO, logger="trio_router.serving.failover")
+    first = FakeEngine(name="first", tokens=12, break_after_events=3)
+    other = FakeEngine(name="other", tokens=12, end_gate=trio.Event())
+    records, access = AccessRecords(), logging.getLogger("trio_router.access")
+    access.addHandler(records)
+    level = access.level
+    access.setLevel(logging.INFO)
+    try:
+        with trio.fail_after(LIMIT):
+            async with open_router([first, other]) as router:
+                async with await open_raw(router.url) as stream:
+                    received = await send_raw(stream, CHAT, chat(stream=True), until=b"[DONE]")
+                (left,) = await records.wait_for(1)
+                resumed = await resumes(router, "closed", "resumed")
+                assert other.end_gate is not None
+                other.end_gate.set()
+    finally:
+        access.removeHandler(records)
+        access.setLevel(level)
+    body = b"".join(received.split(b"\r\n\r\n", 1)[1].split(b"\r\n")[1::2])  # unchunked
+    assert text_of(events(body)) == WHOLE
+    assert left["status"] == 499 and left["resumes"] == 1  # gone before the body's end
+    assert resumed == 1
+    assert any(r.getMessage().endswith("took it on: resumed") for r in caplog.records)
 
 
 async def test_an_engine_failing_before_its_first_event_leaves_the_answer_to_another() -> None:

@@ -112,6 +112,12 @@ class Take(Protocol):
         """When the answer's first bytes passed on to the client (Trio time; None before)."""
         ...
 
+    @property
+    def complete(self) -> bool:
+        """The whole answer reached the client (a stream's `[DONE]`), though the engine's
+        body may not have ended: a client may leave now without losing anything."""
+        ...
+
     async def __call__(self, response: UpstreamResponse, choice: Choice) -> bytes: ...
 
     def continuation(self) -> Prepared | None:
@@ -392,6 +398,7 @@ class ReadAnswer:
 
     __slots__ = ("_max_bytes", "_what")
     committed = False
+    complete = False
     first_byte = None
     kind = "whole"
 

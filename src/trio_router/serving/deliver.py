@@ -270,6 +270,10 @@ class Deliver:
         return track is not None and track.spent(token_limit(self._prepared.payload))
 
     @property
+    def complete(self) -> bool:
+        return self._track is not None and self._track.done
+
+    @property
     def kind(self) -> str:
         track = self._track
         if track is not None:

@@ -208,7 +208,12 @@ async def try_engines(
                 choice = dataclasses.replace(chosen, prefilled_by=prefilled_by)
             trail = trail.then(choice, record)
         engine = choice.engine
-        outcome = await attempt(choice, current, record, rt, take=take, body=body)
+        try:
+            outcome = await attempt(choice, current, record, rt, take=take, body=body)
+        except trio.Cancelled:  # the client left (or the drain's deadline came) ...
+            if broken is not None and take.complete:  # ... once the whole answer reached it
+                _resumed(record, prepared, take, rt, (broken, broken_by, engine.name), None)
+            raise
         if isinstance(outcome, Refused):  # a fallback model is left: the next engine, then it
             tried.append(engine.uid)
             refused = outcome
@@ -221,11 +226,7 @@ async def try_engines(
             continue
         if not isinstance(outcome, Failed) or not outcome.broke:
             if broken is not None:
-                done = "resumed" if broken.cut else "retried"
-                if not isinstance(outcome, Answered):
-                    done = "failed"
-                rt.services.metrics.resumed(prepared.model, take.kind, broken.broke, done)
-                _log_resumed(record, prepared, (broken_by, engine.name), broken.broke, done)
+                _resumed(record, prepared, take, rt, (broken, broken_by, engine.name), outcome)
             return outcome, trail
         following = await _next_request(outcome, current, take, rt, retries)
         if following is None:
@@ -248,19 +249,30 @@ async def try_engines(
         )
 
 
-def _log_resumed(
-    record: ExchangeRecord, prepared: Prepared, engines: tuple[str, str], why: str, done: str
+def _resumed(
+    record: ExchangeRecord,
+    prepared: Prepared,
+    take: Take,
+    rt: Runtime,
+    failure: tuple[Failed, str, str],
+    outcome: Outcome | None,
 ) -> None:
-    """One line per answer another engine took after one failed it: both engines (the
-    failed one, the one that took it on), why, and what came of it (`done`, as the resume
-    counter's outcome)."""
+    """An answer another engine took after one failed it (`failure`: the failure, the
+    failed engine, the engine that took it on), counted and logged as what came of its
+    attempt there (`outcome`; None: cancelled, the client gone): "resumed" (carried on) or
+    "retried" (taken whole) when the engine answered or the whole answer reached the client
+    (`take.complete`), else "failed"."""
+    broken, failed_by, took_on = failure
+    answered = isinstance(outcome, Answered) or take.complete
+    done = ("resumed" if broken.cut else "retried") if answered else "failed"
+    rt.services.metrics.resumed(prepared.model, take.kind, broken.broke, done)
     logger.info(
         "request %s for %s: engine %s failed it (%s), engine %s took it on: %s",
         record.request_id_text,
         prepared.model,
-        engines[0],
-        why,
-        engines[1],
+        failed_by,
+        broken.broke,
+        took_on,
         done,
     )
 

@@ -92,6 +92,8 @@ class FakeEngine:
     # Until this event is set, streams hold after their first event and non-streamed
     # replies wait before answering.
     gate: trio.Event | None = None
+    # Until this event is set, a stream's body waits to end after its last event ([DONE]).
+    end_gate: trio.Event | None = None
     # False: /tokenize and /detokenize answer whatever the gate (as vLLM's tokenizer
     # endpoints answer whatever its engine core is doing)
     gate_tokenizer: bool = True

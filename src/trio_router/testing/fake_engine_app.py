@@ -381,6 +381,8 @@ class FakeEngineApp:
             await send({"type": "http.response.body", "body": event, "more_body": True})
         if engine.break_after_events == len(events):  # the body's last chunk lost
             return True
+        if engine.end_gate is not None:
+            await engine.end_gate.wait()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return False
 
