@@ -9,21 +9,24 @@ emulator's fidelity checked on one shared-prefix workload.
 `fit`: one real engine (`trio_router.testing.vllm_engines`: the tiny model, the real tier's
 settings, its worker on core 0), then one emulated engine on the cpu-tiny profile at time
 scale 1, each measured alone with the same requests (token-id prompts, greedy,
-`ignore_eos`): each request's time to first token from the engine's own histogram
-(`vllm:time_to_first_token_seconds`, the sum's growth over one request sent alone, not
-streamed) for prompts of `--lengths` tokens, and the mean inter-token latency
+`ignore_eos`): each request's prefill phase and time to first token from the engine's own
+histograms (`vllm:request_prefill_time_seconds`, from the step that first scheduled it to the
+one that made its first token, and `vllm:time_to_first_token_seconds`: the sums' growth over
+one request sent alone, not streamed; median of `--repeats`) for prompts of `--lengths` tokens,
+and the mean inter-token latency
 (`vllm:inter_token_latency_seconds`, the engine core's timestamps; median of `--repeats`) of
 `--batches` requests
 decoding together (not streamed: streamed requests sent at once reach the engine core spread
 out on this machine, and decode in smaller batches than sent; what streaming costs is the
 front end's, below). The fit, from
-the real engine's figures: the decode step as `a + b * batch` (least squares), the prefill
-step as `a + b + c * n + d * n(n+1)/2` (least squares over `c`, `d` >= 0, with an intercept
-that is left out: vLLM's TTFT starts at the API server, so a request's own front-end work is in
-it); the profile's
+the real engine's figures: the decode step as `a + b * batch + e * context` (least squares),
+the prefill step (the prefill phase) as `a + b + i + c * n + d * n(n+1)/2` (least squares over
+`i`, `c`, `d` >= 0); the profile's
 `overhead_s` is `a` less the step's memory term, `per_sequence_s` is `b` less a decoded
-token's compute, `compute_flops_per_s` makes a token's compute `c`, and
-`attention_flops_per_pair` makes a pair's `d`. `--write` writes them into the shipped
+token's compute, `memory_bytes_per_s` makes a context token's read `e`, `compute_flops_per_s`
+makes a token's compute `c`, `attention_flops_per_pair` makes a pair's `d`, and
+`prefill_step_s` is `i` with the memory term and the decoded token's compute that a
+compute-bound prefill step does not pay. `--write` writes them into the shipped
 cpu-tiny.toml (status "fitted", with this command and the date). The emulated engine's figures
 are printed beside the real engine's (with `--write`, on the new coefficients).
 
@@ -179,12 +182,13 @@ async def measure_steps(url: str, args: argparse.Namespace) -> dict[str, Any]:
     end's part of it: its arrival's work and its first output's), the median."""
     rng = random.Random(args.seed)
     ttft: dict[int, float] = {}
+    prefill: dict[int, float] = {}
     fronts: list[float] = []
     itl: dict[str, float] = {}  # "BATCHxPROMPT": seconds
     async with httpx.AsyncClient(timeout=300.0) as client:
         await complete(client, url, token_ids(rng, 16), 4)  # warm-up
         for length in args.lengths:
-            seen = []
+            seen, prefills = [], []
             for _ in range(args.repeats):
                 before = await scrape(client, [url])
                 await complete(client, url, token_ids(rng, length), 1)
@@ -194,7 +198,9 @@ async def measure_steps(url: str, args: argparse.Namespace) -> dict[str, Any]:
                 phases = ("vllm:request_queue_time_seconds_sum",
                           "vllm:request_prefill_time_seconds_sum")  # fmt: skip
                 fronts.append(seen[-1] - sum(after[p] - before[p] for p in phases))
+                prefills.append(after[phases[1]] - before[phases[1]])
             ttft[length] = sorted(seen)[len(seen) // 2]
+            prefill[length] = sorted(prefills)[len(prefills) // 2]
         for batch, prompt in args.batches:
             means = []
             for _ in range(args.repeats):
@@ -210,7 +216,8 @@ async def measure_steps(url: str, args: argparse.Namespace) -> dict[str, Any]:
                     (after[total] - before[total]) / max(1.0, after[count] - before[count])
                 )
             itl[f"{batch}x{prompt}"] = sorted(means)[len(means) // 2]
-    return {"ttft_s": ttft, "itl_s": itl, "front_s": sorted(fronts)[len(fronts) // 2]}
+    front = sorted(fronts)[len(fronts) // 2]
+    return {"ttft_s": ttft, "prefill_s": prefill, "itl_s": itl, "front_s": front}
 
 
 def least_squares(rows: Sequence[Sequence[float]], ys: Sequence[float]) -> list[float]:
@@ -245,16 +252,19 @@ def fit_step(measured: dict[str, Any], base: StepCost, args_decode: int) -> Step
         [[1.0, batch, context] for batch, context in decodes], list(measured["itl_s"].values())
     )
     memory_bytes_per_s = base.kv_bytes_per_token / e if e > 0 else base.memory_bytes_per_s
-    lengths = sorted(measured["ttft_s"])
-    rest = [measured["ttft_s"][n] - a - b for n in lengths]
-    # The intercept is what a request costs besides its prefill step: the front end's.
-    _, c, d = least_squares([[1.0, n, n * (n + 1) / 2] for n in lengths], rest)
+    lengths = sorted(measured["prefill_s"])
+    rest = [measured["prefill_s"][n] - a - b for n in lengths]
+    # The intercept is what a step with prefill work costs beyond a decode step's fixed
+    # costs (the memory term a compute-bound step does not pay, and a decoded token's
+    # compute, are in a + b).
+    i, c, d = least_squares([[1.0, n, n * (n + 1) / 2] for n in lengths], rest)
     if d < 0:  # no measurable quadratic term: the linear one alone
-        c, d = least_squares([[1.0, n] for n in lengths], rest)[1], 0.0
+        (i, c), d = least_squares([[1.0, n] for n in lengths], rest), 0.0
     c = max(c, 1e-9)
     flops = base.flops_per_token / c
     memory = base.weight_bytes / memory_bytes_per_s
     return StepCost(
+        prefill_step_s=round(max(0.0, i + memory + c), 6),
         overhead_s=round(max(0.0, a - memory), 6),
         per_sequence_s=round(max(0.0, b - c), 6),
         weight_bytes=base.weight_bytes,
@@ -268,17 +278,20 @@ def fit_step(measured: dict[str, Any], base: StepCost, args_decode: int) -> Step
 
 def predicted(step: StepCost, measured: dict[str, Any], decode: int) -> dict[str, Any]:
     """The profile's step durations for the measured shapes."""
-    ttft = {}
-    for n in measured["ttft_s"]:
-        shape = StepShape(sequences=1, tokens=n, context_tokens=n, attention_pairs=n * (n + 1) // 2)
-        ttft[n] = step.seconds(shape)
+    prefill = {}
+    for n in measured["prefill_s"]:
+        pairs = n * (n + 1) // 2
+        shape = StepShape(
+            sequences=1, tokens=n, context_tokens=n, attention_pairs=pairs, prefills=1
+        )
+        prefill[n] = step.seconds(shape)
     itl = {}
     for key in measured["itl_s"]:
         batch, context = decode_shape(key, decode)
         shape = StepShape(sequences=batch, tokens=batch, context_tokens=context,
                           attention_pairs=context)  # fmt: skip
         itl[key] = step.seconds(shape)
-    return {"ttft_s": ttft, "itl_s": itl}
+    return {"prefill_s": prefill, "itl_s": itl}
 
 
 def write_profile(step: StepCost, front_end: FrontEndCost, command: str) -> None:

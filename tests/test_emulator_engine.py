@@ -7,6 +7,7 @@ max_loras wait for a step with room for theirs."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -84,6 +85,30 @@ async def test_each_step_takes_the_profiles_time(
     assert engine.stats.decode.sum == pytest.approx(expected[-1] - prefill)
 
 
+async def test_a_step_with_prefill_work_pays_the_profiles_prefill_step_cost(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """`prefill_step_s`: the step that computes the prompt takes that much longer (the
+    prefill phase and the TTFT with it); the decode steps after it do not."""
+    base = load_profile("h100")
+    step = dataclasses.replace(base.step, prefill_step_s=0.01)
+    profile = dataclasses.replace(base, step=step)
+    async with running(EngineConfig.from_profile(profile)) as engine:
+        start = trio.current_time()
+        _, _, times = await read_all(engine.submit(list(range(16, 1016)), GREEDY))
+    computed = StepShape(sequences=1, tokens=1000, context_tokens=1000, attention_pairs=500_500)
+    assert step.seconds(dataclasses.replace(computed, prefills=1)) == pytest.approx(
+        base.step.seconds(computed) + 0.01
+    )
+    assert times[0] - start == pytest.approx(base.step.seconds(computed) + 0.01)
+    assert engine.stats.prefill.sum == pytest.approx(base.step.seconds(computed) + 0.01)
+    decodes = [
+        base.step.seconds(StepShape(sequences=1, tokens=1, context_tokens=c, attention_pairs=c))
+        for c in range(1001, 1005)
+    ]
+    assert [b - a for a, b in itertools.pairwise(times)] == pytest.approx(decodes)
+
+
 async def test_requests_share_steps(autojump_clock: trio.testing.MockClock) -> None:
     config = EngineConfig.from_profile(load_profile("h100"))
     async with running(config) as engine, trio.open_nursery() as nursery:
@@ -128,10 +153,10 @@ async def test_a_repeated_prompt_hits_the_prefix_cache(
     prompt = list(range(16, 316))  # 300 tokens: 2 full blocks
     async with running(config) as engine:
         await read_all(engine.submit(prompt, GREEDY))
-        before = engine.stats.ttft.sum
+        before = engine.stats.prefill.sum
         await read_all(engine.submit(prompt, GREEDY))
         text = engine.metrics_text()
-    assert engine.stats.ttft.sum - before < before  # the second prefill computed 44 tokens
+    assert engine.stats.prefill.sum - before < before  # the second prefill computed 44 tokens
     seen = parse_vllm_metrics(text)
     assert seen["prefix_cache_queries"] == 600 and seen["prefix_cache_hits"] == 256
     assert seen["prompt_tokens"] == 600 and seen["ttft_count"] == 2

@@ -4,6 +4,7 @@ by memory, prefill by compute), and a user's file is read strictly, its referenc
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -85,6 +86,25 @@ def test_decode_is_bound_by_reading_weights_and_kv_and_prefill_by_computing() ->
     a100 = load_profile("a100").step
     assert a100.seconds(decode(1, 1000)) > step.seconds(decode(1, 1000))  # less bandwidth
     assert a100.seconds(prefill(8192)) > 2 * step.seconds(prefill(8192))  # 312 vs 989 TFLOPS
+
+
+def test_a_step_with_prefill_work_pays_prefill_step_s_once() -> None:
+    """`prefill_step_s` is optional (the GPU profiles leave it at 0) and is paid once by a
+    step with any prefill work, whatever the number of prefills; never by a decode step."""
+    assert load_profile("h100").step.prefill_step_s == 0.0
+    step = load_profile("cpu-tiny").step
+    extra = step.prefill_step_s
+    assert extra > 0  # fitted: vLLM's CPU build's prefill path
+    one = StepShape(sequences=3, tokens=302, context_tokens=302, attention_pairs=20_000)
+    assert step.seconds(dataclasses.replace(one, prefills=1)) == pytest.approx(
+        step.seconds(one) + extra
+    )
+    assert step.seconds(dataclasses.replace(one, prefills=2)) == pytest.approx(
+        step.seconds(one) + extra
+    )
+    assert step.seconds(decode(4, 500)) == pytest.approx(
+        dataclasses.replace(step, prefill_step_s=0.0).seconds(decode(4, 500))
+    )
 
 
 def test_a_profile_file_is_read_strictly(tmp_path: Path) -> None:

@@ -162,6 +162,7 @@ def step_shape(step: Step) -> StepShape:
             s.num_new_tokens * s.num_computed + s.num_new_tokens * (s.num_new_tokens + 1) // 2
             for s in step.scheduled
         ),
+        prefills=sum(not s.is_decode for s in step.scheduled),
     )
 
 

@@ -4,16 +4,19 @@ works the same way).
 
 A step's duration, in emulated seconds, is a roofline with fixed costs:
 
-    overhead_s + per_sequence_s * sequences
+    overhead_s + per_sequence_s * sequences + (prefill_step_s if prefills else 0)
         + max((weight_bytes + kv_bytes_per_token * context_tokens) / memory_bytes_per_s,
               (flops_per_token * tokens + attention_flops_per_pair * attention_pairs)
                   / compute_flops_per_s)
 
-where `sequences` are the requests in the step, `tokens` the tokens it computes,
+where `sequences` are the requests in the step, `prefills` those of them computing prompt
+tokens (a prefill chunk, not a decode), `tokens` the tokens it computes,
 `context_tokens` the tokens whose KV it reads (each request's computed tokens and its new
 ones), and `attention_pairs` the (query, key) pairs its attention computes (a chunk of `n`
 tokens after `c` computed ones: `n*c + n*(n+1)/2`). Decode steps are bound by reading the
-weights and the KV cache, prefill steps by computing.
+weights and the KV cache, prefill steps by computing. `prefill_step_s` (optional, default 0)
+is what a step with prefill work costs beyond a decode step's fixed costs (on vLLM's CPU
+build, its prefill attention path besides the decode one).
 
 The optional `[front_end]` table prices vLLM's API server, a process of its own beside the
 engine core: `arrival_s` per request before the engine core has it (HTTP, validation,
@@ -94,6 +97,7 @@ class StepShape:
     tokens: int
     context_tokens: int
     attention_pairs: int
+    prefills: int = 0  # of the sequences, those computing prompt tokens
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -108,6 +112,7 @@ class StepCost:
     flops_per_token: float
     attention_flops_per_pair: float
     compute_flops_per_s: float
+    prefill_step_s: float = 0.0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -126,7 +131,10 @@ class StepCost:
             self.flops_per_token * shape.tokens
             + self.attention_flops_per_pair * shape.attention_pairs
         ) / self.compute_flops_per_s
-        return self.overhead_s + self.per_sequence_s * shape.sequences + max(memory, compute)
+        fixed = self.overhead_s + self.per_sequence_s * shape.sequences
+        if shape.prefills:
+            fixed += self.prefill_step_s
+        return fixed + max(memory, compute)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -241,7 +249,12 @@ def _section(cls: type[Any], raw: Any, where: str, *, optional: bool = False) ->
     hints = typing.get_type_hints(cls)
     if unknown := raw.keys() - hints.keys():
         raise ConfigError(f"[{where}]: unknown key(s) {sorted(unknown)}; expected {sorted(hints)}")
-    if (missing := hints.keys() - raw.keys()) and not optional:
+    required = {
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    }
+    if (missing := required - raw.keys()) and not optional:
         raise ConfigError(f"[{where}]: missing key(s) {sorted(missing)}")
     return cls(**raw)
 
