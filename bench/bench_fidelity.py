@@ -20,8 +20,8 @@ decoding together (not streamed: streamed requests sent at once reach the engine
 out on this machine, and decode in smaller batches than sent; what streaming costs is the
 front end's, below). The fit, from
 the real engine's figures: the decode step as `a + b * batch + e * context` (least squares),
-the prefill step (the prefill phase) as `a + b + i + c * n + d * n(n+1)/2` (least squares over
-`i`, `c`, `d` >= 0); the profile's
+the prefill step (the prefill phase) as `a + b + i + c * n + d * n(n+1)/2` (least squares,
+`d` >= 0, the term `i` at least 0); the profile's
 `overhead_s` is `a` less the step's memory term, `per_sequence_s` is `b` less a decoded
 token's compute, `memory_bytes_per_s` makes a context token's read `e`, `compute_flops_per_s`
 makes a token's compute `c`, `attention_flops_per_pair` makes a pair's `d`, and

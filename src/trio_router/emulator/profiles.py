@@ -243,7 +243,7 @@ class Profile:
             raise ConfigError(f"status must be one of {', '.join(STATUSES)}: {self.status!r}")
 
 
-def _section(cls: type[Any], raw: Any, where: str, *, optional: bool = False) -> Any:
+def _section(cls: type[Any], raw: Any, where: str) -> Any:
     if not isinstance(raw, dict):
         raise ConfigError(f"[{where}]: expected a table")
     hints = typing.get_type_hints(cls)
@@ -254,7 +254,7 @@ def _section(cls: type[Any], raw: Any, where: str, *, optional: bool = False) ->
         for f in dataclasses.fields(cls)
         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
     }
-    if (missing := required - raw.keys()) and not optional:
+    if missing := required - raw.keys():
         raise ConfigError(f"[{where}]: missing key(s) {sorted(missing)}")
     return cls(**raw)
 
@@ -285,7 +285,7 @@ def parse_profile(name: str, text: str) -> Profile:
             engine=_section(EngineDefaults, raw.get("engine"), "engine"),
             step=_section(StepCost, raw.get("step"), "step"),
             references=tuple(_section(Reference, r, "reference") for r in references),
-            front_end=_section(FrontEndCost, raw.get("front_end", {}), "front_end", optional=True),
+            front_end=_section(FrontEndCost, raw.get("front_end", {}), "front_end"),
         )
     except ConfigError as exc:
         raise ConfigError(f"profile {name}: {exc}") from None
