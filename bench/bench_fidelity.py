@@ -70,7 +70,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import random
 import re
 import sys
@@ -83,25 +82,16 @@ import httpx
 import trio
 
 import fidelity_host
-from emulator_fleet import open_emulator, percentile, scrape
+from emulator_fleet import open_emulator, scrape
+from fidelity_workload import MODEL, api_server_cpu, shared_prefix, summary, token_ids
 from trio_router.emulator.profiles import FrontEndCost, StepCost, StepShape, load_profile
 from trio_router.testing import vllm_engines
 
-MODEL: Final = vllm_engines.MODEL_NAME
 REAL_HOST: Final = "127.0.1.61"
 PROFILE_FILE: Final = (
     Path(__file__).resolve().parent.parent / "src/trio_router/emulator/profiles/cpu-tiny.toml"
 )
 _BLOCKS: Final = re.compile(r"(?:GPU|CPU) KV cache size: ([\d,]+) tokens")
-PHASES: Final = {
-    "queue": "request_queue_time_seconds", "prefill": "request_prefill_time_seconds",
-    "decode": "request_decode_time_seconds", "inter_token": "inter_token_latency_seconds",
-}  # fmt: skip
-FIRST_ID, LAST_ID = 16, 4000  # token ids that are ordinary words in both vocabularies
-
-
-def token_ids(rng: random.Random, count: int) -> list[int]:
-    return [rng.randrange(FIRST_ID, LAST_ID) for _ in range(count)]
 
 
 async def complete(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int) -> None:
@@ -112,13 +102,6 @@ async def complete(client: httpx.AsyncClient, url: str, prompt: list[int], max_t
 
 
 # -- fit ---------------------------------------------------------------------------------------
-def api_server_cpu(pid: int) -> tuple[float, float]:
-    """The API server's main thread (vLLM's asyncio loop): seconds it ran and seconds it
-    waited, runnable, for a CPU (the kernel's schedstat)."""
-    ran, waited, _ = Path(f"/proc/{pid}/schedstat").read_text().split()
-    return int(ran) / 1e9, int(waited) / 1e9
-
-
 async def front_end_load(
     client: httpx.AsyncClient, url: str, pid: int, prompts: list[list[int]], max_tokens: int,
     concurrency: int,
@@ -387,126 +370,22 @@ def fit(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # -- compare -----------------------------------------------------------------------------------
-def engine_cpu(pid: int) -> tuple[float, float]:
-    """Every thread of an engine's processes (API server, engine core, worker: its process
-    group): CPU seconds they ran, and seconds they waited, runnable, for a CPU."""
-    ran = waited = 0
-    for process, thread in fidelity_host.threads(pid):
-        try:
-            run, wait, _ = Path(f"/proc/{process}/task/{thread}/schedstat").read_text().split()
-        except (OSError, ValueError):
-            continue  # gone meanwhile
-        ran, waited = ran + int(run), waited + int(wait)
-    return ran / 1e9, waited / 1e9
-
-
-_TTFT_BUCKET: Final = re.compile(
-    rb'^vllm:time_to_first_token_seconds_bucket\{[^}]*le="([^"]+)"[^}]*\} (\S+)$', re.M
-)
-
-
-async def ttft_buckets(client: httpx.AsyncClient, url: str) -> dict[float, float]:
-    """The engine's TTFT histogram: cumulative count per upper bound."""
-    body = (await client.get(f"{url}/metrics")).content
-    return {float(le): float(count) for le, count in _TTFT_BUCKET.findall(body)}
-
-
-def histogram_quantile(q: float, before: dict[float, float], after: dict[float, float]) -> float:
-    """The `q` quantile of what a histogram gained between two scrapes, as Prometheus's
-    `histogram_quantile` computes it: linear within the bucket that holds it."""
-    bounds = sorted(after)
-    counts = [after[b] - before.get(b, 0.0) for b in bounds]
-    if not counts or counts[-1] <= 0:
-        return float("nan")
-    rank, lower, below = q * counts[-1], 0.0, 0.0
-    for bound, count in zip(bounds, counts, strict=True):
-        if count >= rank:
-            if math.isinf(bound):
-                return lower  # Prometheus answers the highest finite bound
-            return lower + (bound - lower) * (rank - below) / (count - below)
-        lower, below = bound, count
-    return float("nan")
-
-
-async def shared_prefix(
-    url: str, args: argparse.Namespace, pid: int | None = None
-) -> dict[str, Any]:
-    """The shared-prefix workload against one engine: hit rate, preemptions, TTFT p50; for a
-    real engine (`pid`: its API server's), the engine's steps, and the CPU its API server's
-    loop and all its threads ran and waited for."""
-    rng = random.Random(args.seed)
-    prefixes = [token_ids(rng, args.prefix_tokens) for _ in range(args.groups)]
-    prompts = [
-        prefixes[rng.randrange(args.groups)] + token_ids(rng, rng.randrange(32, args.suffix_tokens))
-        for _ in range(args.requests)
-    ]
-    ttfts: list[float] = []
-    limiter = trio.CapacityLimiter(args.concurrency)
-    async with httpx.AsyncClient(timeout=600.0) as client:
-        before = await scrape(client, [url])
-        buckets = await ttft_buckets(client, url)
-        cpu = (api_server_cpu(pid), engine_cpu(pid)) if pid is not None else None
-        cpu_s: dict[str, float] = {}
-
-        async def one(prompt: list[int]) -> None:
-            async with limiter:
-                ttfts.append(await fidelity_host.stream_ttft(url, MODEL, prompt, args.max_tokens))
-
-        started = trio.current_time()
-        async with trio.open_nursery() as nursery:
-            for prompt in prompts:
-                nursery.start_soon(one, prompt)
-                await trio.lowlevel.checkpoint()
-        seconds = trio.current_time() - started
-        if cpu is not None and pid is not None:
-            (ran, waited), (all_ran, all_waited) = cpu
-            (ran2, waited2), (all_ran2, all_waited2) = api_server_cpu(pid), engine_cpu(pid)
-            cpu_s = {
-                "api_server_ran_s": round(ran2 - ran, 2),
-                "api_server_waited_s": round(waited2 - waited, 2),
-                "engine_ran_s": round(all_ran2 - all_ran, 2),
-                "engine_waited_s": round(all_waited2 - all_waited, 2),
-            }
-        after = await scrape(client, [url])
-        ttft_reported = histogram_quantile(0.5, buckets, await ttft_buckets(client, url))
-
-    def delta(name: str) -> float:
-        return after.get(name, 0.0) - before.get(name, 0.0)
-
-    queries = delta("vllm:prefix_cache_queries_total")
-    return {
-        "requests": len(ttfts),
-        "hit_rate": round(delta("vllm:prefix_cache_hits_total") / queries, 4) if queries else None,
-        "preemptions": delta("vllm:num_preemptions_total"),
-        "ttft_p50_ms": round(percentile(sorted(ttfts), 50) * 1000, 1),
-        "ttft_p90_ms": round(percentile(sorted(ttfts), 90) * 1000, 1),
-        "engine_ttft_p50_ms": round(ttft_reported * 1000, 1),
-        "engine_ttft_mean_ms": round(
-            delta("vllm:time_to_first_token_seconds_sum")
-            / max(1.0, delta("vllm:time_to_first_token_seconds_count"))
-            * 1000,
-            1,
-        ),
-        "wall_s": round(seconds, 1),
-        "phases_ms": {  # the engine's own means: vLLM's request phases, its inter-token
-            phase: round(
-                delta(f"vllm:{name}_sum") / max(1.0, delta(f"vllm:{name}_count")) * 1000, 2
-            )
-            for phase, name in PHASES.items()
-        },
-        "steps": delta("vllm:iteration_tokens_total_count"),
-    } | cpu_s
-
-
 def compare(args: argparse.Namespace) -> dict[str, Any]:
-    def workload(url: str, pid: int | None = None) -> Any:
-        return shared_prefix(url, args, pid)
+    """The workload of each `--seeds` seed `--repeats` times on the real engine, then on the
+    emulated one (each started once, warmed once)."""
+
+    async def workload(url: str, pid: int | None = None) -> list[dict[str, Any]]:
+        runs = []
+        for _ in range(args.repeats):
+            for seed in args.seeds:
+                runs.append(await shared_prefix(url, args, seed, pid))
+                print(json.dumps(runs[-1]), flush=True)
+        return runs
 
     real, blocks = run_real(args, args.kv_cache_bytes, workload)
-    print(json.dumps({"real": real, "blocks": blocks}), flush=True)
     emulated = run_emulated(args, blocks, workload)
     return {"block_size": args.block_size, "num_gpu_blocks": blocks, "real": real,
-            "emulated": emulated}  # fmt: skip
+            "emulated": emulated, "summary": summary(real, emulated)}  # fmt: skip
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -522,7 +401,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         metavar="BATCHxPROMPT",
         help="decode measurements: requests decoding together and their prompt tokens",
     )
-    fitting.add_argument("--repeats", type=int, default=5)
     fitting.add_argument("--decode", type=int, default=64, help="tokens per decode request")
     fitting.add_argument("--streams", type=int, default=16, help="streams at once (front end)")
     fitting.add_argument("--write", action="store_true", help="write cpu-tiny.toml")
@@ -534,7 +412,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     comparing.add_argument("--requests", type=int, default=96)
     comparing.add_argument("--concurrency", type=int, default=16)
     comparing.add_argument("--max-tokens", type=int, default=96)
-    for command in (fitting, comparing):
+    comparing.add_argument("--seeds", type=int, nargs="+", default=[0], help="workload seeds")
+    for command, repeats in ((fitting, 5), (comparing, 1)):
+        command.add_argument("--repeats", type=int, default=repeats)
         command.add_argument("--block-size", type=int, default=128)
         command.add_argument(
             "--placement", choices=["split", "as-started"], default="split",
@@ -545,7 +425,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             "--warm-up", type=int, default=2047, metavar="TOKENS",
             help="run every prompt length up to TOKENS once first (0: none)",
         )  # fmt: skip
-        command.add_argument("--seed", type=int, default=0)
+        command.add_argument("--seed", type=int, default=0, help="the fit's prompts")
         command.add_argument("--json-out", type=Path)
     return parser.parse_args(argv)
 
