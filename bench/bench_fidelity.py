@@ -2,7 +2,8 @@
 emulator's fidelity checked on one shared-prefix workload.
 
     python bench/bench_fidelity.py fit [--write] [--json-out FILE]
-    python bench/bench_fidelity.py compare [--kv-cache-bytes 4194304] [--block-size 128]
+    python bench/bench_fidelity.py compare [--seeds 0 1 ...] [--repeats 1]
+                                           [--kv-cache-bytes 4194304] [--block-size 128]
                                            [--placement split] [--warm-up 2047]
                                            [--json-out FILE]
 
@@ -16,7 +17,10 @@ one request sent alone, not streamed; median of `--repeats`) for prompts of `--l
 and the mean inter-token latency
 (`vllm:inter_token_latency_seconds`, the engine core's timestamps; median of `--repeats`) of
 `--batches` requests
-decoding together (not streamed: streamed requests sent at once reach the engine core spread
+decoding together over their second `--decode` tokens (the histogram's growth over a run of
+2 × `--decode` tokens less its growth over a run of `--decode`, new prompts each, so that the
+steps which prefill the prompts, mixed into the first tokens' intervals, cancel out; not
+streamed: streamed requests sent at once reach the engine core spread
 out on this machine, and decode in smaller batches than sent; what streaming costs is the
 front end's, below). The fit, from
 the real engine's figures: the decode step as `a + b * batch + e * context` (least squares),
@@ -48,13 +52,16 @@ last token.
 same block size and number of KV blocks: the real engine's, from its log, else from its KV
 bytes at 512 B per token), one after the other: `--groups` groups of requests sharing a
 prefix of `--prefix-tokens` token ids, each request its own suffix and `--max-tokens`
-greedy tokens, `--concurrency` streams in flight.
+greedy tokens, `--concurrency` streams in flight; the workload of each of `--seeds` (its
+prompts) `--repeats` times on each engine, each engine started and warmed once.
 Reports each engine's prefix-cache hit rate (its counters, in tokens), its preemptions
 (`vllm:num_preemptions_total`) and the client's TTFT p50 (streamed, wall seconds; the
 emulator runs at time scale 1); for the real engine also its steps
 (`vllm:iteration_tokens_total`'s count) and, from the kernel's schedstat, the CPU seconds its
 API server's loop and all its threads (API server, engine core, worker) ran and waited,
-runnable, for a CPU during the workload.
+runnable, for a CPU during the workload. Its `summary` (`fidelity_workload.summary`) judges
+the goals over every run: the hit rates' largest gap, the preemptions summed over all runs on
+each side (and per seed), and the client's TTFT p50, emulated over real, per run.
 
 Both commands first raise this process's and the engines' CPU priority, place the real
 engine's processes (`--placement split`: engine core and worker on core 0, API server and
@@ -187,20 +194,31 @@ async def measure_steps(url: str, args: argparse.Namespace) -> dict[str, Any]:
         for batch, prompt in args.batches:
             means = []
             for _ in range(args.repeats):
-                before = await scrape(client, [url])
-                async with trio.open_nursery() as nursery:
-                    for _ in range(batch):
-                        ids = token_ids(rng, prompt)
-                        nursery.start_soon(complete, client, url, ids, args.decode)
-                after = await scrape(client, [url])
-                total = "vllm:inter_token_latency_seconds_sum"
-                count = "vllm:inter_token_latency_seconds_count"
-                means.append(
-                    (after[total] - before[total]) / max(1.0, after[count] - before[count])
-                )
+                # The same batch with twice the tokens, less it: its prefill steps cancel out.
+                short, long = [
+                    await decode_itl(
+                        client, url, [token_ids(rng, prompt) for _ in range(batch)], tokens
+                    )
+                    for tokens in (args.decode, 2 * args.decode)
+                ]
+                means.append((long[0] - short[0]) / max(1.0, long[1] - short[1]))
             itl[f"{batch}x{prompt}"] = sorted(means)[len(means) // 2]
     front = sorted(fronts)[len(fronts) // 2]
     return {"ttft_s": ttft, "prefill_s": prefill, "itl_s": itl, "front_s": front}
+
+
+async def decode_itl(
+    client: httpx.AsyncClient, url: str, prompts: list[list[int]], tokens: int
+) -> tuple[float, float]:
+    """`prompts` sent at once, `tokens` each: what the engine's inter-token histogram's sum
+    and count grew by."""
+    before = await scrape(client, [url])
+    async with trio.open_nursery() as nursery:
+        for prompt in prompts:
+            nursery.start_soon(complete, client, url, prompt, tokens)
+    after = await scrape(client, [url])
+    total, count = "vllm:inter_token_latency_seconds_sum", "vllm:inter_token_latency_seconds_count"
+    return after[total] - before[total], after[count] - before[count]
 
 
 def least_squares(rows: Sequence[Sequence[float]], ys: Sequence[float]) -> list[float]:
@@ -221,9 +239,9 @@ def least_squares(rows: Sequence[Sequence[float]], ys: Sequence[float]) -> list[
 
 def decode_shape(key: str, decode: int) -> tuple[int, int]:
     """A decode measurement's batch and the context its steps read (all its requests' prompts
-    and, on average, half their answers)."""
+    and, on average, their first `decode` tokens and half the next `decode`)."""
     batch, prompt = map(int, key.split("x"))
-    return batch, batch * (prompt + decode // 2)
+    return batch, batch * (prompt + decode + decode // 2)
 
 
 def fit_step(measured: dict[str, Any], base: StepCost, args_decode: int) -> StepCost:
