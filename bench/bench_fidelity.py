@@ -18,7 +18,7 @@ and the mean inter-token latency
 (`vllm:inter_token_latency_seconds`, the engine core's timestamps; median of `--repeats`) of
 `--batches` requests
 decoding together over their second `--decode` tokens (the histogram's growth over a run of
-2 × `--decode` tokens less its growth over a run of `--decode`, new prompts each, so that the
+twice `--decode` tokens less its growth over a run of `--decode`, new prompts each, so that the
 steps which prefill the prompts, mixed into the first tokens' intervals, cancel out; not
 streamed: streamed requests sent at once reach the engine core spread
 out on this machine, and decode in smaller batches than sent; what streaming costs is the

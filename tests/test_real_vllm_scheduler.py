@@ -104,15 +104,18 @@ WORKLOADS: Final = {
 
 
 @pytest.fixture(scope="module")
-def vllm_records(vllm_env: EngineEnvironment) -> dict[str, dict[str, Any]]:
+def vllm_records(
+    vllm_env: EngineEnvironment, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, dict[str, Any]]:
     """vLLM's records of every workload, from one run of the engine environment's Python."""
     workloads = [w | {"model": str(vllm_env.model)} for w in WORKLOADS.values()]
+    records = tmp_path_factory.mktemp("vllm_scheduler") / "records.json"
     done = subprocess.run(
-        [str(vllm_env.python), _vllm_scheduler.__file__],
+        [str(vllm_env.python), _vllm_scheduler.__file__, str(records)],
         input=json.dumps(workloads), capture_output=True, text=True, timeout=LIMIT, check=False,
     )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    return dict(zip(WORKLOADS, json.loads(done.stdout), strict=True))
+    assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
+    return dict(zip(WORKLOADS, json.loads(records.read_text()), strict=True))
 
 
 @pytest.mark.parametrize("name", list(WORKLOADS))

@@ -9,9 +9,9 @@ arrive at step 0; each time a request finishes, the next one arrives `delays[k]`
 anything: the tokens scheduled per request and the requests preempted.
 
 Run by the engine environment's Python (`trio_router.testing.vllm_engines`), which has vLLM
-and not trio_router, as `python _vllm_scheduler.py < workloads.json` (a list): it drives
-`VllmCore` through each and prints their records as a JSON list. So this module imports only
-the standard library at its top.
+and not trio_router, as `python _vllm_scheduler.py RECORDS < workloads.json` (a list): it
+drives `VllmCore` through each and writes their records to the file RECORDS as a JSON list.
+So this module imports only the standard library at its top.
 """
 
 from __future__ import annotations
@@ -162,4 +162,6 @@ class VllmCore:
 
 
 if __name__ == "__main__":
-    json.dump([drive(VllmCore(one), one) for one in json.load(sys.stdin)], sys.stdout)
+    records = [drive(VllmCore(one), one) for one in json.load(sys.stdin)]
+    with open(sys.argv[1], "w") as out:  # not stdout, where vLLM's logger writes
+        json.dump(records, out)
