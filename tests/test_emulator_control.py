@@ -197,3 +197,69 @@ async def test_a_killed_engine_refuses_connections_before_its_tasks_next_run() -
         fleet.kill(1)
         with trio.socket.socket() as sock, pytest.raises(ConnectionRefusedError):
             await sock.connect((parts.hostname, parts.port))
+
+
+async def scale(control: httpx.AsyncClient, engines: int) -> list[dict[str, Any]]:
+    reply = await control.post("/emulator/scale", json={"engines": engines})
+    assert reply.status_code == 200, reply.text
+    states: list[dict[str, Any]] = reply.json()
+    return states
+
+
+async def test_scale_serves_engines_where_the_next_pods_would_be_and_stops_the_last() -> None:
+    async with controlled() as (fleet, control), httpx.AsyncClient() as client:
+        first = fleet.urls
+        port = urlsplit(first[0]).port
+        states = await scale(control, 4)
+        urls = [s["url"] for s in states]
+        assert urls[:2] == first and urls == fleet.urls
+        assert urls[2:] == [f"http://127.0.1.{i}:{port}" for i in (3, 4)]
+        assert [s["fault"] for s in states] == ["none"] * 4
+        for url in urls[2:]:
+            assert (await client.post(f"{url}/v1/completions", json=BODY)).status_code == 200
+        long = {**BODY, "max_tokens": 4000, "stream": True}
+        async with client.stream("POST", f"{urls[3]}/v1/completions", json=long) as stream:
+            chunks = stream.aiter_bytes()
+            await anext(chunks)
+            assert [s["url"] for s in await scale(control, 1)] == urls[:1]
+            with pytest.raises(httpx.HTTPError):  # a removed engine stops at once
+                async for _ in chunks:
+                    pass
+        for url in urls[1:]:
+            with pytest.raises(httpx.ConnectError):
+                await client.get(f"{url}/health")
+        assert (await client.get(f"{urls[0]}/health")).status_code == 200
+        refused = await control.post("/emulator/fault", json={"engine": 1, "fault": "hang"})
+        assert refused.status_code == 404 and "the fleet has 1" in refused.json()["error"]
+        assert await scale(control, 0) == [] and len(fleet) == 0
+        again = await scale(control, 2)  # the same places, fresh engines
+        assert [s["url"] for s in again] == urls[:2]
+        metrics = parse_vllm_metrics((await client.get(f"{urls[1]}/metrics")).text)
+        assert metrics["prefix_cache_queries"] == 0
+
+
+async def test_bad_scale_requests_are_refused_with_the_reason() -> None:
+    async with controlled() as (fleet, control):
+        for body, reason in [
+            ({"engines": -1}, "0..1024"),
+            ({"engines": 1025}, "0..1024"),
+            ({"engines": "3"}, "number of engines"),
+            ({"engines": True}, "number of engines"),
+            ({}, "None"),
+            ([3], "JSON object"),
+        ]:
+            reply = await control.post("/emulator/scale", json=body)
+            assert reply.status_code == 400 and reason in reply.json()["error"], reply.text
+        assert len(fleet) == 2
+
+
+async def test_an_engine_whose_address_is_taken_is_refused_and_the_fleet_kept() -> None:
+    async with controlled() as (fleet, control):
+        port = urlsplit(fleet.urls[0]).port
+        with trio.socket.socket() as taken:
+            await taken.bind(("127.0.1.3", port))
+            taken.listen()
+            reply = await control.post("/emulator/scale", json={"engines": 3})
+        assert reply.status_code == 409 and "engine 2 cannot be served" in reply.json()["error"]
+        assert len(fleet) == 2
+        assert len(await scale(control, 3)) == 3  # once the address is free

@@ -137,3 +137,75 @@ def test_a_negative_kubelet_delay_is_refused() -> None:
     args = parser.parse_args(["emulate", "--kubernetes", "--kubelet-delay", "-1"])
     with pytest.raises(ConfigError, match=r"--kubelet-delay must be 0 or more seconds"):
         trio.run(emulate, args)
+
+
+async def pods(client: httpx.AsyncClient) -> dict[str, tuple[bool, bool, str]]:
+    """Each pod: (ready, terminating, UID), as the API server lists them."""
+    reply = await client.get("/api/v1/namespaces/default/pods")
+    assert reply.status_code == 200, reply.text
+    return {
+        pod["metadata"]["name"]: (
+            pod["status"]["containerStatuses"][0]["ready"],
+            "deletionTimestamp" in pod["metadata"],
+            pod["metadata"]["uid"],
+        )
+        for pod in reply.json()["items"]
+    }
+
+
+async def test_pods_follow_scaling_as_a_deployments_pods_do(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    config = EngineConfig.from_profile(load_profile("h100"), time_scale=100)
+    addresses = fleet_addresses("127.0.1.1", 0, 2, consecutive_ports=False)
+    async with open_fleet([config] * 2, addresses) as fleet, trio.open_nursery() as nursery:
+        serve = partial(serve_pods, fleet.urls, follow=fleet, kubelet_delay_s=2.0)
+        found = await nursery.start(serve)
+        async with httpx.AsyncClient(base_url=found.api_url) as client:
+            first = await pods(client)
+            await fleet.scale(3)
+            added = (await pods(client))["engine-2"]
+            assert added[:2] == (False, False)  # at once, not Ready yet
+            await trio.sleep(2.5)
+            assert (await pods(client))["engine-2"] == (True, False, added[2])
+            await fleet.scale(1)
+            now = await pods(client)
+            assert now["engine-0"] == first["engine-0"]
+            assert now["engine-1"] == (False, True, first["engine-1"][2])  # terminating
+            assert now["engine-2"] == (False, True, added[2])
+            await trio.sleep(1.0)
+            await fleet.scale(2)  # engine-1 again within the delay: a new pod
+            again = (await pods(client))["engine-1"]
+            assert again[:2] == (False, False) and again[2] not in (first["engine-1"][2], added[2])
+            await trio.sleep(1.5)  # the removal's delay is over, the new pod's is not
+            assert set(await pods(client)) == {"engine-0", "engine-1"}
+            assert (await pods(client))["engine-1"] == again
+            await trio.sleep(1.0)
+            assert (await pods(client))["engine-1"] == (True, False, again[2])
+        nursery.cancel_scope.cancel()
+
+
+async def test_the_router_follows_the_fleet_scaled_out_and_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On the real clock: the router's watch runs in a worker thread.
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    config = EngineConfig.from_profile(load_profile("h100"), time_scale=100)
+    addresses = fleet_addresses("127.0.1.1", 0, 1, consecutive_ports=False)
+    with trio.fail_after(LIMIT):
+        async with open_fleet([config], addresses) as fleet, trio.open_nursery() as nursery:
+            serve = partial(serve_pods, fleet.urls, follow=fleet, kubelet_delay_s=0.2)
+            found = await nursery.start(serve)
+            router = kubernetes_config("default", str(found.kubeconfig), found.port)
+            table = RoutingTable()
+            await nursery.start(partial(server.run, router, table=table, handle_signals=False))
+            while len(table.routable(MODEL)) < 1:
+                await table.wait_changed()
+            await fleet.scale(3)
+            while len(table.routable(MODEL)) < 3:  # once their pods are Ready
+                await table.wait_changed()
+            await fleet.scale(1)
+            while len(table.routable(MODEL)) > 1:  # at the terminating pods' events
+                await table.wait_changed()
+            assert [e.url for e in table.routable(MODEL)] == fleet.urls
+            nursery.cancel_scope.cancel()

@@ -6,9 +6,9 @@ addresses: 127.0.1.1, 127.0.1.2, ... like pods) on one `--port`, or with
 `--consecutive-ports` all on `--host` at ports P, P+1, ...; each engine's base URL is printed
 on its own line once all of them serve, so scripts and the router's static discovery can
 use them. The engine flags apply to every engine; the profile gives the defaults of those not
-given. `--control-port` serves the fault-injection API (`control`); `--kubernetes` a fake
-Kubernetes API server with a pod per engine (`kubernetes`). SIGINT or SIGTERM stops the
-fleet. LoRA: `--enable-lora`, `--lora-modules`, `--max-loras`, `--max-lora-rank`,
+given. `--control-port` serves the fault-injection and scaling API (`control`);
+`--kubernetes` a fake Kubernetes API server with a pod per engine (`kubernetes`). SIGINT or
+SIGTERM stops the fleet. LoRA: `--enable-lora`, `--lora-modules`, `--max-loras`, `--max-lora-rank`,
 `--max-cpu-loras` as vllm serve's, and, as for vLLM, `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1` in
 the environment serves /v1/load_lora_adapter and /v1/unload_lora_adapter.
 """
@@ -73,8 +73,8 @@ def add_emulate_parser(commands: Any) -> None:
         default=1.0,
         metavar="S",
         help="a killed engine's pod turns NotReady, a restarted one's Ready (its restart "
-        "count one higher), S wall seconds later, as a kubelet notices; inf: pods stay "
-        "Ready (default: 1)",
+        "count one higher), a scaled-out one's Ready, a scaled-in one's deleted, S wall "
+        "seconds later, as a kubelet notices; inf: pods stay as they are (default: 1)",
     )
 
 
@@ -106,7 +106,8 @@ def _add_fleet_flags(fleet: Any) -> None:
         "--control-port",
         type=int,
         metavar="P",
-        help="serve the fault-injection API (POST /emulator/fault) on this port (default: none)",
+        help="serve the fault-injection and scaling API (POST /emulator/fault, "
+        "/emulator/scale) on this port (default: none)",
     )
     fleet.add_argument(
         "--control-host",

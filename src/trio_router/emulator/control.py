@@ -5,6 +5,7 @@
                            {"engine": 2, "fault": "5xx", "status": 503}
                            {"engine": 2, "fault": "kill"}
                            {"engine": 2, "fault": "recover"}
+    POST /emulator/scale   {"engines": 6}
     GET  /emulator/engines
 
 `engine` is the engine's index in the printed list (from 0). What each fault does is in
@@ -13,6 +14,11 @@
 engine takes only `recover` (or `kill` again, which does nothing): 409 otherwise. Answers
 are JSON: the engine's index, URL and fault (`{"engine": 2, "url": "...", "fault": "slow",
 "factor": 10.0}`); a bad request is 400 with the reason, an unknown engine 404.
+
+`scale` serves engines until the fleet has `engines` (0 to 1,024), each configured and placed
+as the first ones (the next pod IP, or the next port), or stops the last ones beyond it at
+once and drops them (`Fleet.scale`; with `--kubernetes` their pods follow, `kubernetes`); it
+answers the fleet's engines as `GET /emulator/engines` does. A new engine's URL is also logged.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from typing import Any, Final
 import trio
 
 from ..asgi import Receive, Scope, Send, answer_lifespan
+from ..errors import ConfigError
 from .faults import ERROR_STATUSES, Fault, Faults
 from .fleet import Fleet
 from .http_server import serve_asgi
@@ -34,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_SLOWDOWN: Final = 10.0
 DEFAULT_STATUS: Final = 503
+MAX_ENGINES: Final = 1024  # as --engines
 _FAULTS: Final = frozenset({"kill", "hang", "slow", "5xx", "recover"})
 
 
@@ -71,6 +79,9 @@ class ControlApp:
                 answer: Any = [self._state(i) for i in range(len(self.fleet))]
             elif route == ("POST", "/emulator/fault"):
                 answer = await self._apply(bytes(body))
+            elif route == ("POST", "/emulator/scale"):
+                await self._scale(_size(bytes(body)))
+                answer = [self._state(i) for i in range(len(self.fleet))]
             else:
                 raise _Refused(404, f"no such route: {scope['method']} {scope['path']}")
         except _Refused as refused:
@@ -83,14 +94,20 @@ class ControlApp:
         fault = {"fault": Fault.KILL.value} if engine is None else engine.faults.describe()
         return {"engine": index, "url": self.fleet.urls[index], **fault}
 
+    async def _scale(self, engines: int) -> None:
+        """`Fleet.scale`. Raises _Refused for a size the fleet's layout cannot take, or an
+        engine whose address cannot be served."""
+        try:
+            await self.fleet.scale(engines)
+        except ConfigError as exc:
+            raise _Refused(400, str(exc)) from None
+        except OSError as exc:
+            raise _Refused(409, f"engine {len(self.fleet)} cannot be served: {exc}") from None
+        logger.info("fleet scaled to %d engine(s)", len(self.fleet))
+
     async def _apply(self, raw: bytes) -> dict[str, Any]:
         """Apply one fault request; the engine's state after it. Raises _Refused."""
-        try:
-            body = json.loads(raw)
-        except ValueError as exc:
-            raise _Refused(400, f"the body is not JSON: {exc}") from None
-        if not isinstance(body, dict):
-            raise _Refused(400, "the body must be a JSON object")
+        body = _object(raw)
         index, fault = body.get("engine"), body.get("fault")
         if type(index) is not int:
             raise _Refused(400, f'"engine" must be an engine\'s index: {index!r}')
@@ -112,6 +129,25 @@ class ControlApp:
             _inflict(engine.faults, fault, body)
         logger.info("engine %d: %s", index, fault)
         return self._state(index)
+
+
+def _object(raw: bytes) -> dict[str, Any]:
+    """A control request's body, a JSON object. Raises _Refused."""
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise _Refused(400, f"the body is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise _Refused(400, "the body must be a JSON object")
+    return body
+
+
+def _size(raw: bytes) -> int:
+    """The fleet size a scale request asks for. Raises _Refused."""
+    engines = _object(raw).get("engines")
+    if type(engines) is not int or not 0 <= engines <= MAX_ENGINES:
+        raise _Refused(400, f'"engines" must be a number of engines, 0..{MAX_ENGINES}: {engines!r}')
+    return engines
 
 
 def _inflict(faults: Faults, fault: str, body: dict[str, Any]) -> None:

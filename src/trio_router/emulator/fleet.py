@@ -1,6 +1,6 @@
 """A fleet of emulated engines in one process, each in its own cancel scope so that one can be
-killed and served again (`Fleet`, `open_fleet`, `serve_fleet`), and where they listen
-(`fleet_addresses`).
+killed and served again, and the fleet scaled out and in (`Fleet`, `open_fleet`,
+`serve_fleet`), and where they listen (`fleet_addresses`).
 
 Engines that publish KV-cache events share one ZMQ context, ended with the fleet; each one's
 endpoints are placed for its address (`KvEventsConfig.endpoints`).
@@ -8,6 +8,7 @@ endpoints are placed for its address (`KvEventsConfig.endpoints`).
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import logging
 import random
@@ -15,6 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import ExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Literal
 from urllib.parse import urlsplit
 
 import trio
@@ -25,7 +27,9 @@ from .app import serve_engine
 from .engine import EmulatedEngine, EngineConfig
 from .kv_events import KvEndpoints
 
-__all__ = ["Fleet", "fleet_addresses", "open_fleet", "serve_fleet"]
+__all__ = ["Change", "Fleet", "fleet_addresses", "open_fleet", "serve_fleet"]
+
+Change = Literal["killed", "restarted", "added", "removed"]  # what on_change hears
 
 logger = logging.getLogger(__name__)
 
@@ -67,20 +71,40 @@ class _Slot:
     listening: list[trio.SocketListener] = field(default_factory=list)  # its HTTP listeners
 
 
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    """How the fleet places its engines, for those it adds: `fleet_addresses`'s arguments
+    and the config of each."""
+
+    config: EngineConfig
+    host: str
+    port: int
+    consecutive_ports: bool
+
+
 class Fleet:
-    """The engines of one process (see the module). `kill` is synchronous; `start` and
-    `restart` return once the engine serves."""
+    """The engines of one process (see the module). `kill` is synchronous; `add`, `restart`
+    and `scale` return once the engines serve."""
 
     def __init__(
-        self, nursery: trio.Nursery, context: zmq.Context[zmq.Socket[bytes]] | None
+        self,
+        nursery: trio.Nursery,
+        context: zmq.Context[zmq.Socket[bytes]] | None,
+        layout: _Layout | None = None,
     ) -> None:
-        self._nursery, self._context = nursery, context
+        self._nursery, self._context, self._layout = nursery, context, layout
         self._slots: list[_Slot] = []
-        self._listeners: list[Callable[[int, bool], None]] = []
+        self._listeners: list[Callable[[int, Change], None]] = []
+        self._scaling = trio.Lock()
 
-    def on_change(self, listener: Callable[[int, bool], None]) -> None:
-        """Call `listener(index, alive)` after each kill (False) and restart (True)."""
+    def on_change(self, listener: Callable[[int, Change], None]) -> None:
+        """Call `listener(index, change)` after each kill, restart, engine added by `scale`
+        and engine removed."""
         self._listeners.append(listener)
+
+    def _tell(self, index: int, change: Change) -> None:
+        for listener in self._listeners:
+            listener(index, change)
 
     @property
     def urls(self) -> list[str]:
@@ -98,7 +122,18 @@ class Fleet:
         """Serve one more engine; its URL."""
         slot = _Slot(config, host, port, where)
         self._slots.append(slot)
-        await self._start(slot)
+        try:
+            await self._start(slot)
+        except BaseException as exc:
+            self._slots.remove(slot)  # never served (its address taken, say)
+            if isinstance(exc, BaseExceptionGroup):
+                failed, others = exc.split(OSError)
+                if failed is not None and others is None:  # the bind's, out of the nurseries
+                    raise _leaves(failed)[0] from None
+            raise
+        layout = self._layout
+        if layout is not None and not layout.consecutive_ports and layout.port == 0:
+            self._layout = dataclasses.replace(layout, port=slot.port)  # the pods' one port
         return slot.url
 
     def kill(self, index: int) -> None:
@@ -112,8 +147,7 @@ class Fleet:
         slot.listening.clear()
         slot.scope = slot.engine = None
         logger.info("engine %d at %s killed", index, slot.url)
-        for listener in self._listeners:
-            listener(index, False)
+        self._tell(index, "killed")
 
     async def restart(self, index: int) -> None:
         """Serve a fresh engine (an empty cache, counters at 0) where engine `index` was
@@ -122,8 +156,37 @@ class Fleet:
         if slot.engine is None:
             await self._start(slot)
             logger.info("engine %d at %s restarted", index, slot.url)
-            for listener in self._listeners:
-                listener(index, True)
+            self._tell(index, "restarted")
+
+    async def scale(self, engines: int) -> None:
+        """Serve engines until there are `engines`, each placed and configured as the fleet's
+        first ones (the next address, or the next port), or stop the last ones beyond
+        `engines` at once (as `kill`) and drop them from the fleet. Raises ConfigError for a
+        size the fleet's layout cannot take, RuntimeError for a fleet without a layout."""
+        if self._layout is None:
+            raise RuntimeError("this fleet was not opened with a layout to scale by")
+        layout = self._layout
+        addresses = fleet_addresses(
+            layout.host, layout.port, max(engines, 1), consecutive_ports=layout.consecutive_ports
+        )
+        async with self._scaling:
+            while len(self._slots) > engines:
+                index = len(self._slots) - 1
+                if self._slots[index].engine is not None:
+                    self.kill(index)
+                logger.info("engine %d at %s removed", index, self._slots.pop().url)
+                self._tell(index, "removed")
+            while len(self._slots) < engines:
+                index = len(self._slots)
+                host, port = addresses[index]
+                layout = self._layout  # its port, once the first engine has bound one
+                port = port if layout.consecutive_ports else layout.port
+                where = layout.config.kv_events.endpoints(
+                    index, host, consecutive=layout.consecutive_ports
+                )
+                url = await self.add(layout.config, host, port, where)
+                logger.info("engine %d at %s added", index, url)
+                self._tell(index, "added")
 
     async def _start(self, slot: _Slot) -> None:
         engine = EmulatedEngine(slot.config, rng=random.Random())
@@ -133,6 +196,14 @@ class Fleet:
         slot.url = await self._nursery.start(_in_scope, scope, serve, engine, slot.host, slot.port)
         slot.port = urlsplit(slot.url).port or slot.port
         slot.engine, slot.scope = engine, scope
+
+
+def _leaves(group: BaseExceptionGroup[OSError]) -> list[OSError]:
+    """The exceptions a group holds, through nested groups."""
+    found: list[OSError] = []
+    for exc in group.exceptions:
+        found += _leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc]
+    return found
 
 
 async def _in_scope(
@@ -166,7 +237,9 @@ async def open_fleet(
             context = zmq.Context()
             stack.callback(context.destroy, linger=0)
         async with trio.open_nursery() as nursery:
-            fleet, shared = Fleet(nursery, context), 0
+            host, port = addresses[0] if addresses else ("127.0.0.1", 0)
+            layout = _Layout(configs[-1], host, port, consecutive_ports) if configs else None
+            fleet, shared = Fleet(nursery, context, layout), 0
             for i, (config, (host, port)) in enumerate(zip(configs, addresses, strict=True)):
                 where = config.kv_events.endpoints(i, host, consecutive=consecutive_ports)
                 if not consecutive_ports and port == 0:

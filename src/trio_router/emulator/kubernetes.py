@@ -14,6 +14,12 @@ engine's pod turns NotReady (its container not ready), a restarted one's Ready a
 container's restart count one higher. Until then a killed engine is an engine dead behind a
 Ready pod, as in the moments after a crash before the kubelet notices. Other faults (hang,
 slow, 5xx) leave the pod as it is: an engine's readiness probe is the operator's.
+
+They follow its scaling as a Deployment's pods do: an engine added gets a pod at once, not
+Ready (a new UID, its address as pod IP), Ready the delay later, once its readiness probe
+would pass; an engine removed (stopped at once, as vLLM stops on SIGTERM) has its pod marked
+terminating at once (a deletion timestamp) and deleted the delay later. With an infinite
+delay the pods follow nothing, scaling included.
 """
 
 from __future__ import annotations
@@ -30,9 +36,10 @@ import trio
 
 from ..errors import ConfigError
 from ..testing.fake_apiserver import FakeApiServer
+from ..testing.fake_apiserver.history import PODS
 
 if TYPE_CHECKING:
-    from .fleet import Fleet
+    from .fleet import Change, Fleet
 
 __all__ = ["Pods", "pod_name", "serve_pods"]
 
@@ -104,9 +111,9 @@ async def serve_pods(
 
 
 class _Kubelet:
-    """The pods' side of a fleet's kills and restarts: each pod brought to its engine's state
-    (alive: Ready; killed: NotReady) a delay after a change, its restart count one higher for
-    each restart."""
+    """The pods' side of a fleet's changes (see the module): each pod brought to its engine's
+    state a delay after a change (alive: Ready; killed: NotReady; removed: deleted), its
+    restart count one higher for each restart; a pod added or marked terminating at once."""
 
     def __init__(
         self, apiserver: FakeApiServer, fleet: Fleet, delay_s: float, nursery: trio.Nursery
@@ -114,16 +121,42 @@ class _Kubelet:
         self._apiserver, self._fleet, self._delay_s = apiserver, fleet, delay_s
         self._nursery = nursery
         self._restarts = [0] * len(fleet)
+        self._created = 0  # pods created since the start, for new UIDs
 
-    def changed(self, index: int, alive: bool) -> None:
-        if alive:
+    def changed(self, index: int, change: Change) -> None:
+        name = pod_name(index)
+        if change == "restarted":
             self._restarts[index] += 1
-        self._nursery.start_soon(self._follow, index)
+        elif change == "added":
+            if name in self._apiserver.history.objects(PODS):
+                self._apiserver.delete_pod(name)  # the terminating pod of a removed engine
+            self._restarts[index:] = [0]
+            self._created += 1
+            host = urlsplit(self._fleet.urls[index]).hostname or ""
+            self._apiserver.add_pod(name, ip=host, ready=False, uid=f"uid-{name}-{self._created}")
+        elif change == "removed":
+            del self._restarts[index:]
+            (container,) = self._apiserver.pod(name)["status"]["containerStatuses"]
+            self._apiserver.modify_pod(
+                name, terminating=True, ready=False, restarts=container["restartCount"]
+            )
+        uid = self._apiserver.pod(name)["metadata"]["uid"]
+        self._nursery.start_soon(self._follow, index, uid, change == "removed")
 
-    async def _follow(self, index: int) -> None:
+    async def _follow(self, index: int, uid: str, removed: bool) -> None:
+        """Bring pod `index` to its engine's state (`removed`: delete it), if it is still
+        the pod `uid`."""
         await trio.sleep(self._delay_s)
+        name = pod_name(index)
+        pod = self._apiserver.history.objects(PODS).get(name)
+        if pod is None or pod["metadata"]["uid"] != uid:
+            return  # deleted, or another engine's pod since
+        if "deletionTimestamp" in pod["metadata"]:
+            if removed:
+                self._apiserver.delete_pod(name)
+            return
         ready = self._fleet.engine(index) is not None  # the state then, not at the change
         restarts = self._restarts[index]
-        (container,) = self._apiserver.pod(pod_name(index))["status"]["containerStatuses"]
+        (container,) = pod["status"]["containerStatuses"]
         if (container["ready"], container["restartCount"]) != (ready, restarts):
-            self._apiserver.modify_pod(pod_name(index), ready=ready, restarts=restarts)
+            self._apiserver.modify_pod(name, ready=ready, restarts=restarts)
