@@ -422,6 +422,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     fitting.add_argument("--decode", type=int, default=64, help="tokens per decode request")
     fitting.add_argument("--streams", type=int, default=16, help="streams at once (front end)")
     fitting.add_argument("--write", action="store_true", help="write cpu-tiny.toml")
+    fitting.add_argument("--seed", type=int, default=0, help="the prompts' seed")
     comparing = commands.add_parser("compare", help="one shared-prefix workload on both")
     comparing.add_argument("--kv-cache-bytes", type=int, default=4 << 20)
     comparing.add_argument("--groups", type=int, default=6)
@@ -443,7 +444,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             "--warm-up", type=int, default=2047, metavar="TOKENS",
             help="run every prompt length up to TOKENS once first (0: none)",
         )  # fmt: skip
-        command.add_argument("--seed", type=int, default=0, help="the fit's prompts")
         command.add_argument("--json-out", type=Path)
     return parser.parse_args(argv)
 

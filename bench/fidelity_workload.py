@@ -154,9 +154,9 @@ async def shared_prefix(
 
 def summary(real: list[dict[str, Any]], emulated: list[dict[str, Any]]) -> dict[str, Any]:
     """The goals over runs paired in order (the same seed on each side): the hit rates' largest
-    gap in points; preemptions summed over all runs on each side, and per seed (one seed's
-    count moves by about a third with arrival timing alone, so the sums are what the goal is
-    judged on); the client's TTFT p50, emulated over real, per run."""
+    gap in points; preemptions summed over all runs on each side, and per seed (one run's
+    count moves with arrival timing alone, so the sums are what the goal is judged on); the
+    client's TTFT p50, emulated over real, per run."""
     pairs = list(zip(real, emulated, strict=True))
     by_seed: dict[int, list[float]] = {}
     for one, other in pairs:
@@ -165,10 +165,14 @@ def summary(real: list[dict[str, Any]], emulated: list[dict[str, Any]]) -> dict[
         counts[1] += other["preemptions"]
     real_sum, emulated_sum = (sum(counts[side] for counts in by_seed.values()) for side in (0, 1))
     ttft = [other["ttft_p50_ms"] / one["ttft_p50_ms"] for one, other in pairs]
-    gaps = [abs(one["hit_rate"] - other["hit_rate"]) * 100 for one, other in pairs]
+    gaps = [
+        abs(one["hit_rate"] - other["hit_rate"]) * 100
+        for one, other in pairs
+        if one["hit_rate"] is not None and other["hit_rate"] is not None  # None: no queries
+    ]
     return {
         "runs": len(pairs),
-        "hit_rate_gap_points_max": round(max(gaps), 2),
+        "hit_rate_gap_points_max": round(max(gaps), 2) if gaps else None,
         "preemptions_real": real_sum,
         "preemptions_emulated": emulated_sum,
         "preemptions_ratio": round(emulated_sum / real_sum, 3) if real_sum else None,

@@ -263,3 +263,34 @@ async def test_an_engine_whose_address_is_taken_is_refused_and_the_fleet_kept() 
         assert reply.status_code == 409 and "engine 2 cannot be served" in reply.json()["error"]
         assert len(fleet) == 2
         assert len(await scale(control, 3)) == 3  # once the address is free
+
+
+async def test_an_engine_removed_while_it_restarts_does_not_serve() -> None:
+    async with controlled() as (fleet, control):
+        first, url = fleet.urls
+        parts = urlsplit(url)
+        assert parts.hostname is not None and parts.port is not None
+        fleet.kill(1)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(fleet.restart, 1)
+            await trio.lowlevel.checkpoint()  # the restart begins starting the engine
+            await fleet.scale(1)
+        assert fleet.urls == [first]
+        with trio.socket.socket() as sock, pytest.raises(ConnectionRefusedError):
+            await sock.connect((parts.hostname, parts.port))
+        # Through the API, a recover and a scale-in sent at once: whichever is applied first,
+        # the fleet ends with one engine and nothing at .2 (the API applies one at a time).
+        await scale(control, 2)
+        fleet.kill(1)
+        answers: list[int] = []
+
+        async def post(path: str, body: dict[str, Any]) -> None:
+            answers.append((await control.post(path, json=body)).status_code)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(post, "/emulator/fault", {"engine": 1, "fault": "recover"})
+            nursery.start_soon(post, "/emulator/scale", {"engines": 1})
+        assert sorted(answers) in ([200, 200], [200, 404])
+        assert len(fleet) == 1
+        with trio.socket.socket() as sock, pytest.raises(ConnectionRefusedError):
+            await sock.connect((parts.hostname, parts.port))

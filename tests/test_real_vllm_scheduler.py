@@ -65,8 +65,9 @@ class EmulatorCore:
     def busy(self) -> bool:
         return self.scheduler.has_work()
 
-    def prefix_cache(self) -> tuple[int, int]:
-        return self.cache.hits, self.cache.queries
+    def prefix_cache(self) -> tuple[int, int, int, int]:
+        cache = self.cache
+        return cache.hits, cache.queries, cache.preempted_hits, cache.preempted_queries
 
 
 def workload(seed: int, policy: str, batched: int, delays: list[int]) -> dict[str, Any]:
@@ -127,10 +128,11 @@ def test_the_emulator_schedules_as_vllm_does(
     for their_step, our_step in zip(theirs["steps"], ours["steps"], strict=False):
         assert our_step == their_step
     assert len(ours["steps"]) == len(theirs["steps"])
-    assert (ours["hits"], ours["queries"]) == (theirs["hits"], theirs["queries"])
+    counts = ("hits", "queries", "preempted_hits", "preempted_queries")
+    assert [ours[c] for c in counts] == [theirs[c] for c in counts]
     # The workload exercised what it is meant to: preemption, prefix hits, a prefill cut into
     # chunks (a step that used the whole token budget).
     assert sum(len(step["preempted"]) for step in ours["steps"]) > 0
-    assert 0 < ours["hits"] < ours["queries"]
+    assert 0 < ours["hits"] < ours["queries"] and ours["preempted_queries"] > 0
     budget = WORKLOADS[name]["max_num_batched_tokens"]
     assert any(sum(step["scheduled"].values()) == budget for step in ours["steps"])

@@ -15,10 +15,12 @@ engine takes only `recover` (or `kill` again, which does nothing): 409 otherwise
 are JSON: the engine's index, URL and fault (`{"engine": 2, "url": "...", "fault": "slow",
 "factor": 10.0}`); a bad request is 400 with the reason, an unknown engine 404.
 
-`scale` serves engines until the fleet has `engines` (0 to 1,024), each configured and placed
-as the first ones (the next pod IP, or the next port), or stops the last ones beyond it at
-once and drops them (`Fleet.scale`; with `--kubernetes` their pods follow, `kubernetes`); it
-answers the fleet's engines as `GET /emulator/engines` does. A new engine's URL is also logged.
+`scale` serves engines until the fleet has `engines` (0 to MAX_ENGINES), each configured as
+the first one and placed after the others (the next pod IP, or the next port), or stops the
+last ones beyond it at once and drops them (`Fleet.scale`; with `--kubernetes` their pods
+follow, `kubernetes`); it answers the fleet's engines as `GET /emulator/engines` does. A new
+engine's URL is also logged. Fault and scale requests are applied one at a time, in the order
+they come.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ class ControlApp:
 
     def __init__(self, fleet: Fleet) -> None:
         self.fleet = fleet
+        self._changing = trio.Lock()  # one fault or scale at a time: each sees the last done
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -78,10 +81,12 @@ class ControlApp:
             if route == ("GET", "/emulator/engines"):
                 answer: Any = [self._state(i) for i in range(len(self.fleet))]
             elif route == ("POST", "/emulator/fault"):
-                answer = await self._apply(bytes(body))
+                async with self._changing:
+                    answer = await self._apply(bytes(body))
             elif route == ("POST", "/emulator/scale"):
-                await self._scale(_size(bytes(body)))
-                answer = [self._state(i) for i in range(len(self.fleet))]
+                async with self._changing:
+                    await self._scale(_size(bytes(body)))
+                    answer = [self._state(i) for i in range(len(self.fleet))]
             else:
                 raise _Refused(404, f"no such route: {scope['method']} {scope['path']}")
         except _Refused as refused:

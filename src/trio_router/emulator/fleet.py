@@ -72,7 +72,7 @@ class _Slot:
 
 
 @dataclass(frozen=True, slots=True)
-class _Layout:
+class Layout:
     """How the fleet places its engines, for those it adds: `fleet_addresses`'s arguments
     and the config of each."""
 
@@ -90,7 +90,7 @@ class Fleet:
         self,
         nursery: trio.Nursery,
         context: zmq.Context[zmq.Socket[bytes]] | None,
-        layout: _Layout | None = None,
+        layout: Layout | None = None,
     ) -> None:
         self._nursery, self._context, self._layout = nursery, context, layout
         self._slots: list[_Slot] = []
@@ -119,18 +119,18 @@ class Fleet:
         return self._slots[index].engine
 
     async def add(self, config: EngineConfig, host: str, port: int, where: KvEndpoints) -> str:
-        """Serve one more engine; its URL."""
+        """Serve one more engine; its URL. It joins the fleet once it serves; the first one
+        on addresses of their own fixes the port later ones take (`scale`). Raises OSError
+        if its address is taken."""
         slot = _Slot(config, host, port, where)
-        self._slots.append(slot)
         try:
             await self._start(slot)
-        except BaseException as exc:
-            self._slots.remove(slot)  # never served (its address taken, say)
-            if isinstance(exc, BaseExceptionGroup):
-                failed, others = exc.split(OSError)
-                if failed is not None and others is None:  # the bind's, out of the nurseries
-                    raise _leaves(failed)[0] from None
+        except BaseExceptionGroup as exc:
+            failed, others = exc.split(OSError)
+            if failed is not None and others is None:  # the bind's, out of the nurseries
+                raise _leaves(failed)[0] from None
             raise
+        self._slots.append(slot)
         layout = self._layout
         if layout is not None and not layout.consecutive_ports and layout.port == 0:
             self._layout = dataclasses.replace(layout, port=slot.port)  # the pods' one port
@@ -140,12 +140,7 @@ class Fleet:
         """Stop engine `index` at once: its listener and every connection close, its
         requests are dropped, its KV-event sockets close."""
         slot = self._slots[index]
-        if slot.scope is not None:
-            slot.scope.cancel(reason=f"engine {index} killed")
-        for http_listener in slot.listening:  # now: a connection from here on is refused
-            http_listener.socket.close()
-        slot.listening.clear()
-        slot.scope = slot.engine = None
+        _stop(slot, f"engine {index} killed")
         logger.info("engine %d at %s killed", index, slot.url)
         self._tell(index, "killed")
 
@@ -155,6 +150,9 @@ class Fleet:
         slot = self._slots[index]
         if slot.engine is None:
             await self._start(slot)
+            if slot not in self._slots:  # removed by `scale` meanwhile
+                _stop(slot, f"engine {index} removed")
+                return
             logger.info("engine %d at %s restarted", index, slot.url)
             self._tell(index, "restarted")
 
@@ -162,7 +160,8 @@ class Fleet:
         """Serve engines until there are `engines`, each placed and configured as the fleet's
         first ones (the next address, or the next port), or stop the last ones beyond
         `engines` at once (as `kill`) and drop them from the fleet. Raises ConfigError for a
-        size the fleet's layout cannot take, RuntimeError for a fleet without a layout."""
+        size the fleet's layout cannot take, OSError for an address taken (the engines served
+        until then stay), RuntimeError for a fleet without a layout."""
         if self._layout is None:
             raise RuntimeError("this fleet was not opened with a layout to scale by")
         layout = self._layout
@@ -196,6 +195,17 @@ class Fleet:
         slot.url = await self._nursery.start(_in_scope, scope, serve, engine, slot.host, slot.port)
         slot.port = urlsplit(slot.url).port or slot.port
         slot.engine, slot.scope = engine, scope
+
+
+def _stop(slot: _Slot, reason: str) -> None:
+    """Stop the engine of `slot` at once: its listener and every connection close, its
+    requests are dropped, its KV-event sockets close."""
+    if slot.scope is not None:
+        slot.scope.cancel(reason=reason)
+    for http_listener in slot.listening:  # now: a connection from here on is refused
+        http_listener.socket.close()
+    slot.listening.clear()
+    slot.scope = slot.engine = None
 
 
 def _leaves(group: BaseExceptionGroup[OSError]) -> list[OSError]:
@@ -238,7 +248,7 @@ async def open_fleet(
             stack.callback(context.destroy, linger=0)
         async with trio.open_nursery() as nursery:
             host, port = addresses[0] if addresses else ("127.0.0.1", 0)
-            layout = _Layout(configs[-1], host, port, consecutive_ports) if configs else None
+            layout = Layout(configs[0], host, port, consecutive_ports) if configs else None
             fleet, shared = Fleet(nursery, context, layout), 0
             for i, (config, (host, port)) in enumerate(zip(configs, addresses, strict=True)):
                 where = config.kv_events.endpoints(i, host, consecutive=consecutive_ports)

@@ -94,7 +94,8 @@ async def serve_pods(
     reports where once it accepts connections. The kubeconfig is written to `kubeconfig`
     (kept), or to a temporary directory removed on cancellation. With `follow` (the fleet
     serving `urls`), the pods follow its kills and restarts `kubelet_delay_s` later (see the
-    module). Raises ConfigError for engines that cannot be pods (see `engine_addresses`)."""
+    module), and its scaling. Raises ConfigError for engines that cannot be pods (see
+    `engine_addresses`)."""
     hosts, port = engine_addresses(urls)
     apiserver = FakeApiServer(namespace=namespace)
     for i, host in enumerate(hosts):
@@ -124,6 +125,8 @@ class _Kubelet:
         self._created = 0  # pods created since the start, for new UIDs
 
     def changed(self, index: int, change: Change) -> None:
+        """The fleet's `change` to engine `index`: what the API server shows at once, and the
+        follow-up a delay later."""
         name = pod_name(index)
         if change == "restarted":
             self._restarts[index] += 1

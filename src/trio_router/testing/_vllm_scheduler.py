@@ -4,7 +4,7 @@ step (the real tier's tests/test_real_vllm_scheduler.py).
 
 `drive(engine, workload)` is the loop, the same for both: the first `concurrency` requests
 arrive at step 0; each time a request finishes, the next one arrives `delays[k]` steps later
-(k counts finishes, in the order of their request ids within a step). The model is
+(k counts finishes). The model is
 `next_token`, a function of the context. It records every step that scheduled or preempted
 anything: the tokens scheduled per request and the requests preempted.
 
@@ -40,12 +40,15 @@ class Core(Protocol):
 
     def busy(self) -> bool: ...
 
-    def prefix_cache(self) -> tuple[int, int]:
-        """Prefix-cache hits and queries, in tokens."""
+    def prefix_cache(self) -> tuple[int, int, int, int]:
+        """Prefix-cache hits and queries, in tokens, of first admissions, then of requests
+        resumed after a preemption."""
         ...
 
 
 def drive(core: Core, workload: dict[str, Any]) -> dict[str, Any]:
+    """Run `workload` through `core` (see the module): each step that scheduled or preempted
+    anything, the prefix cache's counts, the requests finished."""
     requests, delays = workload["requests"], workload["delays"]
     pending = deque(range(len(requests)))
     due = [(0, pending.popleft()) for _ in range(min(workload["concurrency"], len(requests)))]
@@ -61,12 +64,13 @@ def drive(core: Core, workload: dict[str, Any]) -> dict[str, Any]:
         now += 1
         if scheduled or preempted:
             steps.append({"step": now - 1, "scheduled": scheduled, "preempted": sorted(preempted)})
-        for _ in sorted(done, key=int):
+        for _ in done:
             if pending:
                 due.append((now + delays[finished % len(delays)], pending.popleft()))
             finished += 1
-    hits, queries = core.prefix_cache()
-    return {"steps": steps, "hits": hits, "queries": queries, "finished": finished}
+    cache = dict(zip(("hits", "queries", "preempted_hits", "preempted_queries"),
+                     core.prefix_cache(), strict=True))  # fmt: skip
+    return {"steps": steps, "finished": finished} | cache
 
 
 class VllmCore:
@@ -114,7 +118,8 @@ class VllmCore:
         )  # fmt: skip
         init_none_hash(sha256)
         self.hasher = get_request_block_hasher(block_size, sha256)
-        self.hits = self.queries = 0  # summed over the steps' stats (each step's, reset)
+        # hits, queries, and those of resumed requests: summed over the steps' own stats
+        self.counts = [0, 0, 0, 0]
 
     def add(self, request_id: str, request: dict[str, Any], step: int) -> None:
         from vllm.sampling_params import SamplingParams
@@ -151,14 +156,18 @@ class VllmCore:
         for outputs in self.scheduler.update_from_output(out, result).values():
             finished += [o.request_id for o in outputs.outputs if o.finish_reason is not None]
             if outputs.scheduler_stats and (cache := outputs.scheduler_stats.prefix_cache_stats):
-                self.hits, self.queries = self.hits + cache.hits, self.queries + cache.queries
+                self.counts[0] += cache.hits
+                self.counts[1] += cache.queries
+                self.counts[2] += cache.preempted_hits
+                self.counts[3] += cache.preempted_queries
         return dict(out.num_scheduled_tokens), list(out.preempted_req_ids or []), finished
 
     def busy(self) -> bool:
         return bool(self.scheduler.has_requests())
 
-    def prefix_cache(self) -> tuple[int, int]:
-        return self.hits, self.queries
+    def prefix_cache(self) -> tuple[int, int, int, int]:
+        hits, queries, preempted_hits, preempted_queries = self.counts
+        return hits, queries, preempted_hits, preempted_queries
 
 
 if __name__ == "__main__":
