@@ -219,12 +219,11 @@ async def test_scale_serves_engines_where_the_next_pods_would_be_and_stops_the_l
             assert (await client.post(f"{url}/v1/completions", json=BODY)).status_code == 200
         long = {**BODY, "max_tokens": 4000, "stream": True}
         async with client.stream("POST", f"{urls[3]}/v1/completions", json=long) as stream:
-            chunks = stream.aiter_bytes()
+            chunks = stream.aiter_text()
             await anext(chunks)
             assert [s["url"] for s in await scale(control, 1)] == urls[:1]
-            with pytest.raises(httpx.HTTPError):  # a removed engine stops at once
-                async for _ in chunks:
-                    pass
+            rest = "".join([chunk async for chunk in chunks])  # as vLLM on SIGTERM: aborted
+        assert rest.endswith('"finish_reason":"abort","stop_reason":null}]}\n\ndata: [DONE]\n\n')
         for url in urls[1:]:
             with pytest.raises(httpx.ConnectError):
                 await client.get(f"{url}/health")
@@ -294,3 +293,21 @@ async def test_an_engine_removed_while_it_restarts_does_not_serve() -> None:
         assert len(fleet) == 1
         with trio.socket.socket() as sock, pytest.raises(ConnectionRefusedError):
             await sock.connect((parts.hostname, parts.port))
+
+
+async def test_terminate_aborts_the_requests_in_flight_as_vllm_on_sigterm() -> None:
+    async with controlled() as (fleet, control), httpx.AsyncClient() as client:
+        url = fleet.urls[0]
+        long = {**BODY, "max_tokens": 4000, "stream": True}
+        async with client.stream("POST", f"{url}/v1/completions", json=long) as stream:
+            chunks = stream.aiter_text()
+            await anext(chunks)
+            assert (await inject(control, engine=0, fault="terminate"))["fault"] == "kill"
+            rest = "".join([chunk async for chunk in chunks])
+        assert '"finish_reason":"abort"' in rest and rest.endswith("data: [DONE]\n\n")
+        with pytest.raises(httpx.ConnectError):  # then it is gone, as a killed engine
+            await client.get(f"{url}/health")
+        refused = await control.post("/emulator/fault", json={"engine": 0, "fault": "terminate"})
+        assert refused.status_code == 409
+        await inject(control, engine=0, fault="recover")
+        assert (await client.post(f"{url}/v1/completions", json=BODY)).status_code == 200

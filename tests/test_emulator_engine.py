@@ -380,3 +380,22 @@ async def test_a_request_aborted_while_waiting_in_the_core_is_forgotten_by_the_f
         assert engine.front_end.reached == {}
         _, reason, _ = await read_all(first)
     assert reason is FinishReason.LENGTH and await second.wait() == ([], FinishReason.ABORT)
+
+
+async def test_terminate_aborts_every_request_in_flight_and_every_later_one(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    config = EngineConfig.from_profile(load_profile("h100"))
+    long = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
+    async with running(config) as engine:
+        running_one, waiting_one = engine.submit([16] * 100, long), engine.submit([17] * 50, long)
+        first, _ = await running_one.wait()
+        assert first and engine.scheduler.has_work()
+        engine.terminate()
+        for generation in (running_one, waiting_one):
+            _, reason, _ = await read_all(generation)
+            assert reason is FinishReason.ABORT
+        assert not engine.scheduler.has_work()
+        later = engine.submit([18] * 10, GREEDY)  # never scheduled
+        assert await later.wait() == ([], FinishReason.ABORT)
+        assert not engine.scheduler.has_work()

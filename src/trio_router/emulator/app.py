@@ -239,10 +239,11 @@ class EngineApp:
         if prepared.stream and (direct := extensions.get(DIRECT_WRITE)) is not None:
             generation.take_now = partial(_write_now, direct, answer)
         try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope)
-                await reply(generation, answer, send)
-                nursery.cancel_scope.cancel(reason="answered")
+            with engine.answering():
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope)
+                    await reply(generation, answer, send)
+                    nursery.cancel_scope.cancel(reason="answered")
         finally:
             engine.abort(generation)  # nothing if it finished; else its client went away
 

@@ -4,23 +4,26 @@
                            {"engine": 2, "fault": "slow", "factor": 10}
                            {"engine": 2, "fault": "5xx", "status": 503}
                            {"engine": 2, "fault": "kill"}
+                           {"engine": 2, "fault": "terminate"}
                            {"engine": 2, "fault": "recover"}
     POST /emulator/scale   {"engines": 6}
     GET  /emulator/engines
 
 `engine` is the engine's index in the printed list (from 0). What each fault does is in
-`faults`; `kill` cancels the engine's server (its listener and connections close) and
-`recover` serves a fresh engine at the same address, or lifts any other fault. A killed
-engine takes only `recover` (or `kill` again, which does nothing): 409 otherwise. Answers
-are JSON: the engine's index, URL and fault (`{"engine": 2, "url": "...", "fault": "slow",
-"factor": 10.0}`); a bad request is 400 with the reason, an unknown engine 404.
+`faults`; `kill` cancels the engine's server (its listener and connections close), as SIGKILL
+would; `terminate` first aborts its requests and lets their answers be written, as vLLM does
+on SIGTERM (`Fleet.terminate`), then kills it; `recover` serves a fresh engine at the same
+address, or lifts any other fault. A killed engine takes only `recover` (or `kill` again,
+which does nothing): 409 otherwise. Answers are JSON: the engine's index, URL and fault
+(`{"engine": 2, "url": "...", "fault": "slow", "factor": 10.0}`); a bad request is 400 with
+the reason, an unknown engine 404.
 
 `scale` serves engines until the fleet has `engines` (0 to MAX_ENGINES), each configured as
-the first one and placed after the others (the next pod IP, or the next port), or stops the
-last ones beyond it at once and drops them (`Fleet.scale`; with `--kubernetes` their pods
-follow, `kubernetes`); it answers the fleet's engines as `GET /emulator/engines` does. A new
-engine's URL is also logged. Fault and scale requests are applied one at a time, in the order
-they come.
+the first one and placed after the others (the next pod IP, or the next port), or drops the
+last ones beyond it and stops them as `terminate` does (`Fleet.scale`; with `--kubernetes`
+their pods follow, `kubernetes`); it answers the fleet's engines as `GET /emulator/engines`
+does. A new engine's URL is also logged. Fault and scale requests are applied one at a time,
+in the order they come.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_SLOWDOWN: Final = 10.0
 DEFAULT_STATUS: Final = 503
 MAX_ENGINES: Final = 1024  # as --engines
-_FAULTS: Final = frozenset({"kill", "hang", "slow", "5xx", "recover"})
+_FAULTS: Final = frozenset({"kill", "terminate", "hang", "slow", "5xx", "recover"})
 
 
 class _Refused(Exception):
@@ -130,6 +133,8 @@ class ControlApp:
             self.fleet.kill(index)
         elif engine is None:
             raise _Refused(409, f"engine {index} is killed: recover it first")
+        elif fault == "terminate":
+            await self.fleet.terminate(index)
         else:
             _inflict(engine.faults, fault, body)
         logger.info("engine %d: %s", index, fault)

@@ -20,7 +20,8 @@ import itertools
 import math
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -197,6 +198,9 @@ class EmulatedEngine:
         self._generations: dict[str, Generation] = {}
         self._ids = itertools.count()
         self._work = trio.Event()
+        self.terminating = False  # `terminate` was called: every request is aborted
+        self._answering = 0  # generation requests whose answers are being written (the app's)
+        self._answered = trio.Event()
         cost = config.profile.front_end
         self.front_end = FrontEnd(cost, config.time_scale) if cost else None
         # Each step's outputs and when the front end has them ready for their readers.
@@ -229,6 +233,10 @@ class EmulatedEngine:
             rng=rng,
             lora=lora,
         )
+        if self.terminating:  # vLLM's engine core rejects it: aborted at once
+            generation = Generation(request)
+            generation.push(None, FinishReason.ABORT)
+            return generation
         generation = self._generations[request.request_id] = Generation(request)
         if self.front_end is not None:
             self.front_end.arrive(request, trio.current_time())
@@ -245,6 +253,31 @@ class EmulatedEngine:
             self._lora_event(generation.request, finished=True)
             generation.push(None, FinishReason.ABORT)
             self._notify()
+
+    def terminate(self) -> None:
+        """What vLLM does on SIGTERM with `--shutdown-timeout 0`: abort every request in
+        flight (its reader gets finish reason abort) and every one submitted from now on."""
+        self.terminating = True
+        for generation in list(self._generations.values()):
+            self.abort(generation)
+
+    @contextmanager
+    def answering(self) -> Iterator[None]:
+        """Count a generation request's answer as being written while the block runs (the
+        app's, around each answer), for `answered`."""
+        self._answering += 1
+        try:
+            yield
+        finally:
+            self._answering -= 1
+            if not self._answering:
+                self._answered.set()
+                self._answered = trio.Event()
+
+    async def answered(self) -> None:
+        """Wait until no generation request's answer is being written."""
+        while self._answering:
+            await self._answered.wait()
 
     async def wait_changed(self) -> None:
         """Wait until a request arrives or is aborted."""

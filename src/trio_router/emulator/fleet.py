@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import ExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Literal
+from typing import Final, Literal
 from urllib.parse import urlsplit
 
 import trio
@@ -30,6 +30,7 @@ from .kv_events import KvEndpoints
 __all__ = ["Change", "Fleet", "fleet_addresses", "open_fleet", "serve_fleet"]
 
 Change = Literal["killed", "restarted", "added", "removed"]  # what on_change hears
+FLUSH_S: Final = 1.0  # wall seconds a terminated engine's answers get to be written
 
 logger = logging.getLogger(__name__)
 
@@ -156,10 +157,22 @@ class Fleet:
             logger.info("engine %d at %s restarted", index, slot.url)
             self._tell(index, "restarted")
 
+    async def terminate(self, index: int) -> None:
+        """Stop engine `index` as vLLM stops on SIGTERM with `--shutdown-timeout 0`: its
+        requests in flight, and those that come meanwhile, are aborted (a stream ends with
+        finish reason abort and [DONE]); once their answers are written (FLUSH_S at most),
+        `kill`. Nothing if it is killed."""
+        slot = self._slots[index]
+        if slot.engine is not None:
+            await _terminated([slot.engine])
+            if slot.engine is not None and slot in self._slots:  # not killed or removed since
+                self.kill(self._slots.index(slot))
+
     async def scale(self, engines: int) -> None:
         """Serve engines until there are `engines`, each placed and configured as the fleet's
-        first ones (the next address, or the next port), or stop the last ones beyond
-        `engines` at once (as `kill`) and drop them from the fleet. Raises ConfigError for a
+        first ones (the next address, or the next port), or drop the last ones beyond
+        `engines` from the fleet and stop them as `terminate` does (as Kubernetes sends a
+        scaled-in pod SIGTERM). Raises ConfigError for a
         size the fleet's layout cannot take, OSError for an address taken (the engines served
         until then stay), RuntimeError for a fleet without a layout."""
         if self._layout is None:
@@ -169,12 +182,14 @@ class Fleet:
             layout.host, layout.port, max(engines, 1), consecutive_ports=layout.consecutive_ports
         )
         async with self._scaling:
-            while len(self._slots) > engines:
-                index = len(self._slots) - 1
-                if self._slots[index].engine is not None:
-                    self.kill(index)
-                logger.info("engine %d at %s removed", index, self._slots.pop().url)
+            removed = self._slots[engines:]
+            del self._slots[engines:]
+            for index in reversed(range(engines, engines + len(removed))):
+                logger.info("engine %d at %s removed", index, removed[index - engines].url)
                 self._tell(index, "removed")
+            await _terminated([slot.engine for slot in removed if slot.engine is not None])
+            for slot in removed:
+                _stop(slot, "removed by scale")
             while len(self._slots) < engines:
                 index = len(self._slots)
                 host, port = addresses[index]
@@ -195,6 +210,16 @@ class Fleet:
         slot.url = await self._nursery.start(_in_scope, scope, serve, engine, slot.host, slot.port)
         slot.port = urlsplit(slot.url).port or slot.port
         slot.engine, slot.scope = engine, scope
+
+
+async def _terminated(engines: Sequence[EmulatedEngine]) -> None:
+    """`EmulatedEngine.terminate` each of `engines`, then wait until their answers are
+    written, FLUSH_S at most."""
+    for engine in engines:
+        engine.terminate()
+    with trio.move_on_after(FLUSH_S):
+        for engine in engines:
+            await engine.answered()
 
 
 def _stop(slot: _Slot, reason: str) -> None:
