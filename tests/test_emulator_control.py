@@ -11,10 +11,12 @@ unanswered, nothing was going to answer it."""
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any, Final
 from urllib.parse import urlsplit
 
@@ -23,11 +25,14 @@ import pytest
 import trio
 import trio.testing
 
+from trio_router import server
 from trio_router.discovery.stats import parse_vllm_metrics
 from trio_router.emulator.control import serve_control
 from trio_router.emulator.engine import EngineConfig
 from trio_router.emulator.fleet import Fleet, fleet_addresses, open_fleet
 from trio_router.emulator.profiles import load_profile
+from trio_router.table import RoutingTable
+from trio_router.testing.harness import router_config, sample
 from trio_router.testing.processes import open_process
 
 LIMIT: Final = 20.0
@@ -311,3 +316,52 @@ async def test_terminate_aborts_the_requests_in_flight_as_vllm_on_sigterm() -> N
         assert refused.status_code == 409
         await inject(control, engine=0, fault="recover")
         assert (await client.post(f"{url}/v1/completions", json=BODY)).status_code == 200
+
+
+async def read_stream(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> list[str]:
+    """A stream's `data:` lines."""
+    async with client.stream("POST", url, json=body) as stream:
+        assert stream.status_code == 200
+        return [line async for line in stream.aiter_lines() if line.startswith("data: ")]
+
+
+def content(lines: list[str]) -> str:
+    events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    return "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+
+
+async def test_the_router_carries_a_stream_on_when_its_engine_is_terminated() -> None:
+    # A failure drill end to end: the router in front of two emulated engines; the engine
+    # serving a greedy stream gets SIGTERM's treatment; the client's stream goes on at the
+    # other engine, word for word the answer that engine gives to the same request.
+    model = "meta-llama/Llama-3.1-8B-Instruct"
+    body = {
+        "model": model, "messages": [{"role": "user", "content": "tell a story"}],
+        "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True,
+    }  # fmt: skip
+    async with controlled(time_scale=2) as (fleet, control), trio.open_nursery() as nursery:
+        table = RoutingTable()
+        router = router_config(fleet.urls)
+        bound = await nursery.start(partial(server.run, router, table=table, handle_signals=False))
+        while len(table.routable(model)) < 2:
+            await table.wait_changed()
+        async with httpx.AsyncClient(timeout=LIMIT) as client:
+            lines: list[str] = []
+            url = f"{bound[0]}/v1/chat/completions"
+            async with client.stream("POST", url, json=body) as stream:
+                serving = stream.headers["x-trio-router-engine"]
+                (index,) = [i for i, u in enumerate(fleet.urls) if u.endswith(f"//{serving}")]
+                async for line in stream.aiter_lines():
+                    if line.startswith("data: "):
+                        lines.append(line)
+                        if len(lines) == 40:
+                            await inject(control, engine=index, fault="terminate")
+            other = fleet.urls[1 - index]
+            reference = await read_stream(client, f"{other}/v1/chat/completions", body)
+            metrics = (await client.get(f"{bound[0]}/metrics")).text
+        nursery.cancel_scope.cancel()
+    assert content(lines) == content(reference) and len(content(lines).split()) == 400
+    assert lines[-1] == "data: [DONE]" and lines.count("data: [DONE]") == 1
+    resumed = sample(metrics, "trio_router_stream_resumes_total", model=model, kind="content",
+                     reason="abort", outcome="resumed")  # fmt: skip
+    assert resumed == 1, metrics

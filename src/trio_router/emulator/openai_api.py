@@ -199,7 +199,8 @@ def sse(obj: Any) -> bytes:
 
 class Answer:
     """The answer to one prepared request: its id, the text of its tokens (words joined by
-    spaces, special tokens left out), and its stream events or whole body."""
+    spaces, special tokens left out, and a space before the first word if the prompt ends
+    with a word), and its stream events or whole body."""
 
     def __init__(self, prepared: Prepared, vocab: Vocabulary) -> None:
         self.prepared, self._vocab = prepared, vocab
@@ -210,7 +211,10 @@ class Answer:
             "created": int(time.time()),
             "model": prepared.model,
         }
-        self._started = False  # some text was sent: the next words need a space first
+        # The output is decoded after the prompt, as vLLM's detokenizer does: after a word, the
+        # first word needs a space too (a continuation's text joins its prompt's).
+        self._after_word = bool(prepared.prompt) and prepared.prompt[-1] >= FIRST_WORD
+        self._started = self._after_word  # the next words need a space first
         self.opened = False  # a stream's first token was written (its role event before it)
         self._prompt_sent = False
         self.output: list[int] = []
@@ -284,7 +288,7 @@ class Answer:
     def whole(self, token_ids: list[int], finish: str) -> dict[str, Any]:
         """The non-streamed body."""
         self.output = list(token_ids)
-        self._started = False
+        self._started = self._after_word
         text = self.text(token_ids)
         choice: dict[str, Any] = {"index": 0}
         if self.prepared.chat:
