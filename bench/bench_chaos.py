@@ -5,6 +5,8 @@ continuation (`proxy.resume`) costs a resumed stream.
                                       [--streams 64] [--engines 4] [--duration 60]
                                       [--mix plain,reasoning,tools] [--reasoning-tokens 24]
     python bench/bench_chaos.py real  [--streams 16] [--engines 4] [--tokens 96]
+    python bench/bench_chaos.py emulated [--engines 16] [--streams 64] [--tokens 64]
+                                         [--profile h100] [--time-scale 1]
     python bench/bench_chaos.py exactness [--kills 20] [--tokens 200] [--kill-after 50]
 
 `fakes`: `--engines` fake vLLM engines (`trio_router.testing.FakeEngine` served by Hypercorn,
@@ -12,7 +14,11 @@ each its own process on 127.0.1.51, .52, ...) that stream `--tokens` tokens, the
 `--ttft-ms`, then one every `--itl-ms`; greedy like vLLM (a prompt ending with an engine's own
 tokens goes on from there), so a continued answer can be checked word for word. `real`: real
 vLLM engines (the CPU build and tiny model of `trio_router.testing.vllm_engines`, the first run
-installs it), a greedy chat (`temperature` 0, `ignore_eos`) of `--tokens` tokens.
+installs it), a greedy chat (`temperature` 0, `ignore_eos`) of `--tokens` tokens. `emulated`:
+one `trio-router emulate` fleet of `--engines` engines on `--profile` at `--time-scale`
+(127.0.1.51, .52, ... on one port), the same greedy chat; an engine is killed (KILL) or
+terminated (TERM: what vLLM does on SIGTERM, its requests aborted) and recovered through the
+fleet's control API.
 
 `--mix` (fakes; default `plain`): the kinds of chat each client sends in turn (each client
 begins with another): `plain` (the chat above), `reasoning` (answered with
@@ -211,6 +217,54 @@ class RealSlot(Slot):
             lambda: vllm_engines.start_engines(self._env, [spec], log_dir=log_dir)
         )
         self.up.set()
+
+
+class EmulatedSlot(Slot):
+    """An engine of one `trio-router emulate` fleet, stopped and served again through the
+    fleet's control API: KILL is its `kill`, TERM its `terminate`, restart its `recover`."""
+
+    def __init__(self, url: str, model: str, index: int, control: httpx.AsyncClient) -> None:
+        super().__init__(url, model)
+        self.index, self._control = index, control
+        self.up.set()
+
+    async def _fault(self, fault: str) -> None:
+        body = {"engine": self.index, "fault": fault}
+        (await self._control.post("/emulator/fault", json=body)).raise_for_status()
+
+    async def kill(self, how: signal.Signals) -> None:
+        self.up = trio.Event()
+        await self._fault("kill" if how == signal.SIGKILL else "terminate")
+
+    async def restart(self) -> None:
+        await self._fault("recover")
+        self.up.set()
+
+
+@asynccontextmanager
+async def emulated_slots(args: argparse.Namespace) -> AsyncIterator[list[Slot]]:
+    """`--engines` engines of one emulated fleet (`trio-router emulate`, a process of its
+    own), with its control API."""
+    command = [sys.executable, "-m", "trio_router", "emulate", "--engines", str(args.engines)]
+    command += ["--host", f"127.0.1.{FIRST_HOST}", "--port", "0", "--control-port", "0"]
+    command += ["--profile", args.profile, "--time-scale", str(args.time_scale)]
+    async with open_command(command) as (process, stdout, stderr):
+        with trio.fail_after(START_S):
+            control = (await stderr.wait_for(r"fault control at (http://\S+)/emulator/fault"))[1]
+            await stdout.wait_for(rf"(?:http://\S+\n){{{args.engines}}}")
+        urls = stdout.text.split()
+        models = await emulated_models(urls[0])
+        args.model = models[0]
+        async with httpx.AsyncClient(base_url=control, timeout=30.0) as client:
+            yield [EmulatedSlot(url, args.model, i, client) for i, url in enumerate(urls)]
+        process.send_signal(signal.SIGINT)
+
+
+async def emulated_models(url: str) -> list[str]:
+    async with httpx.AsyncClient(timeout=30.0) as client:
+        reply = await client.get(f"{url}/v1/models")
+        reply.raise_for_status()
+        return [card["id"] for card in reply.json()["data"]]
 
 
 # -- the client ----------------------------------------------------------------------------------
@@ -564,6 +618,10 @@ def thinkers(args: argparse.Namespace) -> list[bool]:
 @asynccontextmanager
 async def open_slots(args: argparse.Namespace) -> AsyncIterator[list[Slot]]:
     hosts = [f"127.0.1.{FIRST_HOST + i}" for i in range(args.engines)]
+    if args.mode == "emulated":
+        async with emulated_slots(args) as emulated:
+            yield emulated
+        return
     if args.mode == "fakes":
         port = vllm_engines.free_port(hosts)
         async with trio.open_nursery() as nursery:
@@ -747,7 +805,7 @@ def first_difference(got: Sequence[int], want: Sequence[int]) -> int | None:
 # -- the command ---------------------------------------------------------------------------------
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("mode", choices=["fakes", "real", "exactness", "engine"])
+    parser.add_argument("mode", choices=["fakes", "real", "emulated", "exactness", "engine"])
     parser.add_argument("--routers", default="trio,production-stack,vllm-router-rs")
     parser.add_argument("--streams", type=int, default=None)
     parser.add_argument("--engines", type=int, default=None)
@@ -767,9 +825,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--json-out", type=Path)
+    parser.add_argument("--profile", default="h100", help="the emulated engines' (emulated)")
+    parser.add_argument("--time-scale", type=float, default=1.0, help="the emulated fleet's")
     parser.add_argument("--log-dir", type=Path, help="keep each router's log (NAME.log) here")
     args = parser.parse_args(argv)
-    defaults = {"fakes": (64, 4, 64), "real": (16, 4, 96), "exactness": (1, 3, 200)}
+    defaults = {"fakes": (64, 4, 64), "real": (16, 4, 96), "emulated": (64, 16, 64),
+                "exactness": (1, 3, 200)}  # fmt: skip
     streams, engines, tokens = defaults.get(args.mode, (1, 1, 64))
     args.streams = args.streams or streams
     args.engines = args.engines or engines
