@@ -30,7 +30,7 @@ from .kv_events import KvEndpoints
 __all__ = ["Change", "Fleet", "fleet_addresses", "open_fleet", "serve_fleet"]
 
 Change = Literal["killed", "restarted", "added", "removed"]  # what on_change hears
-FLUSH_S: Final = 1.0  # wall seconds a terminated engine's answers get to be written
+FLUSH_S: Final = 1.0  # seconds (Trio's clock) a terminated engine's answers get to be written
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class Layout:
 
 class Fleet:
     """The engines of one process (see the module). `kill` is synchronous; `add`, `restart`
-    and `scale` return once the engines serve."""
+    and `scale` return once the engines serve, `terminate` once the engine is gone."""
 
     def __init__(
         self,
@@ -163,9 +163,9 @@ class Fleet:
         finish reason abort and [DONE]); once their answers are written (FLUSH_S at most),
         `kill`. Nothing if it is killed."""
         slot = self._slots[index]
-        if slot.engine is not None:
-            await _terminated([slot.engine])
-            if slot.engine is not None and slot in self._slots:  # not killed or removed since
+        if (engine := slot.engine) is not None:
+            await _terminated([engine])
+            if slot.engine is engine and slot in self._slots:  # not killed or removed since
                 self.kill(self._slots.index(slot))
 
     async def scale(self, engines: int) -> None:

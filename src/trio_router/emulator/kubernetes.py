@@ -17,9 +17,9 @@ slow, 5xx) leave the pod as it is: an engine's readiness probe is the operator's
 
 They follow its scaling as a Deployment's pods do: an engine added gets a pod at once, not
 Ready (a new UID, its address as pod IP), Ready the delay later, once its readiness probe
-would pass; an engine removed (stopped at once, as vLLM stops on SIGTERM) has its pod marked
-terminating at once (a deletion timestamp) and deleted the delay later. With an infinite
-delay the pods follow nothing, scaling included.
+would pass; an engine removed (stopped as `Fleet.terminate` does: vLLM on SIGTERM) has its
+pod marked terminating at once (a deletion timestamp) and deleted the delay later. With an
+infinite delay the pods follow nothing, scaling included.
 """
 
 from __future__ import annotations
