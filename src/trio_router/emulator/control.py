@@ -22,8 +22,8 @@ the reason, an unknown engine 404.
 the first one and placed after the others (the next pod IP, or the next port), or drops the
 last ones beyond it and stops them as `terminate` does (`Fleet.scale`; with `--kubernetes`
 their pods follow, `kubernetes`); it answers the fleet's engines as `GET /emulator/engines`
-does. A new engine's URL is also logged. Fault and scale requests are applied one at a time,
-in the order they come.
+does (a new engine's URL is also logged, at `--log-level info`). Fault and scale requests
+are applied one at a time, in the order they come.
 """
 
 from __future__ import annotations
