@@ -172,9 +172,9 @@ class Fleet:
         """Serve engines until there are `engines`, each placed and configured as the fleet's
         first ones (the next address, or the next port), or drop the last ones beyond
         `engines` from the fleet and stop them as `terminate` does (as Kubernetes sends a
-        scaled-in pod SIGTERM). Raises ConfigError for a
-        size the fleet's layout cannot take, OSError for an address taken (the engines served
-        until then stay), RuntimeError for a fleet without a layout."""
+        scaled-in pod SIGTERM). Raises ConfigError for a size the fleet's layout cannot take,
+        OSError for an address taken (the engines served until then stay), RuntimeError for
+        a fleet without a layout."""
         if self._layout is None:
             raise RuntimeError("this fleet was not opened with a layout to scale by")
         layout = self._layout
