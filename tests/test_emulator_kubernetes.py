@@ -10,6 +10,8 @@ import argparse
 import math
 import re
 import signal
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
 from typing import Final
@@ -21,7 +23,7 @@ import trio
 from trio_router import server
 from trio_router.emulator.command import add_emulate_parser, emulate
 from trio_router.emulator.engine import EngineConfig
-from trio_router.emulator.fleet import fleet_addresses, open_fleet
+from trio_router.emulator.fleet import Fleet, fleet_addresses, open_fleet
 from trio_router.emulator.kubernetes import engine_addresses, serve_pods
 from trio_router.emulator.profiles import load_profile
 from trio_router.errors import ConfigError
@@ -90,45 +92,47 @@ async def pod_states(client: httpx.AsyncClient) -> dict[str, tuple[bool, int]]:
     return states
 
 
+@asynccontextmanager
+async def followed(engines: int, delay_s: float) -> AsyncIterator[tuple[Fleet, httpx.AsyncClient]]:
+    """`engines` emulated engines on 127.0.1.1, ... whose pods follow them `delay_s` later,
+    and a client of the fake API server."""
+    config = EngineConfig.from_profile(load_profile("h100"), time_scale=100)
+    addresses = fleet_addresses("127.0.1.1", 0, engines, consecutive_ports=False)
+    async with open_fleet([config] * engines, addresses) as fleet, trio.open_nursery() as nursery:
+        serve = partial(serve_pods, fleet.urls, follow=fleet, kubelet_delay_s=delay_s)
+        found = await nursery.start(serve)
+        async with httpx.AsyncClient(base_url=found.api_url) as client:
+            yield fleet, client
+        nursery.cancel_scope.cancel()
+
+
 async def test_pods_follow_kills_and_restarts_a_kubelet_delay_later(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    config = EngineConfig.from_profile(load_profile("h100"), time_scale=100)
-    addresses = fleet_addresses("127.0.1.1", 0, 2, consecutive_ports=False)
-    async with open_fleet([config] * 2, addresses) as fleet, trio.open_nursery() as nursery:
-        serve = partial(serve_pods, fleet.urls, follow=fleet, kubelet_delay_s=2.0)
-        pods = await nursery.start(serve)
-        async with httpx.AsyncClient(base_url=pods.api_url) as client:
-            ready = {"engine-0": (True, 0), "engine-1": (True, 0)}
-            assert await pod_states(client) == ready
-            fleet.kill(1)
-            await trio.sleep(1.5)
-            assert await pod_states(client) == ready  # the kubelet has not noticed yet
-            await trio.sleep(1.0)
-            assert await pod_states(client) == {**ready, "engine-1": (False, 0)}
-            await fleet.restart(1)
-            await trio.sleep(2.5)
-            assert await pod_states(client) == {**ready, "engine-1": (True, 1)}
-            fleet.kill(0)  # killed and restarted within the delay: seen restarted
-            await fleet.restart(0)
-            await trio.sleep(2.5)
-            assert await pod_states(client) == {"engine-0": (True, 1), "engine-1": (True, 1)}
-        nursery.cancel_scope.cancel()
+    async with followed(2, 2.0) as (fleet, client):
+        ready = {"engine-0": (True, 0), "engine-1": (True, 0)}
+        assert await pod_states(client) == ready
+        fleet.kill(1)
+        await trio.sleep(1.5)
+        assert await pod_states(client) == ready  # the kubelet has not noticed yet
+        await trio.sleep(1.0)
+        assert await pod_states(client) == {**ready, "engine-1": (False, 0)}
+        await fleet.restart(1)
+        await trio.sleep(2.5)
+        assert await pod_states(client) == {**ready, "engine-1": (True, 1)}
+        fleet.kill(0)  # killed and restarted within the delay: seen restarted
+        await fleet.restart(0)
+        await trio.sleep(2.5)
+        assert await pod_states(client) == {"engine-0": (True, 1), "engine-1": (True, 1)}
 
 
 async def test_pods_stay_ready_with_an_infinite_kubelet_delay(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    config = EngineConfig.from_profile(load_profile("h100"), time_scale=100)
-    addresses = fleet_addresses("127.0.1.1", 0, 1, consecutive_ports=False)
-    async with open_fleet([config], addresses) as fleet, trio.open_nursery() as nursery:
-        serve = partial(serve_pods, fleet.urls, follow=fleet, kubelet_delay_s=math.inf)
-        pods = await nursery.start(serve)
+    async with followed(1, math.inf) as (fleet, client):
         fleet.kill(0)
         await trio.sleep(60)
-        async with httpx.AsyncClient(base_url=pods.api_url) as client:
-            assert await pod_states(client) == {"engine-0": (True, 0)}
-        nursery.cancel_scope.cancel()
+        assert await pod_states(client) == {"engine-0": (True, 0)}
 
 
 def test_a_negative_kubelet_delay_is_refused() -> None:
@@ -156,33 +160,27 @@ async def pods(client: httpx.AsyncClient) -> dict[str, tuple[bool, bool, str]]:
 async def test_pods_follow_scaling_as_a_deployments_pods_do(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    config = EngineConfig.from_profile(load_profile("h100"), time_scale=100)
-    addresses = fleet_addresses("127.0.1.1", 0, 2, consecutive_ports=False)
-    async with open_fleet([config] * 2, addresses) as fleet, trio.open_nursery() as nursery:
-        serve = partial(serve_pods, fleet.urls, follow=fleet, kubelet_delay_s=2.0)
-        found = await nursery.start(serve)
-        async with httpx.AsyncClient(base_url=found.api_url) as client:
-            first = await pods(client)
-            await fleet.scale(3)
-            added = (await pods(client))["engine-2"]
-            assert added[:2] == (False, False)  # at once, not Ready yet
-            await trio.sleep(2.5)
-            assert (await pods(client))["engine-2"] == (True, False, added[2])
-            await fleet.scale(1)
-            now = await pods(client)
-            assert now["engine-0"] == first["engine-0"]
-            assert now["engine-1"] == (False, True, first["engine-1"][2])  # terminating
-            assert now["engine-2"] == (False, True, added[2])
-            await trio.sleep(1.0)
-            await fleet.scale(2)  # engine-1 again within the delay: a new pod
-            again = (await pods(client))["engine-1"]
-            assert again[:2] == (False, False) and again[2] not in (first["engine-1"][2], added[2])
-            await trio.sleep(1.5)  # the removal's delay is over, the new pod's is not
-            assert set(await pods(client)) == {"engine-0", "engine-1"}
-            assert (await pods(client))["engine-1"] == again
-            await trio.sleep(1.0)
-            assert (await pods(client))["engine-1"] == (True, False, again[2])
-        nursery.cancel_scope.cancel()
+    async with followed(2, 2.0) as (fleet, client):
+        first = await pods(client)
+        await fleet.scale(3)
+        added = (await pods(client))["engine-2"]
+        assert added[:2] == (False, False)  # at once, not Ready yet
+        await trio.sleep(2.5)
+        assert (await pods(client))["engine-2"] == (True, False, added[2])
+        await fleet.scale(1)
+        now = await pods(client)
+        assert now["engine-0"] == first["engine-0"]
+        assert now["engine-1"] == (False, True, first["engine-1"][2])  # terminating
+        assert now["engine-2"] == (False, True, added[2])
+        await trio.sleep(1.0)
+        await fleet.scale(2)  # engine-1 again within the delay: a new pod
+        again = (await pods(client))["engine-1"]
+        assert again[:2] == (False, False) and again[2] not in (first["engine-1"][2], added[2])
+        await trio.sleep(1.5)  # the removal's delay is over, the new pod's is not
+        assert set(await pods(client)) == {"engine-0", "engine-1"}
+        assert (await pods(client))["engine-1"] == again
+        await trio.sleep(1.0)
+        assert (await pods(client))["engine-1"] == (True, False, again[2])
 
 
 async def test_the_router_follows_the_fleet_scaled_out_and_in(

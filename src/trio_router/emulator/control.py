@@ -37,7 +37,7 @@ import trio
 from ..asgi import Receive, Scope, Send, answer_lifespan
 from ..errors import ConfigError
 from .faults import ERROR_STATUSES, Fault, Faults
-from .fleet import Fleet
+from .fleet import MAX_ENGINES, Fleet
 from .http_server import serve_asgi
 
 __all__ = ["ControlApp", "serve_control"]
@@ -46,7 +46,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_SLOWDOWN: Final = 10.0
 DEFAULT_STATUS: Final = 503
-MAX_ENGINES: Final = 1024  # as --engines
 _FAULTS: Final = frozenset({"kill", "terminate", "hang", "slow", "5xx", "recover"})
 
 

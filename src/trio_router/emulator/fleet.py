@@ -30,6 +30,7 @@ from .kv_events import KvEndpoints
 __all__ = ["Change", "Fleet", "fleet_addresses", "open_fleet", "serve_fleet"]
 
 Change = Literal["killed", "restarted", "added", "removed"]  # what on_change hears
+MAX_ENGINES: Final = 1024  # in one fleet
 FLUSH_S: Final = 1.0  # seconds (Trio's clock) a terminated engine's answers get to be written
 
 logger = logging.getLogger(__name__)
@@ -39,8 +40,8 @@ def fleet_addresses(
     host: str, port: int, engines: int, *, consecutive_ports: bool
 ) -> list[tuple[str, int]]:
     """Where each engine listens. Raises ConfigError for a fleet that cannot be laid out."""
-    if not 1 <= engines <= 1024:
-        raise ConfigError(f"--engines must be 1..1024: {engines}")
+    if not 1 <= engines <= MAX_ENGINES:
+        raise ConfigError(f"--engines must be 1..{MAX_ENGINES}: {engines}")
     if not 0 <= port <= 65535 or (consecutive_ports and port and port + engines - 1 > 65535):
         raise ConfigError(f"--port {port} leaves no room for {engines} engine(s)")
     if consecutive_ports:
@@ -120,9 +121,13 @@ class Fleet:
         return self._slots[index].engine
 
     async def add(self, config: EngineConfig, host: str, port: int, where: KvEndpoints) -> str:
-        """Serve one more engine; its URL. It joins the fleet once it serves; the first one
-        on addresses of their own fixes the port later ones take (`scale`). Raises OSError
-        if its address is taken."""
+        """Serve one more engine; its URL. It joins the fleet once it serves. On addresses of
+        their own the engines share one port, as pods: the first one to bind port 0 fixes
+        it, and port 0 means it from then on. Raises OSError if its address is taken."""
+        layout = self._layout
+        pods = layout if layout is not None and not layout.consecutive_ports else None
+        if pods is not None and port == 0:
+            port = pods.port
         slot = _Slot(config, host, port, where)
         try:
             await self._start(slot)
@@ -132,9 +137,8 @@ class Fleet:
                 raise _leaves(failed)[0] from None
             raise
         self._slots.append(slot)
-        layout = self._layout
-        if layout is not None and not layout.consecutive_ports and layout.port == 0:
-            self._layout = dataclasses.replace(layout, port=slot.port)  # the pods' one port
+        if pods is not None and pods.port == 0:
+            self._layout = dataclasses.replace(pods, port=slot.port)
         return slot.url
 
     def kill(self, index: int) -> None:
@@ -193,8 +197,6 @@ class Fleet:
             while len(self._slots) < engines:
                 index = len(self._slots)
                 host, port = addresses[index]
-                layout = self._layout  # its port, once the first engine has bound one
-                port = port if layout.consecutive_ports else layout.port
                 where = layout.config.kv_events.endpoints(
                     index, host, consecutive=layout.consecutive_ports
                 )
@@ -274,13 +276,10 @@ async def open_fleet(
         async with trio.open_nursery() as nursery:
             host, port = addresses[0] if addresses else ("127.0.0.1", 0)
             layout = Layout(configs[0], host, port, consecutive_ports) if configs else None
-            fleet, shared = Fleet(nursery, context, layout), 0
+            fleet = Fleet(nursery, context, layout)
             for i, (config, (host, port)) in enumerate(zip(configs, addresses, strict=True)):
                 where = config.kv_events.endpoints(i, host, consecutive=consecutive_ports)
-                if not consecutive_ports and port == 0:
-                    port = shared  # one port on every address, as pods: the first one's
                 url = await fleet.add(config, host, port, where)
-                shared = shared or (urlsplit(url).port or 0)
                 logger.info("engine %d (%s) at %s", i, config.profile.name, url)
             yield fleet
             nursery.cancel_scope.cancel(reason="fleet closed")
